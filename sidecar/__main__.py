@@ -1,0 +1,93 @@
+"""``python -m sidecar``: read Settings, configure logging, install uvloop, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from sidecar import __version__
+from sidecar.app import start_sidecar
+from sidecar.config import Settings, describe_fields, explain
+
+logger = logging.getLogger("sidecar")
+
+USAGE = """usage: python -m sidecar [--help] [--version]
+
+pd-sidecar {version}: the decode-pod sidecar of prefill/decode-disaggregated LLM serving.
+It is configured with environment variables only (list values are comma-separated):
+"""
+
+
+def _help() -> str:
+    rows = describe_fields()
+    width = max(len(name) for name, _, _ in rows)
+    lines = [USAGE.format(version=__version__)]
+    for name, default, description in rows:
+        lines.append(f"  {name:<{width}}  default: {default or '(empty)'}")
+        lines.append(f"  {'':<{width}}  {description}")
+    lines.append("\nDocumentation: docs/configuration.md")
+    return "\n".join(lines)
+
+
+def load_settings() -> Settings:
+    """Settings from the environment; exit status 2 with a one-line message when invalid."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        print(f"pd-sidecar: {explain(exc)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("-h", "--help"):
+        print(_help())
+        return
+    if args and args[0] == "--version":
+        print(__version__)
+        return
+    if args:
+        print(f"pd-sidecar: unexpected argument {args[0]!r} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+    settings = load_settings()
+    logging.basicConfig(
+        level=settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    _warn_unknown_variables()
+    logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(_serve(settings))
+    else:
+        uvloop.run(_serve(settings))
+
+
+def _warn_unknown_variables() -> None:
+    known = {name for name, _, _ in describe_fields()}
+    for name in sorted(os.environ):
+        if name.startswith("SIDECAR_") and name not in known:
+            logger.warning("ignoring unknown variable %s (see --help)", name)
+
+
+async def _serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sidecar = await start_sidecar(settings)
+    logger.info("listening on %s, decode engine %s", sidecar.url, settings.decode_url)
+    await stop.wait()
+    logger.info("shutting down")
+    await sidecar.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``/debug/*`` views: lifecycle records in flight and recently finished."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from sidecar.errors import BadRequest, NotFound, error_response
+from sidecar.tracking import State, Tracker
+
+DEFAULT_LIMIT = 100
+
+
+class DebugViews:
+    def __init__(self, tracker: Tracker) -> None:
+        self._tracker = tracker
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """``{"inflight": [...], "recent": [...]}``, newest first; ``?state=`` and ``?limit=``
+        (1 to the history size; larger values are clamped) filter both lists."""
+        try:
+            state = _state(request.query.get("state"))
+            limit = _limit(request.query.get("limit"), self._tracker.history_size)
+        except BadRequest as exc:
+            return error_response(exc, None)
+        return _json(
+            {
+                "inflight": _select(self._tracker.inflight(), state, limit),
+                "recent": _select(self._tracker.recent(), state, limit),
+            }
+        )
+
+    async def request(self, request: web.Request) -> web.Response:
+        record = self._tracker.find(request.match_info["id"])
+        if record is None:
+            return error_response(NotFound("no request with this id is known"), None)
+        return _json(record.as_dict())
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        return error_response(NotFound(f"no debug view at {request.path}"), None)
+
+
+def _select(records: Any, state: State | None, limit: int) -> list[dict[str, Any]]:
+    chosen = []
+    for record in records:
+        if state is None or record.state == state:
+            chosen.append(record.as_dict())
+            if len(chosen) == limit:
+                break
+    return chosen
+
+
+def _state(value: str | None) -> State | None:
+    if value is None:
+        return None
+    try:
+        return State(value)
+    except ValueError:
+        allowed = ", ".join(State)
+        raise BadRequest(f"state must be one of: {allowed}") from None
+
+
+def _limit(value: str | None, maximum: int) -> int:
+    if value is None:
+        return min(DEFAULT_LIMIT, maximum)
+    if not value.isdigit() or int(value) < 1:
+        raise BadRequest("limit must be a positive integer")
+    return min(int(value), maximum)
+
+
+def _json(payload: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")

@@ -1,0 +1,94 @@
+"""The sidecar's error tree and its one renderer.
+
+::
+
+    SidecarError                      status, type name, message
+    ├── ClientError                   the client's request is at fault (4xx)
+    │   ├── BadRequest                400 BadRequestError
+    │   ├── NotFound                  404 NotFoundError
+    │   └── PayloadTooLarge           413 RequestEntityTooLargeError
+    └── EngineError                   an engine failed us (5xx towards the client)
+        ├── EngineUnreachable         connect error, reset, no answer -> 503
+        ├── EngineBadResponse         an answer we cannot use -> 502
+        └── EngineStreamBroken        the answer broke after it started -> 502
+
+Foreign exceptions (aiohttp, asyncio) become these in ``sidecar.upstream`` only. Every body the
+sidecar writes uses vLLM's own error shape, so a client sees one format whoever failed::
+
+    {"error": {"message": str, "type": str, "param": null, "code": <HTTP status>}}
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+class SidecarError(Exception):
+    status = 500
+    type_name = "InternalServerError"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ClientError(SidecarError):
+    status = 400
+    type_name = "BadRequestError"
+
+
+class BadRequest(ClientError):
+    pass
+
+
+class NotFound(ClientError):
+    status = 404
+    type_name = "NotFoundError"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    type_name = "RequestEntityTooLargeError"
+
+
+class EngineError(SidecarError):
+    status = 502
+    type_name = "BadGatewayError"
+
+
+class EngineUnreachable(EngineError):
+    status = 503
+    type_name = "ServiceUnavailableError"
+
+
+class EngineBadResponse(EngineError):
+    pass
+
+
+class EngineStreamBroken(EngineError):
+    pass
+
+
+def error_body(status: int, type_name: str, message: str) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_name, "param": None, "code": status}}
+    )
+
+
+def error_response(error: SidecarError, request_id: str | None) -> web.Response:
+    """The one place an error answer is written before any byte reached the client."""
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(
+        status=error.status,
+        body=error_body(error.status, error.type_name, error.message),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(error: SidecarError) -> bytes:
+    """The event that ends a stream that already answered 200: no ``[DONE]`` follows it."""
+    return b"data: " + error_body(error.status, error.type_name, error.message) + b"\n\n"

@@ -1,0 +1,94 @@
+"""Prometheus metrics on a registry owned by each app (several apps may live in one test process).
+
+Label values are fixed vocabularies documented in docs/metrics.md; never request ids or raw input.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sidecar.tracking import RequestRecord
+
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+"""Paths the pipeline serves, by their ``route`` label; everything else is ``other``."""
+
+# Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def route_label(path: str) -> str:
+    return ROUTES.get(path, "other")
+
+
+def outcome_label(record: RequestRecord) -> str:
+    if record.state == "cancelled":
+        return "cancelled"
+    if record.state == "completed":
+        return "success"
+    if record.status is not None and 400 <= record.status < 500:
+        return "client_error"
+    return "server_error"
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "pd_sidecar_requests",
+            "Requests answered, by route, P/D decision and outcome.",
+            ["route", "decision", "outcome"],
+            registry=self.registry,
+        )
+        self.phase_duration = Histogram(
+            "pd_sidecar_phase_duration_seconds",
+            "Duration of request phases: prefill leg, time to first byte, decode leg, total.",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_requests = Counter(
+            "pd_sidecar_prefill_requests",
+            "Prefill legs sent, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "pd_sidecar_inflight_requests",
+            "Generation requests being served now.",
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "pd_sidecar_fallbacks",
+            "Requests decoded locally although a prefill server was chosen, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.decode_ready = Gauge(
+            "pd_sidecar_decode_ready",
+            "1 when the last poll of the decode engine's /health succeeded, else 0.",
+            registry=self.registry,
+        )
+
+    def observe_request(self, route: str, record: RequestRecord) -> None:
+        """Count a finished generation request and its phase durations."""
+        self.requests.labels(route, record.decision or "none", outcome_label(record)).inc()
+        for phase, seconds in record.durations().items():
+            if seconds is not None:
+                self.phase_duration.labels(phase).observe(seconds)
+
+    def observe_passthrough(self, status: int | None, cancelled: bool) -> None:
+        if cancelled:
+            outcome = "cancelled"
+        elif status is None or status >= 500:
+            outcome = "server_error"
+        elif status >= 400:
+            outcome = "client_error"
+        else:
+            outcome = "success"
+        self.requests.labels("other", "none", outcome).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

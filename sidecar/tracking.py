@@ -1,0 +1,139 @@
+"""Request lifecycle records: one per generation request, in flight or in a bounded history.
+
+A record is written only by the task serving its request; readers (``/debug/requests``) take
+snapshots with ``as_dict``. Phase times are seconds since ``started_at`` on the monotonic clock, so
+a wall-clock step cannot make a phase negative.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class State(StrEnum):
+    RECEIVED = "received"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = frozenset({State.COMPLETED, State.FAILED, State.CANCELLED})
+
+
+class Decision(StrEnum):
+    REMOTE = "remote"
+    """Prefill on another pod, KV pulled by the decode engine."""
+    LOCAL = "local"
+    """Decoded on the local engine without KV transfer, by choice or by fallback."""
+
+
+class Phase(StrEnum):
+    PREFILL_SENT = "prefill_sent"
+    PREFILL_DONE = "prefill_done"
+    DECODE_SENT = "decode_sent"
+    FIRST_BYTE = "first_byte"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    id: str
+    path: str
+    started_at: float = field(default_factory=time.time)
+    decision: Decision | None = None
+    reason: str | None = None
+    fallback_reason: str | None = None
+    prefill_endpoint: str | None = None
+    state: State = State.RECEIVED
+    status: int | None = None
+    error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    def mark(self, phase: Phase) -> float:
+        """Record ``phase`` now (first time wins) and return its offset in seconds."""
+        return self.phases.setdefault(phase, time.monotonic() - self._t0)
+
+    def span(self, start: Phase | None, end: Phase) -> float | None:
+        """Seconds between two phases (start None: the request's start); None if one is missing."""
+        if end not in self.phases or (start is not None and start not in self.phases):
+            return None
+        return self.phases[end] - (self.phases[start] if start is not None else 0.0)
+
+    def durations(self) -> dict[str, float | None]:
+        """Seconds per reported duration: ``prefill``, ``ttft``, ``decode``, ``total``."""
+        return {
+            "prefill": self.span(Phase.PREFILL_SENT, Phase.PREFILL_DONE),
+            "ttft": self.span(None, Phase.FIRST_BYTE),
+            "decode": self.span(Phase.DECODE_SENT, Phase.DONE),
+            "total": self.span(None, Phase.DONE),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "decision": self.decision,
+            "reason": self.reason,
+            "fallback_reason": self.fallback_reason,
+            "prefill_endpoint": self.prefill_endpoint,
+            "state": self.state,
+            "status": self.status,
+            "error": self.error,
+            "started_at": self.started_at,
+            "phases": {str(name): round(value, 6) for name, value in self.phases.items()},
+            "durations_ms": {
+                name: None if value is None else round(value * 1000, 3)
+                for name, value in self.durations().items()
+            },
+        }
+
+
+class Tracker:
+    """Records in flight (unbounded only by the requests being served) and a bounded history."""
+
+    def __init__(self, history: int) -> None:
+        self._inflight: dict[int, RequestRecord] = {}
+        self._recent: deque[RequestRecord] = deque(maxlen=history)
+        self._keys = itertools.count()
+
+    @property
+    def history_size(self) -> int:
+        return self._recent.maxlen or 0
+
+    def start(self, request_id: str, path: str) -> tuple[int, RequestRecord]:
+        key = next(self._keys)
+        record = RequestRecord(id=request_id, path=path)
+        self._inflight[key] = record
+        return key, record
+
+    def finish(self, key: int) -> None:
+        record = self._inflight.pop(key, None)
+        if record is not None:
+            self._recent.append(record)
+
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    def inflight(self) -> Iterator[RequestRecord]:
+        """Newest first."""
+        return reversed(list(self._inflight.values()))
+
+    def recent(self) -> Iterator[RequestRecord]:
+        """Newest first."""
+        return reversed(self._recent)
+
+    def find(self, request_id: str) -> RequestRecord | None:
+        """The most recent record with this id, in flight or finished."""
+        for record in itertools.chain(self.inflight(), self.recent()):
+            if record.id == request_id:
+                return record
+        return None

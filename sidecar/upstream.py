@@ -1,0 +1,118 @@
+"""Engine clients: pooled keep-alive sessions, and the one boundary where aiohttp and asyncio
+exceptions become the sidecar's own (``sidecar.errors``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from sidecar.errors import EngineBadResponse, EngineStreamBroken, EngineUnreachable
+
+# The exceptions an engine call can raise on its way to a response or through its body.
+_TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+
+
+class Engines:
+    """HTTP access to the engines, sharing one connection pool."""
+
+    def __init__(self, *, connect_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # in-flight requests bound the connections; a cap here would queue silently
+            keepalive_timeout=30,
+            enable_cleanup_closed=True,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
+            auto_decompress=False,  # relay bytes as the engine wrote them
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Engines.open() was not awaited")
+        return self._session
+
+    async def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: CIMultiDict[str] | Mapping[str, str],
+        data: bytes | AsyncIterable[bytes] | None = None,
+        client_timeout: aiohttp.ClientTimeout | None = None,
+    ) -> aiohttp.ClientResponse:
+        """Send a request; the caller owns the response (``release()`` or ``close()`` it)."""
+        try:
+            if client_timeout is None:
+                return await self.session.request(
+                    method, url, headers=headers, data=data, allow_redirects=False
+                )
+            return await self.session.request(
+                method,
+                url,
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=client_timeout,
+            )
+        except _TRANSPORT_ERRORS as exc:
+            raise EngineUnreachable(
+                f"{_engine_name(url)} is unreachable: {_describe(exc)}"
+            ) from exc
+
+
+async def read_body(response: aiohttp.ClientResponse) -> bytes:
+    """The whole body of a (small, non-streamed) engine answer."""
+    try:
+        return await response.read()
+    except _TRANSPORT_ERRORS as exc:
+        raise EngineUnreachable(
+            f"{_engine_name(str(response.url))} broke its answer: {_describe(exc)}"
+        ) from exc
+    finally:
+        response.release()
+
+
+def parse_json(body: bytes, what: str) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise EngineBadResponse(f"{what} answered with invalid JSON") from exc
+
+
+async def chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The body as it arrives, chunk by chunk, without waiting for more."""
+    try:
+        async for chunk in response.content.iter_any():
+            yield chunk
+    except _TRANSPORT_ERRORS as exc:
+        raise EngineStreamBroken(
+            f"{_engine_name(str(response.url))} broke the stream: {_describe(exc)}"
+        ) from exc
+
+
+def _engine_name(url: str) -> str:
+    return url.split("/", 3)[2] if "://" in url else url
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timed out"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,120 @@
+"""Fixtures: emulated engines and the sidecar on real sockets, one fresh set per test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar.app import RunningSidecar, start_sidecar
+from sidecar.config import Settings
+from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
+
+StartSidecar = Callable[..., Awaitable[RunningSidecar]]
+StartEmulator = Callable[..., Awaitable[RunningEmulator]]
+
+
+@pytest.fixture
+async def start_engine() -> AsyncIterator[StartEmulator]:
+    """Start extra emulators (``EmulatorConfig`` fields as keywords); all closed at teardown."""
+    started: list[RunningEmulator] = []
+
+    async def start(**config: Any) -> RunningEmulator:
+        engine = await start_emulator(EmulatorConfig(port=0, **config))
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        await engine.close()
+
+
+@pytest.fixture
+async def prefill(start_engine: StartEmulator) -> RunningEmulator:
+    return await start_engine()
+
+
+@pytest.fixture
+async def decode(start_engine: StartEmulator) -> RunningEmulator:
+    return await start_engine()
+
+
+@pytest.fixture
+async def start_sidecar_with(decode: RunningEmulator) -> AsyncIterator[StartSidecar]:
+    """Start a sidecar on a free port in front of ``decode``; keywords override Settings."""
+    started: list[RunningSidecar] = []
+
+    async def start(**overrides: Any) -> RunningSidecar:
+        values: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "decode_url": decode.url,
+            "ready_interval_s": 0.05,
+        }
+        values.update(overrides)
+        sidecar = await start_sidecar(Settings(**values))
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        await sidecar.close()
+
+
+@pytest.fixture
+async def sidecar(start_sidecar_with: StartSidecar) -> RunningSidecar:
+    return await start_sidecar_with()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Wait until ``check()`` holds (a condition, not a fixed delay); fail after ``timeout``."""
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(0.01)
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def engine_requests(http: aiohttp.ClientSession, engine: RunningEmulator) -> list[Any]:
+    """Requests the emulator received, oldest first."""
+    return list((await get_json(http, engine.url + "/emulator/requests"))["requests"])
+
+
+async def staged_blocks(http: aiohttp.ClientSession, engine: RunningEmulator) -> int:
+    return int((await get_json(http, engine.url + "/emulator/kv"))["staged_blocks"])
+
+
+async def inject(http: aiohttp.ClientSession, engine: RunningEmulator, **fault: Any) -> None:
+    async with http.post(engine.url + "/emulator/faults", json=fault) as response:
+        assert response.status in (200, 201, 204), await response.text()
+
+
+def chat(content: str = "Tell me about disaggregated serving.", **fields: Any) -> dict[str, Any]:
+    return {"model": "emulated-model", "messages": [{"role": "user", "content": content}], **fields}
+
+
+def completion(prompt: str = "The KV cache moves from prefill to decode", **fields: Any) -> Any:
+    return {"model": "emulated-model", "prompt": prompt, **fields}
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    """The data payloads of an SSE body, in order."""
+    return [
+        line[len(b"data: ") :]
+        for event in raw.split(b"\n\n")
+        for line in event.split(b"\n")
+        if line.startswith(b"data: ")
+    ]

@@ -1,0 +1,107 @@
+"""Settings: defaults, environment parsing, exit status 2, --help and the docs in step."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import Settings, describe_fields
+from sidecar.endpoints import Endpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _clean_env(**variables: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env.update(variables)
+    return env
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("SIDECAR_"):
+            monkeypatch.delenv(name)
+    settings = Settings()
+    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    assert settings.decode_url == "http://127.0.0.1:8200"
+    assert settings.connector == "nixl"
+    assert settings.prefill_endpoints == ()
+    assert settings.max_body_bytes == 33554432
+    assert settings.debug_history == 1000
+    assert settings.ready_interval_s == 2
+    assert settings.rewrite_remote_host is False
+
+
+def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SIDECAR_PREFILL_ENDPOINTS", " p0:8000, [fd00::1]:8001 ,http://10.0.0.3:8002")
+    monkeypatch.setenv("SIDECAR_CONNECTOR", "nixlv2")
+    monkeypatch.setenv("SIDECAR_DECODE_URL", "http://localhost:9000/")
+    monkeypatch.setenv("SIDECAR_REWRITE_REMOTE_HOST", "true")
+    settings = Settings()
+    assert settings.prefill_endpoints == (
+        Endpoint("p0", 8000),
+        Endpoint("fd00::1", 8001),
+        Endpoint("10.0.0.3", 8002),
+    )
+    assert settings.connector == "nixl"
+    assert settings.decode_url == "http://localhost:9000"
+    assert settings.rewrite_remote_host is True
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("SIDECAR_PORT", "eighty"),
+        ("SIDECAR_PORT", "70000"),
+        ("SIDECAR_DECODE_URL", "ftp://engine:1"),
+        ("SIDECAR_DECODE_URL", "http://engine:1/v1"),
+        ("SIDECAR_CONNECTOR", "carrier-pigeon"),
+        ("SIDECAR_PREFILL_ENDPOINTS", "p0:8000,p1"),
+        ("SIDECAR_MAX_BODY_BYTES", "0"),
+        ("SIDECAR_DEBUG_HISTORY", "-1"),
+        ("SIDECAR_READY_INTERVAL_S", "0"),
+        ("SIDECAR_CONNECT_TIMEOUT_S", "soon"),
+        ("SIDECAR_REWRITE_REMOTE_HOST", "perhaps"),
+        ("SIDECAR_LOG_LEVEL", "LOUD"),
+        ("SIDECAR_LOG_REQUESTS", "2"),
+    ],
+)
+def test_invalid_value_exits_2_naming_the_variable(variable: str, value: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar"],
+        env=_clean_env(**{variable: value}),
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert variable in lines[0]
+
+
+def test_help_lists_every_setting_with_default() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--help"],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    )
+    for variable, default, _ in describe_fields():
+        assert re.search(rf"{variable}\s+default: {re.escape(default or '(empty)')}", result.stdout)
+
+
+def test_docs_document_every_setting_with_its_default() -> None:
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    for variable, default, _ in describe_fields():
+        row = next((line for line in doc.splitlines() if f"`{variable}`" in line), None)
+        assert row is not None, f"{variable} is not in docs/configuration.md"
+        assert f"`{default}`" in row or (default == "" and "(empty)" in row), row

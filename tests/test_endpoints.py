@@ -1,0 +1,64 @@
+"""host:port parsing for gateway headers and the static pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.endpoints import Endpoint, parse_endpoint
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("prefill-0.prefill.ns.svc:8000", Endpoint("prefill-0.prefill.ns.svc", 8000)),
+        ("10.1.2.3:8000", Endpoint("10.1.2.3", 8000)),
+        ("[fd00::1]:8000", Endpoint("fd00::1", 8000)),
+        ("http://10.1.2.3:8000", Endpoint("10.1.2.3", 8000)),
+        ("HTTP://Prefill:1", Endpoint("prefill", 1)),
+        ("  localhost:65535 ", Endpoint("localhost", 65535)),
+        ("host.:80", Endpoint("host.", 80)),
+    ],
+)
+def test_valid(text: str, expected: Endpoint) -> None:
+    assert parse_endpoint(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "   ",
+        "http://",
+        "10.1.2.3",
+        "prefill",
+        "prefill:",
+        ":8000",
+        "prefill:0",
+        "prefill:65536",
+        "prefill:80a",
+        "prefill:-1",
+        "fd00::1:8000",
+        "[fd00::1]",
+        "[fd00::1]8000",
+        "[not-ipv6]:8000",
+        "300.1.2.3:8000",
+        "1.2.3:8000",
+        "bad_host:8000",
+        "-bad.host:8000",
+        "host/path:8000",
+        "10.1.2.3:8000/v1",
+        "user@host:8000",
+        "https://10.1.2.3:8000",
+        "a" * 64 + ".example:80",
+    ],
+)
+def test_invalid(text: str) -> None:
+    with pytest.raises(ValueError, match=r"."):
+        parse_endpoint(text)
+
+
+def test_str_and_url_bracket_ipv6() -> None:
+    endpoint = parse_endpoint("[::1]:8100")
+    assert str(endpoint) == "[::1]:8100"
+    assert endpoint.url == "http://[::1]:8100"
+    assert str(parse_endpoint("10.0.0.1:8100")) == "10.0.0.1:8100"

@@ -1,0 +1,72 @@
+"""Paths the sidecar does not own reach the decode engine unchanged, both ways."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from tests.conftest import StartSidecar
+
+
+async def test_models_passthrough(http, sidecar, decode) -> None:
+    async with http.get(sidecar.url + "/v1/models") as response:
+        assert response.status == 200
+        body = await response.json()
+    assert body["data"][0]["id"] == "emulated-model"
+
+
+async def test_method_path_query_headers_and_body_unchanged(
+    http, start_sidecar_with: StartSidecar, aiohttp_server
+) -> None:
+    seen: list[dict] = []
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":  # the sidecar's readiness poller
+            return web.Response()
+        seen.append(
+            {
+                "method": request.method,
+                "path_qs": request.raw_path,
+                "headers": dict(request.headers),
+                "body": await request.read(),
+            }
+        )
+        response = web.StreamResponse(status=207, headers={"x-engine": "yes"})
+        await response.prepare(request)
+        for part in (b"one ", b"two ", b"three"):
+            await response.write(part)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", echo)
+    engine = await aiohttp_server(app)
+    sidecar = await start_sidecar_with(decode_url=f"http://127.0.0.1:{engine.port}")
+
+    payload = b"\x00binary\xffpayload" * 1000
+    async with http.request(
+        "PUT",
+        sidecar.url + "/v1/some/path?x=1&y=%20z",
+        data=payload,
+        headers={"x-custom": "kept", "x-prefiller-host-port": "10.0.0.1:1"},
+    ) as response:
+        assert response.status == 207
+        assert response.headers["x-engine"] == "yes"
+        assert await response.read() == b"one two three"
+    [request] = seen
+    assert request["method"] == "PUT"
+    assert request["path_qs"] == "/v1/some/path?x=1&y=%20z"
+    assert request["body"] == payload
+    assert request["headers"]["x-custom"] == "kept"
+    assert "x-prefiller-host-port" not in {k.lower() for k in request["headers"]}
+
+    # GET on a pipeline path is not the pipeline's: it goes to the engine as is.
+    async with http.get(sidecar.url + "/v1/completions") as response:
+        assert response.status == 207
+    assert seen[-1]["method"] == "GET"
+
+
+async def test_passthrough_engine_down_is_503(http, start_sidecar_with: StartSidecar) -> None:
+    sidecar = await start_sidecar_with(decode_url="http://127.0.0.1:9")
+    async with http.get(sidecar.url + "/v1/models") as response:
+        assert response.status == 503
+        assert (await response.json())["error"]["type"] == "ServiceUnavailableError"

@@ -1,0 +1,152 @@
+"""What the sidecar accepts from a client: bodies, prefill headers, request ids."""
+
+from __future__ import annotations
+
+import re
+
+import orjson
+import pytest
+
+from tests.conftest import StartSidecar, completion, engine_requests, get_json
+
+
+async def _error(response) -> dict:
+    assert response.headers["content-type"].startswith("application/json")
+    body = await response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] is None
+    assert body["error"]["code"] == response.status
+    assert response.headers["x-request-id"]
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"not json", b"[1, 2]", b'"text"', b"42", b"null", b'{"a": 1', b"\xff\xfe"]
+)
+async def test_body_not_a_json_object_is_400(http, sidecar, prefill, decode, raw: bytes) -> None:
+    async with http.post(
+        sidecar.url + "/v1/completions",
+        data=raw,
+        headers={"x-prefiller-host-port": prefill.endpoint},
+    ) as response:
+        assert response.status == 400
+        assert (await _error(response))["type"] == "BadRequestError"
+    assert await engine_requests(http, prefill) == []
+    assert await engine_requests(http, decode) == []
+
+
+async def test_body_over_limit_is_413(http, start_sidecar_with: StartSidecar, decode) -> None:
+    sidecar = await start_sidecar_with(max_body_bytes=1024)
+    body = orjson.dumps(completion("x" * 2000))
+    async with http.post(sidecar.url + "/v1/completions", data=body) as response:
+        assert response.status == 413
+        assert (await _error(response))["code"] == 413
+
+    async def chunked():  # no Content-Length: the limit applies while reading
+        yield body[:600]
+        yield body[600:]
+
+    async with http.post(sidecar.url + "/v1/completions", data=chunked()) as response:
+        assert response.status == 413
+    assert await engine_requests(http, decode) == []
+    small = orjson.dumps(completion("x" * 10))
+    async with http.post(sidecar.url + "/v1/completions", data=small) as response:
+        assert response.status == 200
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-prefiller-host-port": ""},
+        {"x-prefiller-host-port": "prefill"},
+        {"x-prefiller-host-port": "prefill:http"},
+        {"x-prefiller-host-port": "bad host:8000"},
+        {"x-prefiller-host-port": ",10.0.0.1:8000"},
+        {"x-prefiller-host-port": "fd00::1:8000"},
+        {"x-gateway-prefill-endpoints": "10.0.0.1"},
+    ],
+)
+async def test_malformed_prefill_header_is_400(http, sidecar, decode, headers) -> None:
+    async with http.post(
+        sidecar.url + "/v1/completions", json=completion(), headers=headers
+    ) as response:
+        assert response.status == 400
+        error = await _error(response)
+        assert next(iter(headers)) in error["message"]
+    assert await engine_requests(http, decode) == []
+
+
+async def test_header_forms_pick_the_first_entry(http, sidecar, start_engine) -> None:
+    first, second = await start_engine(), await start_engine()
+    forms = [
+        [("x-prefiller-host-port", f"{first.endpoint},{second.endpoint}")],
+        [("x-prefiller-host-port", first.endpoint), ("x-prefiller-host-port", second.endpoint)],
+        [("x-prefiller-host-port", f"http://{first.endpoint}")],
+        [("x-gateway-prefill-endpoints", f"{first.endpoint}, {second.endpoint}")],
+        # The llm-d header wins over the proposed standard one.
+        [
+            ("x-gateway-prefill-endpoints", second.endpoint),
+            ("x-prefiller-host-port", first.endpoint),
+        ],
+    ]
+    for headers in forms:
+        async with http.post(
+            sidecar.url + "/v1/completions", json=completion(), headers=headers
+        ) as response:
+            assert response.status == 200
+    assert len(await engine_requests(http, first)) == len(forms)
+    assert await engine_requests(http, second) == []
+
+
+async def test_ipv6_prefill_header(http, sidecar, start_engine) -> None:
+    try:
+        engine = await start_engine(host="::1", side_channel_host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    async with http.post(
+        sidecar.url + "/v1/completions",
+        json=completion(),
+        headers={"x-prefiller-host-port": f"[::1]:{engine.port}"},
+    ) as response:
+        assert response.status == 200
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert record["decision"] == "remote"
+    assert record["prefill_endpoint"] == f"[::1]:{engine.port}"
+
+
+@pytest.mark.parametrize(
+    ("sent", "kept"),
+    [
+        ("client-id-1", True),
+        ("a" * 128, True),
+        ("with spaces and ~!@#", True),
+        ("a" * 129, False),
+        ("ünïcode", False),
+        ("tab\tinside", False),
+    ],
+)
+async def test_request_id_rules(http, sidecar, decode, sent: str, kept: bool) -> None:
+    async with http.post(
+        sidecar.url + "/v1/completions",
+        json=completion(),
+        headers={"x-request-id": sent.encode().decode("latin-1")},
+    ) as response:
+        assert response.status == 200
+        returned = response.headers["x-request-id"]
+    [leg] = await engine_requests(http, decode)
+    assert leg["headers"]["x-request-id"] == returned
+    if kept:
+        assert returned == sent
+    else:
+        assert re.fullmatch(r"[0-9a-f]{32}", returned)
+
+
+async def test_request_id_minted_when_absent(http, sidecar, decode) -> None:
+    ids = set()
+    for _ in range(2):
+        async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:
+            ids.add(response.headers["x-request-id"])
+    assert len(ids) == 2
+    legs = await engine_requests(http, decode)
+    assert {leg["headers"]["x-request-id"] for leg in legs} == ids
