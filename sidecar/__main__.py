@@ -83,7 +83,12 @@ async def _serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     sidecar = await start_sidecar(settings)
-    logger.info("listening on %s, decode engine %s", sidecar.url, settings.decode_url)
+    logger.info(
+        "listening on %s (event loop: %s), decode engine %s",
+        sidecar.url,
+        type(loop).__module__.split(".")[0],
+        settings.decode_url,
+    )
     await stop.wait()
     logger.info("shutting down")
     await sidecar.close()

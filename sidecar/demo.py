@@ -23,9 +23,8 @@ PROMPT = "Explain in one paragraph why LLM serving splits prefill from decode."
 
 async def demo() -> None:
     # A visible latency model: prefill costs per prompt token, decode per output token.
-    latency = {"prefill_s_per_token": 0.002, "decode_s_per_token": 0.05}
-    prefill = await start_emulator(EmulatorConfig(port=0, **latency))
-    decode = await start_emulator(EmulatorConfig(port=0, **latency))
+    prefill = await start_emulator(EmulatorConfig(port=0, prefill_s_per_token=0.002))
+    decode = await start_emulator(EmulatorConfig(port=0, decode_s_per_token=0.05))
     sidecar = await start_sidecar(
         Settings(host="127.0.0.1", port=0, decode_url=decode.url, ready_interval_s=0.2)
     )

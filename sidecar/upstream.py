@@ -4,6 +4,7 @@ exceptions become the sidecar's own (``sidecar.errors``)."""
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
@@ -15,6 +16,9 @@ from sidecar.errors import EngineBadResponse, EngineStreamBroken, EngineUnreacha
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+# aiohttp writes a bytes body in one go (and warns above 1 MiB); a BytesIO goes out in slices
+# that yield to the event loop between them, so a long prompt does not stall other streams.
+_LARGE_BODY = 1 << 20
 
 
 class Engines:
@@ -54,10 +58,12 @@ class Engines:
         url: str,
         *,
         headers: CIMultiDict[str] | Mapping[str, str],
-        data: bytes | AsyncIterable[bytes] | None = None,
+        data: bytes | io.BytesIO | AsyncIterable[bytes] | None = None,
         client_timeout: aiohttp.ClientTimeout | None = None,
     ) -> aiohttp.ClientResponse:
         """Send a request; the caller owns the response (``release()`` or ``close()`` it)."""
+        if isinstance(data, bytes) and len(data) > _LARGE_BODY:
+            data = io.BytesIO(data)
         try:
             if client_timeout is None:
                 return await self.session.request(

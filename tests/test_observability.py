@@ -136,9 +136,7 @@ async def test_inflight_record(http, sidecar, decode) -> None:
     assert record["durations_ms"]["total"] is None
     decoding = await get_json(http, sidecar.url + "/debug/requests?state=decoding")
     assert [r["id"] for r in decoding["inflight"]] == ["hung"]
-    assert (await get_json(http, sidecar.url + "/debug/requests?state=completed"))[
-        "inflight"
-    ] == []
+    assert (await get_json(http, sidecar.url + "/debug/requests?state=completed"))["inflight"] == []
     async with http.post(decode.url + "/emulator/release") as released:
         assert released.status in (200, 204)
     assert await pending == 200
@@ -180,8 +178,7 @@ async def test_metrics(http, sidecar, prefill, start_engine: StartEmulator) -> N
         'pd_sidecar_requests_total{decision="remote",outcome="success",route="chat_completions"}'
         " 1.0",
         'pd_sidecar_requests_total{decision="local",outcome="success",route="completions"} 2.0',
-        'pd_sidecar_requests_total{decision="none",outcome="client_error",route="completions"}'
-        " 1.0",
+        'pd_sidecar_requests_total{decision="none",outcome="client_error",route="completions"} 1.0',
         'pd_sidecar_requests_total{decision="none",outcome="success",route="other"} 1.0',
         'pd_sidecar_prefill_requests_total{outcome="success"} 1.0',
         'pd_sidecar_prefill_requests_total{outcome="server_error"} 1.0',

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 from sidecar.connectors.nixl import PREFILL_REQUEST_PARAMS
 from sidecar.emulator import RunningEmulator
@@ -30,8 +32,8 @@ def _pd_headers(prefill: RunningEmulator) -> dict[str, str]:
 
 async def _post(
     http: aiohttp.ClientSession, url: str, body: Any, headers: dict[str, str] | None = None
-) -> tuple[int, Any, aiohttp.typedefs.LooseHeaders]:
-    async with http.post(url, data=orjson.dumps(body), headers=headers) as response:
+) -> tuple[int, Any, CIMultiDictProxy[str]]:
+    async with http.post(url, data=io.BytesIO(orjson.dumps(body)), headers=headers) as response:
         raw = await response.read()
         return response.status, raw, response.headers
 
@@ -108,9 +110,10 @@ async def test_decode_leg_is_client_body_plus_prefill_params(
     params = decode_leg["body"].pop("kv_transfer_params")
     assert decode_leg["body"] == body
     assert params["do_remote_prefill"] is True
-    assert params["remote_engine_id"] == (await get_json(http, prefill.url + "/emulator/kv"))[
-        "engine_id"
-    ]
+    assert (
+        params["remote_engine_id"]
+        == (await get_json(http, prefill.url + "/emulator/kv"))["engine_id"]
+    )
     assert params["remote_port"] == prefill.side_channel_port
     assert decode_leg["path"] == prefill_leg["path"] == "/v1/completions"
     # The KV was pulled: nothing stays staged on the prefill engine.
@@ -134,8 +137,10 @@ async def test_same_request_id_on_both_legs_and_answer(http, sidecar, prefill, d
     assert response_headers["x-request-id"] == "req-42"
     [prefill_leg] = await engine_requests(http, prefill)
     [decode_leg] = await engine_requests(http, decode)
-    assert prefill_leg["headers"]["x-request-id"] == decode_leg["headers"]["x-request-id"] == (
-        "req-42"
+    assert (
+        prefill_leg["headers"]["x-request-id"]
+        == decode_leg["headers"]["x-request-id"]
+        == ("req-42")
     )
 
 
@@ -348,4 +353,18 @@ async def test_streamed_pd_request(http, sidecar, prefill) -> None:
         if orjson.loads(e)["choices"]
     ]
     assert "".join(words).strip()
+    assert await staged_blocks(http, prefill) == 0
+
+
+async def test_long_prompt_over_one_mebibyte(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
+) -> None:
+    prefill = await start_engine(max_model_len=1_000_000)
+    decode = await start_engine(max_model_len=1_000_000)
+    sidecar = await start_sidecar_with(decode_url=decode.url)
+    body = completion("word " * 300_000, max_tokens=2)  # 1.5 MB: sent in slices, not one write
+    status, _, _ = await _post(http, sidecar.url + "/v1/completions", body, _pd_headers(prefill))
+    assert status == 200
+    [leg] = await engine_requests(http, decode)
+    assert leg["body"]["prompt"] == body["prompt"]
     assert await staged_blocks(http, prefill) == 0

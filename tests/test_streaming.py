@@ -47,7 +47,7 @@ async def test_answer_is_relayed_byte_for_byte(
     http, start_sidecar_with: StartSidecar, aiohttp_server
 ) -> None:
     odd_json = b'{ "choices" :[ {"text":"x"} ] ,\n "usage": {"prompt_tokens": 3}}  '
-    odd_sse = b"data:{\"a\":1}\n\n: comment\n\ndata: {\"usage\": {}}\n\ndata: [DONE]\n\n"
+    odd_sse = b'data:{"a":1}\n\n: comment\n\ndata: {"usage": {}}\n\ndata: [DONE]\n\n'
 
     async def engine(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -67,9 +67,7 @@ async def test_answer_is_relayed_byte_for_byte(
     async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:
         assert await response.read() == odd_json
         assert response.headers["content-length"] == str(len(odd_json))
-    async with http.post(
-        sidecar.url + "/v1/completions", json=completion(stream=True)
-    ) as response:
+    async with http.post(sidecar.url + "/v1/completions", json=completion(stream=True)) as response:
         assert await response.read() == odd_sse
 
 

@@ -1,0 +1,51 @@
+"""``python -m sidecar.emulator``: run one emulator until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+from sidecar.emulator.app import start_emulator
+from sidecar.emulator.config import EmulatorConfig, config_from_args
+
+log = logging.getLogger("sidecar.emulator")
+
+
+async def serve(config: EmulatorConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    log.debug("effective configuration: %s", config)
+    emulator = await start_emulator(config)
+    try:
+        log.info(
+            "emulator serving %s at %s (side channel %s:%d, engine %s, %s mode)",
+            config.model,
+            emulator.url,
+            config.side_channel_host,
+            emulator.side_channel_port,
+            emulator.engine_id,
+            config.mode,
+        )
+        await stop.wait()
+        log.info("emulator stopping")
+    finally:
+        await emulator.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = config_from_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

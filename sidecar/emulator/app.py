@@ -1,0 +1,288 @@
+"""Assembling an emulator: the API app, the side-channel app, and their lifecycle.
+
+Start order: KV store -> side-channel listener (its port is advertised in kv_transfer_params) ->
+API app (cleanup_ctx: pull session + engine, expiry sweeper) -> API listener.
+Close order (:meth:`RunningEmulator.close`): cancel in-flight API handlers (hung, stalled and
+streaming requests end at once) -> stop the API listener and run its cleanup_ctx in reverse
+(sweeper, then the pull session) -> stop the side-channel listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from sidecar.emulator.config import EmulatorConfig
+from sidecar.emulator.control import add_control_routes
+from sidecar.emulator.engine import Engine
+from sidecar.emulator.errors import EmulatorError, error_response
+from sidecar.emulator.faults import FaultBoard
+from sidecar.emulator.generation import handle_generation
+from sidecar.emulator.keys import (
+    CONFIG,
+    ENGINE,
+    FAULTS,
+    INFLIGHT,
+    KV,
+    METRICS,
+    REQUEST_ID,
+    REQUEST_LOG,
+    SIDE_CHANNEL_PORT,
+    STARTED_AT,
+)
+from sidecar.emulator.kv import Clock, KvStore
+from sidecar.emulator.metrics import CONTENT_TYPE, EmulatorMetrics
+from sidecar.emulator.nixl import KvPuller, create_side_channel_app
+from sidecar.emulator.parse import Endpoint
+from sidecar.emulator.reqlog import RequestLog
+
+log = logging.getLogger("sidecar.emulator")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY_BYTES = 64 * 1024 * 1024
+SHUTDOWN_TIMEOUT_S = 1.0  # in-flight handlers are already cancelled when aiohttp shuts down
+
+
+@web.middleware
+async def _track_and_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Register the handler task for close(), and log /v1/* requests before they are served."""
+    if request.path.startswith("/v1/"):
+        raw = await request.read()  # aiohttp caches the body, so the handler can read it again
+        request.app[REQUEST_LOG].record(
+            request.method, request.path, list(request.headers.items()), raw
+        )
+    task = asyncio.current_task()
+    inflight = request.app[INFLIGHT]
+    if task is not None:
+        inflight.add(task)
+    try:
+        return await handler(request)
+    finally:
+        if task is not None:
+            inflight.discard(task)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render every error, ours or aiohttp's, in vLLM's error shape."""
+    try:
+        return await handler(request)
+    except EmulatorError as exc:
+        return error_response(exc.status, exc.message)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "Internal server error")
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    request_id = request.get(REQUEST_ID)
+    if request_id is not None:
+        response.headers["x-request-id"] = request_id
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, Endpoint.COMPLETIONS)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, Endpoint.CHAT)
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    card = {
+        "id": config.model,
+        "object": "model",
+        "created": request.app[STARTED_AT],
+        "owned_by": "vllm",
+        "root": config.model,
+        "parent": None,
+        "max_model_len": config.max_model_len,
+        "permission": [],
+    }
+    return web.json_response({"object": "list", "data": [card]}, dumps=_dumps)
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[FAULTS].health_down:
+        return error_response(503, "Injected fault: engine unhealthy")
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    engine.refresh_metrics()
+    return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The engine and the client session it pulls KV with (closed last)."""
+    config = app[CONFIG]
+    session = aiohttp.ClientSession()
+    app[ENGINE] = Engine(
+        config,
+        kv=app[KV],
+        metrics=app[METRICS],
+        puller=KvPuller(session, config.kv_pull_timeout_s),
+        side_channel_port=app[SIDE_CHANNEL_PORT],
+    )
+    yield
+    await session.close()
+
+
+async def _sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Expire unpulled KV in the background too, so metrics move without anyone reading state."""
+    kv = app[KV]
+    interval = min(1.0, max(0.05, app[CONFIG].kv_expiry_s / 4))
+
+    async def sweep_forever() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            kv.sweep()
+
+    task = asyncio.create_task(sweep_forever(), name="emulator-kv-sweeper")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def create_api_app(
+    config: EmulatorConfig, *, kv: KvStore, side_channel_port: int
+) -> web.Application:
+    # Long prompts are the point of P/D disaggregation: allow bodies far beyond aiohttp's 1 MiB.
+    app = web.Application(middlewares=[_errors, _track_and_log], client_max_size=MAX_BODY_BYTES)
+    app[CONFIG] = config
+    app[KV] = kv
+    app[METRICS] = EmulatorMetrics(config.model)
+    app[FAULTS] = FaultBoard(config.faults)
+    app[REQUEST_LOG] = RequestLog(config.request_log_size)
+    app[SIDE_CHANNEL_PORT] = side_channel_port
+    app[STARTED_AT] = int(time.time())
+    app[INFLIGHT] = set()
+    app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_sweeper_ctx)
+    app.on_response_prepare.append(_echo_request_id)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    add_control_routes(app)
+    return app
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class RunningEmulator:
+    """A started emulator; :meth:`close` stops it (idempotent)."""
+
+    def __init__(
+        self,
+        config: EmulatorConfig,
+        app: web.Application,
+        api_runner: web.AppRunner,
+        side_runner: web.AppRunner,
+    ) -> None:
+        self.config = config
+        self.app = app
+        self._api_runner = api_runner
+        self._side_runner = side_runner
+        self.port: int = api_runner.addresses[0][1]
+        self.side_channel_port: int = side_runner.addresses[0][1]
+        self.endpoint = f"{_host_for_url(config.host)}:{self.port}"
+        self.url = f"http://{self.endpoint}"
+        self._closed = False
+
+    @property
+    def engine_id(self) -> str:
+        return self.app[KV].engine_id
+
+    @property
+    def kv(self) -> KvStore:
+        return self.app[KV]
+
+    @property
+    def faults(self) -> FaultBoard:
+        return self.app[FAULTS]
+
+    @property
+    def inflight_requests(self) -> int:
+        """API requests being handled right now (hung and stalled ones included)."""
+        return len(self.app[INFLIGHT])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks: set[asyncio.Task[Any]] = self.app[INFLIGHT]
+        inflight = list(tasks)
+        for task in inflight:
+            task.cancel()
+        await asyncio.gather(*inflight, return_exceptions=True)
+        try:
+            await self._api_runner.cleanup()
+        finally:
+            await self._side_runner.cleanup()
+
+    async def __aenter__(self) -> RunningEmulator:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+async def start_emulator(
+    config: EmulatorConfig | None = None, *, clock: Clock | None = None
+) -> RunningEmulator:
+    """Start both listeners; ``clock`` (monotonic seconds) drives KV expiry, for tests."""
+    config = config or EmulatorConfig()
+    kv = KvStore(
+        engine_id=str(uuid.uuid4()),
+        block_size=config.block_size,
+        expiry_s=config.kv_expiry_s,
+        clock=clock or time.monotonic,
+    )
+    side_runner = web.AppRunner(
+        create_side_channel_app(kv), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
+    await side_runner.setup()
+    try:
+        await web.TCPSite(side_runner, config.side_channel_host, config.side_channel_port).start()
+        side_channel_port: int = side_runner.addresses[0][1]
+        app = create_api_app(config, kv=kv, side_channel_port=side_channel_port)
+        api_runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,  # a client that goes away aborts its request, as in vLLM
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await api_runner.setup()
+        try:
+            await web.TCPSite(api_runner, config.host, config.port).start()
+        except BaseException:
+            await api_runner.cleanup()
+            raise
+    except BaseException:
+        await side_runner.cleanup()
+        raise
+    return RunningEmulator(config, app, api_runner, side_runner)

@@ -1,0 +1,75 @@
+"""The emulator's own endpoints under /emulator/: KV state, request log and fault injection."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from sidecar.emulator.errors import EmulatorError
+from sidecar.emulator.faults import FaultSpec
+from sidecar.emulator.generation import read_json
+from sidecar.emulator.keys import ENGINE, FAULTS, KV, REQUEST_LOG
+
+
+async def get_kv(request: web.Request) -> web.Response:
+    kv = request.app[KV]
+    staged = kv.snapshot()  # sweeps expiry first
+    return web.json_response(
+        {
+            "engine_id": kv.engine_id,
+            "staged_requests": len(staged),
+            "staged_blocks": sum(s.blocks for s in staged),
+            "pulled_total": kv.pulled_total,
+            "expired_total": kv.expired_total,
+            "failed_pulls_total": request.app[ENGINE].failed_pulls_total,
+            "rejected_pulls_total": kv.rejected_total,
+            "staged": [
+                {"request_id": s.request_id, "blocks": s.blocks, "age_s": s.age_s} for s in staged
+            ],
+        }
+    )
+
+
+async def get_requests(request: web.Request) -> web.Response:
+    entries = request.app[REQUEST_LOG].entries()
+    return web.json_response({"requests": [e.to_json() for e in entries]})
+
+
+async def delete_requests(request: web.Request) -> web.Response:
+    request.app[REQUEST_LOG].clear()
+    return web.json_response({"cleared": True})
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    board = request.app[FAULTS]
+    return web.json_response({"faults": board.pending(), "held": board.held})
+
+
+async def post_fault(request: web.Request) -> web.Response:
+    try:
+        spec = FaultSpec.from_json(await read_json(request))
+        request.app[FAULTS].add(spec)
+    except ValueError as exc:
+        raise EmulatorError(400, str(exc)) from exc
+    return web.json_response({"fault": spec.to_json()}, status=201)
+
+
+async def delete_faults(request: web.Request) -> web.Response:
+    request.app[FAULTS].clear()
+    return web.json_response({"cleared": True})
+
+
+async def post_release(request: web.Request) -> web.Response:
+    board = request.app[FAULTS]
+    held = board.held
+    board.release()
+    return web.json_response({"released": held})
+
+
+def add_control_routes(app: web.Application) -> None:
+    app.router.add_get("/emulator/kv", get_kv)
+    app.router.add_get("/emulator/requests", get_requests)
+    app.router.add_delete("/emulator/requests", delete_requests)
+    app.router.add_get("/emulator/faults", get_faults)
+    app.router.add_post("/emulator/faults", post_fault)
+    app.router.add_delete("/emulator/faults", delete_faults)
+    app.router.add_post("/emulator/release", post_release)

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one emulator instance, in an owned registry (never the global one).
+
+Names follow vLLM 0.32 where vLLM has the metric; ``emulator_*`` ones are the emulator's own.
+prometheus_client appends ``_total`` to counters, so counters are declared without it.
+Gauges that mirror state are refreshed by :meth:`EmulatorMetrics.refresh` just before a scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sidecar.emulator.kv import KvStore
+
+XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class EmulatorMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        label = ["model_name"]
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests running.", label, registry=reg
+        ).labels(model_name)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for a slot.", label, registry=reg
+        ).labels(model_name)
+        self.kv_cache_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Share of KV blocks staged or in use (0-1).",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up.", label, registry=reg
+        ).labels(model_name)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found cached.", label, registry=reg
+        ).labels(model_name)
+        self.xfer_time = Histogram(
+            "vllm:nixl_xfer_time_seconds",
+            "Duration of a successful KV pull (decode side).",
+            label,
+            buckets=XFER_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.failed_transfers = Counter(
+            "vllm:nixl_num_failed_transfers", "Failed KV pulls (decode side).", label, registry=reg
+        ).labels(model_name)
+        self.kv_expired = Counter(
+            "vllm:nixl_num_kv_expired_reqs",
+            "Staged requests freed unpulled (prefill side).",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self.staged_requests = Gauge(
+            "emulator_kv_staged_requests", "Prefill requests holding staged blocks.", registry=reg
+        )
+        self.staged_blocks = Gauge(
+            "emulator_kv_staged_blocks", "KV blocks staged for a pull.", registry=reg
+        )
+        self.pulled = Counter(
+            "emulator_kv_pulled_requests", "Staged requests pulled (prefill side).", registry=reg
+        )
+        # Counters mirrored from the KV store are advanced by the difference since last refresh.
+        self._seen_expired = 0
+        self._seen_pulled = 0
+
+    def refresh(
+        self, kv: KvStore, *, running: int, waiting: int, in_use_blocks: int, num_gpu_blocks: int
+    ) -> None:
+        """Bring state-mirroring series up to date (the store sweeps expiry on read)."""
+        staged_blocks = kv.staged_blocks
+        self.staged_blocks.set(staged_blocks)
+        self.staged_requests.set(kv.staged_requests)
+        self.kv_expired.inc(kv.expired_total - self._seen_expired)
+        self._seen_expired = kv.expired_total
+        self.pulled.inc(kv.pulled_total - self._seen_pulled)
+        self._seen_pulled = kv.pulled_total
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_cache_usage.set(min(1.0, (staged_blocks + in_use_blocks) / num_gpu_blocks))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

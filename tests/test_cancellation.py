@@ -1,0 +1,68 @@
+"""A client that leaves cancels its request's engine calls at once, whatever the phase."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from tests.conftest import completion, eventually, get_json, inject
+
+
+async def _running(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
+
+
+@pytest.mark.parametrize("phase", ["prefilling", "decoding"])
+async def test_client_gone_cancels_the_engine_call(http, sidecar, prefill, decode, phase) -> None:
+    engine = prefill if phase == "prefilling" else decode
+    await inject(http, engine, kind="hang", role="prefill" if phase == "prefilling" else "decode")
+
+    async def send() -> None:
+        # A session of its own: cancelling closes it, which drops the client's connection.
+        async with (
+            aiohttp.ClientSession() as own,
+            own.post(
+                sidecar.url + "/v1/completions",
+                json=completion(),
+                headers={"x-prefiller-host-port": prefill.endpoint, "x-request-id": "leaver"},
+            ) as response,
+        ):
+            await response.read()
+
+    client = asyncio.create_task(send())
+
+    async def in_phase() -> bool:
+        inflight = (await get_json(http, sidecar.url + "/debug/requests"))["inflight"]
+        return [r["state"] for r in inflight] == [phase]
+
+    await eventually(in_phase)
+    await eventually(lambda: _running_is(http, engine.url, 1))
+    client.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
+
+    async def cancelled() -> bool:
+        debug = await get_json(http, sidecar.url + "/debug/requests")
+        return not debug["inflight"] and debug["recent"][0]["state"] == "cancelled"
+
+    await eventually(cancelled)
+    # The engine saw its connection close: the hung request is gone there too.
+    await eventually(lambda: _running_is(http, engine.url, 0))
+    async with http.get(sidecar.url + "/metrics") as response:
+        assert (
+            'pd_sidecar_requests_total{decision="remote",outcome="cancelled",route="completions"}'
+            " 1.0" in await response.text()
+        )
+
+
+async def _running_is(http: aiohttp.ClientSession, url: str, count: int) -> bool:
+    return await _running(http, url) == count
