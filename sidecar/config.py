@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
@@ -37,6 +37,77 @@ class Settings(BaseSettings):
         (),
         description="Static prefill pool, comma-separated host:port list, used round-robin when "
         "no gateway header names a prefill server. Empty: decode locally.",
+    )
+    prefill_dns: Endpoint | None = Field(
+        None,
+        description="name:port of a headless Service whose A and AAAA records are prefill "
+        "endpoints, re-resolved every SIDECAR_DISCOVERY_INTERVAL_S. Empty: none.",
+    )
+    discovery_interval_s: float = Field(
+        10, gt=0, description="Seconds between DNS resolutions of SIDECAR_PREFILL_DNS."
+    )
+    scrape_interval_s: float = Field(
+        1, gt=0, description="Seconds between scrapes of each engine's /metrics."
+    )
+    scheduler_policy: Literal["qoe", "power_of_two", "least_loaded", "round_robin", "random"] = (
+        Field("qoe", description="How the prefill endpoint is chosen when no header names one.")
+    )
+    scheduler_choices: int = Field(
+        2, ge=1, description="Random candidates the qoe policy compares (best of d)."
+    )
+    scheduler_seed: int | None = Field(
+        None, description="Seed of the scheduler's random choices (empty: unpredictable)."
+    )
+    disagg_min_tokens: int = Field(
+        512,
+        ge=0,
+        description="Uncached prompt tokens (estimated as characters / 4) from which a request "
+        "is prefilled remotely; shorter or locally cached prompts are prefilled locally.",
+    )
+    disagg_ttft_ratio: float = Field(
+        2.0,
+        gt=0,
+        description="Prefill remotely only while the predicted remote time to first token is at "
+        "most this many times the local one; beyond it the pool counts as saturated.",
+    )
+    prefix_block_tokens: int = Field(
+        16, ge=1, description="Block size, in tokens, of the local prefix-cache estimate."
+    )
+    prefix_cache_blocks: int = Field(
+        65536, ge=0, description="Blocks remembered by the local prefix-cache estimate (LRU)."
+    )
+    eject_after_failures: int = Field(
+        3, ge=1, description="Consecutive failures that eject a prefill endpoint."
+    )
+    eject_base_s: float = Field(
+        2, gt=0, description="First ejection time in seconds; doubles per failed probe."
+    )
+    eject_max_s: float = Field(60, gt=0, description="Longest ejection time in seconds.")
+    state_backend: Literal["memory", "redis"] = Field(
+        "memory",
+        description="Where reservations, speed estimates and ejections live: memory (this "
+        "sidecar only) or redis (shared by every sidecar).",
+    )
+    redis_url: SecretStr = Field(
+        SecretStr("redis://127.0.0.1:6379/0"),
+        description="Redis URL for SIDECAR_STATE_BACKEND=redis (may hold a password; "
+        "never logged).",
+    )
+    redis_key_prefix: str = Field(
+        "pd-sidecar",
+        min_length=1,
+        description="Prefix of every Redis key; sidecars sharing a pool share it.",
+    )
+    state_lease_s: float = Field(
+        10,
+        gt=0,
+        description="Seconds after which a silent sidecar's reservations stop counting.",
+    )
+    state_timeout_ms: float = Field(
+        5,
+        gt=0,
+        description="Longest wait for Redis before a decision, in milliseconds; then the "
+        "local view decides.",
     )
     rewrite_remote_host: bool = Field(
         False,
@@ -86,6 +157,18 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("scheduler_seed", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("prefill_dns", mode="before")
+    @classmethod
+    def _dns_name(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_endpoint(value) if value.strip() else None
+        return value
+
     @field_validator("decode_url")
     @classmethod
     def _base_url(cls, value: str) -> str:
@@ -106,6 +189,10 @@ def describe_fields() -> list[tuple[str, str, str]]:
             shown = str(default).lower()
         elif isinstance(default, tuple):
             shown = ",".join(str(item) for item in default)
+        elif default is None:
+            shown = ""
+        elif isinstance(default, SecretStr):
+            shown = default.get_secret_value()
         else:
             shown = str(default)
         rows.append((f"SIDECAR_{name.upper()}", shown, field.description or ""))

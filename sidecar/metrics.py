@@ -5,6 +5,8 @@ Label values are fixed vocabularies documented in docs/metrics.md; never request
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -71,6 +73,43 @@ class Metrics:
             "1 when the last poll of the decode engine's /health succeeded, else 0.",
             registry=self.registry,
         )
+
+        self.scheduler_decisions = Counter(
+            "pd_sidecar_scheduler_decisions",
+            "Prefill placements, by decision (remote or local) and reason.",
+            ["decision", "reason"],
+            registry=self.registry,
+        )
+        self.endpoint_reserved_tokens = Gauge(
+            "pd_sidecar_prefill_endpoint_reserved_tokens",
+            "Prompt tokens reserved on a prefill endpoint (all sidecars' with a shared backend).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.endpoint_waiting = Gauge(
+            "pd_sidecar_prefill_endpoint_waiting_requests",
+            "vllm:num_requests_waiting last scraped from a prefill endpoint (NaN: unknown).",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.endpoint_healthy = Gauge(
+            "pd_sidecar_prefill_endpoint_healthy",
+            "1 while a prefill endpoint may be chosen; 0 when ejected, probing or draining.",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.state_backend_errors = Counter(
+            "pd_sidecar_state_backend_errors",
+            "Shared-state backend failures, by kind (timeout, connection).",
+            ["kind"],
+            registry=self.registry,
+        )
+
+    def forget_endpoint(self, endpoint: str) -> None:
+        """Drop a removed endpoint's series (pool members only: bounded label values)."""
+        for gauge in (self.endpoint_reserved_tokens, self.endpoint_waiting, self.endpoint_healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(endpoint)
 
     def observe_request(self, route: str, record: RequestRecord) -> None:
         """Count a finished generation request and its phase durations."""

@@ -33,7 +33,7 @@ from sidecar.errors import (
 from sidecar.headers import engine_leg_headers, gateway_prefill_target, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import ClientGone, relay
-from sidecar.scheduling import Choice, RoundRobin
+from sidecar.scheduling.scheduler import Placement, Scheduler
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker
 from sidecar.upstream import Engines, parse_json, read_body
 
@@ -54,7 +54,7 @@ class Pipeline:
         max_body_bytes: int,
         connector: Connector,
         engines: Engines,
-        scheduler: RoundRobin,
+        scheduler: Scheduler,
         tracker: Tracker,
         metrics: Metrics,
         log_requests: bool,
@@ -106,15 +106,15 @@ class Pipeline:
     ) -> web.StreamResponse:
         raw = await _read_limited(request, self._max_body_bytes)
         body = _parse_object(raw)
-        choice = self._choose(request, record)
+        header = gateway_prefill_target(request.headers)
         client_set_params = self._connector.sanitize(body)
+        placement = await self._scheduler.place(body, header)
+        _record_placement(record, placement)
         headers = engine_leg_headers(request.headers, request_id)
 
         prefilled: _Prefilled | None = None
-        if choice.endpoint is not None:
-            outcome = await self._prefill(
-                request.path, route, body, headers, choice.endpoint, record
-            )
+        if placement.endpoint is not None:
+            outcome = await self._prefill(request.path, route, body, headers, placement, record)
             if isinstance(outcome, web.Response):
                 return outcome
             prefilled = outcome
@@ -126,32 +126,63 @@ class Pipeline:
             data = orjson.dumps(body) if client_set_params else raw
         record.state = State.DECODING
         record.mark(Phase.DECODE_SENT)
-        upstream = await self._engines.send(
-            "POST", self._decode_url + request.path, headers=headers, data=data
-        )
-        try:
-            return await relay(
-                request,
-                upstream,
-                record,
-                request_id=request_id,
-                cached_tokens=prefilled.cached_tokens if prefilled else None,
-            )
-        finally:
-            upstream.close()
+        first_byte_seen = False
 
-    def _choose(self, request: web.Request, record: RequestRecord) -> Choice:
-        target = gateway_prefill_target(request.headers)
-        choice = Choice(target, "header") if target else self._scheduler.choose()
-        record.reason = choice.reason
-        if choice.endpoint is None:
-            record.decision = Decision.LOCAL
-        else:
-            record.decision = Decision.REMOTE
-            record.prefill_endpoint = str(choice.endpoint)
-        return choice
+        def first_byte() -> None:
+            nonlocal first_byte_seen
+            first_byte_seen = True
+            self._scheduler.local_first_byte(placement, record.span(None, Phase.FIRST_BYTE))
+
+        try:
+            upstream = await self._engines.send(
+                "POST", self._decode_url + request.path, headers=headers, data=data
+            )
+            try:
+                return await relay(
+                    request,
+                    upstream,
+                    record,
+                    request_id=request_id,
+                    cached_tokens=prefilled.cached_tokens if prefilled else None,
+                    on_first_byte=first_byte,
+                )
+            finally:
+                upstream.close()
+        finally:
+            if not first_byte_seen:
+                self._scheduler.local_first_byte(placement, None)
 
     async def _prefill(
+        self,
+        path: str,
+        route: str,
+        body: dict[str, Any],
+        headers: CIMultiDict[str],
+        placement: Placement,
+        record: RequestRecord,
+    ) -> _Prefilled | web.Response | None:
+        """The prefill leg: KV params, the prefill's own 4xx answer, or None after a fallback.
+
+        Tells the scheduler how it went (the endpoint's health and speed) whatever happens.
+        """
+        assert placement.endpoint is not None
+        endpoint_ok: bool | None = None  # None: cancelled, or the client's fault
+        record.state = State.PREFILLING
+        record.mark(Phase.PREFILL_SENT)
+        try:
+            outcome = await self._prefill_leg(
+                path, route, body, headers, placement.endpoint, record
+            )
+            endpoint_ok = outcome is not None if not isinstance(outcome, web.Response) else None
+            return outcome
+        finally:
+            self._scheduler.prefill_finished(
+                placement,
+                ok=endpoint_ok,
+                seconds=record.span(Phase.PREFILL_SENT, Phase.PREFILL_DONE),
+            )
+
+    async def _prefill_leg(
         self,
         path: str,
         route: str,
@@ -160,9 +191,6 @@ class Pipeline:
         endpoint: Endpoint,
         record: RequestRecord,
     ) -> _Prefilled | web.Response | None:
-        """The prefill leg: KV params, the prefill's own 4xx answer, or None after a fallback."""
-        record.state = State.PREFILLING
-        record.mark(Phase.PREFILL_SENT)
         data = orjson.dumps(self._connector.prefill_body(body, route))
         try:
             upstream = await self._engines.send(
@@ -252,6 +280,16 @@ def _cached_tokens(answer: Any) -> int | None:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _record_placement(record: RequestRecord, placement: Placement) -> None:
+    record.reason = placement.decision.reason
+    record.predicted_prefill_s = placement.decision.predicted_s
+    if placement.endpoint is None:
+        record.decision = Decision.LOCAL
+    else:
+        record.decision = Decision.REMOTE
+        record.prefill_endpoint = str(placement.endpoint)
 
 
 def _fail(record: RequestRecord, exc: SidecarError) -> None:

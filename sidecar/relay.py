@@ -11,6 +11,7 @@ error event (no ``[DONE]``) and truncates any other answer by closing the connec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -38,6 +39,7 @@ async def relay(
     *,
     request_id: str | None,
     cached_tokens: int | None,
+    on_first_byte: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     """Write ``upstream`` to the client; the caller closes ``upstream`` whatever happens.
 
@@ -54,6 +56,8 @@ async def relay(
             status=upstream.status, headers=headers, body=_rewrite_json(body, cached_tokens)
         )
         record.mark(Phase.FIRST_BYTE)
+        if on_first_byte is not None:
+            on_first_byte()
         return answer
 
     out = web.StreamResponse(status=upstream.status, headers=headers)
@@ -67,6 +71,8 @@ async def relay(
         try:
             first = await anext(source, b"")
             record.mark(Phase.FIRST_BYTE)
+            if on_first_byte is not None:
+                on_first_byte()
             if rewriter is None:
                 await out.write(first)
                 async for chunk in source:

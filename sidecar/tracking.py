@@ -52,6 +52,7 @@ class RequestRecord:
     reason: str | None = None
     fallback_reason: str | None = None
     prefill_endpoint: str | None = None
+    predicted_prefill_s: float | None = None
     state: State = State.RECEIVED
     status: int | None = None
     error: str | None = None
@@ -89,12 +90,22 @@ class RequestRecord:
             "status": self.status,
             "error": self.error,
             "started_at": self.started_at,
+            "prefill_predicted_ms": _ms(self.predicted_prefill_s),
+            "prefill_observed_ms": _ms(self.observed_prefill_s()),
             "phases": {str(name): round(value, 6) for name, value in self.phases.items()},
-            "durations_ms": {
-                name: None if value is None else round(value * 1000, 3)
-                for name, value in self.durations().items()
-            },
+            "durations_ms": {name: _ms(value) for name, value in self.durations().items()},
         }
+
+    def observed_prefill_s(self) -> float | None:
+        """What the prediction is judged against: the prefill leg when it went remote, the time
+        to first byte when the decode engine prefilled."""
+        if self.decision == Decision.REMOTE:
+            return self.span(Phase.PREFILL_SENT, Phase.PREFILL_DONE)
+        return self.span(None, Phase.FIRST_BYTE)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 class Tracker:

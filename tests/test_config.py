@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.__main__ import load_settings
 from sidecar.config import Settings, describe_fields
 from sidecar.endpoints import Endpoint
 
@@ -71,21 +72,48 @@ def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
         ("SIDECAR_REWRITE_REMOTE_HOST", "perhaps"),
         ("SIDECAR_LOG_LEVEL", "LOUD"),
         ("SIDECAR_LOG_REQUESTS", "2"),
+        ("SIDECAR_PREFILL_DNS", "service-without-port"),
+        ("SIDECAR_SCHEDULER_POLICY", "fastest"),
+        ("SIDECAR_SCHEDULER_CHOICES", "0"),
+        ("SIDECAR_SCHEDULER_SEED", "x"),
+        ("SIDECAR_DISAGG_MIN_TOKENS", "-5"),
+        ("SIDECAR_DISAGG_TTFT_RATIO", "0"),
+        ("SIDECAR_STATE_BACKEND", "etcd"),
+        ("SIDECAR_STATE_LEASE_S", "0"),
+        ("SIDECAR_STATE_TIMEOUT_MS", "-1"),
+        ("SIDECAR_EJECT_AFTER_FAILURES", "0"),
+        ("SIDECAR_SCRAPE_INTERVAL_S", "0"),
+        ("SIDECAR_DISCOVERY_INTERVAL_S", "never"),
+        ("SIDECAR_PREFIX_BLOCK_TOKENS", "0"),
+        ("SIDECAR_REDIS_KEY_PREFIX", ""),
     ],
 )
-def test_invalid_value_exits_2_naming_the_variable(variable: str, value: str) -> None:
+def test_invalid_value_exits_2_naming_the_variable(
+    variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("SIDECAR_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exit_info:
+        load_settings()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert variable in lines[0]
+
+
+def test_the_process_exits_2() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sidecar"],
-        env=_clean_env(**{variable: value}),
+        env=_clean_env(SIDECAR_PORT="eighty"),
         capture_output=True,
         text=True,
         timeout=20,
         check=False,
     )
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1
-    assert variable in lines[0]
+    assert result.stderr.startswith("pd-sidecar: invalid configuration: SIDECAR_PORT")
 
 
 def test_help_lists_every_setting_with_default() -> None:
@@ -104,6 +132,8 @@ def test_help_lists_every_setting_with_default() -> None:
 def test_docs_document_every_setting_with_its_default() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
     for variable, default, _ in describe_fields():
-        row = next((line for line in doc.splitlines() if f"`{variable}`" in line), None)
+        row = next(
+            (line for line in doc.splitlines() if line.startswith(f"| `{variable}` |")), None
+        )
         assert row is not None, f"{variable} is not in docs/configuration.md"
         assert f"`{default}`" in row or (default == "" and "(empty)" in row), row

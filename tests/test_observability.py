@@ -24,6 +24,8 @@ RECORD_KEYS = {
     "reason",
     "fallback_reason",
     "prefill_endpoint",
+    "prefill_predicted_ms",
+    "prefill_observed_ms",
     "state",
     "status",
     "error",

@@ -20,7 +20,7 @@ async def test_method_path_query_headers_and_body_unchanged(
     seen: list[dict] = []
 
     async def echo(request: web.Request) -> web.StreamResponse:
-        if request.path == "/health":  # the sidecar's readiness poller
+        if request.path in ("/health", "/metrics"):  # the sidecar's readiness poller, scraper
             return web.Response()
         seen.append(
             {

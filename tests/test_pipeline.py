@@ -184,13 +184,18 @@ async def test_static_pool_round_robin(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
     pool = [await start_engine(), await start_engine()]
-    sidecar = await start_sidecar_with(prefill_endpoints=",".join(p.endpoint for p in pool))
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=",".join(p.endpoint for p in pool),
+        scheduler_policy="round_robin",
+        disagg_min_tokens=0,
+        disagg_ttft_ratio=1000,
+    )
     for _ in range(4):
         status, _, _ = await _post(http, sidecar.url + "/v1/completions", completion())
         assert status == 200
     assert [len(await engine_requests(http, p)) for p in pool] == [2, 2]
     records = (await get_json(http, sidecar.url + "/debug/requests"))["recent"]
-    assert {r["reason"] for r in records} == {"round_robin"}
+    assert {r["reason"] for r in records} == {"scheduled"}
     assert [r["prefill_endpoint"] for r in records][:2] == [pool[1].endpoint, pool[0].endpoint]
 
 

@@ -1,0 +1,92 @@
+"""What the scheduler knows at decision time: plain immutable values, no I/O.
+
+Production fills them from reservations, scraped engine metrics and its own observations; the
+simulator (bench/simulate.py) fills them from its modelled cluster. Both then run the same decider
+and policy code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Speed:
+    """Predicted prefill time = ``overhead_s + s_per_token * tokens`` (queued tokens included)."""
+
+    s_per_token: float
+    overhead_s: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.overhead_s + self.s_per_token * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """KV transfer time estimate: ``fixed_s + s_per_token * tokens``."""
+
+    fixed_s: float = 0.002
+    s_per_token: float = 1e-7
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed_s + self.s_per_token * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One prefill endpoint as a policy sees it. Only available endpoints are ever candidates
+    (ejected, probing and draining ones are filtered out before a policy runs).
+
+    ``reserved_*`` are reservations of prefills chosen and not yet finished (every sidecar's with a
+    shared backend, this sidecar's own otherwise): fresh. ``waiting``/``running`` are the engine's
+    scraped gauges: possibly stale, None when unknown.
+    """
+
+    key: str
+    reserved_tokens: int = 0
+    reserved_requests: int = 0
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
+    speed: Speed = Speed(1e-4, 0.02)
+
+    def scraped_requests(self) -> float | None:
+        if self.waiting is None and self.running is None:
+            return None
+        return (self.waiting or 0.0) + (self.running or 0.0)
+
+    def queued_tokens(self, tokens_per_waiting: float) -> float:
+        """Work ahead of a new prefill. Reservations and scraped waiting requests often describe
+        the same work (ours, seen twice): take the larger, not the sum."""
+        scraped = (self.waiting or 0.0) * tokens_per_waiting
+        return max(float(self.reserved_tokens), scraped)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalView:
+    """The local decode engine, for "prefill locally" predictions.
+
+    ``ahead_tokens``: prompt tokens of this sidecar's local requests that have not produced their
+    first byte yet. ``waiting``: the engine's scraped ``vllm:num_requests_waiting``.
+    ``speed``: observed local time to first token per prompt token.
+    """
+
+    ahead_tokens: int = 0
+    waiting: float | None = None
+    speed: Speed = Speed(1e-4, 0.01)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where to prefill. ``endpoint`` None means on the local decode engine.
+
+    ``reason`` (recorded with the request, a metric label): ``header``, ``pool_empty``,
+    ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``round_robin``.
+    """
+
+    endpoint: str | None
+    reason: str
+    prompt_tokens: int = 0
+    uncached_tokens: int = 0
+    predicted_s: float | None = None
+    """Predicted time to first token where the prefill was placed (remote or local)."""

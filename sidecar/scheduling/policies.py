@@ -1,0 +1,168 @@
+"""Prefill-partner policies: pure, synchronous, free of I/O (the simulator runs them as they are).
+
+Each gets the available candidates and the tokens the prefill engine will compute (the decider
+passes the whole prompt: a prefill engine does not hold the decode engine's prefix cache), and
+returns one candidate or None when there is none. Randomness comes from an injected ``random.Random`` (seeded in tests and
+the simulator).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from sidecar.scheduling.model import Candidate, Transfer
+
+TOKENS_PER_WAITING = 1000.0
+"""Prompt tokens assumed per scraped waiting request when reservations say less."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None: ...
+
+
+def predicted_ttft(
+    candidate: Candidate,
+    tokens: int,
+    transfer: Transfer,
+    tokens_per_waiting: float = TOKENS_PER_WAITING,
+) -> float:
+    """Queue ahead and this prompt at the endpoint's observed speed, plus the KV transfer."""
+    work = candidate.queued_tokens(tokens_per_waiting) + tokens
+    return candidate.speed.seconds(work) + transfer.seconds(tokens)
+
+
+class RoundRobin:
+    """Each candidate in turn (vLLM's reference proxy, production-stack)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
+        if not candidates:
+            return None
+        ordered = sorted(candidates, key=lambda c: c.key)
+        choice = ordered[self._turn % len(ordered)]
+        self._turn += 1
+        return choice
+
+
+class RandomChoice:
+    name = "random"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
+        return self._rng.choice(candidates) if candidates else None
+
+
+class LeastLoaded:
+    """The global minimum of scraped load (waiting + running requests), ties at random.
+
+    What the peers do; kept for comparison. With stale metrics every chooser sees the same
+    minimum and herds onto it (NVIDIA Dynamo #12864). Endpoints not scraped yet count by this
+    sidecar's reservations.
+    """
+
+    name = "least_loaded"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
+        return _lowest(candidates, _scraped_load, self._rng)
+
+
+class PowerOfTwo:
+    """The less loaded of two random candidates (Mitzenmacher), counting reservations."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
+        sample = _sample(candidates, 2, self._rng)
+        return _lowest(sample, _reserved_load, self._rng)
+
+
+class Qoe:
+    """Lowest predicted time to first token among ``choices`` random candidates.
+
+    Predicted TTFT = (tokens queued ahead + this prompt's uncached tokens) x the endpoint's
+    observed seconds per token + its overhead + the KV transfer estimate. Sampling ``choices``
+    candidates instead of taking the global minimum keeps sidecars with the same (stale) view
+    from all picking the same endpoint.
+    """
+
+    name = "qoe"
+
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        choices: int = 2,
+        transfer: Transfer = Transfer(),
+        tokens_per_waiting: float = TOKENS_PER_WAITING,
+    ) -> None:
+        self._rng = rng
+        self._choices = choices
+        self._transfer = transfer
+        self._tokens_per_waiting = tokens_per_waiting
+
+    def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
+        sample = _sample(candidates, self._choices, self._rng)
+        return _lowest(
+            sample,
+            lambda c: predicted_ttft(c, tokens, self._transfer, self._tokens_per_waiting),
+            self._rng,
+        )
+
+
+POLICIES = ("qoe", "power_of_two", "least_loaded", "round_robin", "random")
+
+
+def make_policy(
+    name: str, rng: random.Random, *, choices: int = 2, transfer: Transfer = Transfer()
+) -> Policy:
+    if name == "qoe":
+        return Qoe(rng, choices=choices, transfer=transfer)
+    if name == "power_of_two":
+        return PowerOfTwo(rng)
+    if name == "least_loaded":
+        return LeastLoaded(rng)
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return RandomChoice(rng)
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _scraped_load(candidate: Candidate) -> float:
+    scraped = candidate.scraped_requests()
+    return float(candidate.reserved_requests) if scraped is None else scraped
+
+
+def _reserved_load(candidate: Candidate) -> float:
+    # Reservations are fresh, the scrape may see work from elsewhere: the larger of the two.
+    return max(float(candidate.reserved_requests), candidate.scraped_requests() or 0.0)
+
+
+def _sample(candidates: Sequence[Candidate], k: int, rng: random.Random) -> Sequence[Candidate]:
+    return candidates if len(candidates) <= k else rng.sample(list(candidates), k)
+
+
+def _lowest(
+    candidates: Sequence[Candidate], cost: Callable[[Candidate], float], rng: random.Random
+) -> Candidate | None:
+    if not candidates:
+        return None
+    scored = [(cost(c), c) for c in candidates]
+    best = min(score for score, _ in scored)
+    return rng.choice([c for score, c in scored if score <= best])

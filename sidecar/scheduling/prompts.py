@@ -1,0 +1,85 @@
+"""Prompt size and prefix identity from a request body, without a tokenizer.
+
+Tokens are estimated as characters / 4, as llm-d's decider does (chat: the JSON of the messages).
+The prefix index remembers chained hashes of fixed-size character blocks of prompts sent to the
+local decode engine, so a conversation continuing on this pod is recognized as cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Any
+
+import orjson
+
+CHARS_PER_TOKEN = 4
+
+
+def prompt_text(body: dict[str, Any]) -> str | bytes:
+    """The part of a generation request that the engine prefills, as text or canonical bytes."""
+    messages = body.get("messages")
+    if messages is not None:
+        return orjson.dumps(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return str(prompt[0])
+    return orjson.dumps(prompt) if prompt is not None else ""
+
+
+def estimate_tokens(body: dict[str, Any]) -> int:
+    """Prompt tokens: counted exactly for token-id prompts, else characters / 4 (at least 1)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        return len(prompt[0])
+    return max(1, len(prompt_text(body)) // CHARS_PER_TOKEN)
+
+
+class PrefixIndex:
+    """A bounded LRU of block hashes: an estimate of what the local engine has cached.
+
+    A block is ``block_tokens * 4`` characters; block *i*'s hash covers blocks 0..i, so a match
+    is always a prefix. Only full blocks count, like an engine's prefix cache.
+    """
+
+    def __init__(self, *, block_tokens: int, capacity_blocks: int) -> None:
+        self._block_chars = block_tokens * CHARS_PER_TOKEN
+        self._block_tokens = block_tokens
+        self._capacity = capacity_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _hashes(self, text: str | bytes) -> list[bytes]:
+        data = text.encode() if isinstance(text, str) else text
+        hashes = []
+        previous = b""
+        for start in range(0, len(data) - self._block_chars + 1, self._block_chars):
+            digest = hashlib.blake2b(
+                previous + data[start : start + self._block_chars], digest_size=16
+            ).digest()
+            hashes.append(digest)
+            previous = digest
+        return hashes
+
+    def cached_tokens(self, text: str | bytes) -> int:
+        """Tokens of the longest indexed prefix of ``text`` (refreshes those blocks' recency)."""
+        matched = 0
+        for digest in self._hashes(text):
+            if digest not in self._blocks:
+                break
+            self._blocks.move_to_end(digest)
+            matched += 1
+        return matched * self._block_tokens
+
+    def insert(self, text: str | bytes) -> None:
+        for digest in self._hashes(text):
+            self._blocks[digest] = None
+            self._blocks.move_to_end(digest)
+        while len(self._blocks) > self._capacity:
+            self._blocks.popitem(last=False)

@@ -1,0 +1,424 @@
+"""The scheduler's live side: the pool, what it knows of each endpoint, and placing a request.
+
+Around the pure decider and policy it keeps, per prefill endpoint: health (ejection with growing
+backoff, re-admission after a successful probe), observed speed, scraped engine load, draining;
+and it keeps reservations in the state backend. Background tasks re-resolve discovery and scrape
+every engine's /metrics (probing ejected endpoints' /health); the request path does no I/O but the
+backend's single bounded ``reserve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from sidecar.discovery import Discovery
+from sidecar.endpoints import Endpoint
+from sidecar.errors import EngineUnreachable
+from sidecar.metrics import Metrics
+from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
+from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
+from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
+from sidecar.scheduling.scrape import EngineLoad, parse_engine_load
+from sidecar.scheduling.state import Reservation, StateBackend
+from sidecar.upstream import Engines, read_body
+
+logger = logging.getLogger("sidecar.scheduling")
+
+PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
+"""10,000 prompt tokens/s and 20 ms per call until the endpoint's own calls say otherwise."""
+LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
+STALE_AFTER_SCRAPES = 3
+"""A scrape older than this many intervals is ignored (treated as unknown)."""
+SPEED_SAMPLES_TRUSTED = 3
+"""Below this many own observations, a speed shared by other sidecars is preferred."""
+
+
+@dataclass(slots=True)
+class EndpointState:
+    endpoint: Endpoint
+    health: Health
+    speed: SpeedEstimate = field(default_factory=lambda: SpeedEstimate(PREFILL_PRIOR))
+    load: EngineLoad | None = None
+    draining: bool = False
+    inflight: int = 0
+
+    @property
+    def key(self) -> str:
+        return str(self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one request prefills, and what to give back when it is done."""
+
+    decision: Decision
+    endpoint: Endpoint | None
+    reservation: Reservation | None = None
+    local_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str = "qoe"
+    choices: int = 2
+    min_tokens: int = 512
+    ttft_ratio: float = 2.0
+    scrape_interval_s: float = 1.0
+    discovery_interval_s: float = 10.0
+    prefix_block_tokens: int = 16
+    prefix_cache_blocks: int = 65536
+    eject_after_failures: int = 3
+    eject_base_s: float = 2.0
+    eject_max_s: float = 60.0
+    seed: int | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        discovery: Discovery,
+        backend: StateBackend,
+        engines: Engines,
+        decode_url: str,
+        metrics: Metrics,
+    ) -> None:
+        self._config = config
+        self._discovery = discovery
+        self.backend = backend
+        self._engines = engines
+        self._decode_url = decode_url
+        self._metrics = metrics
+        self._rng = random.Random(config.seed)
+        self._decider = Decider(
+            make_policy(config.policy, self._rng, choices=config.choices),
+            min_tokens=config.min_tokens,
+            ttft_ratio=config.ttft_ratio,
+        )
+        self._prefix = PrefixIndex(
+            block_tokens=config.prefix_block_tokens, capacity_blocks=config.prefix_cache_blocks
+        )
+        self._pool: dict[str, EndpointState] = {}
+        self._local_ahead = 0
+        self._local_speed = SpeedEstimate(LOCAL_PRIOR)
+        self._local_load: EngineLoad | None = None
+        self._reasons: Counter[str] = Counter()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._scrape_timeout = aiohttp.ClientTimeout(total=min(config.scrape_interval_s, 2.0))
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.backend.start()
+        await self.refresh_pool()
+        if self._discovery.uses_dns:
+            self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
+        self._tasks.append(asyncio.create_task(self._scrape_forever(), name="scraper"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.backend.close()
+
+    async def refresh_pool(self) -> None:
+        """Apply discovery's current answer: new endpoints join, missing ones drain."""
+        current = {str(e): e for e in await self._discovery.resolve()}
+        for key, endpoint in current.items():
+            state = self._pool.get(key)
+            if state is None:
+                self._pool[key] = EndpointState(endpoint, self._new_health())
+                logger.info("prefill endpoint %s joined the pool", key)
+            elif state.draining:
+                state.draining = False
+                logger.info("prefill endpoint %s is back in the pool", key)
+        for key, state in list(self._pool.items()):
+            if key not in current and not state.draining:
+                state.draining = True
+                logger.info("prefill endpoint %s left discovery: draining", key)
+            if state.draining and state.inflight == 0:
+                del self._pool[key]
+                self._metrics.forget_endpoint(key)
+
+    def _new_health(self) -> Health:
+        return Health(
+            eject_after=self._config.eject_after_failures,
+            base_s=self._config.eject_base_s,
+            max_s=self._config.eject_max_s,
+        )
+
+    # --- the request path ------------------------------------------------------------------
+
+    async def place(self, body: dict[str, Any], header: Endpoint | None) -> Placement:
+        """Decide where ``body`` prefills; reserve its tokens there. ``header``: the gateway's
+        choice, used as is."""
+        tokens = estimate_tokens(body)
+        text = prompt_text(body)
+        cached = self._prefix.cached_tokens(text)
+        # The local engine will hold this prompt's KV either way (computed or pulled).
+        self._prefix.insert(text)
+        if header is not None:
+            decision = Decision(str(header), "header", tokens, max(0, tokens - cached))
+            self._count(decision)
+            return await self._reserve(decision, header)
+        decision = self._decider.decide(
+            self._candidates(),
+            LocalView(self._local_ahead, self._fresh(self._local_load, "waiting"), self._local()),
+            prompt_tokens=tokens,
+            cached_tokens=cached,
+        )
+        self._count(decision)
+        if decision.endpoint is None:
+            self._local_ahead += decision.uncached_tokens
+            return Placement(decision, None, local_tokens=decision.uncached_tokens)
+        return await self._reserve(decision, self._pool[decision.endpoint].endpoint)
+
+    async def _reserve(self, decision: Decision, endpoint: Endpoint) -> Placement:
+        state = self._pool.get(str(endpoint))
+        if state is None:  # a header target outside the pool: nothing to account for
+            return Placement(decision, endpoint)
+        state.inflight += 1
+        reservation = await self.backend.reserve(state.key, decision.uncached_tokens)
+        return Placement(decision, endpoint, reservation)
+
+    def prefill_finished(
+        self, placement: Placement, *, ok: bool | None, seconds: float | None = None
+    ) -> None:
+        """The prefill leg ended: ``ok`` True (usable answer), False (the endpoint failed),
+        None (cancelled, or the client's own fault: says nothing about the endpoint)."""
+        reservation = placement.reservation
+        if reservation is None:
+            return
+        self.backend.release(reservation)
+        state = self._pool.get(reservation.endpoint)
+        if state is None:
+            return
+        state.inflight -= 1
+        if ok is True:
+            state.health.success()
+            if seconds is not None:
+                speed = state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds)
+                self.backend.publish_speed(state.key, speed)
+        elif ok is False:
+            self._failure(state)
+        if state.draining and state.inflight == 0:
+            del self._pool[state.key]
+            self._metrics.forget_endpoint(state.key)
+
+    def local_first_byte(self, placement: Placement, seconds: float | None) -> None:
+        """A locally prefilled request produced its first byte (``seconds`` after it arrived),
+        or ended without one (None)."""
+        if placement.endpoint is not None or placement.local_tokens == 0:
+            return
+        self._local_ahead = max(0, self._local_ahead - placement.local_tokens)
+        if seconds is not None:
+            self._local_speed.observe(self._local_ahead + placement.local_tokens, seconds)
+
+    def _failure(self, state: EndpointState) -> None:
+        now = time.monotonic()
+        was = state.health.refresh(now)
+        state.health.failure(now)
+        if state.health.state == Availability.EJECTED and was != Availability.EJECTED:
+            logger.warning(
+                "prefill endpoint %s ejected for %.1fs after %d failure(s)",
+                state.key,
+                state.health.ejected_until - now,
+                state.health.failures,
+            )
+            self.backend.publish_ejection(state.key, time.time() + state.health.ejected_until - now)
+
+    def _candidates(self) -> list[Candidate]:
+        now, wall = time.monotonic(), time.time()
+        view = self.backend.view()
+        candidates = []
+        for key, state in self._pool.items():
+            if state.draining or not state.health.available(now):
+                continue
+            if view.ejected_until.get(key, 0.0) > wall:
+                continue
+            load = view.loads.get(key)
+            candidates.append(
+                Candidate(
+                    key=key,
+                    reserved_tokens=load.tokens if load else 0,
+                    reserved_requests=load.requests if load else 0,
+                    waiting=self._fresh(state.load, "waiting"),
+                    running=self._fresh(state.load, "running"),
+                    kv_usage=self._fresh(state.load, "kv_usage"),
+                    speed=self._speed(state, view.speeds.get(key)),
+                )
+            )
+        return candidates
+
+    def _speed(self, state: EndpointState, shared: Speed | None) -> Speed:
+        if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
+            return shared
+        return state.speed.value
+
+    def _local(self) -> Speed:
+        return self._local_speed.value
+
+    def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
+        if load is None:
+            return None
+        if time.monotonic() - load.at > STALE_AFTER_SCRAPES * self._config.scrape_interval_s:
+            return None
+        value: float | None = getattr(load, name)
+        return value
+
+    def _count(self, decision: Decision) -> None:
+        self._reasons[decision.reason] += 1
+        kind = "local" if decision.endpoint is None else "remote"
+        self._metrics.scheduler_decisions.labels(kind, decision.reason).inc()
+
+    # --- background: discovery and scraping ----------------------------------------------
+
+    async def _discover(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.discovery_interval_s)
+            await self.refresh_pool()
+
+    async def _scrape_forever(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self._config.scrape_interval_s)
+
+    async def scrape_once(self) -> None:
+        states = list(self._pool.values())
+        await asyncio.gather(
+            self._scrape_decode(), *(self._scrape_endpoint(state) for state in states)
+        )
+
+    async def _scrape_decode(self) -> None:
+        self._local_load = await self._load(self._decode_url)
+
+    async def _scrape_endpoint(self, state: EndpointState) -> None:
+        now = time.monotonic()
+        availability = state.health.refresh(now)
+        if availability == Availability.EJECTED:
+            return
+        if availability == Availability.PROBING:
+            if await self._probe(state.endpoint.url + "/health"):
+                state.health.success()
+                logger.info("prefill endpoint %s passed its probe: re-admitted", state.key)
+            else:
+                self._failure(state)
+            return
+        try:
+            state.load = await self._load(state.endpoint.url, raise_unreachable=True)
+        except EngineUnreachable:
+            state.load = None
+            self._failure(state)
+
+    async def _load(self, base_url: str, *, raise_unreachable: bool = False) -> EngineLoad | None:
+        try:
+            response = await self._engines.send(
+                "GET", base_url + "/metrics", headers={}, client_timeout=self._scrape_timeout
+            )
+            body = await read_body(response)
+        except EngineUnreachable:
+            if raise_unreachable:
+                raise
+            return None
+        if response.status != 200:
+            return None  # metrics disabled or not served: schedule by reservations alone
+        return parse_engine_load(body.decode(errors="replace"), time.monotonic())
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            response = await self._engines.send(
+                "GET", url, headers={}, client_timeout=self._scrape_timeout
+            )
+            await read_body(response)
+        except EngineUnreachable:
+            return False
+        return response.status == 200
+
+    def publish_gauges(self) -> None:
+        """Per-endpoint gauges, brought up to date when /metrics is read."""
+        view = self.backend.view()
+        for key, state in self._pool.items():
+            load = view.loads.get(key)
+            self._metrics.endpoint_reserved_tokens.labels(key).set(load.tokens if load else 0)
+            waiting = self._fresh(state.load, "waiting")
+            self._metrics.endpoint_waiting.labels(key).set(
+                waiting if waiting is not None else float("nan")
+            )
+            healthy = not state.draining and state.health.available(time.monotonic())
+            self._metrics.endpoint_healthy.labels(key).set(1 if healthy else 0)
+
+    # --- /debug/scheduler ------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        now, wall = time.monotonic(), time.time()
+        view = self.backend.view()
+        endpoints = []
+        for key, state in sorted(self._pool.items()):
+            load = view.loads.get(key)
+            availability = state.health.refresh(now)
+            shared_until = view.ejected_until.get(key, 0.0)
+            endpoints.append(
+                {
+                    "endpoint": key,
+                    "state": "draining" if state.draining else availability.value,
+                    "ejected_for_s": round(max(0.0, state.health.ejected_until - now), 3)
+                    if availability == Availability.EJECTED
+                    else None,
+                    "ejected_elsewhere_for_s": round(shared_until - wall, 3)
+                    if shared_until > wall
+                    else None,
+                    "consecutive_failures": state.health.failures,
+                    "reserved_tokens": load.tokens if load else 0,
+                    "reserved_requests": load.requests if load else 0,
+                    "inflight_here": state.inflight,
+                    "scraped": _load_dict(state.load, now),
+                    "speed": _speed_dict(self._speed(state, view.speeds.get(key))),
+                    "speed_samples": state.speed.samples,
+                }
+            )
+        return {
+            "policy": self._config.policy,
+            "choices": self._config.choices,
+            "disagg_min_tokens": self._config.min_tokens,
+            "disagg_ttft_ratio": self._config.ttft_ratio,
+            "discovery": self._discovery.describe(),
+            "state_backend": self.backend.status(),
+            "decisions": dict(self._reasons),
+            "local": {
+                "ahead_tokens": self._local_ahead,
+                "scraped": _load_dict(self._local_load, now),
+                "speed": _speed_dict(self._local_speed.value),
+                "prefix_index_blocks": len(self._prefix),
+            },
+            "endpoints": endpoints,
+        }
+
+
+def _load_dict(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
+    if load is None:
+        return None
+    return {
+        "waiting": load.waiting,
+        "running": load.running,
+        "kv_usage": load.kv_usage,
+        "age_s": round(now - load.at, 3),
+    }
+
+
+def _speed_dict(speed: Speed) -> dict[str, float]:
+    return {"s_per_token": speed.s_per_token, "overhead_s": speed.overhead_s}

@@ -1,0 +1,279 @@
+"""The Redis backend: every sidecar's reservations, speed estimates and ejections, shared.
+
+One Lua script does everything in one round trip: it replaces this sidecar's reservations with
+their current absolute values (so Redis heals itself after a restart or a lost update), renews the
+sidecar's lease, drops sidecars whose lease ran out (a dead sidecar's reservations stop counting
+within ``lease_s``), stores published speeds and ejections, and returns the pool's totals.
+
+On the request path only ``reserve`` talks to Redis, and only when no other sync is in flight; it
+waits at most ``timeout_s`` and never raises: a slow or absent Redis leaves the decision to the
+local view, and a background worker keeps syncing (releases, heartbeats) and reconnecting.
+
+Keys share one hash tag (``{prefix}``), so a Redis Cluster keeps them in one slot; the script
+reaches the per-sidecar hashes by name, which standalone Redis and single-slot clusters allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from sidecar.scheduling.model import Speed
+from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
+
+logger = logging.getLogger("sidecar.scheduling.state")
+
+_SYNC = """
+local res_prefix, sid = ARGV[1], ARGV[2]
+local now, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+local mine = res_prefix .. sid
+redis.call('DEL', mine)
+local i = 5
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  redis.call('HSET', mine, ARGV[i], ARGV[i + 1] .. ' ' .. ARGV[i + 2]); i = i + 3
+end
+if n > 0 then redis.call('PEXPIRE', mine, math.ceil(lease * 1000)) end
+redis.call('ZADD', KEYS[1], now + lease, sid)
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
+if n > 0 then redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 100000)) end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local current = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0')
+  if tonumber(ARGV[i + 1]) > current then redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+  i = i + 2
+end
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+for _, d in ipairs(dead) do redis.call('DEL', res_prefix .. d) end
+if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) end
+local totals, order = {}, {}
+for _, s in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local h = redis.call('HGETALL', res_prefix .. s)
+  for j = 1, #h, 2 do
+    local tok, req = string.match(h[j + 1], '(%-?%d+) (%-?%d+)')
+    if totals[h[j]] == nil then totals[h[j]] = {0, 0}; order[#order + 1] = h[j] end
+    totals[h[j]][1] = totals[h[j]][1] + tonumber(tok)
+    totals[h[j]][2] = totals[h[j]][2] + tonumber(req)
+  end
+end
+local flat = {}
+for _, ep in ipairs(order) do
+  flat[#flat + 1] = ep; flat[#flat + 1] = totals[ep][1]; flat[#flat + 1] = totals[ep][2]
+end
+local ejections = redis.call('HGETALL', KEYS[3])
+local live = {}
+for j = 1, #ejections, 2 do
+  if tonumber(ejections[j + 1]) > now then
+    live[#live + 1] = ejections[j]; live[#live + 1] = ejections[j + 1]
+  else
+    redis.call('HDEL', KEYS[3], ejections[j])
+  end
+end
+return {flat, redis.call('HGETALL', KEYS[2]), live}
+"""
+
+_ERRORS = (RedisError, OSError, TimeoutError)
+
+
+class RedisState:
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str,
+        lease_s: float,
+        timeout_s: float,
+        on_error: Callable[[str], None] = lambda kind: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._url = url
+        tag = "{" + prefix + "}"
+        self._keys = [f"{tag}:sidecars", f"{tag}:speeds", f"{tag}:ejections"]
+        self._res_prefix = f"{tag}:res:"
+        self._id = uuid.uuid4().hex
+        self._lease_s = lease_s
+        self._timeout_s = timeout_s
+        self._on_error = on_error
+        self._clock = clock
+        self._own = OwnReservations()
+        self._others: dict[str, Load] = {}
+        self._speeds: dict[str, Speed] = {}
+        self._ejected: dict[str, float] = {}
+        self._pending_speeds: dict[str, Speed] = {}
+        self._pending_ejections: dict[str, float] = {}
+        self._client: aioredis.Redis | None = None
+        self._script: Any = None
+        self._sync: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._worker: asyncio.Task[None] | None = None
+        self._down_until = 0.0
+        self._backoff_s = 0.5
+        self.connected = False
+        self.last_error: str | None = None
+        self.last_sync_unix: float | None = None
+
+    async def start(self) -> None:
+        # Socket timeouts bound the background worker; the request path has its own, shorter wait.
+        self._client = aioredis.Redis.from_url(
+            self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
+        )
+        self._script = self._client.register_script(_SYNC)
+        self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
+
+    async def close(self) -> None:
+        for task in (self._worker, self._sync):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._client is not None:
+            # Best effort: let the others stop counting us now rather than after the lease.
+            with contextlib.suppress(*_ERRORS):
+                async with asyncio.timeout(0.5):
+                    await self._client.delete(self._res_prefix + self._id)
+                    await self._client.zrem(self._keys[0], self._id)
+            await self._client.aclose()
+            self._client = None
+
+    def view(self) -> SharedView:
+        loads = dict(self._others)
+        for endpoint, own in self._own.loads.items():
+            other = loads.get(endpoint, Load())
+            loads[endpoint] = Load(other.tokens + own.tokens, other.requests + own.requests)
+        return SharedView(loads, dict(self._speeds), dict(self._ejected))
+
+    async def reserve(self, endpoint: str, tokens: int) -> Reservation:
+        ahead = self.view().loads.get(endpoint, Load()).tokens
+        self._own.add(endpoint, tokens, 1)
+        reservation = Reservation(endpoint, tokens, ahead)
+        if self._sync is not None or self._clock() < self._down_until:
+            # A sync is under way (it will be followed by one carrying this reservation) or
+            # Redis is down: decide on the local view rather than queue behind it.
+            self._wake.set()
+            return reservation
+        self._sync = asyncio.create_task(self._run_sync())
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await asyncio.shield(self._sync)
+        except TimeoutError:
+            self._record_error("timeout", "no answer within the decision budget")
+        return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        self._own.add(reservation.endpoint, -reservation.tokens, -1)
+        self._wake.set()
+
+    def publish_speed(self, endpoint: str, speed: Speed) -> None:
+        self._pending_speeds[endpoint] = speed
+        self._speeds[endpoint] = speed
+
+    def publish_ejection(self, endpoint: str, until_unix: float) -> None:
+        self._pending_ejections[endpoint] = until_unix
+        self._ejected[endpoint] = until_unix
+        self._wake.set()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "connected": self.connected,
+            "sidecar_id": self._id,
+            "last_sync_unix": self.last_sync_unix,
+            "last_error": self.last_error,
+            "lease_s": self._lease_s,
+        }
+
+    async def _work(self) -> None:
+        """Sync after every change, and at least three times per lease (the heartbeat)."""
+        heartbeat = self._lease_s / 3
+        # Register at once (this also loads the script, so requests never pay for that).
+        self._wake.set()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(heartbeat):
+                    await self._wake.wait()
+            self._wake.clear()
+            wait = self._down_until - self._clock()
+            if wait > 0:
+                await asyncio.sleep(min(wait, heartbeat))
+            if self._sync is None:
+                self._sync = asyncio.create_task(self._run_sync())
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._sync)
+
+    async def _run_sync(self) -> None:
+        try:
+            await self._sync_once()
+        finally:
+            self._sync = None
+
+    async def _sync_once(self) -> None:
+        own = dict(self._own.loads)
+        speeds, self._pending_speeds = self._pending_speeds, {}
+        ejections, self._pending_ejections = self._pending_ejections, {}
+        now = self._clock()
+        args: list[Any] = [self._res_prefix, self._id, repr(now), repr(self._lease_s), len(own)]
+        for endpoint, load in own.items():
+            args += [endpoint, load.tokens, load.requests]
+        args.append(len(speeds))
+        for endpoint, speed in speeds.items():
+            args += [endpoint, f"{speed.s_per_token!r} {speed.overhead_s!r}"]
+        args.append(len(ejections))
+        for endpoint, until in ejections.items():
+            args += [endpoint, repr(until)]
+        try:
+            reply = await self._script(keys=self._keys, args=args)
+        except _ERRORS as exc:
+            # Keep what was not published; the next sync carries it.
+            self._pending_speeds = {**speeds, **self._pending_speeds}
+            self._pending_ejections = {**ejections, **self._pending_ejections}
+            self._down_until = self._clock() + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, 5.0)
+            self._record_error("connection", f"{type(exc).__name__}: {exc}")
+            return
+        self._apply(reply, own)
+
+    def _apply(self, reply: Any, own_sent: dict[str, Load]) -> None:
+        totals, speeds, ejections = reply
+        others: dict[str, Load] = {}
+        for index in range(0, len(totals), 3):
+            endpoint = _text(totals[index])
+            total = Load(int(totals[index + 1]), int(totals[index + 2]))
+            mine = own_sent.get(endpoint, Load())
+            if total.requests - mine.requests > 0:
+                others[endpoint] = Load(total.tokens - mine.tokens, total.requests - mine.requests)
+        self._others = others
+        self._speeds = {
+            _text(speeds[i]): Speed(*map(float, _text(speeds[i + 1]).split()))
+            for i in range(0, len(speeds), 2)
+        }
+        self._ejected = {
+            _text(ejections[i]): float(ejections[i + 1]) for i in range(0, len(ejections), 2)
+        }
+        if not self.connected:
+            logger.info("redis state backend connected")
+        self.connected = True
+        self._backoff_s = 0.5
+        self.last_sync_unix = self._clock()
+
+    def _record_error(self, kind: str, detail: str) -> None:
+        if self.connected or self.last_error is None:
+            logger.warning("redis state backend: %s (%s); deciding on the local view", kind, detail)
+        if kind == "connection":
+            self.connected = False
+        self.last_error = f"{kind}: {detail}"
+        self._on_error(kind)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,235 @@
+"""The scheduler in a running sidecar (memory backend): decisions, health, scraping, discovery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar.app import SCHEDULER
+from sidecar.discovery import Discovery
+from sidecar.endpoints import Endpoint
+from sidecar.metrics import Metrics
+from sidecar.scheduling.scheduler import Scheduler, SchedulerConfig
+from sidecar.scheduling.state import MemoryState
+from sidecar.upstream import Engines
+from tests.conftest import (
+    StartEmulator,
+    StartSidecar,
+    chat,
+    completion,
+    eventually,
+    get_json,
+    inject,
+)
+from tests.processes import free_port
+
+LONG = "A retrieved passage about prefill and decode disaggregation. " * 40  # ~600 tokens
+
+
+async def _send(http, sidecar, body, headers=None) -> dict:
+    async with http.post(
+        sidecar.url + "/v1/completions", json=body, headers=headers or {}
+    ) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+        request_id = response.headers["x-request-id"]
+    return await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+
+
+async def test_decision_reasons(http, start_sidecar_with: StartSidecar, prefill) -> None:
+    sidecar = await start_sidecar_with(prefill_endpoints=prefill.endpoint)
+    short = await _send(http, sidecar, completion("a short question"))
+    assert (short["decision"], short["reason"]) == ("local", "short_prompt")
+    long = await _send(http, sidecar, completion(LONG))
+    assert (long["decision"], long["reason"]) == ("remote", "scheduled")
+    assert long["prefill_endpoint"] == prefill.endpoint
+    assert long["prefill_predicted_ms"] > 0
+    assert long["prefill_observed_ms"] == long["durations_ms"]["prefill"]
+    # The same conversation continues on this pod: its history is in the local cache.
+    again = await _send(http, sidecar, completion(LONG + " And a follow-up question?"))
+    assert (again["decision"], again["reason"]) == ("local", "prefix_cached")
+    assert again["prefill_observed_ms"] == again["durations_ms"]["ttft"]
+    header = await _send(
+        http, sidecar, completion("tiny"), {"x-prefiller-host-port": prefill.endpoint}
+    )
+    assert (header["decision"], header["reason"]) == ("remote", "header")
+
+    snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+    assert snapshot["decisions"] == {
+        "short_prompt": 1,
+        "scheduled": 1,
+        "prefix_cached": 1,
+        "header": 1,
+    }
+    async with http.get(sidecar.url + "/metrics") as response:
+        text = await response.text()
+    assert 'pd_sidecar_scheduler_decisions_total{decision="remote",reason="scheduled"} 1.0' in text
+    assert (
+        'pd_sidecar_scheduler_decisions_total{decision="local",reason="short_prompt"} 1.0' in text
+    )
+
+
+async def test_pool_empty_and_saturated(http, start_sidecar_with: StartSidecar, prefill) -> None:
+    lonely = await start_sidecar_with()
+    record = await _send(http, lonely, completion(LONG))
+    assert (record["decision"], record["reason"]) == ("local", "pool_empty")
+    # A ratio this small means no remote prefill is ever worth its predicted TTFT.
+    strict = await start_sidecar_with(prefill_endpoints=prefill.endpoint, disagg_ttft_ratio=0.01)
+    record = await _send(http, strict, completion(LONG))
+    assert (record["decision"], record["reason"]) == ("local", "pool_saturated")
+
+
+async def test_chat_prompt_estimate(http, start_sidecar_with: StartSidecar, prefill) -> None:
+    sidecar = await start_sidecar_with(prefill_endpoints=prefill.endpoint)
+    async with http.post(sidecar.url + "/v1/chat/completions", json=chat(LONG)) as response:
+        await response.read()
+        request_id = response.headers["x-request-id"]
+    record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+    assert record["reason"] == "scheduled"
+
+
+async def test_failing_endpoint_is_ejected_then_readmitted(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
+) -> None:
+    broken, healthy = await start_engine(), await start_engine()
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=f"{broken.endpoint},{healthy.endpoint}",
+        scheduler_policy="round_robin",
+        eject_after_failures=2,
+        eject_base_s=0.3,
+        scrape_interval_s=0.05,
+    )
+    await inject(http, broken, kind="status", status=503, role="prefill", count=2)
+    records = [await _send(http, sidecar, completion(f"{i} {LONG}")) for i in range(4)]
+    # Round robin: the broken endpoint failed twice (fallbacks), then was skipped.
+    fallbacks = [r["fallback_reason"] for r in records]
+    assert fallbacks.count("prefill_error") == 2
+    after = await _send(http, sidecar, completion(f"after {LONG}"))
+    assert after["prefill_endpoint"] == healthy.endpoint
+
+    async def state_of(endpoint: str) -> str:
+        snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        return next(e["state"] for e in snapshot["endpoints"] if e["endpoint"] == endpoint)
+
+    assert await state_of(broken.endpoint) in ("ejected", "probing")
+    async with http.get(sidecar.url + "/metrics") as response:
+        text = await response.text()
+    assert f'pd_sidecar_prefill_endpoint_healthy{{endpoint="{broken.endpoint}"}} 0.0' in text
+    # The backoff runs out, the /health probe succeeds: back in the pool.
+    await eventually(lambda: _is(state_of(broken.endpoint), "healthy"))
+    chosen = {
+        (await _send(http, sidecar, completion(f"x{i} {LONG}")))["prefill_endpoint"]
+        for i in range(4)
+    }
+    assert chosen == {broken.endpoint, healthy.endpoint}
+
+
+async def _is(value, expected) -> bool:
+    return await value == expected
+
+
+async def test_dead_endpoint_is_ejected_by_the_scraper(
+    http, start_sidecar_with: StartSidecar
+) -> None:
+    nobody = f"127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=nobody, scrape_interval_s=0.05, eject_after_failures=2
+    )
+
+    async def ejected() -> bool:
+        snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        return snapshot["endpoints"][0]["state"] in ("ejected", "probing")
+
+    await eventually(ejected)
+    record = await _send(http, sidecar, completion(LONG))
+    assert (record["decision"], record["reason"]) == ("local", "pool_empty")
+
+
+async def test_scraped_load_is_visible(
+    http, start_sidecar_with: StartSidecar, prefill, decode
+) -> None:
+    sidecar = await start_sidecar_with(prefill_endpoints=prefill.endpoint, scrape_interval_s=0.05)
+    await inject(http, prefill, kind="hang", role="prefill")
+    pending = asyncio.create_task(_send(http, sidecar, completion(LONG)))
+
+    async def busy() -> bool:
+        snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        endpoint = snapshot["endpoints"][0]
+        scraped = endpoint["scraped"]
+        return (
+            scraped is not None
+            and scraped["running"] == 1
+            and endpoint["reserved_requests"] == 1
+            and endpoint["reserved_tokens"] > 500
+        )
+
+    await eventually(busy)
+    snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+    assert snapshot["local"]["scraped"]["running"] == 0
+    assert snapshot["state_backend"] == {"backend": "memory", "connected": True}
+    async with http.post(prefill.url + "/emulator/release") as response:
+        assert response.status in (200, 204)
+    assert (await pending)["decision"] == "remote"
+    snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+    assert snapshot["endpoints"][0]["reserved_requests"] == 0
+    assert snapshot["endpoints"][0]["speed_samples"] == 1
+
+
+async def test_dns_discovery_resolves_a_and_aaaa(
+    http, start_sidecar_with: StartSidecar, prefill
+) -> None:
+    sidecar = await start_sidecar_with(prefill_dns=f"localhost:{prefill.port}")
+    snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+    endpoints = {e["endpoint"] for e in snapshot["endpoints"]}
+    assert f"127.0.0.1:{prefill.port}" in endpoints
+    assert endpoints <= {f"127.0.0.1:{prefill.port}", f"[::1]:{prefill.port}"}
+    assert snapshot["discovery"]["dns"] == f"localhost:{prefill.port}"
+
+
+async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -> None:
+    first = prefill
+    answer = ["127.0.0.1"]
+
+    async def resolver(name: str, port: int) -> list[str]:
+        return list(answer)  # what the headless Service's DNS says right now
+
+    engines = Engines(connect_timeout_s=1)
+    await engines.open()
+    discovery = Discovery((), Endpoint("svc", first.port), resolver=resolver)
+    scheduler = Scheduler(
+        SchedulerConfig(scrape_interval_s=60, min_tokens=0, ttft_ratio=1000, seed=3),
+        discovery=discovery,
+        backend=MemoryState(),
+        engines=engines,
+        decode_url=decode.url,
+        metrics=Metrics(),
+    )
+    await scheduler.start()
+    try:
+        key = f"127.0.0.1:{first.port}"
+        placement = await scheduler.place(completion(LONG), None)
+        assert placement.decision.endpoint == key
+        answer[:] = []  # the pod left the Service
+        await scheduler.refresh_pool()
+        [state] = scheduler.snapshot()["endpoints"]
+        assert state["state"] == "draining"
+        assert (await scheduler.place(completion("other " + LONG), None)).decision.reason == (
+            "pool_empty"
+        )
+        scheduler.prefill_finished(placement, ok=True, seconds=0.01)
+        assert scheduler.snapshot()["endpoints"] == []  # drained, then gone
+        answer[:] = ["127.0.0.1"]
+        await scheduler.refresh_pool()
+        assert [e["state"] for e in scheduler.snapshot()["endpoints"]] == ["healthy"]
+    finally:
+        await scheduler.close()
+        await engines.close()
+
+
+@pytest.mark.parametrize("policy", ["qoe", "power_of_two", "least_loaded", "round_robin", "random"])
+async def test_every_policy_serves(http, start_sidecar_with: StartSidecar, prefill, policy) -> None:
+    sidecar = await start_sidecar_with(prefill_endpoints=prefill.endpoint, scheduler_policy=policy)
+    record = await _send(http, sidecar, completion(f"{policy} {LONG}"))
+    assert record["decision"] == "remote"
+    assert sidecar.runner.app[SCHEDULER].snapshot()["policy"] == policy

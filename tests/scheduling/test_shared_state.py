@@ -1,0 +1,191 @@
+"""Shared state through a real redis-server, with real sidecar processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from tests.conftest import StartEmulator, completion, eventually, get_json, inject
+from tests.processes import RedisServer, free_port, sidecar_process
+
+LONG_PROMPT = "Retrieved passage about KV caches and their transfer. " * 45  # ~600 tokens
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    server = RedisServer(free_port())
+    await server.start()
+    yield server
+    await server.stop()
+
+
+def _shared(redis: RedisServer, decode_url: str, **extra: str) -> dict[str, str]:
+    return {
+        "decode_url": decode_url,
+        "state_backend": "redis",
+        "redis_url": redis.url,
+        "redis_key_prefix": "test",
+        "scrape_interval_s": "0.2",
+        "disagg_ttft_ratio": "1000",
+        **extra,
+    }
+
+
+async def _prefills(http: aiohttp.ClientSession, engine) -> int:
+    kv = await get_json(http, engine.url + "/emulator/kv")
+    return int(kv["pulled_total"])
+
+
+async def _evalsha_calls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_eval"))
+
+
+@pytest.mark.timeout(60)
+async def test_slow_endpoint_receives_fewer_prefills(
+    http, redis_server, start_engine: StartEmulator, decode
+) -> None:
+    fast = [await start_engine(prefill_s_per_token=0.00005) for _ in range(2)]
+    slow = await start_engine(prefill_s_per_token=0.0005)  # ten times slower
+    pool = ",".join(e.endpoint for e in [*fast, slow])
+    settings = _shared(redis_server, decode.url, prefill_endpoints=pool)
+    async with (
+        sidecar_process(**settings, scheduler_seed="1") as one,
+        sidecar_process(**settings, scheduler_seed="2") as two,
+    ):
+
+        async def client(sidecar_url: str, index: int) -> int:
+            async with http.post(
+                sidecar_url + "/v1/completions",
+                json=completion(f"{index} {LONG_PROMPT}", max_tokens=2),
+            ) as response:
+                await response.read()
+                return response.status
+
+        statuses = []
+        for batch in range(6):  # waves of 8 concurrent requests over both sidecars
+            statuses += await asyncio.gather(
+                *(client((one, two)[i % 2].url, batch * 8 + i) for i in range(8))
+            )
+        assert statuses == [200] * 48
+        counts = [await _prefills(http, e) for e in [*fast, slow]]
+        records = (await get_json(http, one.url + "/debug/requests"))["recent"]
+        assert {r["reason"] for r in records} == {"scheduled"}
+    # Round robin would give the slow endpoint a third (16); observed speed keeps it well below.
+    assert sum(counts) == 48
+    assert counts[2] <= 8, counts
+    assert counts[2] < min(counts[:2]) / 2, counts
+
+
+@pytest.mark.timeout(60)
+async def test_dead_sidecar_stops_counting_within_the_lease(
+    http, redis_server, prefill, decode
+) -> None:
+    settings = _shared(
+        redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_lease_s="1"
+    )
+    async with sidecar_process(**settings) as watcher, sidecar_process(**settings) as victim:
+        await inject(http, prefill, kind="hang", role="prefill", count=2)
+
+        async def post(index: int) -> None:
+            async with http.post(
+                victim.url + "/v1/completions", json=completion(f"{index} {LONG_PROMPT}")
+            ) as response:
+                await response.read()
+
+        pending = [asyncio.create_task(post(i)) for i in range(2)]
+
+        async def reserved(count: int) -> bool:
+            snapshot = await get_json(http, watcher.url + "/debug/scheduler")
+            # The watcher's view refreshes with its own syncs (heartbeat: lease / 3).
+            return snapshot["endpoints"][0]["reserved_requests"] == count
+
+        await eventually(lambda: reserved(2), within=10)
+        victim.kill()
+        await victim.process.wait()
+        for task in pending:  # the victim's clients lose their connection
+            with pytest.raises(aiohttp.ClientError):
+                await task
+        # Lease 1 s; the watcher's heartbeat comes every third of it.
+        await eventually(lambda: reserved(0), within=3)
+        async with http.post(decode.url + "/emulator/release") as response:
+            assert response.status in (200, 204)
+
+
+@pytest.mark.timeout(60)
+async def test_redis_down_costs_no_request_and_reconnects(
+    http, redis_server, prefill, decode
+) -> None:
+    settings = _shared(redis_server, decode.url, prefill_endpoints=prefill.endpoint)
+    async with sidecar_process(**settings) as sidecar:
+        sent = 0
+
+        async def send(count: int) -> list[int]:
+            nonlocal sent
+            statuses = []
+            for index in range(sent, sent + count):  # new prompts: none is cached locally
+                async with http.post(
+                    sidecar.url + "/v1/completions",
+                    json=completion(f"{index} {LONG_PROMPT}", max_tokens=2),
+                ) as response:
+                    await response.read()
+                    statuses.append(response.status)
+            sent += count
+            return statuses
+
+        async def connected(expected: bool) -> bool:
+            snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+            return snapshot["state_backend"]["connected"] is expected
+
+        assert await send(3) == [200] * 3
+        await eventually(lambda: connected(True))
+        await redis_server.stop()
+        assert await send(10) == [200] * 10
+        await eventually(lambda: connected(False))
+        records = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][:10]
+        assert {r["decision"] for r in records} == {"remote"}
+        async with http.get(sidecar.url + "/metrics") as response:
+            assert "pd_sidecar_state_backend_errors_total" in await response.text()
+        await redis_server.start()  # same port: the backend finds it again by itself
+        await eventually(lambda: connected(True), within=15)
+        assert await send(2) == [200] * 2
+
+
+@pytest.mark.timeout(30)
+async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefill, decode) -> None:
+    settings = _shared(
+        redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_lease_s="600"
+    )
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with sidecar_process(**settings) as sidecar:
+            await inject(http, prefill, kind="hang", role="prefill")
+
+            async def registered() -> bool:
+                snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+                return bool(snapshot["state_backend"]["connected"])
+
+            await eventually(registered)
+            before = await _evalsha_calls(client)
+            request = asyncio.create_task(
+                http.post(sidecar.url + "/v1/completions", json=completion(LONG_PROMPT))
+            )
+
+            async def prefilling() -> bool:
+                inflight = (await get_json(http, sidecar.url + "/debug/requests"))["inflight"]
+                return [r["state"] for r in inflight] == ["prefilling"]
+
+            await eventually(prefilling)
+            # The prefill is hanging on the engine: exactly one script call was made for it.
+            assert await _evalsha_calls(client) - before == 1
+            async with http.post(prefill.url + "/emulator/release") as response:
+                assert response.status in (200, 204)
+            response = await request
+            assert response.status == 200
+            await response.read()
+    finally:
+        await client.aclose()
