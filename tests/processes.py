@@ -94,6 +94,8 @@ class RedisServer:
             "",
             "--appendonly",
             "no",
+            "--enable-debug-command",
+            "local",  # DEBUG SLEEP plays a slow Redis
             stdout=asyncio.subprocess.DEVNULL,
         )
 

@@ -7,10 +7,8 @@ stalls while a local prefill runs); past it the pool counts as saturated.
 
 "Uncached" is relative to the local decode engine's prefix cache (``cached_tokens``); a prefill
 engine does not hold that cache, so a remote prefill is predicted for the whole prompt.
-
-The default ratio, 4, comes from the simulator (docs/scheduling.md): against 2 it raises goodput by
-about a fifth in the standard scenario and costs nothing measurable in the wide one; 6 gains a
-little more in the standard scenario but overloads the small prefill pool of the wide one.
+The ratio trades goodput against prefill-queue length; docs/scheduling.md has the simulator's
+numbers for 2, 3, 4 and 6.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ class Decider:
         policy: Policy,
         *,
         min_tokens: int = 512,
-        ttft_ratio: float = 4.0,
+        ttft_ratio: float = 2.0,
         transfer: Transfer = Transfer(),
         always: bool = False,
     ) -> None:

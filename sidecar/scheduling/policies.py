@@ -2,8 +2,8 @@
 
 Each gets the available candidates and the tokens the prefill engine will compute (the decider
 passes the whole prompt: a prefill engine does not hold the decode engine's prefix cache), and
-returns one candidate or None when there is none. Randomness comes from an injected ``random.Random`` (seeded in tests and
-the simulator).
+returns one candidate or None when there is none. Randomness comes from an injected
+``random.Random`` (seeded in tests and the simulator).
 """
 
 from __future__ import annotations

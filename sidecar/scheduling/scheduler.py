@@ -193,7 +193,11 @@ class Scheduler:
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint)
         state.inflight += 1
-        reservation = await self.backend.reserve(state.key, decision.uncached_tokens)
+        try:
+            reservation = await self.backend.reserve(state.key, decision.uncached_tokens)
+        except BaseException:
+            state.inflight -= 1
+            raise
         return Placement(decision, endpoint, reservation)
 
     def prefill_finished(

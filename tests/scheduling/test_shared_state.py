@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -189,3 +190,56 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
             await response.read()
     finally:
         await client.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_slow_redis_does_not_hold_requests(http, redis_server, prefill, decode) -> None:
+    settings = _shared(
+        redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_timeout_ms="20"
+    )
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with sidecar_process(**settings) as sidecar:
+
+            async def registered() -> bool:
+                snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+                return bool(snapshot["state_backend"]["connected"])
+
+            await eventually(registered)
+            # Redis stops answering anyone for 2 s; the request must not wait for it.
+            stall = asyncio.create_task(client.execute_command("DEBUG", "SLEEP", "2"))
+            await eventually(lambda: _stalled(redis_server.port))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with http.post(
+                sidecar.url + "/v1/completions", json=completion("slow " + LONG_PROMPT)
+            ) as response:
+                assert response.status == 200
+                await response.read()
+            assert loop.time() - started < 1.0
+            assert not stall.done()
+            records = (await get_json(http, sidecar.url + "/debug/requests"))["recent"]
+            assert records[0]["decision"] == "remote"
+            async with http.get(sidecar.url + "/metrics") as response:
+                text = await response.text()
+            assert 'pd_sidecar_state_backend_errors_total{kind="timeout"} 1.0' in text
+            await stall
+    finally:
+        await client.aclose()
+
+
+async def _stalled(port: int) -> bool:
+    """True once Redis leaves a PING unanswered for 50 ms."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"PING\r\n")
+        await writer.drain()
+        async with asyncio.timeout(0.05):
+            await reader.readline()
+        return False
+    except TimeoutError:
+        return True
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()

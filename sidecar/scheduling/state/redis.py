@@ -168,6 +168,9 @@ class RedisState:
                 await asyncio.shield(self._sync)
         except TimeoutError:
             self._record_error("timeout", "no answer within the decision budget")
+        except asyncio.CancelledError:
+            self.release(reservation)  # the request is gone before it could use its reservation
+            raise
         return reservation
 
     def release(self, reservation: Reservation) -> None:
