@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from sidecar.tracking import RequestRecord
@@ -74,6 +84,14 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.asyncio_tasks = Gauge(
+            "pd_sidecar_asyncio_tasks",
+            "asyncio tasks alive in the sidecar's event loop (a leak shows as growth).",
+            registry=self.registry,
+        )
+        # process_resident_memory_bytes, process_open_fds, ... and python_info.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.scheduler_decisions = Counter(
             "pd_sidecar_scheduler_decisions",
             "Prefill placements, by decision (remote or local) and reason.",
@@ -130,4 +148,5 @@ class Metrics:
         self.requests.labels("other", "none", outcome).inc()
 
     def render(self) -> bytes:
+        self.asyncio_tasks.set(len(asyncio.all_tasks()))
         return generate_latest(self.registry)
