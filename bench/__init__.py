@@ -1,0 +1,1 @@
+"""Benchmarks and the scheduling simulator. Never imported by the ``sidecar`` package."""

@@ -1,0 +1,296 @@
+"""One simulated run: a scenario, a scheduler variant, an arrival rate; and its statistics."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bench.sim.engines import DecodeEngine, Job, Loop, PrefillEngine, Request
+from bench.sim.scenario import Scenario, Variant
+from bench.sim.sidecars import Reservations, Sidecar
+from bench.sim.workload import Shape, shapes
+from sidecar.scheduling.model import Candidate, LocalView
+
+SAMPLE_S = 0.05
+"""Virtual seconds between samples of the prefill queues."""
+DRAIN_S = 60.0
+"""After the last measured arrival, give up on unfinished measured requests (SLO missed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunStats:
+    scenario: str
+    variant: str
+    rate: float
+    requests: int
+    attainment: float
+    """Share of measured requests meeting both the TTFT and the TPOT SLO."""
+    ttft_attainment: float
+    tpot_attainment: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    remote_share: float
+    reasons: dict[str, int]
+    queue_mean: float
+    """Time-averaged mean over prefill engines of requests queued or running there."""
+    queue_max_over_mean: float
+    """Time average of the longest prefill queue / time average of the mean queue."""
+    queue_ratio_busy: float
+    """Average of the instantaneous max/mean ratio over samples where the mean is above 0."""
+    local_prefill_share: float
+    """Share of decode-engine time spent on local prefills (decode batch stalled)."""
+    unfinished: int
+    wall_s: float
+    sim_s: float
+    by_kind: dict[str, float] = field(default_factory=dict)
+    """SLO attainment per request kind."""
+
+
+class Simulation:
+    def __init__(
+        self,
+        scenario: Scenario,
+        variant: Variant,
+        rate: float,
+        *,
+        measured: int,
+        warmup: int,
+        seed: int,
+    ) -> None:
+        self.scenario = scenario
+        self.variant = variant
+        self.loop = Loop()
+        self._rate = rate
+        self._warmup = warmup
+        self._total = warmup + measured
+        self._shapes = shapes(scenario, seed)
+        self._gateway_rng = random.Random(f"gateway-{seed}")
+        keys = [f"prefill-{i}" for i in range(scenario.prefill_engines)]
+        self.prefill = {
+            key: PrefillEngine(self.loop, key, scenario, self._prefilled) for key in keys
+        }
+        self.decode = [
+            DecodeEngine(self.loop, i, scenario, self._first_token, self._finished)
+            for i in range(scenario.decode_engines)
+        ]
+        shared = Reservations(keys)
+        self.sidecars = [
+            Sidecar(
+                i,
+                scenario,
+                variant,
+                keys,
+                shared if scenario.state == "shared" else Reservations(keys),
+                seed,
+            )
+            for i in range(scenario.decode_engines)
+        ]
+        self.requests: list[Request] = []
+        self._arrived = 0
+        self._done = 0
+        self._measuring = False
+        self._samples = 0
+        self._sum_max = 0.0
+        self._sum_mean = 0.0
+        self._sum_ratio = 0.0
+        self._busy_samples = 0
+
+    def run(self) -> RunStats:
+        started = time.perf_counter()
+        self._schedule_arrival()
+        self.loop.run()
+        return self._stats(time.perf_counter() - started)
+
+    # Arrivals and the scheduling decision.
+
+    def _schedule_arrival(self) -> None:
+        shape = next(self._shapes)
+        self.loop.at(self.loop.now + shape.gap / self._rate, self._arrive, shape)
+
+    def _arrive(self, shape: Shape) -> None:
+        loop = self.loop
+        index = self._arrived
+        self._arrived += 1
+        measured = self._warmup <= index < self._total
+        request = Request(index, shape, loop.now, measured)
+        if measured:
+            self.requests.append(request)
+            if index == self._warmup:
+                self._measuring = True
+                loop.at(loop.now, self._sample)
+            if index == self._total - 1:
+                self._measuring = False
+                loop.at(loop.now + DRAIN_S, self._give_up)
+        self._schedule_arrival()
+
+        engine = shape.home if shape.home is not None else self._gateway()
+        request.engine = engine
+        self.decode[engine].outstanding += 1
+        sidecar = self.sidecars[engine]
+        seen = sidecar.view_time(loop.now)
+        local = LocalView(
+            ahead_tokens=sidecar.ahead_tokens,
+            waiting=float(self.decode[engine].gauge.at(seen)[0]),
+            speed=sidecar.local_speed.value,
+        )
+        candidates = self._candidates(sidecar, seen) if sidecar.disaggregates else []
+        decision = sidecar.decider.decide(
+            candidates, local, prompt_tokens=shape.prompt_tokens, cached_tokens=shape.cached_tokens
+        )
+        request.reason = decision.reason
+        if decision.endpoint is None:
+            tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
+            request.prefill_tokens = tokens
+            request.work_tokens = sidecar.ahead_tokens + tokens
+            sidecar.ahead_tokens += tokens
+            self.decode[engine].submit_local(Job(request, tokens))
+        else:
+            # The prefill engines do not hold the decode engine's cache: the whole prompt.
+            tokens = shape.prompt_tokens
+            key = decision.endpoint
+            request.endpoint = key
+            request.prefill_tokens = tokens
+            request.work_tokens = sidecar.reservations.tokens[key] + tokens
+            sidecar.reservations.add(key, tokens)
+            self.prefill[key].submit(Job(request, tokens))
+
+    def _gateway(self) -> int:
+        """The decode engine with the fewest requests in flight, ties at random."""
+        loads = [engine.outstanding for engine in self.decode]
+        least = min(loads)
+        return self._gateway_rng.choice([i for i, load in enumerate(loads) if load == least])
+
+    def _candidates(self, sidecar: Sidecar, seen: float) -> list[Candidate]:
+        reservations = sidecar.reservations
+        candidates = []
+        for key, engine in self.prefill.items():
+            waiting, running = engine.gauge.at(seen)
+            candidates.append(
+                Candidate(
+                    key,
+                    reserved_tokens=reservations.tokens[key],
+                    reserved_requests=reservations.requests[key],
+                    waiting=float(waiting),
+                    running=float(running),
+                    speed=sidecar.speeds[key].value,
+                )
+            )
+        return candidates
+
+    # What the engines report back.
+
+    def _prefilled(self, request: Request) -> None:
+        loop = self.loop
+        assert request.endpoint is not None
+        sidecar = self.sidecars[request.engine]
+        sidecar.reservations.release(request.endpoint, request.prefill_tokens)
+        sidecar.speeds[request.endpoint].observe(request.work_tokens, loop.now - request.arrival)
+        transfer = self.scenario.transfer.seconds(request.prefill_tokens)
+        loop.at(loop.now + transfer, self.decode[request.engine].arrive_remote, request)
+
+    def _first_token(self, request: Request) -> None:
+        if request.endpoint is None:
+            sidecar = self.sidecars[request.engine]
+            sidecar.ahead_tokens -= request.prefill_tokens
+            sidecar.local_speed.observe(request.work_tokens, self.loop.now - request.arrival)
+
+    def _finished(self, request: Request) -> None:
+        self.decode[request.engine].outstanding -= 1
+        if request.measured:
+            self._done += 1
+            if self._done == self._total - self._warmup:
+                self.loop.stopped = True
+
+    def _give_up(self, _: object) -> None:
+        self.loop.stopped = True
+
+    def _sample(self, _: object) -> None:
+        queues = [engine.outstanding for engine in self.prefill.values()]
+        mean = sum(queues) / len(queues)
+        self._samples += 1
+        self._sum_max += max(queues)
+        self._sum_mean += mean
+        if mean > 0:
+            self._busy_samples += 1
+            self._sum_ratio += max(queues) / mean
+        if self._measuring:
+            self.loop.at(self.loop.now + SAMPLE_S, self._sample)
+
+    # Statistics.
+
+    def _stats(self, wall_s: float) -> RunStats:
+        scenario = self.scenario
+        met_ttft = met_tpot = met = 0
+        ttfts: list[float] = []
+        tpots: list[float] = []
+        kinds: Counter[str] = Counter()
+        kinds_met: Counter[str] = Counter()
+        unfinished = 0
+        for request in self.requests:
+            shape = request.shape
+            ttft = request.first_token - request.arrival
+            if math.isnan(request.finish):
+                unfinished += 1
+                ttft = math.inf if math.isnan(ttft) else ttft
+                tpot = math.inf
+            else:
+                tpot = (request.finish - request.first_token) / max(1, shape.output_tokens - 1)
+            ttfts.append(ttft)
+            tpots.append(tpot)
+            ok_ttft = ttft <= scenario.ttft_slo(shape.prompt_tokens)
+            ok_tpot = tpot <= scenario.tpot_slo_s
+            met_ttft += ok_ttft
+            met_tpot += ok_tpot
+            met += ok_ttft and ok_tpot
+            kinds[shape.kind] += 1
+            kinds_met[shape.kind] += ok_ttft and ok_tpot
+        n = len(self.requests)
+        samples = max(1, self._samples)
+        busy_decode = sum(engine.prefill_s for engine in self.decode)
+        return RunStats(
+            scenario=scenario.name,
+            variant=self.variant.label,
+            rate=self._rate,
+            requests=n,
+            attainment=met / n,
+            ttft_attainment=met_ttft / n,
+            tpot_attainment=met_tpot / n,
+            ttft_p50=percentile(ttfts, 0.50),
+            ttft_p99=percentile(ttfts, 0.99),
+            tpot_p50=percentile(tpots, 0.50),
+            tpot_p99=percentile(tpots, 0.99),
+            remote_share=sum(r.endpoint is not None for r in self.requests) / n,
+            reasons=dict(Counter(r.reason for r in self.requests)),
+            queue_mean=self._sum_mean / samples,
+            queue_max_over_mean=self._sum_max / self._sum_mean if self._sum_mean else math.nan,
+            queue_ratio_busy=(
+                self._sum_ratio / self._busy_samples if self._busy_samples else math.nan
+            ),
+            local_prefill_share=busy_decode / (len(self.decode) * self.loop.now),
+            unfinished=unfinished,
+            wall_s=wall_s,
+            sim_s=self.loop.now,
+            by_kind={kind: kinds_met[kind] / count for kind, count in kinds.items()},
+        )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def simulate(
+    scenario: Scenario,
+    variant: Variant,
+    rate: float,
+    *,
+    measured: int,
+    warmup: int,
+    seed: int,
+) -> RunStats:
+    return Simulation(scenario, variant, rate, measured=measured, warmup=warmup, seed=seed).run()

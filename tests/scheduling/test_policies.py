@@ -1,0 +1,123 @@
+"""Prefill-partner policies: pure functions of the candidates and a seeded random source."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from sidecar.scheduling.model import Candidate, Speed, Transfer
+from sidecar.scheduling.policies import (
+    POLICIES,
+    TOKENS_PER_WAITING,
+    Qoe,
+    make_policy,
+    predicted_ttft,
+)
+
+
+def rng() -> random.Random:
+    return random.Random(7)
+
+
+def key(choice: Candidate | None) -> str:
+    assert choice is not None
+    return choice.key
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_returns_none_without_candidates(name):
+    assert make_policy(name, rng()).choose([], 1000) is None
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_every_policy_names_itself_and_picks_a_candidate(name):
+    policy = make_policy(name, rng())
+    candidates = [Candidate("a"), Candidate("b"), Candidate("c")]
+    assert policy.name == name
+    assert policy.choose(candidates, 100) in candidates
+
+
+def test_unknown_policy_is_an_error():
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        make_policy("fastest", rng())
+
+
+def test_round_robin_cycles_in_key_order_whatever_the_input_order():
+    policy = make_policy("round_robin", rng())
+    picks = [key(policy.choose([Candidate("b"), Candidate("a")], 1)) for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_least_loaded_takes_the_global_minimum_of_scraped_load():
+    candidates = [
+        Candidate("busy", waiting=3, running=1),
+        Candidate("idle", waiting=0, running=1, reserved_requests=9),  # reservations ignored
+        Candidate("mid", waiting=1, running=1),
+    ]
+    policy = make_policy("least_loaded", rng())
+    assert {key(policy.choose(candidates, 10)) for _ in range(20)} == {"idle"}
+
+
+def test_least_loaded_counts_reservations_for_endpoints_not_scraped_yet():
+    candidates = [Candidate("new", reserved_requests=2), Candidate("seen", waiting=1, running=0)]
+    assert key(make_policy("least_loaded", rng()).choose(candidates, 10)) == "seen"
+
+
+def test_least_loaded_breaks_ties_at_random():
+    candidates = [Candidate("a", waiting=0), Candidate("b", waiting=0)]
+    policy = make_policy("least_loaded", rng())
+    picks = Counter(key(policy.choose(candidates, 1)) for _ in range(200))
+    assert set(picks) == {"a", "b"}
+
+
+def test_power_of_two_prefers_the_larger_of_reservations_and_scrape():
+    # "b" has fewer reservations but its scrape shows more work from other sidecars.
+    candidates = [
+        Candidate("a", reserved_requests=2),
+        Candidate("b", reserved_requests=0, waiting=5),
+    ]
+    assert key(make_policy("power_of_two", rng()).choose(candidates, 1)) == "a"
+
+
+def test_predicted_ttft_counts_the_larger_of_reserved_and_scraped_queue():
+    speed = Speed(s_per_token=1e-4, overhead_s=0.02)
+    transfer = Transfer(fixed_s=0.002, s_per_token=1e-7)
+    reserved = Candidate("a", reserved_tokens=5000, waiting=1, speed=speed)
+    scraped = Candidate("b", reserved_tokens=0, waiting=3, speed=speed)
+    assert predicted_ttft(reserved, 1000, transfer) == pytest.approx(
+        0.02 + 1e-4 * 6000 + 0.002 + 1e-7 * 1000
+    )
+    assert predicted_ttft(scraped, 1000, transfer) == pytest.approx(
+        0.02 + 1e-4 * (3 * TOKENS_PER_WAITING + 1000) + 0.002 + 1e-7 * 1000
+    )
+
+
+def test_qoe_weighs_queue_by_the_endpoint_speed():
+    slow = Candidate("slow", reserved_tokens=1000, speed=Speed(4e-4, 0.02))
+    fast = Candidate("fast", reserved_tokens=4000, speed=Speed(1e-4, 0.02))
+    policy = Qoe(rng(), choices=2)
+    assert key(policy.choose([slow, fast], 1000)) == "fast"
+    # 2000 tokens at 0.4 ms (0.8 s) against 5000 at 0.1 ms (0.5 s).
+
+
+def test_qoe_with_two_choices_never_picks_the_worst_endpoint():
+    candidates = [Candidate(str(i), reserved_tokens=1000 * i) for i in range(5)]
+    policy = make_policy("qoe", rng(), choices=2)
+    picks = Counter(key(policy.choose(candidates, 500)) for _ in range(500))
+    assert "4" not in picks
+    assert picks["0"] > picks["1"] > picks["2"] > picks["3"] > 0
+
+
+def test_qoe_with_all_choices_takes_the_best():
+    candidates = [Candidate(str(i), reserved_tokens=1000 * (3 - i)) for i in range(4)]
+    policy = make_policy("qoe", rng(), choices=4)
+    assert {key(policy.choose(candidates, 1)) for _ in range(20)} == {"3"}
+
+
+def test_policies_are_reproducible_with_the_same_seed():
+    candidates = [Candidate(str(i)) for i in range(6)]
+    first = [make_policy("random", random.Random(3)).choose(candidates, 1) for _ in range(5)]
+    again = [make_policy("random", random.Random(3)).choose(candidates, 1) for _ in range(5)]
+    assert first == again
