@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar tests
-	$(VENV)/bin/ruff format --check sidecar tests
+	$(VENV)/bin/ruff check sidecar tests bench
+	$(VENV)/bin/ruff format --check sidecar tests bench
 
 format: setup
-	$(VENV)/bin/ruff check --fix sidecar tests
-	$(VENV)/bin/ruff format sidecar tests
+	$(VENV)/bin/ruff check --fix sidecar tests bench
+	$(VENV)/bin/ruff format sidecar tests bench
 
 types: setup
 	$(VENV)/bin/mypy

@@ -11,7 +11,7 @@ import sys
 from pydantic import ValidationError
 
 from sidecar import __version__
-from sidecar.app import start_sidecar
+from sidecar.app import TRACKER, RunningSidecar, start_sidecar
 from sidecar.config import Settings, describe_fields, explain
 
 logger = logging.getLogger("sidecar")
@@ -89,9 +89,25 @@ async def _serve(settings: Settings) -> None:
         type(loop).__module__.split(".")[0],
         settings.decode_url,
     )
+    if sidecar.admin_port is not None:
+        logger.info("admin endpoints on %s", sidecar.admin_url)
     await stop.wait()
-    logger.info("shutting down")
+    await _drain(sidecar, settings.drain_timeout_s)
+
+
+async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:
+    """Fail readiness, stop accepting, let streams finish, cancel stragglers, close."""
+    sidecar.begin_drain()
+    tracker = sidecar.app[TRACKER]
+    inflight, cancelled_before = tracker.inflight_count(), tracker.cancelled_total
+    logger.info("draining: %d request(s) in flight, up to %gs", inflight, timeout_s)
     await sidecar.close()
+    cancelled = tracker.cancelled_total - cancelled_before
+    logger.info(
+        "drained: %d request(s) finished, %d cancelled at the drain timeout",
+        inflight - cancelled,
+        cancelled,
+    )
 
 
 if __name__ == "__main__":

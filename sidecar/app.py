@@ -14,15 +14,17 @@ from sidecar.config import Settings
 from sidecar.connectors import make_connector
 from sidecar.debug import DebugViews
 from sidecar.discovery import Discovery
-from sidecar.errors import EngineUnreachable, error_response
+from sidecar.errors import EngineUnreachable, NotFound, error_response
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
-from sidecar.pipeline import Pipeline
+from sidecar.pipeline import Limits, Pipeline
+from sidecar.prefill import PrefillLeg
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler, SchedulerConfig
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.tracking import Tracker
+from sidecar.trust import PrefillGuard
 from sidecar.upstream import Engines
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -31,6 +33,8 @@ TRACKER = web.AppKey("tracker", Tracker)
 METRICS = web.AppKey("metrics", Metrics)
 READINESS = web.AppKey("readiness", Readiness)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
+PIPELINE = web.AppKey("pipeline", Pipeline)
+ADMIN_APP = web.AppKey("admin_app", web.Application)
 
 
 def create_app(settings: Settings) -> web.Application:
@@ -70,28 +74,63 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
 
+    connector = make_connector(settings.connector, rewrite_remote_host=settings.rewrite_remote_host)
     pipeline = Pipeline(
         decode_url=settings.decode_url,
-        max_body_bytes=settings.max_body_bytes,
-        connector=make_connector(
-            settings.connector, rewrite_remote_host=settings.rewrite_remote_host
+        limits=Limits(
+            max_body_bytes=settings.max_body_bytes,
+            client_body_timeout_s=settings.client_body_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+            first_byte_timeout_s=settings.decode_first_byte_timeout_s,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
+            request_timeout_s=settings.request_timeout_s,
         ),
+        connector=connector,
         engines=engines,
         scheduler=scheduler,
+        prefill=PrefillLeg(
+            connector=connector,
+            engines=engines,
+            scheduler=scheduler,
+            metrics=metrics,
+            retries=settings.prefill_retries,
+            backoff_s=settings.prefill_retry_backoff_s,
+            fallback=settings.prefill_fallback,
+            timeout_s=settings.prefill_timeout_s,
+            connect_timeout_s=settings.connect_timeout_s,
+        ),
+        guard=PrefillGuard(
+            cidrs=settings.prefill_allowed_cidrs,
+            hosts=settings.prefill_allowed_hosts,
+            pool=scheduler.pool_endpoints,
+            pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
+        ),
         tracker=tracker,
         metrics=metrics,
+        release_on_disconnect=settings.release_on_disconnect,
         log_requests=settings.log_requests,
     )
+    app[PIPELINE] = pipeline
     passthrough = Passthrough(decode_url=settings.decode_url, engines=engines, metrics=metrics)
     debug = DebugViews(tracker)
 
+    admin = app
+    if settings.admin_port is not None:
+        admin = web.Application()
+        admin[TRACKER], admin[METRICS], admin[SCHEDULER] = tracker, metrics, scheduler
+        admin[READINESS] = readiness
+        admin.router.add_get("/health", _health)
+        admin.router.add_get("/ready", _ready)
+        app.router.add_route("*", "/metrics", _admin_elsewhere)
+        app.router.add_route("*", "/debug/{tail:.*}", _admin_elsewhere)
+        app[ADMIN_APP] = admin
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/debug/scheduler", _debug_scheduler)
-    app.router.add_get("/debug/requests", debug.requests)
-    app.router.add_get("/debug/requests/{id}", debug.request)
-    app.router.add_route("*", "/debug/{tail:.*}", debug.unknown)
+    admin.router.add_get("/metrics", _metrics)
+    admin.router.add_get("/debug/scheduler", _debug_scheduler)
+    admin.router.add_get("/debug/requests", debug.requests)
+    admin.router.add_get("/debug/requests/{id}", debug.request)
+    admin.router.add_route("*", "/debug/{tail:.*}", debug.unknown)
     for path in ROUTES:
         app.router.add_post(path, pipeline.handle)
     # Last: everything else, any method (GET /v1/completions included), goes to the engine.
@@ -118,6 +157,7 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
 async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[SCHEDULER].start()
     yield
+    await app[PIPELINE].close()  # KV releases still under way use the scheduler and engines
     await app[SCHEDULER].close()
 
 
@@ -140,9 +180,16 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _ready(request: web.Request) -> web.Response:
-    if request.app[READINESS].ready:
+    readiness = request.app[READINESS]
+    if readiness.draining:
+        return error_response(EngineUnreachable("the sidecar is shutting down"), None)
+    if readiness.ready:
         return web.Response(body=b'{"status":"ready"}', content_type="application/json")
     return error_response(EngineUnreachable("the decode engine is not ready"), None)
+
+
+async def _admin_elsewhere(request: web.Request) -> web.Response:
+    return error_response(NotFound("served on the admin port (SIDECAR_ADMIN_PORT)"), None)
 
 
 async def _debug_scheduler(request: web.Request) -> web.Response:
@@ -162,28 +209,52 @@ async def _metrics(request: web.Request) -> web.Response:
 
 @dataclass(slots=True)
 class RunningSidecar:
-    runner: web.AppRunner
+    app: web.Application
+    runners: list[web.AppRunner]
     host: str
     port: int
+    admin_port: int | None
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return _url(self.host, self.port)
+
+    @property
+    def admin_url(self) -> str:
+        return _url(self.host, self.admin_port if self.admin_port is not None else self.port)
+
+    def begin_drain(self) -> None:
+        """SIGTERM's first step: /ready turns 503 at once."""
+        self.app[READINESS].draining = True
 
     async def close(self) -> None:
-        await self.runner.cleanup()
+        """Stop listening, let requests in flight finish within the drain timeout (then cancel
+        them), and close every resource; the admin listener goes last."""
+        for runner in self.runners:
+            await runner.cleanup()
 
 
 async def start_sidecar(settings: Settings) -> RunningSidecar:
     """Serve ``create_app(settings)`` on its port (0 = a free one) until ``close()``."""
+    app = create_app(settings)
     runner = web.AppRunner(
-        create_app(settings),
+        app,
         handler_cancellation=True,  # a client that leaves cancels its request's work at once
         access_log=None,
+        shutdown_timeout=settings.drain_timeout_s,
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    address = runner.addresses[0]
-    return RunningSidecar(runner=runner, host=address[0], port=address[1])
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    host, port = runner.addresses[0][:2]
+    runners, admin_port = [runner], None
+    if ADMIN_APP in app:
+        admin_runner = web.AppRunner(app[ADMIN_APP], access_log=None, shutdown_timeout=1)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
+        admin_port = admin_runner.addresses[0][1]
+        runners.append(admin_runner)
+    return RunningSidecar(app, runners, host, port, admin_port)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -7,6 +7,7 @@ keeps the two in step with this class.
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -109,6 +110,62 @@ class Settings(BaseSettings):
         description="Longest wait for Redis before a decision, in milliseconds; then the "
         "local view decides.",
     )
+    prefill_retries: int = Field(
+        1,
+        ge=0,
+        description="Retries of a prefill that failed transiently (connect error, timeout, "
+        "502/503/504): on another endpoint when the sidecar chose it, on the same one when "
+        "the gateway named it.",
+    )
+    prefill_retry_backoff_s: float = Field(
+        0.05, ge=0, description="Wait before the first prefill retry, doubled for each next one."
+    )
+    prefill_fallback: Literal["local", "fail"] = Field(
+        "local",
+        description="After a failed prefill: local (the decode engine recomputes the prompt) or "
+        "fail (503 to the client).",
+    )
+    prefill_timeout_s: float = Field(
+        60, gt=0, description="Longest prefill leg, in seconds (a timeout is a transient failure)."
+    )
+    decode_first_byte_timeout_s: float = Field(
+        60, gt=0, description="Longest wait for the decode engine's first byte, in seconds."
+    )
+    stream_idle_timeout_s: float = Field(
+        60, gt=0, description="Longest gap between two chunks of the decode answer, in seconds."
+    )
+    request_timeout_s: float = Field(
+        0, ge=0, description="Longest request end to end, in seconds; 0: no limit."
+    )
+    client_body_timeout_s: float = Field(
+        30, gt=0, description="Longest time a client may take to send its request body."
+    )
+    release_on_disconnect: bool = Field(
+        True,
+        description="When a client leaves after its prefill finished but before the decode "
+        "engine took the KV, have the decode engine pull (and so free) it at once.",
+    )
+    prefill_allowed_cidrs: Annotated[tuple[IPv4Network | IPv6Network, ...], NoDecode] = Field(
+        (),
+        description="Networks a prefill target named by a header may be in (comma list).",
+    )
+    prefill_allowed_hosts: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Host names a prefill target named by a header may have (comma list).",
+    )
+    admin_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics and /debug/* on this port only (not on SIDECAR_PORT). "
+        "Empty: on SIDECAR_PORT.",
+    )
+    drain_timeout_s: float = Field(
+        30,
+        ge=0,
+        description="On SIGTERM, how long requests in flight may take to finish before they "
+        "are cancelled, in seconds.",
+    )
     rewrite_remote_host: bool = Field(
         False,
         description="Replace remote_host in the prefill's kv_transfer_params with the prefill "
@@ -150,14 +207,29 @@ class Settings(BaseSettings):
     @classmethod
     def _endpoint_list(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = [item for item in (part.strip() for part in value.split(",")) if item]
+            value = _items(value)
         if isinstance(value, list | tuple):
             return tuple(
                 item if isinstance(item, Endpoint) else parse_endpoint(item) for item in value
             )
         return value
 
-    @field_validator("scheduler_seed", mode="before")
+    @field_validator("prefill_allowed_cidrs", mode="before")
+    @classmethod
+    def _cidrs(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return tuple(ip_network(item, strict=False) for item in _items(value))
+            except ValueError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("prefill_allowed_hosts", mode="before")
+    @classmethod
+    def _hosts(cls, value: Any) -> Any:
+        return tuple(item.lower() for item in _items(value)) if isinstance(value, str) else value
+
+    @field_validator("scheduler_seed", "admin_port", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -178,6 +250,10 @@ class Settings(BaseSettings):
         if url.path not in ("", "/") or url.query_string or url.fragment:
             raise ValueError("must be a base URL without path, query or fragment")
         return str(url.with_path("")).rstrip("/")
+
+
+def _items(value: str) -> list[str]:
+    return [item for item in (part.strip() for part in value.split(",")) if item]
 
 
 def describe_fields() -> list[tuple[str, str, str]]:

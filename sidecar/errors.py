@@ -5,10 +5,14 @@
     SidecarError                      status, type name, message
     ├── ClientError                   the client's request is at fault (4xx)
     │   ├── BadRequest                400 BadRequestError
+    │   ├── Forbidden                 403 PermissionDeniedError (prefill target not allowed)
     │   ├── NotFound                  404 NotFoundError
+    │   ├── RequestTimeout            408 RequestTimeoutError (client too slow to send)
     │   └── PayloadTooLarge           413 RequestEntityTooLargeError
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
+        │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
+        ├── EngineTimeout             no answer in time -> 504
         ├── EngineBadResponse         an answer we cannot use -> 502
         └── EngineStreamBroken        the answer broke after it started -> 502
 
@@ -44,6 +48,16 @@ class BadRequest(ClientError):
     pass
 
 
+class Forbidden(ClientError):
+    status = 403
+    type_name = "PermissionDeniedError"
+
+
+class RequestTimeout(ClientError):
+    status = 408
+    type_name = "RequestTimeoutError"
+
+
 class NotFound(ClientError):
     status = 404
     type_name = "NotFoundError"
@@ -62,6 +76,15 @@ class EngineError(SidecarError):
 class EngineUnreachable(EngineError):
     status = 503
     type_name = "ServiceUnavailableError"
+
+
+class PrefillFailed(EngineUnreachable):
+    pass
+
+
+class EngineTimeout(EngineError):
+    status = 504
+    type_name = "GatewayTimeoutError"
 
 
 class EngineBadResponse(EngineError):

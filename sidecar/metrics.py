@@ -5,9 +5,8 @@ Label values are fixed vocabularies documented in docs/metrics.md; never request
 
 from __future__ import annotations
 
-import contextlib
-
 import asyncio
+import contextlib
 
 from prometheus_client import (
     CollectorRegistry,
@@ -64,6 +63,17 @@ class Metrics:
         self.prefill_requests = Counter(
             "pd_sidecar_prefill_requests",
             "Prefill legs sent, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.prefill_retries = Counter(
+            "pd_sidecar_prefill_retries",
+            "Prefill legs retried after a transient failure.",
+            registry=self.registry,
+        )
+        self.kv_releases = Counter(
+            "pd_sidecar_kv_releases",
+            "Releases of KV staged for clients that left before their decode leg, by outcome.",
             ["outcome"],
             registry=self.registry,
         )

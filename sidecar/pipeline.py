@@ -1,11 +1,14 @@
 """One generation request, read like the spec: parse → decide → prefill → decode → relay.
 
-Wire details live in the connector, streaming in ``relay``, engine I/O in ``upstream``; this module
-orders the steps, records the lifecycle and applies the failure policy:
+Wire details live in the connector, streaming in ``relay``, engine I/O in ``upstream``, the
+prefill leg and its failure policy in ``prefill``; this module orders the steps, applies the
+deadlines and records the lifecycle (docs/behavior.md):
 
 - prefill answered 4xx → that answer goes to the client as is;
-- prefill unreachable, 5xx, or no usable KV params → decode locally (a recorded fallback);
-- decode unreachable → 503; decode broken after the first byte → the relay ends the stream.
+- prefill failed → retried when transient, then a local decode (or 503 with fallback ``fail``);
+- decode unreachable → 503, silent past its first-byte timeout → 504, broken after the first byte
+  → the relay ends the stream;
+- client gone after its prefill but before its decode leg → the staged KV is released at once.
 """
 
 from __future__ import annotations
@@ -15,35 +18,44 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.connectors import Connector
-from sidecar.endpoints import Endpoint
 from sidecar.errors import (
-    REQUEST_ID_HEADER,
     BadRequest,
-    EngineError,
-    EngineUnreachable,
+    EngineTimeout,
     PayloadTooLarge,
+    RequestTimeout,
     SidecarError,
     error_response,
 )
 from sidecar.headers import engine_leg_headers, gateway_prefill_target, request_id_from
 from sidecar.metrics import ROUTES, Metrics
+from sidecar.prefill import Prefilled, PrefillLeg
 from sidecar.relay import ClientGone, relay
 from sidecar.scheduling.scheduler import Placement, Scheduler
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker
-from sidecar.upstream import Engines, parse_json, read_body
+from sidecar.trust import PrefillGuard
+from sidecar.upstream import Engines, read_body
 
 logger = logging.getLogger("sidecar.pipeline")
 
+MAX_PENDING_RELEASES = 1024
+"""KV releases in the background at once; beyond it the engine's own expiry has to do."""
+
 
 @dataclass(frozen=True, slots=True)
-class _Prefilled:
-    kv_params: dict[str, Any]
-    cached_tokens: int | None
+class Limits:
+    max_body_bytes: int
+    client_body_timeout_s: float
+    connect_timeout_s: float
+    first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+    request_timeout_s: float
+    """0: no limit."""
 
 
 class Pipeline:
@@ -51,37 +63,53 @@ class Pipeline:
         self,
         *,
         decode_url: str,
-        max_body_bytes: int,
+        limits: Limits,
         connector: Connector,
         engines: Engines,
         scheduler: Scheduler,
+        prefill: PrefillLeg,
+        guard: PrefillGuard,
         tracker: Tracker,
         metrics: Metrics,
+        release_on_disconnect: bool,
         log_requests: bool,
     ) -> None:
         self._decode_url = decode_url
-        self._max_body_bytes = max_body_bytes
+        self._limits = limits
         self._connector = connector
         self._engines = engines
         self._scheduler = scheduler
+        self._prefill = prefill
+        self._guard = guard
         self._tracker = tracker
         self._metrics = metrics
+        self._release_on_disconnect = release_on_disconnect
         self._log_requests = log_requests
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        """Let KV releases under way finish (each is bounded by its own timeout)."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers)
         route = ROUTES[request.path]
         key, record = self._tracker.start(request_id, request.path)
         self._metrics.inflight.inc()
+        loop = asyncio.get_running_loop()
+        deadline = (
+            loop.time() + self._limits.request_timeout_s if self._limits.request_timeout_s else None
+        )
         try:
-            answer = await self._serve(request, route, record, request_id)
+            answer = await self._serve(request, route, record, request_id, deadline)
             record.status = answer.status
             if record.state != State.FAILED:
                 if answer.status < 400:
                     record.state = State.COMPLETED
                 else:
                     record.state = State.FAILED
-                    record.error = f"decode engine answered {answer.status}"
+                    record.error = record.error or f"engine answered {answer.status}"
             return answer
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
@@ -102,19 +130,30 @@ class Pipeline:
                 _log_summary(record)
 
     async def _serve(
-        self, request: web.Request, route: str, record: RequestRecord, request_id: str
+        self,
+        request: web.Request,
+        route: str,
+        record: RequestRecord,
+        request_id: str,
+        deadline: float | None,
     ) -> web.StreamResponse:
-        raw = await _read_limited(request, self._max_body_bytes)
+        raw = await _read_limited(
+            request, self._limits.max_body_bytes, self._limits.client_body_timeout_s
+        )
         body = _parse_object(raw)
         header = gateway_prefill_target(request.headers)
+        if header is not None:
+            header = await self._guard.check(header)
         client_set_params = self._connector.sanitize(body)
         placement = await self._scheduler.place(body, header)
         _record_placement(record, placement)
         headers = engine_leg_headers(request.headers, request_id)
 
-        prefilled: _Prefilled | None = None
+        prefilled: Prefilled | None = None
         if placement.endpoint is not None:
-            outcome = await self._prefill(request.path, route, body, headers, placement, record)
+            outcome = await self._prefill.run(
+                request.path, route, body, headers, placement, record, deadline
+            )
             if isinstance(outcome, web.Response):
                 return outcome
             prefilled = outcome
@@ -124,8 +163,30 @@ class Pipeline:
         else:
             # Unchanged body: send the client's own bytes, no re-serialization.
             data = orjson.dumps(body) if client_set_params else raw
-        record.state = State.DECODING
-        record.mark(Phase.DECODE_SENT)
+        try:
+            return await self._decode(
+                request, data, headers, record, placement, prefilled, request_id, deadline
+            )
+        except (asyncio.CancelledError, ClientGone):
+            # Whether the decode engine got the request before the client left is unknowable;
+            # before the first byte, release: a second pull of pulled KV fails harmlessly.
+            if prefilled is not None and Phase.FIRST_BYTE not in record.phases:
+                self._release(request.path, route, body, headers, prefilled)
+            raise
+
+    async def _decode(
+        self,
+        request: web.Request,
+        data: bytes,
+        headers: CIMultiDict[str],
+        record: RequestRecord,
+        placement: Placement,
+        prefilled: Prefilled | None,
+        request_id: str,
+        deadline: float | None,
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        first_byte_by = _earliest(loop.time() + self._limits.first_byte_timeout_s, deadline)
         first_byte_seen = False
 
         def first_byte() -> None:
@@ -133,10 +194,22 @@ class Pipeline:
             first_byte_seen = True
             self._scheduler.local_first_byte(placement, record.span(None, Phase.FIRST_BYTE))
 
+        record.state = State.DECODING
+        record.mark(Phase.DECODE_SENT)
         try:
-            upstream = await self._engines.send(
-                "POST", self._decode_url + request.path, headers=headers, data=data
-            )
+            try:
+                async with asyncio.timeout_at(first_byte_by):
+                    upstream = await self._engines.send(
+                        "POST",
+                        self._decode_url + request.path,
+                        headers=headers,
+                        data=data,
+                        client_timeout=aiohttp.ClientTimeout(
+                            total=None, sock_connect=self._limits.connect_timeout_s
+                        ),
+                    )
+            except TimeoutError:
+                raise _first_byte_timeout(self._limits.first_byte_timeout_s) from None
             try:
                 return await relay(
                     request,
@@ -145,6 +218,9 @@ class Pipeline:
                     request_id=request_id,
                     cached_tokens=prefilled.cached_tokens if prefilled else None,
                     on_first_byte=first_byte,
+                    first_byte_by=first_byte_by,
+                    idle_timeout_s=self._limits.stream_idle_timeout_s,
+                    deadline=deadline,
                 )
             finally:
                 upstream.close()
@@ -152,117 +228,83 @@ class Pipeline:
             if not first_byte_seen:
                 self._scheduler.local_first_byte(placement, None)
 
-    async def _prefill(
+    def _release(
         self,
         path: str,
         route: str,
         body: dict[str, Any],
         headers: CIMultiDict[str],
-        placement: Placement,
-        record: RequestRecord,
-    ) -> _Prefilled | web.Response | None:
-        """The prefill leg: KV params, the prefill's own 4xx answer, or None after a fallback.
+        prefilled: Prefilled,
+    ) -> None:
+        """Free KV staged for a client who left before its decode leg: off the request path."""
+        if not self._release_on_disconnect:
+            return
+        release = self._connector.release_body(body, prefilled.kv_params, route)
+        if release is None:
+            return
+        if len(self._releases) >= MAX_PENDING_RELEASES:
+            self._metrics.kv_releases.labels("skipped").inc()
+            return
+        task = asyncio.create_task(self._send_release(path, headers, orjson.dumps(release)))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-        Tells the scheduler how it went (the endpoint's health and speed) whatever happens.
-        """
-        assert placement.endpoint is not None
-        endpoint_ok: bool | None = None  # None: cancelled, or the client's fault
-        record.state = State.PREFILLING
-        record.mark(Phase.PREFILL_SENT)
-        try:
-            outcome = await self._prefill_leg(
-                path, route, body, headers, placement.endpoint, record
-            )
-            endpoint_ok = outcome is not None if not isinstance(outcome, web.Response) else None
-            return outcome
-        finally:
-            self._scheduler.prefill_finished(
-                placement,
-                ok=endpoint_ok,
-                seconds=record.span(Phase.PREFILL_SENT, Phase.PREFILL_DONE),
-            )
-
-    async def _prefill_leg(
-        self,
-        path: str,
-        route: str,
-        body: dict[str, Any],
-        headers: CIMultiDict[str],
-        endpoint: Endpoint,
-        record: RequestRecord,
-    ) -> _Prefilled | web.Response | None:
-        data = orjson.dumps(self._connector.prefill_body(body, route))
+    async def _send_release(self, path: str, headers: CIMultiDict[str], data: bytes) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=self._limits.first_byte_timeout_s, sock_connect=self._limits.connect_timeout_s
+        )
         try:
             upstream = await self._engines.send(
-                "POST", endpoint.url + path, headers=headers, data=data
+                "POST", self._decode_url + path, headers=headers, data=data, client_timeout=timeout
             )
-            answer = await read_body(upstream)
-        except EngineUnreachable as exc:
-            self._fall_back(record, "prefill_unreachable", "unreachable", exc.message)
-            return None
-        finally:
-            record.mark(Phase.PREFILL_DONE)
-
-        if 400 <= upstream.status < 500:
-            self._metrics.prefill_requests.labels("client_error").inc()
-            record.state = State.FAILED
-            record.error = f"prefill answered {upstream.status}"
-            return web.Response(
-                status=upstream.status,
-                body=answer,
-                headers={
-                    "content-type": upstream.headers.get("content-type", "application/json"),
-                    REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER],
-                },
-            )
-        if upstream.status >= 300:
-            self._fall_back(
-                record, "prefill_error", "server_error", f"prefill answered {upstream.status}"
-            )
-            return None
-        try:
-            parsed = parse_json(answer, "prefill")
-        except EngineError as exc:
-            self._fall_back(record, "prefill_bad_response", "bad_response", exc.message)
-            return None
-        kv_params = self._connector.kv_params(parsed, endpoint)
-        if kv_params is None:
-            self._fall_back(
-                record, "no_kv_params", "bad_response", "prefill answer has no usable KV params"
-            )
-            return None
-        self._metrics.prefill_requests.labels("success").inc()
-        return _Prefilled(kv_params, _cached_tokens(parsed))
-
-    def _fall_back(
-        self, record: RequestRecord, reason: str, prefill_outcome: str, detail: str
-    ) -> None:
-        """Record why the prefill was abandoned; the caller decodes locally (returns None)."""
-        self._metrics.prefill_requests.labels(prefill_outcome).inc()
-        self._metrics.fallbacks.labels(reason).inc()
-        record.decision = Decision.LOCAL
-        record.fallback_reason = reason
-        logger.warning(
-            "request %s: prefill on %s failed (%s), decoding locally",
-            record.id,
-            record.prefill_endpoint,
-            detail,
-            extra={"request_id": record.id},
-        )
+            await read_body(upstream)
+        except SidecarError as exc:
+            self._metrics.kv_releases.labels("failed").inc()
+            logger.warning("releasing staged KV failed: %s", exc.message)
+            return
+        self._metrics.kv_releases.labels("sent" if upstream.status < 400 else "failed").inc()
 
 
-async def _read_limited(request: web.Request, limit: int) -> bytes:
+def _earliest(when: float, deadline: float | None) -> float:
+    return when if deadline is None else min(when, deadline)
+
+
+def _first_byte_timeout(seconds: float) -> EngineTimeout:
+    return EngineTimeout(
+        f"the decode engine sent nothing within {seconds:g}s "
+        "(SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S or SIDECAR_REQUEST_TIMEOUT_S)"
+    )
+
+
+async def _read_limited(request: web.Request, limit: int, timeout_s: float) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit``."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
     return b"".join(parts)
+
+
+# Types of the fields the sidecar itself reads (the engine validates everything else).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "messages": (list,),
+    "prompt": (str, list),
+    "stream": (bool,),
+    "stream_options": (dict, type(None)),
+    "n": (int,),
+    "max_tokens": (int, type(None)),
+    "max_completion_tokens": (int, type(None)),
+    "kv_transfer_params": (dict, type(None)),
+}
 
 
 def _parse_object(raw: bytes) -> dict[str, Any]:
@@ -272,14 +314,24 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    for name, types in _FIELD_TYPES.items():
+        if name in body:
+            value = body[name]
+            bad_bool = isinstance(value, bool) and bool not in types
+            if bad_bool or not isinstance(value, types):
+                expected = " or ".join(_TYPE_NAMES[t] for t in types)
+                raise BadRequest(f"'{name}' must be {expected}")
     return body
 
 
-def _cached_tokens(answer: Any) -> int | None:
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+_TYPE_NAMES = {
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    dict: "an object",
+    int: "an integer",
+    type(None): "null",
+}
 
 
 def _record_placement(record: RequestRecord, placement: Placement) -> None:

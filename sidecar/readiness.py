@@ -8,7 +8,7 @@ import logging
 
 import aiohttp
 
-from sidecar.errors import EngineUnreachable
+from sidecar.errors import EngineError
 from sidecar.metrics import Metrics
 from sidecar.upstream import Engines
 
@@ -26,6 +26,8 @@ class Readiness:
         self._timeout = aiohttp.ClientTimeout(total=max(1.0, interval_s))
         self._metrics = metrics
         self.ready = False
+        self.draining = False
+        """Set at SIGTERM: not ready any more, whatever the engine says."""
 
     async def poll(self) -> bool:
         try:
@@ -34,7 +36,7 @@ class Readiness:
             )
             ok = response.status == 200
             response.release()
-        except EngineUnreachable:
+        except EngineError:
             ok = False
         if ok != self.ready:
             logger.info("decode engine %s", "ready" if ok else "not ready")

@@ -11,6 +11,7 @@ error event (no ``[DONE]``) and truncates any other answer by closing the connec
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +19,16 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from sidecar.errors import REQUEST_ID_HEADER, EngineStreamBroken, sse_error_event
+from sidecar.errors import (
+    REQUEST_ID_HEADER,
+    EngineStreamBroken,
+    EngineTimeout,
+    SidecarError,
+    sse_error_event,
+)
 from sidecar.headers import client_response_headers
 from sidecar.tracking import Phase, RequestRecord, State
-from sidecar.upstream import chunks, read_body
+from sidecar.upstream import chunks, read_body, set_idle_timeout
 
 _CACHED_TOKENS = b'"cached_tokens"'
 _EVENT_END = b"\n\n"
@@ -40,39 +47,56 @@ async def relay(
     request_id: str | None,
     cached_tokens: int | None,
     on_first_byte: Callable[[], None] | None = None,
+    first_byte_by: float | None = None,
+    idle_timeout_s: float | None = None,
+    deadline: float | None = None,
 ) -> web.StreamResponse:
     """Write ``upstream`` to the client; the caller closes ``upstream`` whatever happens.
 
-    A stream the engine breaks is recorded as failed on ``record`` and ended as the module
-    docstring says; the client's disconnect raises ``ClientGone``.
+    Until the engine's first body byte nothing is sent, so a failure up to then (``EngineTimeout``
+    past ``first_byte_by``, a broken answer) still gets a proper error status. After it, a
+    stream the engine breaks, or that stays silent for ``idle_timeout_s``, or that outlives
+    ``deadline`` (loop time), is recorded as failed on ``record`` and ended as the module
+    docstring says. The client's disconnect raises ``ClientGone``.
     """
     headers = client_response_headers(upstream.headers)
     if request_id is not None:
         headers[REQUEST_ID_HEADER] = request_id
     rewrite = cached_tokens is not None and "content-encoding" not in upstream.headers
-    if rewrite and upstream.content_type == "application/json":
-        body = await read_body(upstream)
-        answer = web.Response(
-            status=upstream.status, headers=headers, body=_rewrite_json(body, cached_tokens)
-        )
-        record.mark(Phase.FIRST_BYTE)
-        if on_first_byte is not None:
-            on_first_byte()
-        return answer
+    is_sse = upstream.content_type == _SSE
+    source = chunks(upstream)
+    try:
+        async with asyncio.timeout_at(first_byte_by):
+            if rewrite and upstream.content_type == "application/json":
+                whole = _rewrite_json(await read_body(upstream), cached_tokens)
+                record.mark(Phase.FIRST_BYTE)
+                if on_first_byte is not None:
+                    on_first_byte()
+                return web.Response(status=upstream.status, headers=headers, body=whole)
+            first = await anext(source, b"")
+    except TimeoutError:
+        raise EngineTimeout("the engine sent no answer within its first-byte timeout") from None
+    record.mark(Phase.FIRST_BYTE)
+    if on_first_byte is not None:
+        on_first_byte()
+    if idle_timeout_s:
+        set_idle_timeout(upstream, idle_timeout_s)
 
+    expired = False
+
+    def expire() -> None:
+        nonlocal expired
+        expired = True
+        upstream.close()  # the pending read fails: the loop below ends the stream
+
+    timer = asyncio.get_running_loop().call_at(deadline, expire) if deadline else None
     out = web.StreamResponse(status=upstream.status, headers=headers)
     if not rewrite and upstream.content_length is not None:
         out.content_length = upstream.content_length
-    is_sse = upstream.content_type == _SSE
     rewriter = _EventRewriter(cached_tokens) if rewrite and is_sse else None
     try:
         await out.prepare(request)
-        source = chunks(upstream)
         try:
-            first = await anext(source, b"")
-            record.mark(Phase.FIRST_BYTE)
-            if on_first_byte is not None:
-                on_first_byte()
             if rewriter is None:
                 await out.write(first)
                 async for chunk in source:
@@ -82,9 +106,12 @@ async def relay(
                 async for chunk in source:
                     await out.write(rewriter.feed(chunk))
                 await out.write(rewriter.rest())
-        except EngineStreamBroken as exc:
+        except EngineStreamBroken as broken:
+            error: SidecarError = broken
+            if expired:
+                error = EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S")
             record.state = State.FAILED
-            record.error = exc.message
+            record.error = error.message
             if not is_sse:
                 # Nothing but the connection itself can mark a truncated body as broken.
                 if request.transport is not None:
@@ -92,10 +119,13 @@ async def relay(
                 return out
             if rewriter is not None:
                 await out.write(rewriter.rest())
-            await out.write(sse_error_event(exc))
+            await out.write(sse_error_event(error))
         await out.write_eof()
     except ConnectionResetError as exc:
         raise ClientGone() from exc
+    finally:
+        if timer is not None:
+            timer.cancel()
     return out
 
 

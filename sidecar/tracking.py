@@ -53,11 +53,16 @@ class RequestRecord:
     fallback_reason: str | None = None
     prefill_endpoint: str | None = None
     predicted_prefill_s: float | None = None
+    prefill_attempts: int = 0
     state: State = State.RECEIVED
     status: int | None = None
     error: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    def elapsed(self) -> float:
+        """Seconds since the request arrived."""
+        return time.monotonic() - self._t0
 
     def mark(self, phase: Phase) -> float:
         """Record ``phase`` now (first time wins) and return its offset in seconds."""
@@ -86,6 +91,7 @@ class RequestRecord:
             "reason": self.reason,
             "fallback_reason": self.fallback_reason,
             "prefill_endpoint": self.prefill_endpoint,
+            "prefill_attempts": self.prefill_attempts,
             "state": self.state,
             "status": self.status,
             "error": self.error,
@@ -115,6 +121,7 @@ class Tracker:
         self._inflight: dict[int, RequestRecord] = {}
         self._recent: deque[RequestRecord] = deque(maxlen=history)
         self._keys = itertools.count()
+        self.cancelled_total = 0
 
     @property
     def history_size(self) -> int:
@@ -130,6 +137,8 @@ class Tracker:
         record = self._inflight.pop(key, None)
         if record is not None:
             self._recent.append(record)
+            if record.state == State.CANCELLED:
+                self.cancelled_total += 1
 
     def inflight_count(self) -> int:
         return len(self._inflight)

@@ -12,7 +12,13 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from sidecar.errors import EngineBadResponse, EngineStreamBroken, EngineUnreachable
+from sidecar.errors import (
+    EngineBadResponse,
+    EngineError,
+    EngineStreamBroken,
+    EngineTimeout,
+    EngineUnreachable,
+)
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -78,9 +84,7 @@ class Engines:
                 timeout=client_timeout,
             )
         except _TRANSPORT_ERRORS as exc:
-            raise EngineUnreachable(
-                f"{_engine_name(url)} is unreachable: {_describe(exc)}"
-            ) from exc
+            raise _translate(exc, f"{_engine_name(url)} is unreachable") from exc
 
 
 async def read_body(response: aiohttp.ClientResponse) -> bytes:
@@ -88,11 +92,28 @@ async def read_body(response: aiohttp.ClientResponse) -> bytes:
     try:
         return await response.read()
     except _TRANSPORT_ERRORS as exc:
-        raise EngineUnreachable(
-            f"{_engine_name(str(response.url))} broke its answer: {_describe(exc)}"
-        ) from exc
+        raise _translate(exc, f"{_engine_name(str(response.url))} broke its answer") from exc
     finally:
         response.release()
+
+
+def set_idle_timeout(response: aiohttp.ClientResponse, seconds: float) -> None:
+    """From now on, fail the body when no byte arrives for ``seconds``.
+
+    aiohttp's ``sock_read`` would also bound the wait for the first byte, which has its own,
+    usually longer, limit; so the per-read timer is armed only once the first byte is in.
+    """
+    connection = response.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.read_timeout = seconds
+        connection.protocol.start_timeout()
+
+
+def _translate(exc: BaseException, what: str) -> EngineError:
+    """A connect timeout means unreachable; any other timeout, too slow."""
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return EngineTimeout(f"{what}: timed out")
+    return EngineUnreachable(f"{what}: {_describe(exc)}")
 
 
 def parse_json(body: bytes, what: str) -> Any:
@@ -108,8 +129,9 @@ async def chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
         async for chunk in response.content.iter_any():
             yield chunk
     except _TRANSPORT_ERRORS as exc:
+        detail = "no data within the idle timeout" if isinstance(exc, TimeoutError) else None
         raise EngineStreamBroken(
-            f"{_engine_name(str(response.url))} broke the stream: {_describe(exc)}"
+            f"{_engine_name(str(response.url))} broke the stream: {detail or _describe(exc)}"
         ) from exc
 
 

@@ -24,6 +24,7 @@ RECORD_KEYS = {
     "reason",
     "fallback_reason",
     "prefill_endpoint",
+    "prefill_attempts",
     "prefill_predicted_ms",
     "prefill_observed_ms",
     "state",
@@ -165,7 +166,7 @@ async def test_metrics(http, sidecar, prefill, start_engine: StartEmulator) -> N
         await response.read()
     async with http.post(sidecar.url + "/v1/completions", data=b"x") as response:
         await response.read()
-    await inject(http, prefill, kind="status", status=503, role="prefill")
+    await inject(http, prefill, kind="status", status=500, role="prefill")
     async with http.post(
         sidecar.url + "/v1/completions", json=completion(), headers=headers
     ) as response:

@@ -196,14 +196,17 @@ async def test_static_pool_round_robin(
     assert [len(await engine_requests(http, p)) for p in pool] == [2, 2]
     records = (await get_json(http, sidecar.url + "/debug/requests"))["recent"]
     assert {r["reason"] for r in records} == {"scheduled"}
-    assert [r["prefill_endpoint"] for r in records][:2] == [pool[1].endpoint, pool[0].endpoint]
+    # In turn: any two consecutive requests went to the two members.
+    assert {r["prefill_endpoint"] for r in records[:2]} == {p.endpoint for p in pool}
 
 
 async def test_header_beats_pool(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
     pooled, named = await start_engine(), await start_engine()
-    sidecar = await start_sidecar_with(prefill_endpoints=pooled.endpoint)
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=pooled.endpoint, prefill_allowed_cidrs="127.0.0.0/8"
+    )
     status, _, _ = await _post(
         http, sidecar.url + "/v1/completions", completion(), _pd_headers(named)
     )
@@ -253,9 +256,8 @@ async def test_prefill_4xx_is_returned_as_is(http, sidecar, prefill, decode) -> 
     assert (record["state"], record["status"]) == ("failed", 404)
 
 
-@pytest.mark.parametrize("status", [500, 503])
-async def test_prefill_5xx_falls_back_to_local(http, sidecar, prefill, decode, status) -> None:
-    await inject(http, prefill, kind="status", status=status, role="prefill")
+async def test_prefill_500_falls_back_to_local(http, sidecar, prefill, decode) -> None:
+    await inject(http, prefill, kind="status", status=500, role="prefill")
     code, raw, _ = await _post(
         http, sidecar.url + "/v1/completions", completion(max_tokens=4), _pd_headers(prefill)
     )
@@ -265,7 +267,24 @@ async def test_prefill_5xx_falls_back_to_local(http, sidecar, prefill, decode, s
     assert "kv_transfer_params" not in leg["body"]
     record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
     assert (record["decision"], record["fallback_reason"]) == ("local", "prefill_error")
-    assert record["prefill_endpoint"] == prefill.endpoint
+    assert (record["prefill_endpoint"], record["prefill_attempts"]) == (prefill.endpoint, 1)
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+async def test_transient_prefill_status_is_retried_on_the_named_pod(
+    http, sidecar, prefill, decode, status
+) -> None:
+    await inject(http, prefill, kind="status", status=status, role="prefill")
+    code, _, _ = await _post(
+        http, sidecar.url + "/v1/completions", completion(), _pd_headers(prefill)
+    )
+    assert code == 200
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert (record["decision"], record["fallback_reason"]) == ("remote", None)
+    assert record["prefill_attempts"] == 2
+    [leg] = await engine_requests(http, decode)
+    assert leg["body"]["kv_transfer_params"]["do_remote_prefill"] is True
+    assert await staged_blocks(http, prefill) == 0
 
 
 async def test_prefill_unreachable_falls_back_to_local(
@@ -287,7 +306,7 @@ async def test_prefill_unreachable_falls_back_to_local(
 
 
 async def test_prefill_reset_falls_back_to_local(http, sidecar, prefill) -> None:
-    await inject(http, prefill, kind="reset", role="prefill")
+    await inject(http, prefill, kind="reset", role="prefill", count=2)  # the retry fails too
     code, _, _ = await _post(
         http, sidecar.url + "/v1/completions", completion(), _pd_headers(prefill)
     )

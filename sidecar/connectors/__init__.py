@@ -41,6 +41,11 @@ class Connector(Protocol):
         """The decode leg's body: the client's plus the KV-transfer instructions."""
         ...
 
+    def release_body(self, body: Body, kv_params: Body, route: str) -> Body | None:
+        """A decode-engine request that frees KV staged for a client who left before its decode
+        leg was sent, or None when the connector frees nothing that way."""
+        ...
+
 
 def make_connector(name: str, *, rewrite_remote_host: bool = False) -> Connector:
     if name == NixlConnector.name:

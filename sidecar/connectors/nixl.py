@@ -78,3 +78,12 @@ class NixlConnector:
 
     def decode_body(self, body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
         return {**body, KV_TRANSFER_PARAMS: kv_params}
+
+    def release_body(
+        self, body: dict[str, Any], kv_params: dict[str, Any], route: str
+    ) -> dict[str, Any]:
+        # NIXL has no "free" call on the prefill side: the blocks are freed once a decode pulls
+        # them. The cheapest pull is a one-token, non-streamed decode whose answer is dropped.
+        leg = self.prefill_body(body, route)
+        leg[KV_TRANSFER_PARAMS] = kv_params
+        return leg

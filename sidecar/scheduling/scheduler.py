@@ -22,7 +22,7 @@ import aiohttp
 
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
-from sidecar.errors import EngineUnreachable
+from sidecar.errors import EngineError, EngineUnreachable
 from sidecar.metrics import Metrics
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
@@ -188,6 +188,31 @@ class Scheduler:
             return Placement(decision, None, local_tokens=decision.uncached_tokens)
         return await self._reserve(decision, self._pool[decision.endpoint].endpoint)
 
+    async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
+        """Where to retry a prefill that failed transiently: the same endpoint when the gateway
+        named it, else another available one the policy picks (None when none is left)."""
+        decision = failed.decision
+        if failed.endpoint is None:
+            return None
+        if decision.reason == "header":
+            return await self._reserve(decision, failed.endpoint)
+        candidates = [c for c in self._candidates() if c.key not in tried]
+        chosen = self._decider.policy.choose(candidates, decision.uncached_tokens)
+        if chosen is None:
+            return None
+        retried = Decision(
+            chosen.key,
+            decision.reason,
+            decision.prompt_tokens,
+            decision.uncached_tokens,
+            decision.predicted_s,
+        )
+        return await self._reserve(retried, self._pool[chosen.key].endpoint)
+
+    def pool_endpoints(self) -> list[Endpoint]:
+        """Every endpoint of the pool, draining ones included (for the header allowlist)."""
+        return [state.endpoint for state in self._pool.values()]
+
     async def _reserve(self, decision: Decision, endpoint: Endpoint) -> Placement:
         state = self._pool.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
@@ -325,7 +350,7 @@ class Scheduler:
             return
         try:
             state.load = await self._load(state.endpoint.url, raise_unreachable=True)
-        except EngineUnreachable:
+        except EngineUnreachable:  # refused or reset: a failure; merely slow is not
             state.load = None
             self._failure(state)
 
@@ -335,8 +360,8 @@ class Scheduler:
                 "GET", base_url + "/metrics", headers={}, client_timeout=self._scrape_timeout
             )
             body = await read_body(response)
-        except EngineUnreachable:
-            if raise_unreachable:
+        except EngineError as exc:
+            if raise_unreachable and isinstance(exc, EngineUnreachable):
                 raise
             return None
         if response.status != 200:
@@ -349,7 +374,7 @@ class Scheduler:
                 "GET", url, headers={}, client_timeout=self._scrape_timeout
             )
             await read_body(response)
-        except EngineUnreachable:
+        except EngineError:
             return False
         return response.status == 200
 

@@ -100,7 +100,8 @@ async def test_failing_endpoint_is_ejected_then_readmitted(
         eject_base_s=0.3,
         scrape_interval_s=0.05,
     )
-    await inject(http, broken, kind="status", status=503, role="prefill", count=2)
+    # 500 is not transient: no retry, each failure is a fallback to a local decode.
+    await inject(http, broken, kind="status", status=500, role="prefill", count=2)
     records = [await _send(http, sidecar, completion(f"{i} {LONG}")) for i in range(4)]
     # Round robin: the broken endpoint failed twice (fallbacks), then was skipped.
     fallbacks = [r["fallback_reason"] for r in records]
@@ -232,4 +233,4 @@ async def test_every_policy_serves(http, start_sidecar_with: StartSidecar, prefi
     sidecar = await start_sidecar_with(prefill_endpoints=prefill.endpoint, scheduler_policy=policy)
     record = await _send(http, sidecar, completion(f"{policy} {LONG}"))
     assert record["decision"] == "remote"
-    assert sidecar.runner.app[SCHEDULER].snapshot()["policy"] == policy
+    assert sidecar.app[SCHEDULER].snapshot()["policy"] == policy

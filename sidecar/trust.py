@@ -1,0 +1,125 @@
+"""Which prefill targets a request header may name (SSRF protection).
+
+A header any client can set must not make the sidecar call an arbitrary host. A target is allowed
+when it is a member of the known prefill pool (same host string and port, or a resolved address of
+a member), lies in ``SIDECAR_PREFILL_ALLOWED_CIDRS``, or has a name in
+``SIDECAR_PREFILL_ALLOWED_HOSTS``. A host name checked through its addresses is pinned to the
+address that passed, so a DNS answer that changes between check and call (rebinding) cannot
+redirect the call. With no pool and no allowlist (pure gateway mode, llm-d's default) every target
+is allowed, and the start-up log says so once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+from sidecar.discovery import Resolver, system_resolver
+from sidecar.endpoints import Endpoint
+from sidecar.errors import Forbidden
+
+logger = logging.getLogger("sidecar.trust")
+
+IPAddress = IPv4Address | IPv6Address
+_CACHE_SIZE = 1024
+_CACHE_TTL_S = 30.0
+
+
+class PrefillGuard:
+    def __init__(
+        self,
+        *,
+        cidrs: tuple[IPv4Network | IPv6Network, ...],
+        hosts: tuple[str, ...],
+        pool: Callable[[], Iterable[Endpoint]],
+        pool_configured: bool,
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self._cidrs = cidrs
+        self._hosts = frozenset(h.lower().rstrip(".") for h in hosts)
+        self._pool = pool
+        self.enforced = bool(cidrs or hosts or pool_configured)
+        self._resolver = resolver
+        self._cache: OrderedDict[str, tuple[float, tuple[IPAddress, ...]]] = OrderedDict()
+
+    def warn_if_open(self) -> None:
+        if not self.enforced:
+            logger.warning(
+                "no prefill pool and no SIDECAR_PREFILL_ALLOWED_CIDRS/HOSTS: any prefill target "
+                "a request header names will be called. Run behind a gateway that strips "
+                "client-supplied x-prefiller-host-port / x-gateway-prefill-endpoints headers."
+            )
+
+    async def check(self, target: Endpoint) -> Endpoint:
+        """``target`` (possibly pinned to a checked address) or ``Forbidden``."""
+        if not self.enforced:
+            return target
+        members = set(self._pool())
+        if target in members or target.host.rstrip(".") in self._hosts:
+            return target
+        literal = _ip(target.host)
+        if literal is not None:
+            if self._address_allowed(literal, target.port, members):
+                return target
+            raise _forbidden(target)
+        addresses = await self._resolve(target.host, target.port)
+        allowed = [a for a in addresses if self._address_allowed(a, target.port, members)]
+        if addresses and len(allowed) == len(addresses):
+            return Endpoint(str(allowed[0]), target.port)
+        raise _forbidden(target)
+
+    def _address_allowed(self, address: IPAddress, port: int, members: set[Endpoint]) -> bool:
+        if any(address in network for network in self._cidrs):
+            return True
+        return Endpoint(str(address), port) in members or any(
+            self._cached_member_address(member, address) for member in members
+        )
+
+    def _cached_member_address(self, member: Endpoint, address: IPAddress) -> bool:
+        entry = self._cache.get(f"{member.host}:{member.port}")
+        return entry is not None and address in entry[1]
+
+    async def _resolve(self, host: str, port: int) -> tuple[IPAddress, ...]:
+        # Pool members that are names are resolved alongside, so "resolved IP of a member" works.
+        for member in self._pool():
+            if _ip(member.host) is None:
+                await self._lookup(member.host, member.port)
+        return await self._lookup(host, port)
+
+    async def _lookup(self, host: str, port: int) -> tuple[IPAddress, ...]:
+        key = f"{host}:{port}"
+        now = time.monotonic()
+        cached = self._cache.get(key)
+        if cached is not None and now - cached[0] < _CACHE_TTL_S:
+            return cached[1]
+        try:
+            found = tuple(
+                address
+                for address in (_ip(a) for a in await self._resolver(host, port))
+                if address is not None
+            )
+        except OSError:
+            found = ()
+        self._cache[key] = (now, found)
+        self._cache.move_to_end(key)
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return found
+
+
+def _ip(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def _forbidden(target: Endpoint) -> Forbidden:
+    return Forbidden(
+        f"prefill target {target} is not allowed: not in the prefill pool, "
+        "SIDECAR_PREFILL_ALLOWED_CIDRS or SIDECAR_PREFILL_ALLOWED_HOSTS"
+    )
