@@ -74,6 +74,13 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
 
+    guard = PrefillGuard(
+        cidrs=settings.prefill_allowed_cidrs,
+        hosts=settings.prefill_allowed_hosts,
+        pool=scheduler.pool_endpoints,
+        pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
+    )
+    guard.warn_if_open()
     connector = make_connector(settings.connector, rewrite_remote_host=settings.rewrite_remote_host)
     pipeline = Pipeline(
         decode_url=settings.decode_url,
@@ -99,12 +106,7 @@ def create_app(settings: Settings) -> web.Application:
             timeout_s=settings.prefill_timeout_s,
             connect_timeout_s=settings.connect_timeout_s,
         ),
-        guard=PrefillGuard(
-            cidrs=settings.prefill_allowed_cidrs,
-            hosts=settings.prefill_allowed_hosts,
-            pool=scheduler.pool_endpoints,
-            pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
-        ),
+        guard=guard,
         tracker=tracker,
         metrics=metrics,
         release_on_disconnect=settings.release_on_disconnect,

@@ -8,7 +8,8 @@ deadlines and records the lifecycle (docs/behavior.md):
 - prefill failed → retried when transient, then a local decode (or 503 with fallback ``fail``);
 - decode unreachable → 503, silent past its first-byte timeout → 504, broken after the first byte
   → the relay ends the stream;
-- client gone after its prefill but before its decode leg → the staged KV is released at once.
+- client gone (or decode failed) after the prefill but before the decode answer started → the
+  staged KV is released at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sidecar.connectors import Connector
 from sidecar.errors import (
     BadRequest,
     EngineTimeout,
+    EngineUnreachable,
     PayloadTooLarge,
     RequestTimeout,
     SidecarError,
@@ -167,10 +169,13 @@ class Pipeline:
             return await self._decode(
                 request, data, headers, record, placement, prefilled, request_id, deadline
             )
-        except (asyncio.CancelledError, ClientGone):
-            # Whether the decode engine got the request before the client left is unknowable;
-            # before the first byte, release: a second pull of pulled KV fails harmlessly.
-            if prefilled is not None and Phase.FIRST_BYTE not in record.phases:
+        except (asyncio.CancelledError, ClientGone, SidecarError) as exc:
+            # The client left, or the decode leg failed, before the decode answer started:
+            # whether the engine pulled the KV is unknowable, so release it (a second pull of
+            # pulled KV fails harmlessly) rather than strand it on the prefill engine. An
+            # unreachable decode engine got nothing and would not take the release either.
+            unreachable = isinstance(exc, EngineUnreachable)
+            if prefilled is not None and Phase.FIRST_BYTE not in record.phases and not unreachable:
                 self._release(request.path, route, body, headers, prefilled)
             raise
 

@@ -61,12 +61,16 @@ class PrefillGuard:
         members = set(self._pool())
         if target in members or target.host.rstrip(".") in self._hosts:
             return target
+        # Pool members that are names are resolved too, so "a resolved IP of a member" matches.
+        for member in members:
+            if _ip(member.host) is None:
+                await self._lookup(member.host, member.port)
         literal = _ip(target.host)
         if literal is not None:
             if self._address_allowed(literal, target.port, members):
                 return target
             raise _forbidden(target)
-        addresses = await self._resolve(target.host, target.port)
+        addresses = await self._lookup(target.host, target.port)
         allowed = [a for a in addresses if self._address_allowed(a, target.port, members)]
         if addresses and len(allowed) == len(addresses):
             return Endpoint(str(allowed[0]), target.port)
@@ -82,13 +86,6 @@ class PrefillGuard:
     def _cached_member_address(self, member: Endpoint, address: IPAddress) -> bool:
         entry = self._cache.get(f"{member.host}:{member.port}")
         return entry is not None and address in entry[1]
-
-    async def _resolve(self, host: str, port: int) -> tuple[IPAddress, ...]:
-        # Pool members that are names are resolved alongside, so "resolved IP of a member" works.
-        for member in self._pool():
-            if _ip(member.host) is None:
-                await self._lookup(member.host, member.port)
-        return await self._lookup(host, port)
 
     async def _lookup(self, host: str, port: int) -> tuple[IPAddress, ...]:
         key = f"{host}:{port}"
