@@ -154,7 +154,14 @@ class Pipeline:
         prefilled: Prefilled | None = None
         if placement.endpoint is not None:
             outcome = await self._prefill.run(
-                request.path, route, body, headers, placement, record, deadline
+                request.path,
+                route,
+                body,
+                headers,
+                placement,
+                record,
+                deadline,
+                orphaned=lambda done: self._release(request.path, route, body, headers, done),
             )
             if isinstance(outcome, web.Response):
                 return outcome

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +38,18 @@ from sidecar.upstream import Engines, parse_json, read_body
 logger = logging.getLogger("sidecar.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
+SALVAGE_GRACE_S = 0.05
+"""How long a prefill whose client left may still deliver an answer that is already on its way
+(its KV staged), before the call is aborted."""
 
 
 @dataclass(frozen=True, slots=True)
 class Prefilled:
     kv_params: dict[str, Any]
     cached_tokens: int | None
+
+
+Orphaned = Callable[[Prefilled], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +95,12 @@ class PrefillLeg:
         placement: Placement,
         record: RequestRecord,
         deadline: float | None,
+        orphaned: Orphaned,
     ) -> Prefilled | web.Response | None:
         """KV params; the prefill's own 4xx answer; or None: decode locally (a fallback).
 
-        Raises ``PrefillFailed`` when the prefill failed and the fallback is ``fail``.
+        Raises ``PrefillFailed`` when the prefill failed and the fallback is ``fail``. When the
+        client leaves as a prefill's answer arrives, ``orphaned`` gets the KV to release.
         """
         record.state = State.PREFILLING
         record.mark(Phase.PREFILL_SENT)
@@ -104,7 +113,7 @@ class PrefillLeg:
             attempt += 1
             record.prefill_attempts = attempt
             record.prefill_endpoint = str(current.endpoint)
-            outcome = await self._attempt(path, data, headers, current, record, deadline)
+            outcome = await self._attempt(path, data, headers, current, record, deadline, orphaned)
             if not isinstance(outcome, _Failure):
                 return outcome
             result = outcome
@@ -133,14 +142,22 @@ class PrefillLeg:
         placement: Placement,
         record: RequestRecord,
         deadline: float | None,
+        orphaned: Orphaned,
     ) -> Prefilled | web.Response | _Failure:
         """One call; tells the scheduler how it went, whatever happens."""
         assert placement.endpoint is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
         endpoint_ok: bool | None = None  # None: cancelled, or the client's own fault
+        call = asyncio.ensure_future(
+            self._call(path, data, headers, placement.endpoint, record, deadline)
+        )
         try:
-            result = await self._call(path, data, headers, placement.endpoint, record, deadline)
+            try:
+                result = await asyncio.shield(call)
+            except asyncio.CancelledError:
+                await self._abort(call, orphaned)
+                raise
             if isinstance(result, _Failure):
                 endpoint_ok = False
                 self._metrics.prefill_requests.labels(result.outcome).inc()
@@ -155,6 +172,21 @@ class PrefillLeg:
             self._scheduler.prefill_finished(
                 placement, ok=endpoint_ok, seconds=loop.time() - started
             )
+
+    async def _abort(
+        self, call: asyncio.Future[Prefilled | web.Response | _Failure], orphaned: Orphaned
+    ) -> None:
+        """The client left during the prefill. Abort the call (the engine then drops a prefill
+        it is still computing) unless its answer is already arriving: then the engine has
+        staged the KV, and only a pull frees it before its expiry."""
+        done, _ = await asyncio.wait({call}, timeout=SALVAGE_GRACE_S)
+        if not done:
+            call.cancel()
+            return
+        if not call.cancelled() and call.exception() is None:
+            result = call.result()
+            if isinstance(result, Prefilled):
+                orphaned(result)
 
     async def _call(
         self,

@@ -115,3 +115,46 @@ class RedisServer:
             self.process.kill()
             await self.process.wait()
         self.process = None
+
+
+class EmulatorProcess:
+    """``python -m sidecar.emulator`` on a fixed port, so it can be killed and started again
+    where its clients expect it."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self._flags = flags
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "sidecar.emulator",
+            "--port",
+            str(self.port),
+            *self._flags,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        async with aiohttp.ClientSession() as http:
+
+            async def healthy() -> bool:
+                try:
+                    async with http.get(self.url + "/health") as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+
+            await _wait_until(healthy, 15)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signal.SIGKILL)
+
+    async def stop(self) -> None:
+        if self.process is not None:
+            self.kill()
+            await self.process.wait()
+            self.process = None
