@@ -38,7 +38,7 @@ from sidecar.upstream import Engines, parse_json, read_body
 logger = logging.getLogger("sidecar.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
-SALVAGE_GRACE_S = 0.05
+SALVAGE_GRACE_S = 0.25
 """How long a prefill whose client left may still deliver an answer that is already on its way
 (its KV staged), before the call is aborted."""
 

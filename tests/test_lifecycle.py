@@ -127,7 +127,8 @@ async def test_prefill_killed_and_restarted(http, engines) -> None:
             return await endpoint_state() in ("ejected", "probing")
 
         await eventually(ejected)
-        await prefill.process.wait()  # type: ignore[union-attr]
+        assert prefill.process is not None
+        await prefill.process.wait()
         await prefill.start()  # back on the same port
 
         async def healthy() -> bool:
@@ -159,7 +160,8 @@ async def test_decode_restart(http, engines) -> None:
             assert response.status == 503
             assert (await response.json())["error"]["type"] == "ServiceUnavailableError"
         assert loop.time() - started < 2  # refused at once, no hang
-        await decode.process.wait()  # type: ignore[union-attr]
+        assert decode.process is not None
+        await decode.process.wait()
         await decode.start()
         await eventually(lambda: ready(200), within=15)
         async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:

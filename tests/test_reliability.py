@@ -375,3 +375,13 @@ async def test_wrong_field_types_are_400(http, sidecar, decode, body) -> None:
     assert error["type"] == "BadRequestError"
     assert error["message"].startswith("'")
     assert await engine_requests(http, decode) == []
+
+
+async def test_oversized_header_is_400_and_the_sidecar_keeps_serving(http, sidecar, decode) -> None:
+    async with http.post(
+        sidecar.url + "/v1/completions", json=completion(), headers={"x-big": "a" * 10000}
+    ) as response:
+        assert response.status == 400
+    assert await engine_requests(http, decode) == []
+    async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:
+        assert response.status == 200
