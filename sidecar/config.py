@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
-from sidecar.endpoints import Endpoint, parse_endpoint
+from sidecar.endpoints import Endpoint, parse_endpoint, valid_host
 
 CONNECTOR_ALIASES = {"nixlv2": "nixl"}
 """llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
@@ -23,7 +23,7 @@ CONNECTOR_ALIASES = {"nixlv2": "nixl"}
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", frozen=True, extra="forbid")
 
-    host: str = Field("0.0.0.0", description="Address the sidecar listens on.")
+    host: str = Field("0.0.0.0", min_length=1, description="Address the sidecar listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the API (0 picks a free port).")
     decode_url: str = Field(
         "http://127.0.0.1:8200",
@@ -227,7 +227,20 @@ class Settings(BaseSettings):
     @field_validator("prefill_allowed_hosts", mode="before")
     @classmethod
     def _hosts(cls, value: Any) -> Any:
-        return tuple(item.lower() for item in _items(value)) if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = tuple(item.lower() for item in _items(value))
+            bad = [item for item in value if not valid_host(item)]
+            if bad:
+                raise ValueError(f"not host names: {', '.join(bad)}")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: SecretStr) -> SecretStr:
+        scheme = value.get_secret_value().split("://", 1)[0]
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
 
     @field_validator("scheduler_seed", "admin_port", mode="before")
     @classmethod

@@ -55,14 +55,15 @@ def parse_endpoint(text: str) -> Endpoint:
         host, sep, port_text = value.rpartition(":")
         if not sep:
             raise ValueError(f"{text!r}: missing port")
-        if not _valid_host(host):
+        if not valid_host(host):
             raise ValueError(f"{text!r}: {host!r} is not a valid host name or IPv4 address")
     if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: port must be a number from 1 to 65535")
     return Endpoint(host=host.lower(), port=int(port_text))
 
 
-def _valid_host(host: str) -> bool:
+def valid_host(host: str) -> bool:
+    """A DNS name or an IPv4 address (what may stand before ``:port`` without brackets)."""
     if not host or len(host) > 253:
         return False
     if all(part.isdigit() for part in host.split(".")):

@@ -56,38 +56,57 @@ def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.rewrite_remote_host is True
 
 
-@pytest.mark.parametrize(
-    ("variable", "value"),
-    [
-        ("SIDECAR_PORT", "eighty"),
-        ("SIDECAR_PORT", "70000"),
-        ("SIDECAR_DECODE_URL", "ftp://engine:1"),
-        ("SIDECAR_DECODE_URL", "http://engine:1/v1"),
-        ("SIDECAR_CONNECTOR", "carrier-pigeon"),
-        ("SIDECAR_PREFILL_ENDPOINTS", "p0:8000,p1"),
-        ("SIDECAR_MAX_BODY_BYTES", "0"),
-        ("SIDECAR_DEBUG_HISTORY", "-1"),
-        ("SIDECAR_READY_INTERVAL_S", "0"),
-        ("SIDECAR_CONNECT_TIMEOUT_S", "soon"),
-        ("SIDECAR_REWRITE_REMOTE_HOST", "perhaps"),
-        ("SIDECAR_LOG_LEVEL", "LOUD"),
-        ("SIDECAR_LOG_REQUESTS", "2"),
-        ("SIDECAR_PREFILL_DNS", "service-without-port"),
-        ("SIDECAR_SCHEDULER_POLICY", "fastest"),
-        ("SIDECAR_SCHEDULER_CHOICES", "0"),
-        ("SIDECAR_SCHEDULER_SEED", "x"),
-        ("SIDECAR_DISAGG_MIN_TOKENS", "-5"),
-        ("SIDECAR_DISAGG_TTFT_RATIO", "0"),
-        ("SIDECAR_STATE_BACKEND", "etcd"),
-        ("SIDECAR_STATE_LEASE_S", "0"),
-        ("SIDECAR_STATE_TIMEOUT_MS", "-1"),
-        ("SIDECAR_EJECT_AFTER_FAILURES", "0"),
-        ("SIDECAR_SCRAPE_INTERVAL_S", "0"),
-        ("SIDECAR_DISCOVERY_INTERVAL_S", "never"),
-        ("SIDECAR_PREFIX_BLOCK_TOKENS", "0"),
-        ("SIDECAR_REDIS_KEY_PREFIX", ""),
-    ],
-)
+INVALID = [
+    ("SIDECAR_PORT", "eighty"),
+    ("SIDECAR_PORT", "70000"),
+    ("SIDECAR_DECODE_URL", "ftp://engine:1"),
+    ("SIDECAR_DECODE_URL", "http://engine:1/v1"),
+    ("SIDECAR_CONNECTOR", "carrier-pigeon"),
+    ("SIDECAR_PREFILL_ENDPOINTS", "p0:8000,p1"),
+    ("SIDECAR_MAX_BODY_BYTES", "0"),
+    ("SIDECAR_DEBUG_HISTORY", "-1"),
+    ("SIDECAR_READY_INTERVAL_S", "0"),
+    ("SIDECAR_CONNECT_TIMEOUT_S", "soon"),
+    ("SIDECAR_REWRITE_REMOTE_HOST", "perhaps"),
+    ("SIDECAR_LOG_LEVEL", "LOUD"),
+    ("SIDECAR_LOG_REQUESTS", "2"),
+    ("SIDECAR_PREFILL_DNS", "service-without-port"),
+    ("SIDECAR_SCHEDULER_POLICY", "fastest"),
+    ("SIDECAR_SCHEDULER_CHOICES", "0"),
+    ("SIDECAR_SCHEDULER_SEED", "x"),
+    ("SIDECAR_DISAGG_MIN_TOKENS", "-5"),
+    ("SIDECAR_DISAGG_TTFT_RATIO", "0"),
+    ("SIDECAR_STATE_BACKEND", "etcd"),
+    ("SIDECAR_STATE_LEASE_S", "0"),
+    ("SIDECAR_STATE_TIMEOUT_MS", "-1"),
+    ("SIDECAR_EJECT_AFTER_FAILURES", "0"),
+    ("SIDECAR_SCRAPE_INTERVAL_S", "0"),
+    ("SIDECAR_DISCOVERY_INTERVAL_S", "never"),
+    ("SIDECAR_PREFIX_BLOCK_TOKENS", "0"),
+    ("SIDECAR_REDIS_KEY_PREFIX", ""),
+    ("SIDECAR_HOST", ""),
+    ("SIDECAR_ADMIN_PORT", "x"),
+    ("SIDECAR_PREFILL_RETRIES", "-1"),
+    ("SIDECAR_PREFILL_RETRY_BACKOFF_S", "-1"),
+    ("SIDECAR_PREFILL_FALLBACK", "maybe"),
+    ("SIDECAR_PREFILL_TIMEOUT_S", "0"),
+    ("SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S", "0"),
+    ("SIDECAR_STREAM_IDLE_TIMEOUT_S", "0"),
+    ("SIDECAR_REQUEST_TIMEOUT_S", "-1"),
+    ("SIDECAR_CLIENT_BODY_TIMEOUT_S", "0"),
+    ("SIDECAR_RELEASE_ON_DISCONNECT", "maybe"),
+    ("SIDECAR_PREFILL_ALLOWED_CIDRS", "10.0.0.0/33"),
+    ("SIDECAR_PREFILL_ALLOWED_HOSTS", "good.host,bad host"),
+    ("SIDECAR_DRAIN_TIMEOUT_S", "-1"),
+    ("SIDECAR_REDIS_URL", "http://redis:6379"),
+    ("SIDECAR_EJECT_BASE_S", "0"),
+    ("SIDECAR_EJECT_MAX_S", "0"),
+    ("SIDECAR_PREFIX_CACHE_BLOCKS", "-1"),
+]
+"""One invalid value per setting (a test checks that none is missing)."""
+
+
+@pytest.mark.parametrize(("variable", "value"), INVALID)
 def test_invalid_value_exits_2_naming_the_variable(
     variable: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -101,6 +120,10 @@ def test_invalid_value_exits_2_naming_the_variable(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert variable in lines[0]
+
+
+def test_every_setting_has_an_invalid_case() -> None:
+    assert {name for name, _ in INVALID} == {name for name, _, _ in describe_fields()}
 
 
 def test_the_process_exits_2() -> None:
