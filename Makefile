@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup lint format types test check demo clean
+.PHONY: setup lint format types test check demo clean e2e-vllm-setup e2e-vllm demo-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar tests bench
-	$(VENV)/bin/ruff format --check sidecar tests bench
+	$(VENV)/bin/ruff check sidecar tests bench e2e
+	$(VENV)/bin/ruff format --check sidecar tests bench e2e
 
 format: setup
-	$(VENV)/bin/ruff check --fix sidecar tests bench
-	$(VENV)/bin/ruff format sidecar tests bench
+	$(VENV)/bin/ruff check --fix sidecar tests bench e2e
+	$(VENV)/bin/ruff format sidecar tests bench e2e
 
 types: setup
 	$(VENV)/bin/mypy
@@ -31,6 +31,16 @@ check: lint types test
 
 demo: setup
 	$(PY) -m sidecar.demo
+
+# Real vLLM (CPU) prefill and decode engines: its own venv, reused once built (docs/e2e.md).
+e2e-vllm-setup:
+	e2e/setup_vllm.sh
+
+e2e-vllm: setup e2e-vllm-setup
+	$(PY) -m pytest -m e2e_vllm tests/e2e_vllm
+
+demo-vllm: setup e2e-vllm-setup
+	$(PY) -m e2e.demo_vllm
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -16,7 +16,9 @@ Shape choices, and why:
 - weights drawn with a larger spread than the usual 0.02 so that next-token logits are far apart:
   with near-flat logits, the last-bit differences between computing the prompt's last token in a
   prefill pass and in a decode step (bf16) could flip a greedy choice;
-- a byte-level BPE tokenizer of 500 tokens trained on generated text, with a trivial chat template.
+- a byte-level BPE tokenizer of 500 tokens trained on generated ASCII text, with a trivial chat
+  template; its alphabet is only the corpus's characters (not all 256 bytes), so that every token
+  decodes to readable text (other bytes become ``<unk>``).
 
 The same seed gives byte-identical files (checked by ``--check``, which builds twice).
 """
@@ -50,7 +52,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-WORDS = (
+TEXT = (
     "the a of to and in is on for with as by at from that this it be are was were prefill decode "
     "cache block token tokens engine engines transfer memory layer head attention model serve "
     "request requests stream proxy sidecar pod node queue batch latency throughput remote local "
@@ -58,25 +60,41 @@ WORDS = (
     "north south east west river mountain city garden window morning evening light stone paper "
     "apple orange green blue red yellow quick slow bright quiet open closed small large new old "
     "one two three four five six seven eight nine ten hundred thousand"
-).split()
+)
+WORDS = TEXT.split()
 
 
 def corpus(rng: random.Random, sentences: int = 20_000) -> list[str]:
-    """Generated pseudo-English with punctuation and digits, for training the tokenizer."""
+    """Generated pseudo-English with punctuation, digits, newlines and the chat template's role
+    tags, for training the tokenizer."""
     lines = []
     for _ in range(sentences):
         words = [rng.choice(WORDS) for _ in range(rng.randint(4, 16))]
         if rng.random() < 0.3:
             words.insert(rng.randrange(len(words)), str(rng.randint(0, 9999)))
         sentence = " ".join(words)
-        lines.append(sentence[0].upper() + sentence[1:] + rng.choice([".", ".", "?", "!", ","]))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice([".", ".", "?", "!", ","])
+        if rng.random() < 0.1:
+            sentence = f"<|{rng.choice(['user', 'assistant', 'system'])}|>\n{sentence}\n"
+        lines.append(sentence)
     return lines
 
 
 def build(out: Path, seed: int = SEED) -> None:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    # The vLLM environment's packages, not the sidecar's: unknown to the sidecar's mypy.
+    import torch  # type: ignore[import-not-found, unused-ignore]
+    from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import (  # type: ignore[import-not-found, unused-ignore]
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -88,7 +106,6 @@ def build(out: Path, seed: int = SEED) -> None:
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(corpus(rng), trainer=trainer)

@@ -30,6 +30,7 @@ class Passthrough:
                 request.method,
                 self._decode_url + request.raw_path,
                 headers=passthrough_headers(request.headers),
+                role="the decode engine",
                 data=request.content.iter_any() if request.body_exists else None,
             )
             try:

@@ -147,7 +147,9 @@ class Pipeline:
         if header is not None:
             header = await self._guard.check(header)
         client_set_params = self._connector.sanitize(body)
-        placement = await self._scheduler.place(body, header)
+        placement = await self._scheduler.place(
+            body, header, local_reason=self._connector.unsupported(body)
+        )
         _record_placement(record, placement)
         headers = engine_leg_headers(request.headers, request_id)
 
@@ -219,6 +221,7 @@ class Pipeline:
                         client_timeout=aiohttp.ClientTimeout(
                             total=None, sock_connect=self._limits.connect_timeout_s
                         ),
+                        role="the decode engine",
                     )
             except TimeoutError:
                 raise _first_byte_timeout(self._limits.first_byte_timeout_s) from None
@@ -267,7 +270,12 @@ class Pipeline:
         )
         try:
             upstream = await self._engines.send(
-                "POST", self._decode_url + path, headers=headers, data=data, client_timeout=timeout
+                "POST",
+                self._decode_url + path,
+                headers=headers,
+                data=data,
+                client_timeout=timeout,
+                role="the decode engine",
             )
             await read_body(upstream)
         except SidecarError as exc:

@@ -203,7 +203,12 @@ class PrefillLeg:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
         try:
             upstream = await self._engines.send(
-                "POST", endpoint.url + path, headers=headers, data=data, client_timeout=timeout
+                "POST",
+                endpoint.url + path,
+                headers=headers,
+                data=data,
+                client_timeout=timeout,
+                role="the prefill engine",
             )
             answer = await read_body(upstream)
         except EngineTimeout as exc:

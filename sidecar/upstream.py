@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
@@ -66,8 +67,12 @@ class Engines:
         headers: CIMultiDict[str] | Mapping[str, str],
         data: bytes | io.BytesIO | AsyncIterable[bytes] | None = None,
         client_timeout: aiohttp.ClientTimeout | None = None,
+        role: str = "engine",
     ) -> aiohttp.ClientResponse:
-        """Send a request; the caller owns the response (``release()`` or ``close()`` it)."""
+        """Send a request; the caller owns the response (``release()`` or ``close()`` it).
+
+        ``role`` names the engine in error messages ("the decode engine").
+        """
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
         try:
@@ -84,7 +89,7 @@ class Engines:
                 timeout=client_timeout,
             )
         except _TRANSPORT_ERRORS as exc:
-            raise _translate(exc, f"{_engine_name(url)} is unreachable") from exc
+            raise _translate(exc, f"{role} at {_engine_name(url)} is unreachable") from exc
 
 
 async def read_body(response: aiohttp.ClientResponse) -> bytes:
@@ -140,7 +145,12 @@ def _engine_name(url: str) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    """A short reason for people, not aiohttp's wording."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
+        return os.strerror(exc.os_error.errno).lower()  # e.g. "connection refused"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the connection was closed without an answer"
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -8,7 +8,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -33,6 +33,11 @@ class SidecarProcess:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
 
+    async def log(self) -> str:
+        """Everything the process wrote to stderr (once it exited; needs ``capture_log``)."""
+        assert self.process.stderr is not None
+        return (await self.process.stderr.read()).decode()
+
     def kill(self) -> None:
         """SIGKILL: no shutdown sequence, nothing released — a crashed pod."""
         if self.process.returncode is None:
@@ -40,14 +45,27 @@ class SidecarProcess:
 
 
 @asynccontextmanager
-async def sidecar_process(**settings: str) -> AsyncIterator[SidecarProcess]:
-    """A sidecar process configured by ``SIDECAR_*`` variables (names without the prefix)."""
+async def sidecar_process(
+    settings: Mapping[str, str] | None = None,
+    /,
+    *,
+    capture_log: bool = False,
+    until: str = "/health",
+    **more: str,
+) -> AsyncIterator[SidecarProcess]:
+    """A sidecar process configured by ``SIDECAR_*`` variables (names without the prefix, from
+    ``settings`` and ``more``), yielded once ``until`` answers 200."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     env.update({"SIDECAR_HOST": "127.0.0.1", "SIDECAR_PORT": str(port)})
-    env.update({f"SIDECAR_{name.upper()}": value for name, value in settings.items()})
+    variables = {**(settings or {}), **more}
+    env.update({f"SIDECAR_{name.upper()}": value for name, value in variables.items()})
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar", env=env, stderr=asyncio.subprocess.DEVNULL
+        sys.executable,
+        "-m",
+        "sidecar",
+        env=env,
+        stderr=asyncio.subprocess.PIPE if capture_log else asyncio.subprocess.DEVNULL,
     )
     sidecar = SidecarProcess(process, port)
     try:
@@ -57,7 +75,7 @@ async def sidecar_process(**settings: str) -> AsyncIterator[SidecarProcess]:
                 if process.returncode is not None:
                     raise RuntimeError(f"sidecar exited with {process.returncode}")
                 try:
-                    async with http.get(sidecar.url + "/health") as response:
+                    async with http.get(sidecar.url + until) as response:
                         return response.status == 200
                 except OSError:
                     return False

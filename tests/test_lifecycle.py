@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
 from tests.conftest import completion, eventually, get_json, sse_events
-from tests.processes import EmulatorProcess, free_port, sidecar_process
+from tests.processes import EmulatorProcess, sidecar_process
 
 
 @pytest.fixture
@@ -26,38 +24,20 @@ async def engines() -> AsyncIterator[tuple[EmulatorProcess, EmulatorProcess]]:
     await decode.stop()
 
 
-async def _start_process(**settings: str) -> tuple[asyncio.subprocess.Process, str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
-    env.update({"SIDECAR_HOST": "127.0.0.1", "SIDECAR_PORT": str(port)})
-    env.update({f"SIDECAR_{k.upper()}": v for k, v in settings.items()})
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sidecar", env=env, stderr=asyncio.subprocess.PIPE
-    )
-    url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession() as http:
-
-        async def ready() -> bool:
-            try:
-                async with http.get(url + "/ready") as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        await eventually(ready, within=15)
-    return process, url
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("drain_s", "finished", "cancelled"), [(10, 1, 0), (0.3, 0, 1)])
 async def test_sigterm_drains_streams_in_flight(
     http, engines, drain_s: float, finished: int, cancelled: int
 ) -> None:
     prefill, decode = engines
-    process, url = await _start_process(
-        decode_url=decode.url, ready_interval_s="0.05", drain_timeout_s=str(drain_s)
-    )
-    try:
+    async with sidecar_process(
+        capture_log=True,
+        until="/ready",
+        decode_url=decode.url,
+        ready_interval_s="0.05",
+        drain_timeout_s=str(drain_s),
+    ) as sidecar:
+        url = sidecar.url
         async with http.post(
             url + "/v1/completions",
             json=completion(stream=True, max_tokens=60),  # about 1.2 s of tokens
@@ -65,7 +45,7 @@ async def test_sigterm_drains_streams_in_flight(
         ) as response:
             assert response.status == 200
             first = await response.content.readuntil(b"\n\n")
-            process.send_signal(signal.SIGTERM)
+            sidecar.process.send_signal(signal.SIGTERM)
 
             async def not_ready() -> bool:
                 try:
@@ -84,13 +64,8 @@ async def test_sigterm_drains_streams_in_flight(
                 rest = b""
         events = sse_events(first + rest)
         assert (events[-1] == b"[DONE]") is (finished == 1)
-        assert await asyncio.wait_for(process.wait(), 20) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.stderr is not None
-    log = (await process.stderr.read()).decode()
+        assert await asyncio.wait_for(sidecar.process.wait(), 20) == 0
+        log = await sidecar.log()
     assert f"drained: {finished} request(s) finished, {cancelled} cancelled" in log
 
 

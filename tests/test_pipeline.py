@@ -392,3 +392,34 @@ async def test_long_prompt_over_one_mebibyte(
     [leg] = await engine_requests(http, decode)
     assert leg["body"]["prompt"] == body["prompt"]
     assert await staged_blocks(http, prefill) == 0
+
+
+async def test_batched_prompts_are_decoded_locally(http, sidecar, prefill, decode) -> None:
+    # vLLM's prefill returns the KV params of the first prompt only: no P/D for a batch.
+    body = completion(max_tokens=3)
+    body["prompt"] = ["first prompt of the batch", "second prompt of the batch"]
+    status, raw, _ = await _post(http, sidecar.url + "/v1/completions", body, _pd_headers(prefill))
+    assert status == 200
+    assert orjson.loads(raw)["choices"]
+    assert await engine_requests(http, prefill) == []
+    [leg] = await engine_requests(http, decode)
+    assert "kv_transfer_params" not in leg["body"]
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert (record["decision"], record["reason"]) == ("local", "batched_prompt")
+    # A single prompt given as token ids is no batch.
+    status, _, _ = await _post(
+        http, sidecar.url + "/v1/completions", completion([1, 2, 3]), _pd_headers(prefill)
+    )
+    assert status == 200
+    assert len(await engine_requests(http, prefill)) == 1
+
+
+async def test_decode_unreachable_message_names_the_engine(
+    http, start_sidecar_with: StartSidecar
+) -> None:
+    sidecar = await start_sidecar_with(decode_url="http://127.0.0.1:9")
+    status, raw, _ = await _post(http, sidecar.url + "/v1/completions", completion())
+    assert status == 503
+    assert orjson.loads(raw)["error"]["message"] == (
+        "the decode engine at 127.0.0.1:9 is unreachable: connection refused"
+    )

@@ -28,6 +28,17 @@ async def _last_record(http, sidecar) -> dict:
     return (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
 
 
+async def _status_via(http, sidecar, target: str) -> int:
+    """Status of a completion whose gateway header names ``target`` as prefill server."""
+    async with http.post(
+        sidecar.url + "/v1/completions",
+        json=completion(),
+        headers={"x-prefiller-host-port": target},
+    ) as response:
+        await response.read()
+        return response.status
+
+
 async def _metrics(http, url: str) -> str:
     async with http.get(url + "/metrics") as response:
         return await response.text()
@@ -249,24 +260,14 @@ async def test_header_target_outside_pool_is_403(
     assert stranger.endpoint in error["message"]
     assert await engine_requests(http, stranger) == []
     assert await engine_requests(http, decode) == []
-    async with http.post(
-        sidecar.url + "/v1/completions",
-        json=completion(),
-        headers={"x-prefiller-host-port": member.endpoint},
-    ) as response:
-        assert response.status == 200
+    assert await _status_via(http, sidecar, member.endpoint) == 200
 
 
 async def test_pool_member_matched_by_resolved_ip(
     http, start_sidecar_with: StartSidecar, prefill
 ) -> None:
     sidecar = await start_sidecar_with(prefill_endpoints=f"localhost:{prefill.port}")
-    async with http.post(
-        sidecar.url + "/v1/completions",
-        json=completion(),
-        headers={"x-prefiller-host-port": f"127.0.0.1:{prefill.port}"},
-    ) as response:
-        assert response.status == 200
+    assert await _status_via(http, sidecar, f"127.0.0.1:{prefill.port}") == 200
 
 
 @pytest.mark.parametrize(
@@ -285,12 +286,7 @@ async def test_allowlists(
     http, start_sidecar_with: StartSidecar, prefill, allow, target: str, status: int
 ) -> None:
     sidecar = await start_sidecar_with(**allow)
-    async with http.post(
-        sidecar.url + "/v1/completions",
-        json=completion(),
-        headers={"x-prefiller-host-port": target.format(port=prefill.port)},
-    ) as response:
-        assert response.status == status
+    assert await _status_via(http, sidecar, target.format(port=prefill.port)) == status
     if status == 403:
         assert await engine_requests(http, prefill) == []
 
@@ -301,12 +297,7 @@ async def test_gateway_mode_accepts_any_target_and_warns(
     with caplog.at_level(logging.WARNING, logger="sidecar.trust"):
         sidecar = await start_sidecar_with()
     assert sum("any prefill target" in r.message for r in caplog.records) == 1
-    async with http.post(
-        sidecar.url + "/v1/completions",
-        json=completion(),
-        headers={"x-prefiller-host-port": prefill.endpoint},
-    ) as response:
-        assert response.status == 200
+    assert await _status_via(http, sidecar, prefill.endpoint) == 200
 
 
 # --- admin port, secrets ----------------------------------------------------------------------

@@ -21,6 +21,10 @@ class Connector(Protocol):
     name: str
     concurrent_legs: bool
 
+    def unsupported(self, body: Body) -> str | None:
+        """Why this request cannot be disaggregated (a short reason, recorded), or None."""
+        ...
+
     def sanitize(self, body: Body) -> bool:
         """Remove, in place, fields a client must not set (KV-transfer instructions); return
         whether anything was removed."""

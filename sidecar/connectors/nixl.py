@@ -44,6 +44,14 @@ class NixlConnector:
     def __init__(self, *, rewrite_remote_host: bool = False) -> None:
         self.rewrite_remote_host = rewrite_remote_host
 
+    def unsupported(self, body: dict[str, Any]) -> str | None:
+        # A batch of prompts gets the KV params of its first prompt only (observed on vLLM
+        # 0.32): forwarding them would decode every prompt on the first one's KV.
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+            return "batched_prompt"
+        return None
+
     def sanitize(self, body: dict[str, Any]) -> bool:
         # A client must not direct the decode engine to pull KV from a host of its choosing.
         if KV_TRANSFER_PARAMS not in body:

@@ -164,14 +164,22 @@ class Scheduler:
 
     # --- the request path ------------------------------------------------------------------
 
-    async def place(self, body: dict[str, Any], header: Endpoint | None) -> Placement:
+    async def place(
+        self, body: dict[str, Any], header: Endpoint | None, *, local_reason: str | None = None
+    ) -> Placement:
         """Decide where ``body`` prefills; reserve its tokens there. ``header``: the gateway's
-        choice, used as is."""
+        choice, used as is; ``local_reason``: why the request must prefill locally anyway."""
         tokens = estimate_tokens(body)
         text = prompt_text(body)
         cached = self._prefix.cached_tokens(text)
         # The local engine will hold this prompt's KV either way (computed or pulled).
         self._prefix.insert(text)
+        if local_reason is not None:
+            uncached = max(0, tokens - cached)
+            decision = Decision(None, local_reason, tokens, uncached)
+            self._count(decision)
+            self._local_ahead += uncached
+            return Placement(decision, None, local_tokens=uncached)
         if header is not None:
             decision = Decision(str(header), "header", tokens, max(0, tokens - cached))
             self._count(decision)

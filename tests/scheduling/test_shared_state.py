@@ -55,8 +55,8 @@ async def test_slow_endpoint_receives_fewer_prefills(
     pool = ",".join(e.endpoint for e in [*fast, slow])
     settings = _shared(redis_server, decode.url, prefill_endpoints=pool)
     async with (
-        sidecar_process(**settings, scheduler_seed="1") as one,
-        sidecar_process(**settings, scheduler_seed="2") as two,
+        sidecar_process(settings, scheduler_seed="1") as one,
+        sidecar_process(settings, scheduler_seed="2") as two,
     ):
 
         async def client(sidecar_url: str, index: int) -> int:
@@ -89,7 +89,7 @@ async def test_dead_sidecar_stops_counting_within_the_lease(
     settings = _shared(
         redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_lease_s="1"
     )
-    async with sidecar_process(**settings) as watcher, sidecar_process(**settings) as victim:
+    async with sidecar_process(settings) as watcher, sidecar_process(settings) as victim:
         await inject(http, prefill, kind="hang", role="prefill", count=2)
 
         async def post(index: int) -> None:
@@ -122,7 +122,7 @@ async def test_redis_down_costs_no_request_and_reconnects(
     http, redis_server, prefill, decode
 ) -> None:
     settings = _shared(redis_server, decode.url, prefill_endpoints=prefill.endpoint)
-    async with sidecar_process(**settings) as sidecar:
+    async with sidecar_process(settings) as sidecar:
         sent = 0
 
         async def send(count: int) -> list[int]:
@@ -163,7 +163,7 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
     )
     client = aioredis.Redis.from_url(redis_server.url)
     try:
-        async with sidecar_process(**settings) as sidecar:
+        async with sidecar_process(settings) as sidecar:
             await inject(http, prefill, kind="hang", role="prefill")
 
             async def registered() -> bool:
@@ -199,7 +199,7 @@ async def test_slow_redis_does_not_hold_requests(http, redis_server, prefill, de
     )
     client = aioredis.Redis.from_url(redis_server.url)
     try:
-        async with sidecar_process(**settings) as sidecar:
+        async with sidecar_process(settings) as sidecar:
 
             async def registered() -> bool:
                 snapshot = await get_json(http, sidecar.url + "/debug/scheduler")

@@ -1,0 +1,277 @@
+"""Real vLLM prefill and decode engines and the sidecar process, started once per session.
+
+Needs the environment ``e2e/setup_vllm.sh`` builds (``make e2e-vllm`` runs it first). Engine and
+sidecar logs go to a temporary directory named in every startup failure, or to ``E2E_VLLM_LOG_DIR``
+when set (CI can keep them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+
+from e2e.engines import (
+    SERVED_MODEL,
+    SidecarProcess,
+    VllmEngine,
+    VllmHome,
+    engine_cores,
+    metric_value,
+)
+
+Route = Literal["completions", "chat"]
+PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+"""Decode engine: KV transfers done (one per request whose KV it pulled)."""
+XFER_BYTES = "vllm:nixl_bytes_transferred_sum"
+FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
+"""Decode engine: transfers that failed."""
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+"""Prefill engine: requests whose KV nobody pulled before the lease ran out."""
+PREFILLS_SERVED = "vllm:request_success_total"
+
+BLOCK_TOKENS = 128
+"""vLLM's KV block size on CPU."""
+KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 2
+"""Tiny model (e2e/make_tiny_model.py): K and V × 2 layers × 4 KV heads × head size 32 × bf16."""
+LEASE_S = 30.0
+"""How long a prefill engine keeps unpulled KV (vLLM's default kv_lease_duration)."""
+
+
+@dataclass(slots=True, eq=False)
+class Cluster:
+    """Processes under test; tests that stop an engine say so, restore what later ones need."""
+
+    home: VllmHome
+    log_dir: Path
+    prefill: VllmEngine
+    decode: VllmEngine
+    sidecar: SidecarProcess
+    stranded_since: float | None = None
+    """Monotonic time of the last prefill whose KV was (deliberately) never pulled."""
+    expected_expiries: int = 0
+    """Prefills the tests stranded on purpose: what the prefill engine must count as expired."""
+    restarting: threading.Thread | None = None
+
+    def stop(self) -> None:
+        if self.restarting is not None:
+            self.restarting.join()
+        for process in (self.sidecar, self.decode, self.prefill):
+            process.stop()
+
+    def restart_decode(self) -> None:
+        """A fresh decode engine on the same ports: the sidecar's decode URL stays valid."""
+        self.decode.stop()
+        self.decode = VllmEngine(
+            "decode",
+            self.home,
+            self.log_dir,
+            port=self.decode.port,
+            side_channel_port=self.decode.side_channel_port,
+            cpu=self.decode.cpu,
+        )
+        self.decode.start()
+        self.decode.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    home = VllmHome.locate()
+    if (problem := home.missing()) is not None:
+        pytest.fail(problem, pytrace=False)
+    log_dir = Path(os.environ.get("E2E_VLLM_LOG_DIR") or tmp_path_factory.mktemp("e2e-vllm-logs"))
+    prefill_cpu, decode_cpu = engine_cores()
+    prefill = VllmEngine("prefill", home, log_dir, cpu=prefill_cpu)
+    decode = VllmEngine("decode", home, log_dir, cpu=decode_cpu)
+    sidecar = SidecarProcess(decode.url, log_dir)
+    running = Cluster(home, log_dir, prefill, decode, sidecar)
+    try:
+        prefill.start()
+        decode.start()
+        sidecar.start()
+        prefill.wait_ready()
+        decode.wait_ready()
+        sidecar.wait_ready()
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    timeout = aiohttp.ClientTimeout(total=120, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        yield session
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    status: int
+    text: str
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    body: Any
+    """The JSON answer (non-streaming), the list of SSE payloads (streaming), or the error body."""
+
+
+def request_body(
+    route: Route, prompt: str, *, stream: bool, max_tokens: int = 24
+) -> dict[str, Any]:
+    """A greedy request; streamed ones ask for the usage chunk too."""
+    body: dict[str, Any] = {"model": SERVED_MODEL, "max_tokens": max_tokens, "temperature": 0}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def generate(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    route: Route,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Generation:
+    async with http.post(base_url + PATHS[route], json=body, headers=headers) as response:
+        raw = await response.read()
+        if response.status != 200:
+            return Generation(response.status, "", None, None, orjson.loads(raw))
+        if body.get("stream"):
+            return _from_events(response.status, route, raw)
+        answer = orjson.loads(raw)
+        choice = answer["choices"][0]
+        text = choice["text"] if route == "completions" else choice["message"]["content"]
+        return Generation(response.status, text, choice["finish_reason"], answer["usage"], answer)
+
+
+def _from_events(status: int, route: Route, raw: bytes) -> Generation:
+    payloads = [
+        line[len(b"data: ") :]
+        for line in raw.split(b"\n")
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]"
+    ]
+    assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
+    events = [orjson.loads(payload) for payload in payloads]
+    text, finish, usage = [], None, None
+    for event in events:
+        assert "error" not in event, event
+        for choice in event.get("choices") or []:
+            piece = choice.get("text") if route == "completions" else choice["delta"].get("content")
+            text.append(piece or "")
+            finish = choice.get("finish_reason") or finish
+        usage = event.get("usage") or usage
+    return Generation(status, "".join(text), finish, usage, events)
+
+
+def prefill_header(cluster: Cluster, request_id: str) -> dict[str, str]:
+    return {"x-prefiller-host-port": cluster.prefill.endpoint, "x-request-id": request_id}
+
+
+FILLER = (
+    "the prefill engine computes the cache of every prompt token and the decode engine "
+    "pulls those blocks over the side channel before it samples the first new token"
+)
+
+
+def unique_prompt(tag: str, words: int = 30) -> str:
+    """A prompt no engine has seen: a fresh prefix, then filler text of about ``words`` words.
+
+    Unseen prompts matter twice: vLLM's prefix cache would let a decode engine skip pulling blocks
+    it already holds, and would let a reference run reuse KV that came over NIXL.
+    """
+    filler = FILLER.split()
+    body = " ".join(filler[i % len(filler)] for i in range(words))
+    return f"Request {tag} at {time.time_ns()}: {body}."
+
+
+async def reference(
+    http: aiohttp.ClientSession, cluster: Cluster, route: Route, body: dict[str, Any]
+) -> Generation:
+    """The same request answered by the decode engine alone (no KV transfer).
+
+    A ``cache_salt`` of its own keeps it from reusing prefix blocks that an earlier P/D run of the
+    same prompt pulled over NIXL: the reference computes every prompt token itself.
+    """
+    salted = {**body, "cache_salt": f"reference-{time.time_ns()}"}
+    return await generate(http, cluster.decode.url, route, salted)
+
+
+# --- engine metrics and sidecar records ----------------------------------------------------------
+
+
+async def metric(http: aiohttp.ClientSession, engine: VllmEngine, name: str) -> float:
+    async with http.get(engine.url + "/metrics") as response:
+        assert response.status == 200
+        return metric_value(await response.text(), name)
+
+
+async def settled_metric(
+    http: aiohttp.ClientSession, engine: VllmEngine, name: str, at_least: float, within: float = 5
+) -> float:
+    """The metric once it reaches ``at_least`` (engines publish stats a step later), or its value
+    after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        value = await metric(http, engine, name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)
+
+
+async def record(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> dict[str, Any]:
+    async with http.get(f"{cluster.sidecar.url}/debug/requests/{request_id}") as response:
+        assert response.status == 200, await response.text()
+        result: dict[str, Any] = await response.json()
+        return result
+
+
+PD_PHASES = ("prefill_sent", "prefill_done", "decode_sent", "first_byte", "done")
+
+
+def assert_pd_record(entry: dict[str, Any], cluster: Cluster) -> None:
+    """A completed P/D request: the real prefill, then the real decode, in order."""
+    assert entry["decision"] == "remote", entry
+    assert entry["fallback_reason"] is None, entry
+    assert entry["prefill_endpoint"] == cluster.prefill.endpoint, entry
+    assert entry["state"] == "completed", entry
+    assert entry["status"] == 200, entry
+    phases = entry["phases"]
+    assert list(PD_PHASES) == [name for name in PD_PHASES if name in phases], entry
+    times = [phases[name] for name in PD_PHASES]
+    assert times == sorted(times), entry
+    # A real prefill of the engine takes measurable time; a skipped one would not.
+    assert entry["durations_ms"]["prefill"] > 0, entry
+
+
+def kv_bytes(prompt_tokens: int) -> int:
+    """Bytes of KV a decode engine pulls for a prompt: every block the prompt touches."""
+    return math.ceil(prompt_tokens / BLOCK_TOKENS) * BLOCK_TOKENS * KV_BYTES_PER_TOKEN
+
+
+async def until(check: Callable[[], Awaitable[bool]], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    # The condition lives in another process, seen only over HTTP: there is no event to await.
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within} s: {what}")
+        await asyncio.sleep(0.2)
