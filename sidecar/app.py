@@ -113,7 +113,13 @@ def create_app(settings: Settings) -> web.Application:
         log_requests=settings.log_requests,
     )
     app[PIPELINE] = pipeline
-    passthrough = Passthrough(decode_url=settings.decode_url, engines=engines, metrics=metrics)
+    passthrough = Passthrough(
+        decode_url=settings.decode_url,
+        engines=engines,
+        metrics=metrics,
+        first_byte_timeout_s=settings.decode_first_byte_timeout_s,
+        idle_timeout_s=settings.stream_idle_timeout_s,
+    )
     debug = DebugViews(tracker)
 
     admin = app

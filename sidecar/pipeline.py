@@ -37,7 +37,7 @@ from sidecar.errors import (
 from sidecar.headers import engine_leg_headers, gateway_prefill_target, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.prefill import Prefilled, PrefillLeg
-from sidecar.relay import ClientGone, relay
+from sidecar.relay import relay
 from sidecar.scheduling.scheduler import Placement, Scheduler
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker
 from sidecar.trust import PrefillGuard
@@ -106,7 +106,7 @@ class Pipeline:
         try:
             answer = await self._serve(request, route, record, request_id, deadline)
             record.status = answer.status
-            if record.state != State.FAILED:
+            if record.state not in (State.FAILED, State.CANCELLED):
                 if answer.status < 400:
                     record.state = State.COMPLETED
                 else:
@@ -116,7 +116,7 @@ class Pipeline:
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
-        except (asyncio.CancelledError, ClientGone):
+        except asyncio.CancelledError:
             record.state = State.CANCELLED
             raise
         except Exception as exc:
@@ -178,7 +178,7 @@ class Pipeline:
             return await self._decode(
                 request, data, headers, record, placement, prefilled, request_id, deadline
             )
-        except (asyncio.CancelledError, ClientGone, SidecarError) as exc:
+        except (asyncio.CancelledError, SidecarError) as exc:
             # The client left, or the decode leg failed, before the decode answer started:
             # whether the engine pulled the KV is unknowable, so release it (a second pull of
             # pulled KV fails harmlessly) rather than strand it on the prefill engine. An

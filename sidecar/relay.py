@@ -35,10 +35,6 @@ _EVENT_END = b"\n\n"
 _SSE = "text/event-stream"
 
 
-class ClientGone(Exception):
-    """The client closed its connection while the answer was being written."""
-
-
 async def relay(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
@@ -57,7 +53,8 @@ async def relay(
     past ``first_byte_by``, a broken answer) still gets a proper error status. After it, a
     stream the engine breaks, or that stays silent for ``idle_timeout_s``, or that outlives
     ``deadline`` (loop time), is recorded as failed on ``record`` and ended as the module
-    docstring says. The client's disconnect raises ``ClientGone``.
+    docstring says. A client that disconnects mid-answer leaves ``record`` cancelled (usually
+    the handler is cancelled first; a failed write is the other way to notice).
     """
     headers = client_response_headers(upstream.headers)
     if request_id is not None:
@@ -121,8 +118,8 @@ async def relay(
                 await out.write(rewriter.rest())
             await out.write(sse_error_event(error))
         await out.write_eof()
-    except ConnectionResetError as exc:
-        raise ClientGone() from exc
+    except ConnectionResetError:
+        record.state = State.CANCELLED
     finally:
         if timer is not None:
             timer.cancel()

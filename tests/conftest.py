@@ -107,7 +107,7 @@ def chat(content: str = "Tell me about disaggregated serving.", **fields: Any) -
     return {"model": "emulated-model", "messages": [{"role": "user", "content": content}], **fields}
 
 
-def completion(prompt: str = "The KV cache moves from prefill to decode", **fields: Any) -> Any:
+def completion(prompt: Any = "The KV cache moves from prefill to decode", **fields: Any) -> Any:
     return {"model": "emulated-model", "prompt": prompt, **fields}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from tests.conftest import StartSidecar
@@ -70,3 +72,26 @@ async def test_passthrough_engine_down_is_503(http, start_sidecar_with: StartSid
     async with http.get(sidecar.url + "/v1/models") as response:
         assert response.status == 503
         assert (await response.json())["error"]["type"] == "ServiceUnavailableError"
+
+
+async def test_passthrough_silent_engine_is_504(
+    http, start_sidecar_with: StartSidecar, aiohttp_server
+) -> None:
+    release = asyncio.Event()
+
+    async def silent(request: web.Request) -> web.Response:
+        if request.path in ("/health", "/metrics"):
+            return web.Response()
+        await release.wait()  # never answers while the test runs
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", silent)
+    engine = await aiohttp_server(app)
+    sidecar = await start_sidecar_with(
+        decode_url=f"http://127.0.0.1:{engine.port}", decode_first_byte_timeout_s=0.3
+    )
+    async with http.get(sidecar.url + "/v1/models") as response:
+        assert response.status == 504
+        assert (await response.json())["error"]["type"] == "GatewayTimeoutError"
+    release.set()
