@@ -14,6 +14,9 @@ from typing import Any
 import orjson
 
 CHARS_PER_TOKEN = 4
+MAX_HASHED_BLOCKS = 8192
+"""Prefix blocks hashed per prompt (131,072 tokens at 16 per block): bounds the work a huge
+prompt costs on the event loop; a longer prompt counts as uncached beyond it."""
 
 
 def prompt_text(body: dict[str, Any]) -> str | bytes:
@@ -56,10 +59,12 @@ class PrefixIndex:
         return len(self._blocks)
 
     def _hashes(self, text: str | bytes) -> list[bytes]:
-        data = text.encode() if isinstance(text, str) else text
+        limit = MAX_HASHED_BLOCKS * self._block_chars
+        data = text[:limit].encode() if isinstance(text, str) else text[:limit]
         hashes = []
         previous = b""
-        for start in range(0, len(data) - self._block_chars + 1, self._block_chars):
+        end = min(len(data), limit)
+        for start in range(0, end - self._block_chars + 1, self._block_chars):
             digest = hashlib.blake2b(
                 previous + data[start : start + self._block_chars], digest_size=16
             ).digest()

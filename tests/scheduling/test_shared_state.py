@@ -166,11 +166,7 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
         async with sidecar_process(settings) as sidecar:
             await inject(http, prefill, kind="hang", role="prefill")
 
-            async def registered() -> bool:
-                snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
-                return bool(snapshot["state_backend"]["connected"])
-
-            await eventually(registered)
+            await eventually(lambda: _connected(http, sidecar.url))
             before = await _evalsha_calls(client)
             request = asyncio.create_task(
                 http.post(sidecar.url + "/v1/completions", json=completion(LONG_PROMPT))
@@ -200,12 +196,7 @@ async def test_slow_redis_does_not_hold_requests(http, redis_server, prefill, de
     client = aioredis.Redis.from_url(redis_server.url)
     try:
         async with sidecar_process(settings) as sidecar:
-
-            async def registered() -> bool:
-                snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
-                return bool(snapshot["state_backend"]["connected"])
-
-            await eventually(registered)
+            await eventually(lambda: _connected(http, sidecar.url))
             # Redis stops answering anyone for 2 s; the request must not wait for it.
             stall = asyncio.create_task(client.execute_command("DEBUG", "SLEEP", "2"))
             await eventually(lambda: _stalled(redis_server.port))
@@ -243,3 +234,9 @@ async def _stalled(port: int) -> bool:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def _connected(http: aiohttp.ClientSession, url: str) -> bool:
+    """The sidecar's Redis backend has synced at least once (script loaded, lease taken)."""
+    snapshot = await get_json(http, url + "/debug/scheduler")
+    return bool(snapshot["state_backend"]["connected"])
