@@ -32,7 +32,7 @@ class Readiness:
     async def poll(self) -> bool:
         try:
             response = await self._engines.send(
-                "GET", self._url, headers={}, client_timeout=self._timeout
+                "GET", self._url, headers={}, client_timeout=self._timeout, poll=True
             )
             ok = response.status == 200
             response.release()

@@ -29,19 +29,29 @@ _LARGE_BODY = 1 << 20
 
 
 class Engines:
-    """HTTP access to the engines, sharing one connection pool."""
+    """HTTP access to the engines: one keep-alive pool for requests, one small one for polls.
+
+    Health and metrics polls have a pool of their own: going through the request pool, a poll
+    every second or two would reuse its idle connections in turn and keep every one of them
+    alive, so the pool would never shrink back after a burst.
+    """
 
     def __init__(self, *, connect_timeout_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._polls: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # in-flight requests bound the connections; a cap here would queue silently
-            keepalive_timeout=30,
-            enable_cleanup_closed=True,
+        self._session = self._new_session(
+            # In-flight requests bound the connections; a cap here would queue silently.
+            aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
         )
-        self._session = aiohttp.ClientSession(
+        self._polls = self._new_session(
+            aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=30, enable_cleanup_closed=True)
+        )
+
+    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
             auto_decompress=False,  # relay bytes as the engine wrote them
@@ -49,15 +59,16 @@ class Engines:
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._polls):
+            if session is not None:
+                await session.close()
+        self._session = self._polls = None
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def _pick(self, poll: bool) -> aiohttp.ClientSession:
+        session = self._polls if poll else self._session
+        if session is None:
             raise RuntimeError("Engines.open() was not awaited")
-        return self._session
+        return session
 
     async def send(
         self,
@@ -68,19 +79,22 @@ class Engines:
         data: bytes | io.BytesIO | AsyncIterable[bytes] | None = None,
         client_timeout: aiohttp.ClientTimeout | None = None,
         role: str = "engine",
+        poll: bool = False,
     ) -> aiohttp.ClientResponse:
         """Send a request; the caller owns the response (``release()`` or ``close()`` it).
 
-        ``role`` names the engine in error messages ("the decode engine").
+        ``role`` names the engine in error messages ("the decode engine"); ``poll`` sends a
+        health or metrics poll through the poll pool.
         """
+        session = self._pick(poll)
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
         try:
             if client_timeout is None:
-                return await self.session.request(
+                return await session.request(
                     method, url, headers=headers, data=data, allow_redirects=False
                 )
-            return await self.session.request(
+            return await session.request(
                 method,
                 url,
                 headers=headers,

@@ -365,7 +365,11 @@ class Scheduler:
     async def _load(self, base_url: str, *, raise_unreachable: bool = False) -> EngineLoad | None:
         try:
             response = await self._engines.send(
-                "GET", base_url + "/metrics", headers={}, client_timeout=self._scrape_timeout
+                "GET",
+                base_url + "/metrics",
+                headers={},
+                client_timeout=self._scrape_timeout,
+                poll=True,
             )
             body = await read_body(response)
         except EngineError as exc:
@@ -379,7 +383,7 @@ class Scheduler:
     async def _probe(self, url: str) -> bool:
         try:
             response = await self._engines.send(
-                "GET", url, headers={}, client_timeout=self._scrape_timeout
+                "GET", url, headers={}, client_timeout=self._scrape_timeout, poll=True
             )
             await read_body(response)
         except EngineError:
