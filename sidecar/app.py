@@ -36,6 +36,10 @@ SCHEDULER = web.AppKey("scheduler", Scheduler)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
+thousand clients connect at once; vLLM's API server uses 2048 too)."""
+
 
 def create_app(settings: Settings) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process."""
@@ -252,7 +256,7 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
         shutdown_timeout=settings.drain_timeout_s,
     )
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
+    await web.TCPSite(runner, settings.host, settings.port, backlog=LISTEN_BACKLOG).start()
     host, port = runner.addresses[0][:2]
     runners, admin_port = [runner], None
     if ADMIN_APP in app:
