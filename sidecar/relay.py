@@ -114,9 +114,10 @@ async def relay(
                 if request.transport is not None:
                     request.transport.close()
                 return out
-            if rewriter is not None:
-                await out.write(rewriter.rest())
-            await out.write(sse_error_event(error))
+            # The engine may have broken off mid-event: a blank line first ends whatever was
+            # pending (SSE ignores empty events), so the error event always parses. An event
+            # the rewriter still holds is incomplete and is dropped.
+            await out.write(_EVENT_END + sse_error_event(error))
         await out.write_eof()
     except ConnectionResetError:
         record.state = State.CANCELLED

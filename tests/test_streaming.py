@@ -154,3 +154,25 @@ async def test_inflight_back_to_zero(http, sidecar, prefill) -> None:
 async def _metrics(http, url: str) -> str:
     async with http.get(url + "/metrics") as response:
         return await response.text()
+
+
+async def test_break_mid_event_still_ends_with_a_parsable_error(
+    http, start_sidecar_with: StartSidecar, aiohttp_server
+) -> None:
+    async def engine(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": " a"}]}\n\ndata: {"choi')
+        assert request.transport is not None
+        request.transport.close()  # broken off in the middle of the second event
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine)
+    server = await aiohttp_server(app)
+    sidecar = await start_sidecar_with(decode_url=f"http://127.0.0.1:{server.port}")
+    async with http.post(sidecar.url + "/v1/completions", json=completion(stream=True)) as response:
+        raw = await response.read()
+    last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    assert last.startswith(b"data: ")
+    assert orjson.loads(last[len(b"data: ") :])["error"]["code"] == 502
