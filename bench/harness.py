@@ -20,6 +20,7 @@ errors by kind.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import contextlib
@@ -794,3 +795,31 @@ def ms(seconds: float) -> str:
 def load_average() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+TASK_SLACK = 3
+"""Asyncio tasks the idle sidecar may have above its baseline (periodic pollers come and go)."""
+FD_SLACK = 5
+"""Open fds the idle sidecar may have above its baseline, besides idle decode connections."""
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every benchmark shares: the emulated cluster and where its logs go."""
+    parser.add_argument(
+        "--prefill-s-per-token", type=float, default=0.0002, help="prefill emulator delay"
+    )
+    parser.add_argument(
+        "--sidecar-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra sidecar variable (repeatable)",
+    )
+    parser.add_argument(
+        "--emulator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for both emulators (repeatable; e.g. --emulator-arg=--jitter=0.1)",
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")

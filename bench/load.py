@@ -32,6 +32,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import aiohttp
 
 from bench.harness import (
+    FD_SLACK,
+    TASK_SLACK,
     ClientStats,
     Cluster,
     ClusterConfig,
@@ -40,6 +42,7 @@ from bench.harness import (
     ProcReading,
     RequestSpec,
     SidecarReading,
+    add_cluster_arguments,
     client_session,
     load_average,
     mib,
@@ -54,11 +57,6 @@ from bench.harness import (
     wait_until,
 )
 
-TASK_SLACK = 3
-"""Asyncio tasks the idle sidecar may have above its baseline (periodic pollers come and go)."""
-FD_SLACK = 5
-"""Open fds the idle sidecar may have above its baseline, besides idle decode connections."""
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -71,9 +69,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (approx.)")
     parser.add_argument(
         "--decode-s-per-token", type=float, default=0.2, help="decode emulator delay per token"
-    )
-    parser.add_argument(
-        "--prefill-s-per-token", type=float, default=0.0002, help="prefill emulator delay"
     )
     parser.add_argument("--ramp-s", type=float, default=10.0, help="time to reach concurrency")
     parser.add_argument("--warmup", type=int, default=20, help="requests before the baseline")
@@ -92,21 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sample-s", type=float, default=0.5, help="RSS sampling period")
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period")
-    parser.add_argument(
-        "--sidecar-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra sidecar variable (repeatable)",
-    )
-    parser.add_argument(
-        "--emulator-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra flag for both emulators (repeatable; e.g. --emulator-arg=--jitter=0.1)",
-    )
-    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")
+    add_cluster_arguments(parser)
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.requests < 1 or args.output_tokens < 1:
         parser.error("--concurrency, --requests and --output-tokens must be positive")

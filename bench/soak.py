@@ -40,12 +40,15 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import (
+    FD_SLACK,
+    TASK_SLACK,
     ClientStats,
     Cluster,
     ClusterConfig,
     Contention,
     RequestSpec,
     SidecarReading,
+    add_cluster_arguments,
     client_session,
     load_average,
     mib,
@@ -58,11 +61,6 @@ from bench.harness import (
     stream_one,
     wait_until,
 )
-
-TASK_SLACK = 3
-"""Asyncio tasks the idle sidecar may have above its baseline (periodic pollers come and go)."""
-FD_SLACK = 5
-"""Open fds the idle sidecar may have above its baseline, besides idle decode connections."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,9 +79,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--decode-s-per-token", type=float, default=0.1, help="decode emulator delay per token"
-    )
-    parser.add_argument(
-        "--prefill-s-per-token", type=float, default=0.0002, help="prefill emulator delay"
     )
     parser.add_argument(
         "--local-fraction", type=float, default=0.2, help="requests without a prefill header"
@@ -112,21 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout-s", type=float, default=None, help="per-request limit")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload's choices")
-    parser.add_argument(
-        "--sidecar-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra sidecar variable (repeatable)",
-    )
-    parser.add_argument(
-        "--emulator-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra flag for both emulators (repeatable)",
-    )
-    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")
+    add_cluster_arguments(parser)
     args = parser.parse_args(argv)
     if args.timeout_s is None:
         args.timeout_s = 3 * args.output_tokens * args.decode_s_per_token + 60

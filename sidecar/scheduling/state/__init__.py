@@ -9,8 +9,7 @@ speeds and ejections are published off the request path.
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sidecar.scheduling.model import Speed
@@ -28,7 +27,6 @@ class Reservation:
     tokens: int
     ahead_tokens: int
     """Tokens already reserved on the endpoint when this one was made (its queue at send)."""
-    id: int = field(default_factory=itertools.count().__next__)
 
 
 @dataclass(frozen=True, slots=True)
