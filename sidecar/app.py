@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
 
+from sidecar.aftercare import Aftercare
 from sidecar.config import Settings
-from sidecar.connectors import make_connector
+from sidecar.connectors import Parts, make_connector
 from sidecar.debug import DebugViews
+from sidecar.decode import DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.errors import EngineUnreachable, NotFound, error_response
+from sidecar.headers import GatewayHeaders
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
-from sidecar.pipeline import Limits, Pipeline
-from sidecar.prefill import PrefillLeg
+from sidecar.pipeline import Pipeline
+from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler, SchedulerConfig
 from sidecar.scheduling.state import MemoryState, StateBackend
@@ -34,6 +38,7 @@ METRICS = web.AppKey("metrics", Metrics)
 READINESS = web.AppKey("readiness", Readiness)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 PIPELINE = web.AppKey("pipeline", Pipeline)
+GUARD = web.AppKey("guard", PrefillGuard)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 
 LISTEN_BACKLOG = 2048
@@ -85,45 +90,33 @@ def create_app(settings: Settings) -> web.Application:
         pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
     )
     guard.warn_if_open()
-    connector = make_connector(settings.connector, rewrite_remote_host=settings.rewrite_remote_host)
-    pipeline = Pipeline(
-        decode_url=settings.decode_url,
-        limits=Limits(
-            max_body_bytes=settings.max_body_bytes,
-            client_body_timeout_s=settings.client_body_timeout_s,
-            connect_timeout_s=settings.connect_timeout_s,
-            first_byte_timeout_s=settings.decode_first_byte_timeout_s,
-            stream_idle_timeout_s=settings.stream_idle_timeout_s,
-            request_timeout_s=settings.request_timeout_s,
-        ),
-        connector=connector,
+    aftercare = Aftercare(
         engines=engines,
-        scheduler=scheduler,
-        prefill=PrefillLeg(
-            connector=connector,
-            engines=engines,
-            scheduler=scheduler,
-            metrics=metrics,
-            retries=settings.prefill_retries,
-            backoff_s=settings.prefill_retry_backoff_s,
-            fallback=settings.prefill_fallback,
-            timeout_s=settings.prefill_timeout_s,
-            connect_timeout_s=settings.connect_timeout_s,
+        metrics=metrics,
+        enabled=settings.release_on_disconnect,
+        timeout_s=settings.decode_first_byte_timeout_s,
+    )
+    parts = Parts(
+        prefill=PrefillCall(
+            settings, engines=engines, scheduler=scheduler, metrics=metrics, aftercare=aftercare
         ),
+        decode=DecodeSend(settings, engines=engines),
+        aftercare=aftercare,
+    )
+    gateway = GatewayHeaders(settings.prefill_headers)
+    pipeline = Pipeline(
+        settings,
+        connector=make_connector(settings, parts),
+        scheduler=scheduler,
         guard=guard,
+        gateway=gateway,
+        aftercare=aftercare,
         tracker=tracker,
         metrics=metrics,
-        release_on_disconnect=settings.release_on_disconnect,
-        log_requests=settings.log_requests,
     )
+    app[GUARD] = guard
     app[PIPELINE] = pipeline
-    passthrough = Passthrough(
-        decode_url=settings.decode_url,
-        engines=engines,
-        metrics=metrics,
-        first_byte_timeout_s=settings.decode_first_byte_timeout_s,
-        idle_timeout_s=settings.stream_idle_timeout_s,
-    )
+    passthrough = Passthrough(settings, engines=engines, gateway=gateway, metrics=metrics)
     debug = DebugViews(tracker)
 
     admin = app
@@ -258,6 +251,7 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port, backlog=LISTEN_BACKLOG).start()
     host, port = runner.addresses[0][:2]
+    app[GUARD].listening(port, **await _own_identity(settings.host))
     runners, admin_port = [runner], None
     if ADMIN_APP in app:
         admin_runner = web.AppRunner(app[ADMIN_APP], access_log=None, shutdown_timeout=1)
@@ -266,6 +260,20 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
         admin_port = admin_runner.addresses[0][1]
         runners.append(admin_runner)
     return RunningSidecar(app, runners, host, port, admin_port)
+
+
+async def _own_identity(listen_host: str) -> dict[str, list[str]]:
+    """This pod's host name and addresses, so a prefill target naming the sidecar itself is
+    recognised (the listen address, and what the host name resolves to: the pod IP in
+    Kubernetes)."""
+    name = socket.gethostname()
+    addresses = [listen_host]
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(name, None)
+    except OSError:
+        infos = []
+    addresses += [str(info[4][0]) for info in infos]
+    return {"names": [name, listen_host], "addresses": addresses}
 
 
 def _url(host: str, port: int) -> str:

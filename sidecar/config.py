@@ -7,14 +7,18 @@ keeps the two in step with this class.
 
 from __future__ import annotations
 
+import re
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from sidecar.endpoints import Endpoint, parse_endpoint, valid_host
+
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+"""An HTTP field name (RFC 9110 §5.1)."""
 
 CONNECTOR_ALIASES = {"nixlv2": "nixl"}
 """llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
@@ -142,8 +146,23 @@ class Settings(BaseSettings):
     )
     release_on_disconnect: bool = Field(
         True,
-        description="When a client leaves after its prefill finished but before the decode "
-        "engine took the KV, have the decode engine pull (and so free) it at once.",
+        description="Free KV a prefill staged that no decode will take (the client left, or "
+        "the decode leg failed or was refused before its first byte) at once, by having the "
+        "decode engine pull it; false: leave it to the prefill engine's own expiry.",
+    )
+    prefill_on_disconnect: Literal["auto", "abort", "finish"] = Field(
+        "auto",
+        description="A prefill whose client left: abort (the engine drops it; one that was "
+        "just finishing may keep its KV until expiry), finish (let it end, then release its "
+        "KV; needs SIDECAR_RELEASE_ON_DISCONNECT=true), auto (finish one predicted to end "
+        "within 0.5 s, abort one queued or far from done).",
+    )
+    prefill_headers: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("x-prefiller-host-port", "x-gateway-prefill-endpoints"),
+        description="Request headers a gateway names the prefill server in, in order of "
+        "precedence (comma list; the first present wins). Every one of them is stripped before "
+        "any engine. Add a name only if the gateway strips it from client requests. Empty: no "
+        "header is read (the sidecar's own scheduler places every request).",
     )
     prefill_allowed_cidrs: Annotated[tuple[IPv4Network | IPv6Network, ...], NoDecode] = Field(
         (),
@@ -196,6 +215,28 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             name = value.strip().lower()
             return CONNECTOR_ALIASES.get(name, name)
+        return value
+
+    @field_validator("prefill_on_disconnect")
+    @classmethod
+    def _finish_needs_release(cls, value: str, info: ValidationInfo) -> str:
+        if value == "finish" and info.data.get("release_on_disconnect") is False:
+            raise ValueError(
+                "finish lets a prefill stage KV that nobody then releases: it needs "
+                "SIDECAR_RELEASE_ON_DISCONNECT=true"
+            )
+        return value
+
+    @field_validator("prefill_headers", mode="before")
+    @classmethod
+    def _header_names(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = tuple(item.lower() for item in _items(value))
+        if isinstance(value, list | tuple):
+            bad = [item for item in value if not isinstance(item, str) or not _TOKEN.match(item)]
+            if bad:
+                raise ValueError(f"not header names: {', '.join(map(str, bad))}")
+            return tuple(item.lower() for item in value)
         return value
 
     @field_validator("log_level", mode="before")

@@ -73,8 +73,16 @@ class Metrics:
         )
         self.kv_releases = Counter(
             "pd_sidecar_kv_releases",
-            "Releases of KV staged for clients that left before their decode leg, by outcome.",
+            "Releases of staged KV no decode leg took (client gone, decode failed or refused), "
+            "by outcome: sent, failed (the engine refused or was unreachable), skipped.",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.prefill_disconnects = Counter(
+            "pd_sidecar_prefill_disconnects",
+            "Prefill calls whose client left while they ran, by what was done: abort (the "
+            "call was cancelled) or finish (left to end, its KV then released).",
+            ["action"],
             registry=self.registry,
         )
         self.inflight = Gauge(

@@ -1,118 +1,75 @@
-"""One generation request, read like the spec: parse → decide → prefill → decode → relay.
+"""One generation request, the same for every protocol: parse → place → run → relay → record.
 
-Wire details live in the connector, streaming in ``relay``, engine I/O in ``upstream``, the
-prefill leg and its failure policy in ``prefill``; this module orders the steps, applies the
-deadlines and records the lifecycle (docs/behavior.md):
-
-- prefill answered 4xx → that answer goes to the client as is;
-- prefill failed → retried when transient, then a local decode (or 503 with fallback ``fail``);
-- decode unreachable → 503, silent past its first-byte timeout → 504, broken after the first byte
-  → the relay ends the stream;
-- client gone (or decode failed) after the prefill but before the decode answer started → the
-  staged KV is released at once.
+The connector runs the whole exchange with the engines (``sidecar.connectors``), the relay
+streams the answer (``sidecar.relay``); this module reads the request, asks the scheduler where it
+prefills, and is the only writer of the request's lifecycle record — from the connector's
+``Progress`` milestones and the outcomes the parts return (docs/behavior.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
+from sidecar.aftercare import Aftercare
+from sidecar.config import Settings
 from sidecar.connectors import Connector
+from sidecar.endpoints import Endpoint
 from sidecar.errors import (
+    REQUEST_ID_HEADER,
     BadRequest,
-    EngineTimeout,
-    EngineUnreachable,
     PayloadTooLarge,
     RequestTimeout,
     SidecarError,
     error_response,
 )
-from sidecar.headers import engine_leg_headers, gateway_prefill_target, request_id_from
+from sidecar.exchange import Exchange, Refused
+from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import ROUTES, Metrics
-from sidecar.prefill import Prefilled, PrefillLeg
-from sidecar.relay import relay
+from sidecar.relay import Relayed, relay
 from sidecar.scheduling.scheduler import Placement, Scheduler
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker
 from sidecar.trust import PrefillGuard
-from sidecar.upstream import Engines, read_body
 
 logger = logging.getLogger("sidecar.pipeline")
-
-MAX_PENDING_RELEASES = 1024
-"""KV releases in the background at once; beyond it the engine's own expiry has to do."""
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_body_bytes: int
-    client_body_timeout_s: float
-    connect_timeout_s: float
-    first_byte_timeout_s: float
-    stream_idle_timeout_s: float
-    request_timeout_s: float
-    """0: no limit."""
 
 
 class Pipeline:
     def __init__(
         self,
+        settings: Settings,
         *,
-        decode_url: str,
-        limits: Limits,
         connector: Connector,
-        engines: Engines,
         scheduler: Scheduler,
-        prefill: PrefillLeg,
         guard: PrefillGuard,
+        gateway: GatewayHeaders,
+        aftercare: Aftercare,
         tracker: Tracker,
         metrics: Metrics,
-        release_on_disconnect: bool,
-        log_requests: bool,
     ) -> None:
-        self._decode_url = decode_url
-        self._limits = limits
+        self._settings = settings
         self._connector = connector
-        self._engines = engines
         self._scheduler = scheduler
-        self._prefill = prefill
         self._guard = guard
+        self._gateway = gateway
+        self._aftercare = aftercare
         self._tracker = tracker
         self._metrics = metrics
-        self._release_on_disconnect = release_on_disconnect
-        self._log_requests = log_requests
-        self._releases: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
-        """Let KV releases under way finish (each is bounded by its own timeout)."""
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        """Let the background work of finished requests (KV releases) end."""
+        await self._aftercare.close()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers)
-        route = ROUTES[request.path]
         key, record = self._tracker.start(request_id, request.path)
         self._metrics.inflight.inc()
-        loop = asyncio.get_running_loop()
-        deadline = (
-            loop.time() + self._limits.request_timeout_s if self._limits.request_timeout_s else None
-        )
         try:
-            answer = await self._serve(request, route, record, request_id, deadline)
-            record.status = answer.status
-            if record.state not in (State.FAILED, State.CANCELLED):
-                if answer.status < 400:
-                    record.state = State.COMPLETED
-                else:
-                    record.state = State.FAILED
-                    record.error = record.error or f"engine answered {answer.status}"
-            return answer
+            return await self._serve(request, record, request_id)
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
@@ -127,173 +84,117 @@ class Pipeline:
             record.mark(Phase.DONE)
             self._tracker.finish(key)
             self._metrics.inflight.dec()
-            self._metrics.observe_request(route, record)
-            if self._log_requests:
+            self._metrics.observe_request(ROUTES[request.path], record)
+            if self._settings.log_requests:
                 _log_summary(record)
 
     async def _serve(
-        self,
-        request: web.Request,
-        route: str,
-        record: RequestRecord,
-        request_id: str,
-        deadline: float | None,
+        self, request: web.Request, record: RequestRecord, request_id: str
     ) -> web.StreamResponse:
-        raw = await _read_limited(
-            request, self._limits.max_body_bytes, self._limits.client_body_timeout_s
-        )
+        settings = self._settings
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.request_timeout_s if settings.request_timeout_s else None
+        raw = await _read_limited(request, settings.max_body_bytes, settings.client_body_timeout_s)
         body = _parse_object(raw)
-        header = gateway_prefill_target(request.headers)
+        header = self._gateway.prefill_target(request.headers)
         if header is not None:
             header = await self._guard.check(header)
-        client_set_params = self._connector.sanitize(body)
+        sanitized = self._connector.sanitize(body)
         placement = await self._scheduler.place(
             body, header, local_reason=self._connector.unsupported(body)
         )
         _record_placement(record, placement)
-        headers = engine_leg_headers(request.headers, request_id)
-
-        prefilled: Prefilled | None = None
-        if placement.endpoint is not None:
-            outcome = await self._prefill.run(
-                request.path,
-                route,
-                body,
-                headers,
-                placement,
-                record,
-                deadline,
-                orphaned=lambda done: self._release(request.path, route, body, headers, done),
-            )
-            if isinstance(outcome, web.Response):
-                return outcome
-            prefilled = outcome
-
-        if prefilled is not None:
-            data = orjson.dumps(self._connector.decode_body(body, prefilled.kv_params))
-        else:
-            # Unchanged body: send the client's own bytes, no re-serialization.
-            data = orjson.dumps(body) if client_set_params else raw
-        try:
-            return await self._decode(
-                request, data, headers, record, placement, prefilled, request_id, deadline
-            )
-        except (asyncio.CancelledError, SidecarError) as exc:
-            # The client left, or the decode leg failed, before the decode answer started:
-            # whether the engine pulled the KV is unknowable, so release it (a second pull of
-            # pulled KV fails harmlessly) rather than strand it on the prefill engine. An
-            # unreachable decode engine got nothing and would not take the release either.
-            unreachable = isinstance(exc, EngineUnreachable)
-            if prefilled is not None and Phase.FIRST_BYTE not in record.phases and not unreachable:
-                self._release(request.path, route, body, headers, prefilled)
-            raise
-
-    async def _decode(
-        self,
-        request: web.Request,
-        data: bytes,
-        headers: CIMultiDict[str],
-        record: RequestRecord,
-        placement: Placement,
-        prefilled: Prefilled | None,
-        request_id: str,
-        deadline: float | None,
-    ) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        first_byte_by = _earliest(loop.time() + self._limits.first_byte_timeout_s, deadline)
-        first_byte_seen = False
-
-        def first_byte() -> None:
-            nonlocal first_byte_seen
-            first_byte_seen = True
-            self._scheduler.local_first_byte(placement, record.span(None, Phase.FIRST_BYTE))
-
-        record.state = State.DECODING
-        record.mark(Phase.DECODE_SENT)
-        try:
-            try:
-                async with asyncio.timeout_at(first_byte_by):
-                    upstream = await self._engines.send(
-                        "POST",
-                        self._decode_url + request.path,
-                        headers=headers,
-                        data=data,
-                        client_timeout=aiohttp.ClientTimeout(
-                            total=None, sock_connect=self._limits.connect_timeout_s
-                        ),
-                        role="the decode engine",
-                    )
-            except TimeoutError:
-                raise _first_byte_timeout(self._limits.first_byte_timeout_s) from None
-            try:
-                return await relay(
-                    request,
-                    upstream,
-                    record,
-                    request_id=request_id,
-                    cached_tokens=prefilled.cached_tokens if prefilled else None,
-                    on_first_byte=first_byte,
-                    first_byte_by=first_byte_by,
-                    idle_timeout_s=self._limits.stream_idle_timeout_s,
-                    deadline=deadline,
-                )
-            finally:
-                upstream.close()
-        finally:
-            if not first_byte_seen:
-                self._scheduler.local_first_byte(placement, None)
-
-    def _release(
-        self,
-        path: str,
-        route: str,
-        body: dict[str, Any],
-        headers: CIMultiDict[str],
-        prefilled: Prefilled,
-    ) -> None:
-        """Free KV staged for a client who left before its decode leg: off the request path."""
-        if not self._release_on_disconnect:
-            return
-        release = self._connector.release_body(body, prefilled.kv_params, route)
-        if release is None:
-            return
-        if len(self._releases) >= MAX_PENDING_RELEASES:
-            self._metrics.kv_releases.labels("skipped").inc()
-            return
-        task = asyncio.create_task(self._send_release(path, headers, orjson.dumps(release)))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _send_release(self, path: str, headers: CIMultiDict[str], data: bytes) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=self._limits.first_byte_timeout_s, sock_connect=self._limits.connect_timeout_s
+        progress = _Progress(record, self._scheduler, placement)
+        exchange = Exchange(
+            path=request.path,
+            route=ROUTES[request.path],
+            body=body,
+            raw=None if sanitized else raw,
+            headers=self._gateway.engine_leg(request.headers, request_id),
+            placement=placement,
+            deadline=deadline,
+            progress=progress,
         )
         try:
-            upstream = await self._engines.send(
-                "POST",
-                self._decode_url + path,
-                headers=headers,
-                data=data,
-                client_timeout=timeout,
-                role="the decode engine",
+            answer = await self._connector.run(exchange)
+        finally:
+            progress.settle()
+        if isinstance(answer, Refused):
+            record.state, record.status, record.error = State.FAILED, answer.status, answer.error
+            return web.Response(
+                status=answer.status,
+                body=answer.body,
+                headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
             )
-            await read_body(upstream)
-        except SidecarError as exc:
-            self._metrics.kv_releases.labels("failed").inc()
-            logger.warning("releasing staged KV failed: %s", exc.message)
-            return
-        self._metrics.kv_releases.labels("sent" if upstream.status < 400 else "failed").inc()
+        try:
+            relayed = await relay(
+                request,
+                answer,
+                request_id=request_id,
+                idle_timeout_s=settings.stream_idle_timeout_s,
+                deadline=deadline,
+            )
+        finally:
+            answer.upstream.close()
+        _record_relayed(record, relayed)
+        return relayed.response
 
 
-def _earliest(when: float, deadline: float | None) -> float:
-    return when if deadline is None else min(when, deadline)
+class _Progress:
+    """The connector's milestones, written into the record (and the scheduler's local view)."""
+
+    __slots__ = ("_placement", "_record", "_scheduler", "_told")
+
+    def __init__(self, record: RequestRecord, scheduler: Scheduler, placement: Placement) -> None:
+        self._record = record
+        self._scheduler = scheduler
+        self._placement = placement
+        self._told = False
+
+    def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None:
+        record = self._record
+        record.state = State.PREFILLING
+        record.mark(Phase.PREFILL_SENT)
+        record.prefill_attempts = attempt
+        record.prefill_endpoint = str(endpoint)
+
+    def prefill_ended(self) -> None:
+        self._record.phases[Phase.PREFILL_DONE] = self._record.elapsed()
+
+    def fell_back(self, reason: str, *, local: bool) -> None:
+        self._record.fallback_reason = reason
+        if local:
+            self._record.decision = Decision.LOCAL
+
+    def decode_sent(self) -> None:
+        self._record.state = State.DECODING
+        self._record.mark(Phase.DECODE_SENT)
+
+    def first_byte(self) -> None:
+        self._record.mark(Phase.FIRST_BYTE)
+        self._tell(self._record.span(None, Phase.FIRST_BYTE))
+
+    def settle(self) -> None:
+        """The exchange ended: a local prefill that produced no first byte still leaves the
+        scheduler's local queue."""
+        self._tell(None)
+
+    def _tell(self, seconds: float | None) -> None:
+        if not self._told:
+            self._told = True
+            self._scheduler.local_first_byte(self._placement, seconds)
 
 
-def _first_byte_timeout(seconds: float) -> EngineTimeout:
-    return EngineTimeout(
-        f"the decode engine sent nothing within {seconds:g}s "
-        "(SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S or SIDECAR_REQUEST_TIMEOUT_S)"
-    )
+def _record_relayed(record: RequestRecord, relayed: Relayed) -> None:
+    record.status = relayed.status
+    if relayed.client_gone:
+        record.state = State.CANCELLED
+    elif relayed.error is not None:
+        record.state, record.error = State.FAILED, relayed.error.message
+    elif relayed.status >= 400:
+        record.state, record.error = State.FAILED, f"engine answered {relayed.status}"
+    else:
+        record.state = State.COMPLETED
 
 
 async def _read_limited(request: web.Request, limit: int, timeout_s: float) -> bytes:

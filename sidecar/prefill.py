@@ -1,55 +1,54 @@
-"""The prefill leg and its failure policy: retries, timeouts, fallback.
+"""The prefill call: retries, timeouts, fallback, and what happens when its client leaves.
 
-Transient failures (connect error, reset, timeout, 502/503/504) are retried up to ``retries``
-times with a doubling backoff — on another endpoint when the scheduler chose it, on the same one
-when the gateway named it. Any other 5xx, a 3xx, or an answer without usable KV parameters is not
-retried. A 4xx is the client's own fault: returned to it as is, never retried. When the prefill
-finally fails, ``fallback`` decides: ``local`` decodes without KV (the decode engine recomputes
-the prompt), ``fail`` answers 503.
+A shared part of every connector that runs a prefill leg. Transient failures (connect error,
+reset, timeout, 502/503/504) are retried up to ``SIDECAR_PREFILL_RETRIES`` times with a doubling
+backoff — on another endpoint when the scheduler chose it, on the same one when the gateway named
+it. Any other 5xx, a 3xx, or an answer the connector cannot use is not retried. A 4xx is the
+client's own fault: ``Refused``, never retried. When the prefill finally fails,
+``SIDECAR_PREFILL_FALLBACK`` decides: ``local`` returns ``Fallback``, ``fail`` raises
+``PrefillFailed`` (503).
+
+A client that leaves while the call runs (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort`` cancels
+the call (the engine drops a prefill it is still computing); ``finish`` lets it end in the
+background and hands its KV to ``orphaned`` (to be released); ``auto`` finishes a call predicted to
+end within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done. Whatever the
+mode, a call whose answer has started to arrive is finished: the engine is done, its KV staged. The call's own
+task reports to the scheduler when it really ends, so an endpoint's slot is never counted free
+while the engine still works on it. Nothing here awaits after a cancellation: a second one cannot
+skip a step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import aiohttp
-import orjson
-from aiohttp import web
-from multidict import CIMultiDict
-
-from sidecar.connectors import Connector
+from sidecar.aftercare import Aftercare
+from sidecar.config import Settings
 from sidecar.endpoints import Endpoint
-from sidecar.errors import (
-    REQUEST_ID_HEADER,
-    EngineError,
-    EngineTimeout,
-    EngineUnreachable,
-    PrefillFailed,
-)
+from sidecar.errors import EngineError, EngineTimeout, EngineUnreachable, PrefillFailed
+from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
 from sidecar.metrics import Metrics
 from sidecar.scheduling.scheduler import Placement, Scheduler
-from sidecar.tracking import Decision, Phase, RequestRecord, State
-from sidecar.upstream import Engines, parse_json, read_body
+from sidecar.upstream import Engines, parse_json
 
 logger = logging.getLogger("sidecar.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
-SALVAGE_GRACE_S = 0.25
-"""How long a prefill whose client left may still deliver an answer that is already on its way
-(its KV staged), before the call is aborted."""
+AUTO_FINISH_WITHIN_S = 0.5
+"""``auto``: a prefill whose predicted end is at most this far ahead (and not overdue by more
+than this or its whole prediction) is let finish when its client leaves."""
 
-
-@dataclass(frozen=True, slots=True)
-class Prefilled:
-    kv_params: dict[str, Any]
-    cached_tokens: int | None
-
-
+Outcome = Prefilled | Refused | Fallback
+BodyFor = Callable[[Endpoint], bytes]
+"""The prefill leg's bytes for an endpoint (a protocol may name the endpoint in the body)."""
+Accept = Callable[[object, Endpoint], Prefilled | None]
+"""A 2xx prefill answer (parsed JSON) → ``Prefilled``, or None when it is unusable."""
 Orphaned = Callable[[Prefilled], None]
+"""Gets the KV of a prefill whose client left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,155 +61,158 @@ class _Failure:
     transient: bool
 
 
-class PrefillLeg:
+_Result = Prefilled | Refused | _Failure
+
+
+class PrefillCall:
     def __init__(
         self,
+        settings: Settings,
         *,
-        connector: Connector,
         engines: Engines,
         scheduler: Scheduler,
         metrics: Metrics,
-        retries: int,
-        backoff_s: float,
-        fallback: str,
-        timeout_s: float,
-        connect_timeout_s: float,
+        aftercare: Aftercare,
     ) -> None:
-        self._connector = connector
+        self._settings = settings
         self._engines = engines
         self._scheduler = scheduler
         self._metrics = metrics
-        self._retries = retries
-        self._backoff_s = backoff_s
-        self._fallback = fallback
-        self._timeout_s = timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        self._aftercare = aftercare
 
     async def run(
-        self,
-        path: str,
-        route: str,
-        body: dict[str, Any],
-        headers: CIMultiDict[str],
-        placement: Placement,
-        record: RequestRecord,
-        deadline: float | None,
-        orphaned: Orphaned,
-    ) -> Prefilled | web.Response | None:
-        """KV params; the prefill's own 4xx answer; or None: decode locally (a fallback).
-
-        Raises ``PrefillFailed`` when the prefill failed and the fallback is ``fail``. When the
-        client leaves as a prefill's answer arrives, ``orphaned`` gets the KV to release.
-        """
-        record.state = State.PREFILLING
-        record.mark(Phase.PREFILL_SENT)
-        data = orjson.dumps(self._connector.prefill_body(body, route))
+        self, ex: Exchange, *, body_for: BodyFor, accept: Accept, orphaned: Orphaned
+    ) -> Outcome:
+        """Prefill ``ex`` where it was placed, retrying and falling back as configured."""
         tried: set[str] = set()
-        current: Placement | None = placement
+        current: Placement | None = ex.placement
         attempt = 0
-        result: _Failure | None = None
+        failure: _Failure | None = None
+        last = ex.placement.endpoint
         while current is not None and current.endpoint is not None:
             attempt += 1
-            record.prefill_attempts = attempt
-            record.prefill_endpoint = str(current.endpoint)
-            outcome = await self._attempt(path, data, headers, current, record, deadline, orphaned)
-            if not isinstance(outcome, _Failure):
-                return outcome
-            result = outcome
+            last = current.endpoint
+            ex.progress.prefill_sent(current.endpoint, attempt)
+            result = await self._attempt(ex, body_for(current.endpoint), current, accept, orphaned)
+            if not isinstance(result, _Failure):
+                return result
+            failure = result
             tried.add(str(current.endpoint))
-            retry = result.transient and attempt <= self._retries and not _past(deadline)
-            if not retry:
+            retries = self._settings.prefill_retries
+            if not (failure.transient and attempt <= retries and not _past(ex.deadline)):
                 break
             logger.info(
                 "request %s: prefill on %s failed (%s), retrying",
-                record.id,
+                ex.request_id,
                 current.endpoint,
-                result.detail,
-                extra={"request_id": record.id},
+                failure.detail,
+                extra={"request_id": ex.request_id},
             )
             self._metrics.prefill_retries.inc()
-            await asyncio.sleep(self._backoff_s * 2 ** (attempt - 1))
+            await asyncio.sleep(self._settings.prefill_retry_backoff_s * 2 ** (attempt - 1))
             current = await self._scheduler.retry(current, tried)
-        self._give_up(record, result)
-        return None
+        return self._give_up(ex, failure, last)
 
     async def _attempt(
         self,
-        path: str,
+        ex: Exchange,
         data: bytes,
-        headers: CIMultiDict[str],
         placement: Placement,
-        record: RequestRecord,
-        deadline: float | None,
+        accept: Accept,
         orphaned: Orphaned,
-    ) -> Prefilled | web.Response | _Failure:
-        """One call; tells the scheduler how it went, whatever happens."""
+    ) -> _Result:
         assert placement.endpoint is not None
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        endpoint_ok: bool | None = None  # None: cancelled, or the client's own fault
-        call = asyncio.ensure_future(
-            self._call(path, data, headers, placement.endpoint, record, deadline)
-        )
+        started = asyncio.get_running_loop().time()
+        answering = asyncio.Event()
+        call = asyncio.ensure_future(self._call(ex, data, placement.endpoint, accept, answering))
+        call.add_done_callback(functools.partial(self._ended, placement, started))
         try:
-            try:
-                result = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                await self._abort(call, orphaned)
-                raise
-            if isinstance(result, _Failure):
-                endpoint_ok = False
-                self._metrics.prefill_requests.labels(result.outcome).inc()
-            elif isinstance(result, Prefilled):
-                endpoint_ok = True
-                self._metrics.prefill_requests.labels("success").inc()
-            else:
-                self._metrics.prefill_requests.labels("client_error").inc()
-            return result
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._client_left(call, placement, started, answering.is_set(), orphaned)
+            raise
         finally:
-            record.phases[Phase.PREFILL_DONE] = record.elapsed()
-            self._scheduler.prefill_finished(
-                placement, ok=endpoint_ok, seconds=loop.time() - started
-            )
+            ex.progress.prefill_ended()
 
-    async def _abort(
-        self, call: asyncio.Future[Prefilled | web.Response | _Failure], orphaned: Orphaned
+    def _ended(self, placement: Placement, started: float, call: asyncio.Future[_Result]) -> None:
+        """The call is over, whoever waited for it: tell the scheduler and count it."""
+        ok: bool | None = None  # cancelled, or the client's own fault: says nothing
+        if not call.cancelled():
+            if call.exception() is not None:
+                logger.error("prefill call failed", exc_info=call.exception())
+            else:
+                result = call.result()
+                if isinstance(result, _Failure):
+                    ok = False
+                    self._metrics.prefill_requests.labels(result.outcome).inc()
+                elif isinstance(result, Prefilled):
+                    ok = True
+                    self._metrics.prefill_requests.labels("success").inc()
+                else:
+                    self._metrics.prefill_requests.labels("client_error").inc()
+        seconds = asyncio.get_running_loop().time() - started
+        self._scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
+
+    def _client_left(
+        self,
+        call: asyncio.Future[_Result],
+        placement: Placement,
+        started: float,
+        answering: bool,
+        orphaned: Orphaned,
     ) -> None:
-        """The client left during the prefill. Abort the call (the engine then drops a prefill
-        it is still computing) unless its answer is already arriving: then the engine has
-        staged the KV, and only a pull frees it before its expiry."""
-        done, _ = await asyncio.wait({call}, timeout=SALVAGE_GRACE_S)
-        if not done:
-            call.cancel()
+        """Abort the call or let it finish (module docstring); synchronous on purpose."""
+        if call.done():  # its answer came in with the cancellation
+            _salvage(call, orphaned)
             return
-        if not call.cancelled() and call.exception() is None:
-            result = call.result()
-            if isinstance(result, Prefilled):
-                orphaned(result)
+        # An engine whose status line is in has finished the prefill (and staged its KV):
+        # aborting saves nothing then, and only reading the answer can free the KV.
+        action = "finish" if answering else self._action(placement, started)
+        if action == "finish" and self._aftercare.adopt(call):
+            call.add_done_callback(functools.partial(_salvage, orphaned=orphaned))
+        else:
+            action = "abort"
+            call.cancel()
+            self._aftercare.watch(call)
+        self._metrics.prefill_disconnects.labels(action).inc()
+
+    def _action(self, placement: Placement, started: float) -> str:
+        mode = self._settings.prefill_on_disconnect
+        if mode != "auto":
+            return mode
+        if not self._settings.release_on_disconnect:
+            return "abort"  # finishing would only stage KV that nobody releases
+        predicted = placement.decision.predicted_s
+        if predicted is None:
+            return "abort"
+        remaining = predicted - (asyncio.get_running_loop().time() - started)
+        overdue_limit = max(AUTO_FINISH_WITHIN_S, predicted)
+        return "finish" if -overdue_limit <= remaining <= AUTO_FINISH_WITHIN_S else "abort"
 
     async def _call(
         self,
-        path: str,
+        ex: Exchange,
         data: bytes,
-        headers: CIMultiDict[str],
         endpoint: Endpoint,
-        record: RequestRecord,
-        deadline: float | None,
-    ) -> Prefilled | web.Response | _Failure:
-        timeout_s = self._timeout_s
-        if deadline is not None:
-            timeout_s = max(0.001, min(timeout_s, deadline - asyncio.get_running_loop().time()))
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
+        accept: Accept,
+        answering: asyncio.Event,
+    ) -> _Result:
+        """One prefill call; sets ``answering`` once the engine's status line is in."""
+        timeout_s = self._settings.prefill_timeout_s
+        if ex.deadline is not None:
+            remaining = ex.deadline - asyncio.get_running_loop().time()
+            timeout_s = max(0.001, min(timeout_s, remaining))
         try:
             upstream = await self._engines.send(
                 "POST",
-                endpoint.url + path,
-                headers=headers,
+                endpoint.url + ex.path,
+                headers=ex.headers,
                 data=data,
-                client_timeout=timeout,
+                total_s=timeout_s,
                 role="the prefill engine",
             )
-            answer = await read_body(upstream)
+            answering.set()
+            answer = await upstream.read()
         except EngineTimeout as exc:
             return _Failure("prefill_timeout", "timeout", exc.message, transient=True)
         except EngineUnreachable as exc:
@@ -218,16 +220,8 @@ class PrefillLeg:
 
         status = upstream.status
         if 400 <= status < 500:
-            record.state = State.FAILED
-            record.error = f"prefill answered {status}"
-            return web.Response(
-                status=status,
-                body=answer,
-                headers={
-                    "content-type": upstream.headers.get("content-type", "application/json"),
-                    REQUEST_ID_HEADER: headers[REQUEST_ID_HEADER],
-                },
-            )
+            content_type = upstream.headers.get("content-type", "application/json")
+            return Refused(status, answer, content_type, f"prefill answered {status}")
         if status >= 300:
             return _Failure(
                 "prefill_error",
@@ -239,37 +233,38 @@ class PrefillLeg:
             parsed = parse_json(answer, "prefill")
         except EngineError as exc:
             return _Failure("prefill_bad_response", "bad_response", exc.message, transient=False)
-        kv_params = self._connector.kv_params(parsed, endpoint)
-        if kv_params is None:
+        prefilled = accept(parsed, endpoint)
+        if prefilled is None:
             return _Failure(
                 "no_kv_params", "bad_response", "answer has no usable KV params", transient=False
             )
-        return Prefilled(kv_params, _cached_tokens(parsed))
+        return prefilled
 
-    def _give_up(self, record: RequestRecord, failure: _Failure | None) -> None:
+    def _give_up(self, ex: Exchange, failure: _Failure | None, last: Endpoint | None) -> Fallback:
         reason = failure.reason if failure else "no_endpoint_left"
         detail = failure.detail if failure else "no other prefill endpoint to retry on"
         self._metrics.fallbacks.labels(reason).inc()
-        record.fallback_reason = reason
-        if self._fallback == "fail":
-            record.error = f"prefill failed: {detail}"
+        local = self._settings.prefill_fallback == "local"
+        ex.progress.fell_back(reason, local=local)
+        if not local:
             raise PrefillFailed(f"the prefill failed and the fallback is 'fail': {detail}")
-        record.decision = Decision.LOCAL
         logger.warning(
             "request %s: prefill on %s failed (%s), decoding locally",
-            record.id,
-            record.prefill_endpoint,
+            ex.request_id,
+            last,
             detail,
-            extra={"request_id": record.id},
+            extra={"request_id": ex.request_id},
         )
+        return Fallback(reason)
+
+
+def _salvage(call: asyncio.Future[_Result], orphaned: Orphaned) -> None:
+    """The KV of a call that delivered after its client left goes to ``orphaned``."""
+    if not call.cancelled() and call.exception() is None:
+        result = call.result()
+        if isinstance(result, Prefilled):
+            orphaned(result)
 
 
 def _past(deadline: float | None) -> bool:
     return deadline is not None and asyncio.get_running_loop().time() >= deadline
-
-
-def _cached_tokens(answer: Any) -> int | None:
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
 from sidecar.errors import EngineError
 from sidecar.metrics import Metrics
 from sidecar.upstream import Engines
@@ -23,7 +21,7 @@ class Readiness:
         self._url = decode_url + "/health"
         self._interval_s = interval_s
         # A poll may take at most one interval (and never less than a second) before it fails.
-        self._timeout = aiohttp.ClientTimeout(total=max(1.0, interval_s))
+        self._timeout_s = max(1.0, interval_s)
         self._metrics = metrics
         self.ready = False
         self.draining = False
@@ -32,10 +30,10 @@ class Readiness:
     async def poll(self) -> bool:
         try:
             response = await self._engines.send(
-                "GET", self._url, headers={}, client_timeout=self._timeout, poll=True
+                "GET", self._url, headers={}, total_s=self._timeout_s, poll=True
             )
+            await response.read()
             ok = response.status == 200
-            response.release()
         except EngineError:
             ok = False
         if ok != self.ready:

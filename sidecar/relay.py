@@ -1,21 +1,19 @@
-"""Engine answer → client, as it arrives.
+"""An engine's started answer → the client, as it arrives.
 
 The body is relayed byte for byte, one write per chunk the engine sent, with no parsing — except
-when the prefill reported ``usage.prompt_tokens_details.cached_tokens``: the decode engine counts
-all pulled KV as cached, so its figure is replaced by the prefill's (llm-d #916). Only the events or
-the JSON body that carry the field are parsed then.
+where the connector asked for a ``Patch`` (e.g. the prefill's ``cached_tokens``): then the JSON
+body, or the SSE events whose bytes hold the patch's marker, are parsed and rewritten.
 
 Once the status line went out it cannot change: a broken engine stream ends an SSE answer with an
-error event (no ``[DONE]``) and truncates any other answer by closing the connection.
+error event (no ``[DONE]``) and truncates any other answer by closing the connection. The relay
+reports what happened (``Relayed``); it writes no record.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -26,58 +24,50 @@ from sidecar.errors import (
     SidecarError,
     sse_error_event,
 )
+from sidecar.exchange import Answer, Patch
 from sidecar.headers import client_response_headers
-from sidecar.tracking import Phase, RequestRecord, State
-from sidecar.upstream import chunks, read_body, set_idle_timeout
 
-_CACHED_TOKENS = b'"cached_tokens"'
 _EVENT_END = b"\n\n"
 _SSE = "text/event-stream"
 
 
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    response: web.StreamResponse
+    status: int
+    """The status the client was sent."""
+    error: SidecarError | None = None
+    """Why the answer was cut after it started (engine broke it, idle, deadline)."""
+    client_gone: bool = False
+
+
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
-    record: RequestRecord,
+    answer: Answer,
     *,
     request_id: str | None,
-    cached_tokens: int | None,
-    on_first_byte: Callable[[], None] | None = None,
-    first_byte_by: float | None = None,
     idle_timeout_s: float | None = None,
     deadline: float | None = None,
-) -> web.StreamResponse:
-    """Write ``upstream`` to the client; the caller closes ``upstream`` whatever happens.
+) -> Relayed:
+    """Write ``answer`` to the client; the caller closes ``answer.upstream`` whatever happens.
 
-    Until the engine's first body byte nothing is sent, so a failure up to then (``EngineTimeout``
-    past ``first_byte_by``, a broken answer) still gets a proper error status. After it, a
-    stream the engine breaks, or that stays silent for ``idle_timeout_s``, or that outlives
-    ``deadline`` (loop time), is recorded as failed on ``record`` and ended as the module
-    docstring says. A client that disconnects mid-answer leaves ``record`` cancelled (usually
-    the handler is cancelled first; a failed write is the other way to notice).
+    A JSON body to patch is read whole first, so a failure while reading it (``SidecarError``)
+    still gets a proper error status. Otherwise the status line goes out at once, and a stream the
+    engine breaks, or that stays silent for ``idle_timeout_s``, or that outlives ``deadline``
+    (loop time), ends as the module docstring says.
     """
+    upstream = answer.upstream
     headers = client_response_headers(upstream.headers)
     if request_id is not None:
         headers[REQUEST_ID_HEADER] = request_id
-    rewrite = cached_tokens is not None and "content-encoding" not in upstream.headers
+    patch = answer.patch if "content-encoding" not in upstream.headers else None
     is_sse = upstream.content_type == _SSE
-    source = chunks(upstream)
-    try:
-        async with asyncio.timeout_at(first_byte_by):
-            if rewrite and upstream.content_type == "application/json":
-                whole = _rewrite_json(await read_body(upstream), cached_tokens)
-                record.mark(Phase.FIRST_BYTE)
-                if on_first_byte is not None:
-                    on_first_byte()
-                return web.Response(status=upstream.status, headers=headers, body=whole)
-            first = await anext(source, b"")
-    except TimeoutError:
-        raise EngineTimeout("the engine sent no answer within its first-byte timeout") from None
-    record.mark(Phase.FIRST_BYTE)
-    if on_first_byte is not None:
-        on_first_byte()
-    if idle_timeout_s:
-        set_idle_timeout(upstream, idle_timeout_s)
+    if patch is not None and upstream.content_type == "application/json":
+        whole = await _read_rest(answer, idle_timeout_s, deadline)
+        body = _patch_json(whole, patch)
+        return Relayed(
+            web.Response(status=upstream.status, headers=headers, body=body), upstream.status
+        )
 
     expired = False
 
@@ -88,74 +78,74 @@ async def relay(
 
     timer = asyncio.get_running_loop().call_at(deadline, expire) if deadline else None
     out = web.StreamResponse(status=upstream.status, headers=headers)
-    if not rewrite and upstream.content_length is not None:
+    if patch is None and upstream.content_length is not None:
         out.content_length = upstream.content_length
-    rewriter = _EventRewriter(cached_tokens) if rewrite and is_sse else None
+    rewriter = _EventRewriter(patch) if patch is not None and is_sse else None
+    error: SidecarError | None = None
     try:
         await out.prepare(request)
         try:
             if rewriter is None:
-                await out.write(first)
-                async for chunk in source:
+                await out.write(answer.first)
+                async for chunk in upstream.chunks(idle_timeout_s):
                     await out.write(chunk)
             else:
-                await out.write(rewriter.feed(first))
-                async for chunk in source:
+                await out.write(rewriter.feed(answer.first))
+                async for chunk in upstream.chunks(idle_timeout_s):
                     await out.write(rewriter.feed(chunk))
                 await out.write(rewriter.rest())
         except EngineStreamBroken as broken:
-            error: SidecarError = broken
+            error = broken
             if expired:
                 error = EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S")
-            record.state = State.FAILED
-            record.error = error.message
             if not is_sse:
                 # Nothing but the connection itself can mark a truncated body as broken.
                 if request.transport is not None:
                     request.transport.close()
-                return out
+                return Relayed(out, upstream.status, error)
             # The engine may have broken off mid-event: a blank line first ends whatever was
             # pending (SSE ignores empty events), so the error event always parses. An event
             # the rewriter still holds is incomplete and is dropped.
             await out.write(_EVENT_END + sse_error_event(error))
         await out.write_eof()
     except ConnectionResetError:
-        record.state = State.CANCELLED
+        return Relayed(out, upstream.status, error, client_gone=True)
     finally:
         if timer is not None:
             timer.cancel()
-    return out
+    return Relayed(out, upstream.status, error)
 
 
-def _rewrite_json(body: bytes, cached_tokens: int | None) -> bytes:
-    if _CACHED_TOKENS not in body:
+async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: float | None) -> bytes:
+    parts = [answer.first]
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for chunk in answer.upstream.chunks(idle_timeout_s):
+                parts.append(chunk)
+    except TimeoutError:
+        raise EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S") from None
+    return b"".join(parts)
+
+
+def _patch_json(body: bytes, patch: Patch) -> bytes:
+    if patch.marker not in body:
         return body
     try:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         return body
-    return orjson.dumps(answer) if _replace_cached(answer, cached_tokens) else body
-
-
-def _replace_cached(answer: Any, cached_tokens: int | None) -> bool:
-    """Set ``usage.prompt_tokens_details.cached_tokens`` where the engine reported it."""
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    if not isinstance(details, dict) or "cached_tokens" not in details:
-        return False
-    details["cached_tokens"] = cached_tokens
-    return True
+    return orjson.dumps(answer) if patch.apply(answer) else body
 
 
 class _EventRewriter:
-    """Rewrites ``cached_tokens`` in SSE events; events without the field pass untouched.
+    """Applies a patch to SSE events; events without its marker pass untouched.
 
     Holds back only an incomplete trailing event (engines write whole events per chunk, so in
     practice nothing waits), never an event the engine already finished.
     """
 
-    def __init__(self, cached_tokens: int | None) -> None:
-        self._cached_tokens = cached_tokens
+    def __init__(self, patch: Patch) -> None:
+        self._patch = patch
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -167,7 +157,7 @@ class _EventRewriter:
         cut += len(_EVENT_END)
         self._pending = data[cut:]
         complete = data[:cut]
-        if _CACHED_TOKENS not in complete:
+        if self._patch.marker not in complete:
             return complete
         return b"".join(self._rewrite_event(event) for event in complete.split(_EVENT_END)[:-1])
 
@@ -176,7 +166,7 @@ class _EventRewriter:
         return data
 
     def _rewrite_event(self, event: bytes) -> bytes:
-        if _CACHED_TOKENS in event:
+        if self._patch.marker in event:
             lines = event.split(b"\n")
             for index, line in enumerate(lines):
                 if line.startswith(b"data:"):
@@ -185,7 +175,7 @@ class _EventRewriter:
                         answer = orjson.loads(payload)
                     except orjson.JSONDecodeError:
                         continue
-                    if _replace_cached(answer, self._cached_tokens):
+                    if self._patch.apply(answer):
                         lines[index] = b"data: " + orjson.dumps(answer)
             event = b"\n".join(lines)
         return event + _EVENT_END

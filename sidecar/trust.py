@@ -7,6 +7,10 @@ a member), lies in ``SIDECAR_PREFILL_ALLOWED_CIDRS``, or has a name in
 address that passed, so a DNS answer that changes between check and call (rebinding) cannot
 redirect the call. With no pool and no allowlist (pure gateway mode, llm-d's default) every target
 is allowed, and the start-up log says so once.
+
+Whatever the lists say, a target that is this sidecar itself — its API port on a loopback
+address, on one of the pod's own addresses, or on its host name — is refused with 400: the
+prefill leg would come back in as a new request, and again, until something broke.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.endpoints import Endpoint
-from sidecar.errors import Forbidden
+from sidecar.errors import BadRequest, Forbidden
 
 logger = logging.getLogger("sidecar.trust")
 
@@ -45,6 +49,30 @@ class PrefillGuard:
         self.enforced = bool(cidrs or hosts or pool_configured)
         self._resolver = resolver
         self._cache: OrderedDict[str, tuple[float, tuple[IPAddress, ...]]] = OrderedDict()
+        self._own_port: int | None = None
+        self._own_names: frozenset[str] = frozenset()
+        self._own_addresses: frozenset[IPAddress] = frozenset()
+
+    def listening(self, port: int, *, names: Iterable[str], addresses: Iterable[str]) -> None:
+        """The sidecar serves its API on ``port``; ``names`` and ``addresses`` are the pod's
+        own (host name, listen address, the host name's addresses)."""
+        self._own_port = port
+        self._own_names = frozenset(n.lower().rstrip(".") for n in names if n) | {"localhost"}
+        self._own_addresses = frozenset(a for a in (_ip(x) for x in addresses) if a is not None)
+
+    async def _is_self(self, target: Endpoint) -> bool:
+        if target.port != self._own_port:
+            return False
+        host = target.host.rstrip(".")
+        literal = _ip(host)
+        if literal is not None:
+            return self._own_address(literal)
+        if host in self._own_names:
+            return True
+        return any(self._own_address(a) for a in await self._lookup(host, target.port))
+
+    def _own_address(self, address: IPAddress) -> bool:
+        return address.is_loopback or address.is_unspecified or address in self._own_addresses
 
     def warn_if_open(self) -> None:
         if not self.enforced:
@@ -55,7 +83,10 @@ class PrefillGuard:
             )
 
     async def check(self, target: Endpoint) -> Endpoint:
-        """``target`` (possibly pinned to a checked address) or ``Forbidden``."""
+        """``target`` (possibly pinned to a checked address); ``Forbidden`` when not allowed,
+        ``BadRequest`` when it is this sidecar."""
+        if await self._is_self(target):
+            raise BadRequest(f"prefill target {target} is this sidecar itself")
         if not self.enforced:
             return target
         members = set(self._pool())

@@ -1,5 +1,8 @@
 """Engine clients: pooled keep-alive sessions, and the one boundary where aiohttp and asyncio
-exceptions become the sidecar's own (``sidecar.errors``)."""
+exceptions become the sidecar's own (``sidecar.errors``).
+
+aiohttp stops here: callers pass timeouts in seconds and get an ``EngineAnswer`` back.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +10,10 @@ import asyncio
 import io
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import Any
 
 import aiohttp
 import orjson
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.errors import (
     EngineBadResponse,
@@ -26,6 +28,81 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 # aiohttp writes a bytes body in one go (and warns above 1 MiB); a BytesIO goes out in slices
 # that yield to the event loop between them, so a long prompt does not stall other streams.
 _LARGE_BODY = 1 << 20
+
+Body = bytes | io.BytesIO | AsyncIterable[bytes] | None
+
+
+class EngineAnswer:
+    """An engine's answer whose body has not been read yet; ``close()`` it when done.
+
+    Body errors surface as ``EngineStreamBroken`` (or ``EngineTimeout`` for a one-shot read).
+    """
+
+    __slots__ = ("_response", "engine")
+
+    def __init__(self, response: aiohttp.ClientResponse, engine: str) -> None:
+        self._response = response
+        self.engine = engine
+        """``host:port`` of the engine, for messages."""
+
+    @property
+    def status(self) -> int:
+        return self._response.status
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        return self._response.headers
+
+    @property
+    def content_type(self) -> str:
+        return self._response.content_type
+
+    @property
+    def content_length(self) -> int | None:
+        return self._response.content_length
+
+    async def read(self) -> bytes:
+        """The whole body of a (small, non-streamed) answer; the connection goes back to the
+        pool."""
+        try:
+            return await self._response.read()
+        except _TRANSPORT_ERRORS as exc:
+            raise _translate(exc, f"{self.engine} broke its answer") from exc
+        finally:
+            self._response.release()
+
+    async def first_chunk(self) -> bytes:
+        """The first piece of the body as soon as it arrives; ``b""`` for an empty body."""
+        try:
+            return await self._response.content.readany()
+        except _TRANSPORT_ERRORS as exc:
+            raise self._broken(exc) from exc
+
+    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]:
+        """The rest of the body as it arrives, chunk by chunk; fails when no byte arrives for
+        ``idle_timeout_s`` (None: no limit)."""
+        content = self._response.content
+        try:
+            if idle_timeout_s is None:
+                async for chunk in content.iter_any():
+                    yield chunk
+                return
+            while True:
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except _TRANSPORT_ERRORS as exc:
+            raise self._broken(exc) from exc
+
+    def close(self) -> None:
+        """Drop the connection (an answer not read to its end cannot be reused)."""
+        self._response.close()
+
+    def _broken(self, exc: BaseException) -> EngineStreamBroken:
+        detail = "no data within the idle timeout" if isinstance(exc, TimeoutError) else None
+        return EngineStreamBroken(f"{self.engine} broke the stream: {detail or _describe(exc)}")
 
 
 class Engines:
@@ -64,68 +141,37 @@ class Engines:
                 await session.close()
         self._session = self._polls = None
 
-    def _pick(self, poll: bool) -> aiohttp.ClientSession:
-        session = self._polls if poll else self._session
-        if session is None:
-            raise RuntimeError("Engines.open() was not awaited")
-        return session
-
     async def send(
         self,
         method: str,
         url: str,
         *,
         headers: CIMultiDict[str] | Mapping[str, str],
-        data: bytes | io.BytesIO | AsyncIterable[bytes] | None = None,
-        client_timeout: aiohttp.ClientTimeout | None = None,
+        data: Body = None,
+        total_s: float | None = None,
         role: str = "engine",
         poll: bool = False,
-    ) -> aiohttp.ClientResponse:
-        """Send a request; the caller owns the response (``release()`` or ``close()`` it).
+    ) -> EngineAnswer:
+        """Send a request and return once the status line and headers are in.
 
+        ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
+        bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
         ``role`` names the engine in error messages ("the decode engine"); ``poll`` sends a
         health or metrics poll through the poll pool.
         """
-        session = self._pick(poll)
+        session = self._polls if poll else self._session
+        if session is None:
+            raise RuntimeError("Engines.open() was not awaited")
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
+        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s)
         try:
-            if client_timeout is None:
-                return await session.request(
-                    method, url, headers=headers, data=data, allow_redirects=False
-                )
-            return await session.request(
-                method,
-                url,
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                timeout=client_timeout,
+            response = await session.request(
+                method, url, headers=headers, data=data, allow_redirects=False, timeout=timeout
             )
         except _TRANSPORT_ERRORS as exc:
             raise _translate(exc, f"{role} at {_engine_name(url)} is unreachable") from exc
-
-
-async def read_body(response: aiohttp.ClientResponse) -> bytes:
-    """The whole body of a (small, non-streamed) engine answer."""
-    try:
-        return await response.read()
-    except _TRANSPORT_ERRORS as exc:
-        raise _translate(exc, f"{_engine_name(str(response.url))} broke its answer") from exc
-    finally:
-        response.release()
-
-
-def set_idle_timeout(response: aiohttp.ClientResponse, seconds: float) -> None:
-    """From now on, fail the body when no byte arrives for ``seconds``.
-
-    aiohttp's ``sock_read`` would also bound the wait for the first byte, which has its own,
-    usually longer, limit; so the per-read timer is armed only once the first byte is in.
-    """
-    connection = response.connection
-    if connection is not None and connection.protocol is not None:
-        connection.protocol.read_timeout = seconds
-        connection.protocol.start_timeout()
+        return EngineAnswer(response, _engine_name(url))
 
 
 def _translate(exc: BaseException, what: str) -> EngineError:
@@ -135,23 +181,11 @@ def _translate(exc: BaseException, what: str) -> EngineError:
     return EngineUnreachable(f"{what}: {_describe(exc)}")
 
 
-def parse_json(body: bytes, what: str) -> Any:
+def parse_json(body: bytes, what: str) -> object:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise EngineBadResponse(f"{what} answered with invalid JSON") from exc
-
-
-async def chunks(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The body as it arrives, chunk by chunk, without waiting for more."""
-    try:
-        async for chunk in response.content.iter_any():
-            yield chunk
-    except _TRANSPORT_ERRORS as exc:
-        detail = "no data within the idle timeout" if isinstance(exc, TimeoutError) else None
-        raise EngineStreamBroken(
-            f"{_engine_name(str(response.url))} broke the stream: {detail or _describe(exc)}"
-        ) from exc
 
 
 def _engine_name(url: str) -> str:

@@ -22,7 +22,11 @@ async def _running(http: aiohttp.ClientSession, url: str) -> float:
 
 
 @pytest.mark.parametrize("phase", ["prefilling", "decoding"])
-async def test_client_gone_cancels_the_engine_call(http, sidecar, prefill, decode, phase) -> None:
+async def test_client_gone_cancels_the_engine_call(
+    http, start_sidecar_with, prefill, decode, phase
+) -> None:
+    # abort: the default (auto) would let a prefill predicted to end soon finish.
+    sidecar = await start_sidecar_with(prefill_on_disconnect="abort")
     engine = prefill if phase == "prefilling" else decode
     await inject(http, engine, kind="hang", role="prefill" if phase == "prefilling" else "decode")
 

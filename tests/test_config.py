@@ -102,6 +102,8 @@ INVALID = [
     ("SIDECAR_EJECT_BASE_S", "0"),
     ("SIDECAR_EJECT_MAX_S", "0"),
     ("SIDECAR_PREFIX_CACHE_BLOCKS", "-1"),
+    ("SIDECAR_PREFILL_ON_DISCONNECT", "later"),
+    ("SIDECAR_PREFILL_HEADERS", "x-prefill-endpoint,bad header"),
 ]
 """One invalid value per setting (a test checks that none is missing)."""
 
@@ -120,6 +122,35 @@ def test_invalid_value_exits_2_naming_the_variable(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert variable in lines[0]
+
+
+def test_finish_without_releases_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("SIDECAR_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SIDECAR_PREFILL_ON_DISCONNECT", "finish")
+    monkeypatch.setenv("SIDECAR_RELEASE_ON_DISCONNECT", "false")
+    with pytest.raises(SystemExit) as exit_info:
+        load_settings()
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "SIDECAR_PREFILL_ON_DISCONNECT" in error
+    assert "SIDECAR_RELEASE_ON_DISCONNECT=true" in error
+    # Either alone is fine.
+    monkeypatch.delenv("SIDECAR_RELEASE_ON_DISCONNECT")
+    assert load_settings().release_on_disconnect
+    monkeypatch.setenv("SIDECAR_RELEASE_ON_DISCONNECT", "false")
+    monkeypatch.delenv("SIDECAR_PREFILL_ON_DISCONNECT")
+    assert load_settings().prefill_on_disconnect == "auto"
+
+
+def test_prefill_headers_parse_in_order_lowercased() -> None:
+    assert Settings().prefill_headers == ("x-prefiller-host-port", "x-gateway-prefill-endpoints")
+    parsed = Settings(prefill_headers="X-Prefill-Endpoint, x-prefiller-host-port")
+    assert parsed.prefill_headers == ("x-prefill-endpoint", "x-prefiller-host-port")
+    assert Settings(prefill_headers="").prefill_headers == ()
 
 
 def test_every_setting_has_an_invalid_case() -> None:

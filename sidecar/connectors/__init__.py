@@ -1,25 +1,28 @@
-"""KV connectors: what each engine family needs on the prefill and decode legs.
+"""KV connectors: one module per protocol, each owning its whole exchange with the engines.
 
-One module per protocol behind the ``Connector`` protocol. The pipeline never names a wire field;
-it asks the connector. Serial connectors (vLLM NIXL, shared storage) run the prefill leg, then build
-the decode leg from its answer. Concurrent connectors (SGLang bootstrap, a later issue) set
-``concurrent_legs`` and prepare both bodies before either is sent, since the decode engine waits for
-the prefill's KV itself.
+Protocols differ in order, not only in fields — vLLM NIXL is prefill, wait, then decode with the
+prefill's answer; SGLang sends both legs at once — so ``run`` is the connector's: built from the
+shared ``Parts`` (one prefill call with the retry/fallback/disconnect policy, one decode send, one
+background release), it returns the decode answer to relay or a refusal to pass on. The pipeline
+never names a wire field and never orders legs.
+
+Every connector keeps one KV-lifecycle contract (``tests/test_contract.py`` runs it on each): KV a
+prefill staged is never left for the engine's expiry — whatever fails, and whenever the client
+leaves, it is either taken by the decode leg or released.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
+from sidecar.config import Settings
 from sidecar.connectors.nixl import NixlConnector
-from sidecar.endpoints import Endpoint
-
-Body = dict[str, Any]
+from sidecar.connectors.parts import Parts
+from sidecar.exchange import Answer, Body, Exchange, Refused
 
 
 class Connector(Protocol):
     name: str
-    concurrent_legs: bool
 
     def unsupported(self, body: Body) -> str | None:
         """Why this request cannot be disaggregated (a short reason, recorded), or None."""
@@ -30,31 +33,20 @@ class Connector(Protocol):
         whether anything was removed."""
         ...
 
-    def prefill_body(self, body: Body, route: str) -> Body:
-        """The prefill leg's body, derived from the client's (which must not be mutated).
+    async def run(self, ex: Exchange) -> Answer | Refused:
+        """The whole exchange with the engines for one request placed by the scheduler.
 
-        ``route`` is ``completions`` or ``chat_completions``.
+        Returns the decode engine's started answer, or an engine's refusal for the client;
+        raises ``SidecarError`` for anything else. Must leave no KV staged behind it, whether
+        it returns, raises or is cancelled.
         """
         ...
 
-    def kv_params(self, prefill_answer: Any, endpoint: Endpoint) -> Body | None:
-        """Usable KV-transfer instructions from the prefill's JSON answer, or None (fall back)."""
-        ...
 
-    def decode_body(self, body: Body, kv_params: Body) -> Body:
-        """The decode leg's body: the client's plus the KV-transfer instructions."""
-        ...
-
-    def release_body(self, body: Body, kv_params: Body, route: str) -> Body | None:
-        """A decode-engine request that frees KV staged for a client who left before its decode
-        leg was sent, or None when the connector frees nothing that way."""
-        ...
+def make_connector(settings: Settings, parts: Parts) -> Connector:
+    if settings.connector == NixlConnector.name:
+        return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    raise ValueError(f"unknown connector {settings.connector!r}")
 
 
-def make_connector(name: str, *, rewrite_remote_host: bool = False) -> Connector:
-    if name == NixlConnector.name:
-        return NixlConnector(rewrite_remote_host=rewrite_remote_host)
-    raise ValueError(f"unknown connector {name!r}")
-
-
-__all__ = ["Body", "Connector", "NixlConnector", "make_connector"]
+__all__ = ["Connector", "NixlConnector", "Parts", "make_connector"]

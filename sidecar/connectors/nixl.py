@@ -3,13 +3,32 @@
 Wire facts from ../shared/reference/protocol.md §3 (sources: vLLM's NixlConnector and llm-d's
 routing sidecar): the prefill leg asks the prefill engine to keep the KV for a remote decode and to
 stop after one token; its answer's ``kv_transfer_params`` go to the decode leg verbatim.
+
+The choreography::
+
+    prefill call (retries, fallback) ──Prefilled──▶ decode send (client body + kv params)
+        │ Refused: to the client          │ Fallback: decode send (client body)
+        └ client left: abort, or finish and release
+    decode refused (4xx/5xx), timed out, broken or left before its first byte ──▶ release
+
+NIXL has no "free" call: blocks staged on the prefill engine are freed when a decode pulls them
+(or at the engine's expiry, 30–480 s). So a release is the cheapest pull — a one-token,
+non-streamed decode carrying the KV params, its answer dropped. Whether a decode that failed had
+pulled already is unknowable from outside; a second pull of pulled KV fails harmlessly.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import orjson
+
+from sidecar.connectors.parts import Parts
+from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
 from sidecar.endpoints import Endpoint
+from sidecar.errors import EngineUnreachable
+from sidecar.exchange import Answer, Exchange, Prefilled, Refused
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 REMOTE_HOST = "remote_host"
@@ -39,10 +58,54 @@ _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 class NixlConnector:
     name = "nixl"
-    concurrent_legs = False
 
-    def __init__(self, *, rewrite_remote_host: bool = False) -> None:
+    def __init__(self, parts: Parts, *, rewrite_remote_host: bool = False) -> None:
+        self._parts = parts
         self.rewrite_remote_host = rewrite_remote_host
+
+    async def run(self, ex: Exchange) -> Answer | Refused:
+        if ex.placement.endpoint is not None:
+            data = orjson.dumps(self.prefill_body(ex.body, ex.route))
+            outcome = await self._parts.prefill.run(
+                ex,
+                body_for=lambda endpoint: data,
+                accept=self._accept,
+                orphaned=functools.partial(self._release, ex),
+            )
+            if isinstance(outcome, Refused):
+                return outcome
+            if isinstance(outcome, Prefilled):
+                return await self._decode_pulling(ex, outcome)
+        local = ex.raw if ex.raw is not None else orjson.dumps(ex.body)
+        return await self._parts.decode.send(ex, local)
+
+    async def _decode_pulling(self, ex: Exchange, prefilled: Prefilled) -> Answer:
+        data = orjson.dumps(self.decode_body(ex.body, prefilled.kv_params))
+        patch = None
+        if prefilled.cached_tokens is not None:
+            patch = CachedTokensPatch(prefilled.cached_tokens)
+        try:
+            answer = await self._parts.decode.send(ex, data, patch)
+        except EngineUnreachable:
+            raise  # the decode engine got nothing, and would not take a release either
+        except BaseException:
+            self._release(ex, prefilled)  # timed out, broken or left before the first byte
+            raise
+        if answer.upstream.status >= 400:
+            self._release(ex, prefilled)  # refused: e.g. max_tokens over its context
+        return answer
+
+    def _accept(self, answer: object, endpoint: Endpoint) -> Prefilled | None:
+        params = self.kv_params(answer, endpoint)
+        if params is None:
+            return None
+        return Prefilled(endpoint, params, cached_tokens(answer))
+
+    def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
+        data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
+        self._parts.aftercare.release(self._parts.decode.url + ex.path, ex.headers, data)
+
+    # --- the wire ------------------------------------------------------------------------
 
     def unsupported(self, body: dict[str, Any]) -> str | None:
         # A batch of prompts gets the KV params of its first prompt only (observed on vLLM
@@ -90,8 +153,6 @@ class NixlConnector:
     def release_body(
         self, body: dict[str, Any], kv_params: dict[str, Any], route: str
     ) -> dict[str, Any]:
-        # NIXL has no "free" call on the prefill side: the blocks are freed once a decode pulls
-        # them. The cheapest pull is a one-token, non-streamed decode whose answer is dropped.
         leg = self.prefill_body(body, route)
         leg[KV_TRANSFER_PARAMS] = kv_params
         return leg

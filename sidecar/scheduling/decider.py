@@ -58,10 +58,14 @@ class Decider:
         chosen = self.policy.choose(candidates, prompt_tokens)
         if chosen is None:
             return stay("pool_empty")
-        remote_s = predicted_ttft(chosen, prompt_tokens, self._transfer)
+        remote_s = self.remote_seconds(chosen, prompt_tokens)
         if not self._always and remote_s > self._ttft_ratio * local_s:
             return stay("pool_saturated")
         return Decision(chosen.key, "scheduled", prompt_tokens, uncached, remote_s)
+
+    def remote_seconds(self, candidate: Candidate, prompt_tokens: int) -> float:
+        """Predicted time to first token of a prefill on ``candidate``."""
+        return predicted_ttft(candidate, prompt_tokens, self._transfer)
 
 
 def predict_local(local: LocalView, uncached_tokens: int) -> float:

@@ -18,8 +18,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
@@ -31,7 +29,7 @@ from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
 from sidecar.scheduling.scrape import EngineLoad, parse_engine_load
 from sidecar.scheduling.state import Reservation, StateBackend
-from sidecar.upstream import Engines, read_body
+from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.scheduling")
 
@@ -116,7 +114,7 @@ class Scheduler:
         self._local_load: EngineLoad | None = None
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
-        self._scrape_timeout = aiohttp.ClientTimeout(total=min(config.scrape_interval_s, 2.0))
+        self._scrape_timeout_s = min(config.scrape_interval_s, 2.0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -181,7 +179,11 @@ class Scheduler:
             self._local_ahead += uncached
             return Placement(decision, None, local_tokens=uncached)
         if header is not None:
-            decision = Decision(str(header), "header", tokens, max(0, tokens - cached))
+            # Not a choice, but predicted all the same: the record shows it, and a prefill
+            # whose client leaves is finished or aborted by how near its end is predicted.
+            predicted = self._decider.remote_seconds(self._candidate(str(header)), tokens)
+            uncached = max(0, tokens - cached)
+            decision = Decision(str(header), "header", tokens, uncached, predicted)
             self._count(decision)
             return await self._reserve(decision, header)
         decision = self._decider.decide(
@@ -279,6 +281,12 @@ class Scheduler:
             )
             self.backend.publish_ejection(state.key, time.time() + state.health.ejected_until - now)
 
+    def _candidate(self, key: str) -> Candidate:
+        """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
+        stranger: the prior speed, no load known."""
+        found = [c for c in self._candidates() if c.key == key] if key in self._pool else []
+        return found[0] if found else Candidate(key=key, speed=PREFILL_PRIOR)
+
     def _candidates(self) -> list[Candidate]:
         now, wall = time.monotonic(), time.time()
         view = self.backend.view()
@@ -365,13 +373,9 @@ class Scheduler:
     async def _load(self, base_url: str, *, raise_unreachable: bool = False) -> EngineLoad | None:
         try:
             response = await self._engines.send(
-                "GET",
-                base_url + "/metrics",
-                headers={},
-                client_timeout=self._scrape_timeout,
-                poll=True,
+                "GET", base_url + "/metrics", headers={}, total_s=self._scrape_timeout_s, poll=True
             )
-            body = await read_body(response)
+            body = await response.read()
         except EngineError as exc:
             if raise_unreachable and isinstance(exc, EngineUnreachable):
                 raise
@@ -383,9 +387,9 @@ class Scheduler:
     async def _probe(self, url: str) -> bool:
         try:
             response = await self._engines.send(
-                "GET", url, headers={}, client_timeout=self._scrape_timeout, poll=True
+                "GET", url, headers={}, total_s=self._scrape_timeout_s, poll=True
             )
-            await read_body(response)
+            await response.read()
         except EngineError:
             return False
         return response.status == 200

@@ -1,0 +1,96 @@
+"""Work that outlives its request: KV releases, and prefill calls whose client left.
+
+Both run in the background, off the request path, in one bounded set that shutdown waits for
+(each piece is bounded by its own timeout). A full set makes a release be skipped (the engine's
+own expiry frees that KV later; counted as ``skipped``) and a prefill be aborted rather than
+finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar.errors import SidecarError
+from sidecar.metrics import Metrics
+from sidecar.upstream import Engines
+
+logger = logging.getLogger("sidecar.aftercare")
+
+MAX_PENDING = 1024
+"""Releases and finishing prefills at once; beyond it the engine's own expiry has to do."""
+
+
+class Aftercare:
+    def __init__(
+        self,
+        *,
+        engines: Engines,
+        metrics: Metrics,
+        enabled: bool,
+        timeout_s: float,
+    ) -> None:
+        self._engines = engines
+        self._metrics = metrics
+        self._enabled = enabled
+        self._timeout_s = timeout_s
+        self._tasks: set[asyncio.Future[Any]] = set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    def adopt(self, task: asyncio.Future[Any]) -> bool:
+        """Keep ``task`` running after its request ended; False when the set is full."""
+        if len(self._tasks) >= MAX_PENDING:
+            return False
+        self.watch(task)
+        return True
+
+    def watch(self, task: asyncio.Future[Any]) -> None:
+        """Hold a reference to ``task`` (already cancelled, say) until it ends."""
+        if not task.done():
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def release(self, url: str, headers: Mapping[str, str], data: bytes) -> None:
+        """Send ``data`` to ``url`` in the background to free staged KV; its answer is dropped.
+
+        Does nothing when releases are off (``SIDECAR_RELEASE_ON_DISCONNECT=false``).
+        """
+        if not self._enabled:
+            return
+        if len(self._tasks) >= MAX_PENDING:
+            self._metrics.kv_releases.labels("skipped").inc()
+            return
+        self.watch(asyncio.ensure_future(self._send(url, headers, data)))
+
+    async def _send(self, url: str, headers: Mapping[str, str], data: bytes) -> None:
+        try:
+            answer = await self._engines.send(
+                "POST",
+                url,
+                headers=headers,
+                data=data,
+                total_s=self._timeout_s,
+                role="the engine taking a KV release",
+            )
+            await answer.read()
+        except SidecarError as exc:
+            self._metrics.kv_releases.labels("failed").inc()
+            logger.warning("releasing staged KV failed: %s", exc.message)
+            return
+        if answer.status >= 400:
+            self._metrics.kv_releases.labels("failed").inc()
+            logger.warning(
+                "releasing staged KV failed: %s answered %d", answer.engine, answer.status
+            )
+            return
+        self._metrics.kv_releases.labels("sent").inc()
+
+    async def close(self) -> None:
+        """Let the work under way finish (each piece is bounded by its own timeout)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

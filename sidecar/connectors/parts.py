@@ -1,0 +1,19 @@
+"""The shared parts every connector's choreography is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.aftercare import Aftercare
+from sidecar.decode import DecodeSend
+from sidecar.prefill import PrefillCall
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    prefill: PrefillCall
+    """One prefill call with the retry, fallback and disconnect policy."""
+    decode: DecodeSend
+    """One send to the local decode engine, returned once its answer started."""
+    aftercare: Aftercare
+    """Background work that outlives the request: releases."""

@@ -1,0 +1,117 @@
+"""What a connector is given for one request, and the outcomes its parts return.
+
+The pipeline builds an ``Exchange`` (the client's request, where it prefills, the deadlines) and
+hands it to ``connector.run``; the connector's parts report their progress through ``Progress``
+(which only the pipeline implements, so only the pipeline writes the lifecycle record) and return
+outcomes, never aiohttp objects:
+
+- a prefill call ends ``Prefilled`` (KV staged, its instructions), ``Refused`` (the engine's own
+  4xx, for the client) or ``Fallback`` (decode locally);
+- ``connector.run`` ends with an ``Answer`` to relay (the decode engine's status line is in and
+  its first body byte too) or a ``Refused`` to send as is; or it raises a ``SidecarError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from multidict import CIMultiDict
+
+from sidecar.endpoints import Endpoint
+from sidecar.scheduling.scheduler import Placement
+from sidecar.upstream import EngineAnswer
+
+Body = dict[str, Any]
+
+
+class Progress(Protocol):
+    """Milestones of one request, as the connector's parts reach them."""
+
+    def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None: ...
+
+    def prefill_ended(self) -> None: ...
+
+    def fell_back(self, reason: str, *, local: bool) -> None:
+        """The prefill finally failed (``reason``: the fallbacks metric's label); ``local``:
+        the request decodes locally, else it fails."""
+        ...
+
+    def decode_sent(self) -> None: ...
+
+    def first_byte(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One generation request as the connector sees it."""
+
+    path: str
+    route: str
+    """``completions`` or ``chat_completions``."""
+    body: Body
+    """The client's body, parsed and sanitized; never mutated."""
+    raw: bytes | None
+    """The client's bytes when they equal ``body`` (nothing was removed): sent as they are on
+    an unchanged leg, no re-serialization."""
+    headers: CIMultiDict[str]
+    """Headers for every engine leg (request id included)."""
+    placement: Placement
+    deadline: float | None
+    """Loop time by which the whole request must be done (None: no limit)."""
+    progress: Progress
+
+    @property
+    def request_id(self) -> str:
+        return self.headers["x-request-id"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A prefill that staged KV on ``endpoint``; ``kv_params`` tell the decode engine where."""
+
+    endpoint: Endpoint
+    kv_params: Body
+    cached_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An engine's own client-error answer, passed to the client as it is."""
+
+    status: int
+    body: bytes
+    content_type: str
+    error: str
+    """For the record: who refused, e.g. "prefill answered 404"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    """The prefill failed: decode locally without KV (the decode engine recomputes)."""
+
+    reason: str
+
+
+class Patch(Protocol):
+    """A rewrite of JSON objects in the decode answer (a JSON body, or SSE events' data).
+
+    ``marker`` must occur in the raw bytes of any object ``apply`` changes: objects without it
+    are relayed untouched, unparsed.
+    """
+
+    @property
+    def marker(self) -> bytes: ...
+
+    def apply(self, answer: Any) -> bool:
+        """Change ``answer`` in place; return whether anything changed."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The decode engine's answer, started: status and headers in, the first body chunk read."""
+
+    upstream: EngineAnswer
+    first: bytes
+    patch: Patch | None = None
