@@ -39,8 +39,8 @@ logger = logging.getLogger("sidecar.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
 AUTO_FINISH_WITHIN_S = 0.5
-"""``auto``: a prefill whose predicted end is at most this far ahead (and not overdue by more
-than this or its whole prediction) is let finish when its client leaves."""
+"""``auto``: a prefill predicted to end within this many seconds (overdue ones included) is let
+finish when its client leaves; one queued or further from done is aborted."""
 
 Outcome = Prefilled | Refused | Fallback
 BodyFor = Callable[[Endpoint], bytes]
@@ -182,12 +182,9 @@ class PrefillCall:
             return mode
         if not self._settings.release_on_disconnect:
             return "abort"  # finishing would only stage KV that nobody releases
-        predicted = placement.decision.predicted_s
-        if predicted is None:
-            return "abort"
-        remaining = predicted - (asyncio.get_running_loop().time() - started)
-        overdue_limit = max(AUTO_FINISH_WITHIN_S, predicted)
-        return "finish" if -overdue_limit <= remaining <= AUTO_FINISH_WITHIN_S else "abort"
+        elapsed = asyncio.get_running_loop().time() - started
+        remaining = self._scheduler.prefill_remaining(placement, elapsed)
+        return "finish" if remaining is not None and remaining <= AUTO_FINISH_WITHIN_S else "abort"
 
     async def _call(
         self,

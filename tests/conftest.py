@@ -119,3 +119,55 @@ def sse_events(raw: bytes) -> list[bytes]:
         for line in event.split(b"\n")
         if line.startswith(b"data: ")
     ]
+
+
+_REQUEST_CODE = (
+    "pipeline.py",
+    "prefill.py",
+    "decode.py",
+    "aftercare.py",
+    "relay.py",
+    "passthrough.py",
+    "nixl.py",
+)
+
+
+def awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """``file:function`` of every coroutine along ``task``'s await chain, outermost first
+    (``Task.get_stack`` shows only the outermost frame of a suspended task)."""
+    chain: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+        if code is not None:
+            chain.append(f"{code.co_filename}:{code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain
+
+
+def tasks_in_request_code() -> list[str]:
+    """Tasks (of this process: sidecar and emulators alike) still inside the sidecar's request
+    path: a request the sidecar forgot to finish, a prefill call left running, or a KV release
+    that never ends."""
+    stuck = []
+    for task in asyncio.all_tasks():
+        if task is asyncio.current_task():
+            continue
+        for where in awaiting(task):
+            path, name = where.rsplit(":", 1)
+            if "/sidecar/" in path and "/emulator/" not in path and path.endswith(_REQUEST_CODE):
+                stuck.append(f"{path.rsplit('/', 1)[1]}:{name}")
+                break
+    return stuck
+
+
+async def metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
+    """The sum of the samples of ``url``'s /metrics whose line starts with ``sample`` (a name,
+    or a name with its labels); 0 when there is none."""
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(sample) and not line.startswith("#")
+    )

@@ -8,19 +8,17 @@ import random
 import aiohttp
 import pytest
 
-from tests.conftest import StartEmulator, StartSidecar, completion, eventually, get_json
+from tests.conftest import (
+    StartEmulator,
+    StartSidecar,
+    completion,
+    eventually,
+    get_json,
+    metric,
+    tasks_in_request_code,
+)
 
 LONG = "Passage retrieved for the question at hand. " * 50  # ~560 tokens: scheduled remote
-
-
-async def _gauge(http: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with http.get(url + "/metrics") as response:
-        text = await response.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and not line.startswith("#")
-    )
 
 
 @pytest.mark.timeout(120)
@@ -69,9 +67,9 @@ async def test_random_disconnects_leak_nothing(
         debug = await get_json(http, sidecar.url + "/debug/requests?limit=1")
         staged = [(await get_json(http, p.url + "/emulator/kv"))["staged_blocks"] for p in prefills]
         running = [
-            await _gauge(http, e.url, "vllm:num_requests_running") for e in [*prefills, decode]
+            await metric(http, e.url, "vllm:num_requests_running") for e in [*prefills, decode]
         ]
-        stuck = _tasks_in_request_code()
+        stuck = tasks_in_request_code()
         state.update(inflight=len(debug["inflight"]), staged=staged, running=running, stuck=stuck)
         return not debug["inflight"] and staged == [0, 0] and running == [0, 0, 0] and not stuck
 
@@ -79,24 +77,8 @@ async def test_random_disconnects_leak_nothing(
         await eventually(settled, within=20)
     except TimeoutError:
         pytest.fail(f"did not settle: {state}")
-    assert await _gauge(http, sidecar.url, "pd_sidecar_inflight_requests") == 0
+    assert await metric(http, sidecar.url, "pd_sidecar_inflight_requests") == 0
+    # Some clients left during their prefill: the disconnect policy was exercised.
+    assert await metric(http, sidecar.url, "pd_sidecar_prefill_disconnects_total") > 0
     cancelled = await get_json(http, sidecar.url + "/debug/requests?state=cancelled&limit=1000")
     assert len(cancelled["recent"]) > 50
-
-
-_REQUEST_CODE = ("pipeline.py", "prefill.py", "relay.py", "passthrough.py")
-
-
-def _tasks_in_request_code() -> list[str]:
-    """Tasks (of this process: sidecar and emulators alike) still inside the sidecar's request
-    path: a request the sidecar forgot to finish, or a KV release that never ends."""
-    stuck = []
-    for task in asyncio.all_tasks():
-        if task is asyncio.current_task():
-            continue
-        for frame in task.get_stack():
-            path = frame.f_code.co_filename
-            if "/sidecar/" in path and "/emulator/" not in path and path.endswith(_REQUEST_CODE):
-                stuck.append(f"{path.rsplit('/', 1)[1]}:{frame.f_code.co_name}")
-                break
-    return stuck

@@ -104,7 +104,10 @@ async def _respond(
     texts = [output.text(k, req.output_tokens) for k in range(req.n)]
     body = orjson.dumps(envelope.full_body(texts, engine.usage(req, cached), kv_transfer_params))
     if fault is not None and fault.kind is FaultKind.STALL:
-        await faults.wait_released()
+        if fault.after_chunks == 0:
+            await faults.wait_released()  # finished, staged, not a byte sent yet
+        else:
+            return await _stall_after_status(request, body, faults)
     if fault is not None and fault.kind is FaultKind.DISCONNECT:
         # Promise the whole body, deliver half of it, then drop: a truncated JSON answer.
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -117,6 +120,23 @@ async def _respond(
         drop_connection(request)
         return response
     return web.Response(body=body, content_type="application/json")
+
+
+async def _stall_after_status(
+    request: web.Request, body: bytes, faults: FaultBoard
+) -> web.StreamResponse:
+    """Send the status line and headers, pause until released, then the body: the answer is
+    on its way but not complete."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.content_length = len(body)
+    try:
+        await response.prepare(request)
+        await response.write(b"")  # aiohttp holds headers back until the first write
+        await faults.wait_released()
+        await response.write(body)
+    except ConnectionResetError:
+        pass  # the client went away
+    return response
 
 
 class _EventWriter:

@@ -259,6 +259,29 @@ class Scheduler:
             del self._pool[state.key]
             self._metrics.forget_endpoint(state.key)
 
+    def prefill_remaining(self, placement: Placement, elapsed_s: float) -> float | None:
+        """Predicted seconds until the prefill of ``placement`` ends, ``elapsed_s`` after it was
+        sent (negative: overdue); None while it is probably still queued.
+
+        Queued means: the engine's last fresh scrape showed waiting requests, and the work
+        reserved ahead of this prefill when it was sent would not have drained yet. Without that
+        evidence the prefill counts as computing — the error a stale scrape can cause is then to
+        finish a prefill that was queued (compute spent), never to abort one that was done.
+        """
+        key = str(placement.endpoint)
+        state = self._pool.get(key)
+        speed = PREFILL_PRIOR
+        waiting: float | None = None
+        if state is not None:
+            speed = self._speed(state, self.backend.view().speeds.get(key))
+            waiting = self._fresh(state.load, "waiting")
+        queue_s = 0.0
+        if waiting and placement.reservation is not None:
+            queue_s = speed.s_per_token * placement.reservation.ahead_tokens
+            if elapsed_s < queue_s:
+                return None
+        return queue_s + speed.seconds(placement.decision.prompt_tokens) - elapsed_s
+
     def local_first_byte(self, placement: Placement, seconds: float | None) -> None:
         """A locally prefilled request produced its first byte (``seconds`` after it arrived),
         or ended without one (None)."""

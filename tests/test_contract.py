@@ -1,0 +1,458 @@
+"""The KV-lifecycle contract every connector keeps, run on each connector.
+
+Real sockets: a prefill emulator (the sidecar's whole prefill pool, so placements reserve), a decode
+emulator, the sidecar in front. Each case ends by checking that nothing is left behind: no KV block
+staged on the prefill engine, no request running on either engine, no task in the sidecar's request
+path, no reservation held, no record in flight.
+
+A connector joins by adding a ``Spec`` to ``SPECS``: its settings and what its legs must carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from sidecar.app import RunningSidecar
+from sidecar.connectors.nixl import PREFILL_REQUEST_PARAMS
+from sidecar.emulator import RunningEmulator
+from tests.conftest import (
+    StartEmulator,
+    StartSidecar,
+    awaiting,
+    chat,
+    completion,
+    engine_requests,
+    eventually,
+    get_json,
+    inject,
+    metric,
+    sse_events,
+    staged_blocks,
+    tasks_in_request_code,
+)
+
+LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a while. " * 400
+"""About 7,000 tokens: at the scheduler's prior speed, predicted past ``auto``'s finish window."""
+
+
+def _nixl_legs(
+    client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
+) -> None:
+    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
+    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
+    if route == "chat_completions":
+        expected["max_completion_tokens"] = 1
+    if "n" in client:
+        expected["n"] = 1
+    assert prefill_leg == expected
+    params = decode_leg.pop("kv_transfer_params")
+    assert decode_leg == client
+    assert params["do_remote_prefill"] is True
+    assert params["remote_block_ids"]
+    assert params["remote_request_id"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    check_legs: Callable[[dict[str, Any], str, dict[str, Any], dict[str, Any]], None] = _nixl_legs
+
+
+SPECS = [Spec("nixl")]
+
+
+@dataclass
+class Rig:
+    http: aiohttp.ClientSession
+    prefill: RunningEmulator
+    decode: RunningEmulator
+    sidecar: RunningSidecar
+
+    async def post(
+        self, body: dict[str, Any], path: str = "/v1/completions", **headers: str
+    ) -> tuple[int, bytes]:
+        async with self.http.post(
+            self.sidecar.url + path,
+            json=body,
+            headers={"x-prefiller-host-port": self.prefill.endpoint, **headers},
+        ) as response:
+            return response.status, await response.read()
+
+    def leave_later(self, body: dict[str, Any], read_first: bool = False) -> asyncio.Task[None]:
+        """A client on a connection of its own, cancelled by the test when it likes."""
+
+        async def client() -> None:
+            async with (
+                aiohttp.ClientSession() as own,
+                own.post(
+                    self.sidecar.url + "/v1/completions",
+                    json=body,
+                    headers={"x-prefiller-host-port": self.prefill.endpoint},
+                ) as response,
+            ):
+                if read_first:
+                    await response.content.readany()
+                    await asyncio.Event().wait()  # then stays until cancelled
+                await response.read()
+
+        return asyncio.create_task(client())
+
+    async def record(self) -> dict[str, Any]:
+        return (await get_json(self.http, self.sidecar.url + "/debug/requests"))["recent"][0]
+
+    async def releases(self, outcome: str) -> float:
+        return await metric(
+            self.http, self.sidecar.url, f'pd_sidecar_kv_releases_total{{outcome="{outcome}"}}'
+        )
+
+    async def held(self, engine: RunningEmulator) -> int:
+        return int((await get_json(self.http, engine.url + "/emulator/faults"))["held"])
+
+    async def release_held(self) -> None:
+        for engine in (self.prefill, self.decode):
+            async with self.http.post(engine.url + "/emulator/release") as response:
+                assert response.status == 200
+
+    async def state(self) -> dict[str, Any]:
+        debug = await get_json(self.http, self.sidecar.url + "/debug/requests")
+        scheduler = await get_json(self.http, self.sidecar.url + "/debug/scheduler")
+        [endpoint] = scheduler["endpoints"]
+        running = [
+            await metric(self.http, e.url, "vllm:num_requests_running")
+            for e in (self.prefill, self.decode)
+        ]
+        return {
+            "inflight": len(debug["inflight"]),
+            "staged": await staged_blocks(self.http, self.prefill),
+            "running": running,
+            "reserved": (endpoint["reserved_requests"], endpoint["inflight_here"]),
+            "tasks": tasks_in_request_code(),
+        }
+
+    async def settled(self, within: float = 5.0) -> None:
+        """Nothing left behind (the module docstring), within ``within`` seconds."""
+        clean = {"inflight": 0, "staged": 0, "running": [0, 0], "reserved": (0, 0), "tasks": []}
+        seen: dict[str, Any] = {}
+
+        async def check() -> bool:
+            seen.update(await self.state())
+            return seen == clean
+
+        try:
+            await eventually(check, within)
+        except TimeoutError:
+            pytest.fail(f"left behind: {seen}")
+
+
+@pytest.fixture(params=SPECS, ids=lambda spec: spec.name)
+def spec(request: pytest.FixtureRequest) -> Spec:
+    return request.param
+
+
+RigFactory = Callable[..., Awaitable[Rig]]
+
+
+@pytest.fixture
+async def rig_with(
+    http: aiohttp.ClientSession,
+    spec: Spec,
+    start_engine: StartEmulator,
+    start_sidecar_with: StartSidecar,
+) -> RigFactory:
+    async def make(decode: dict[str, Any] | None = None, **settings: Any) -> Rig:
+        prefill = await start_engine()
+        decode_engine = await start_engine(**(decode or {}))
+        sidecar = await start_sidecar_with(
+            decode_url=decode_engine.url,
+            prefill_endpoints=prefill.endpoint,
+            **{**spec.settings, **settings},
+        )
+        return Rig(http, prefill, decode_engine, sidecar)
+
+    return make
+
+
+@pytest.fixture
+async def rig(rig_with: RigFactory) -> Rig:
+    return await rig_with()
+
+
+async def _cancel(client: asyncio.Task[None]) -> None:
+    client.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
+
+
+async def _in_state(rig: Rig, state: str) -> None:
+    async def there() -> bool:
+        inflight = (await get_json(rig.http, rig.sidecar.url + "/debug/requests"))["inflight"]
+        return [r["state"] for r in inflight] == [state]
+
+    await eventually(there)
+
+
+# --- the legs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["completions", "chat_completions"])
+async def test_bodies_on_each_leg(rig: Rig, spec: Spec, route: str) -> None:
+    if route == "completions":
+        body, path = completion(max_tokens=5, min_tokens=2, temperature=0), "/v1/completions"
+    else:
+        body, path = chat(max_tokens=5, n=1), "/v1/chat/completions"
+    status, _ = await rig.post(body, path)
+    assert status == 200
+    [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+    [decode_leg] = await engine_requests(rig.http, rig.decode)
+    assert prefill_leg["path"] == decode_leg["path"] == path
+    spec.check_legs(body, route, prefill_leg["body"], decode_leg["body"])
+    await rig.settled()
+
+
+async def test_streaming(rig: Rig) -> None:
+    status, raw = await rig.post(completion(stream=True, max_tokens=6))
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    assert len(events) >= 6
+    [decode_leg] = await engine_requests(rig.http, rig.decode)
+    assert decode_leg["body"]["stream"] is True
+    await rig.settled()
+
+
+# --- prefill failures -------------------------------------------------------------------------
+
+
+async def test_prefill_4xx_goes_to_the_client(rig: Rig) -> None:
+    status, raw = await rig.post(completion(model="no-such-model"))
+    assert status == 404
+    assert orjson.loads(raw)["error"]["code"] == 404
+    assert await engine_requests(rig.http, rig.decode) == []
+    record = await rig.record()
+    assert (record["state"], record["status"]) == ("failed", 404)
+    await rig.settled()
+
+
+@pytest.mark.parametrize("failure", ["5xx", "timeout", "unreachable"])
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+async def test_prefill_failure_follows_the_fallback_policy(
+    rig_with: RigFactory, failure: str, fallback: str
+) -> None:
+    rig = await rig_with(prefill_fallback=fallback, prefill_timeout_s=0.3)
+    if failure == "5xx":
+        await inject(rig.http, rig.prefill, kind="status", status=500, role="prefill")
+    elif failure == "timeout":
+        await inject(rig.http, rig.prefill, kind="hang", role="prefill", count=2)
+    status, raw = await (
+        _post_to_closed_prefill(rig) if failure == "unreachable" else rig.post(completion())
+    )
+    reason = {"5xx": "prefill_error", "timeout": "prefill_timeout"}.get(
+        failure, "prefill_unreachable"
+    )
+    record = await rig.record()
+    assert record["fallback_reason"] == reason
+    if fallback == "local":
+        assert status == 200
+        [decode_leg] = await engine_requests(rig.http, rig.decode)
+        assert "kv_transfer_params" not in decode_leg["body"]
+        assert record["decision"] == "local"
+    else:
+        assert status == 503
+        assert orjson.loads(raw)["error"]["type"] == "ServiceUnavailableError"
+        assert await engine_requests(rig.http, rig.decode) == []
+    if failure != "unreachable":  # (the prefill engine is gone: nothing to check there)
+        await rig.release_held()
+        await rig.settled()
+
+
+async def _post_to_closed_prefill(rig: Rig) -> tuple[int, bytes]:
+    await rig.prefill.close()
+    async with rig.http.post(
+        rig.sidecar.url + "/v1/completions",
+        json=completion(),
+        headers={"x-prefiller-host-port": rig.prefill.endpoint},
+    ) as response:
+        return response.status, await response.read()
+
+
+# --- decode failures after a good prefill ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("refusal", ["4xx", "5xx"])
+async def test_decode_refusal_releases_the_kv_at_once(rig_with: RigFactory, refusal: str) -> None:
+    rig = await rig_with(decode={"max_model_len": 512})
+    body = completion(max_tokens=64)
+    if refusal == "4xx":
+        body["max_tokens"] = 5000  # over the decode engine's context; the prefill leg asks for 1
+    else:
+        await inject(rig.http, rig.decode, kind="status", status=500, role="decode")
+    status, raw = await rig.post(body)
+    assert status == (400 if refusal == "4xx" else 500)
+    assert orjson.loads(raw)["error"]["code"] == status
+    assert len(await engine_requests(rig.http, rig.prefill)) == 1
+    await rig.settled()
+    assert await rig.releases("sent") == 1
+
+
+async def test_a_refused_release_is_counted_failed(rig: Rig) -> None:
+    # The decode engine refuses the decode leg, then the release too.
+    await inject(rig.http, rig.decode, kind="status", status=503, role="decode", count=2)
+    status, _ = await rig.post(completion())
+    assert status == 503
+
+    async def counted() -> bool:
+        return await rig.releases("failed") == 1
+
+    await eventually(counted)
+    assert await rig.releases("sent") == 0
+    assert await staged_blocks(rig.http, rig.prefill) > 0  # left to the engine's expiry
+
+
+# --- the client gone at every moment ------------------------------------------------------------
+
+
+async def test_client_gone_before_the_prefill(rig: Rig) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", rig.sidecar.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-prefiller-host-port: " + rig.prefill.endpoint.encode() + b"\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": '
+    )
+    await writer.drain()
+    await _in_state(rig, "received")
+    writer.close()
+    await writer.wait_closed()
+    await rig.settled()
+    assert await engine_requests(rig.http, rig.prefill) == []
+    assert (await rig.record())["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("mode", ["auto", "abort", "finish"])
+async def test_client_gone_during_a_short_prefill(rig_with: RigFactory, mode: str) -> None:
+    rig = await rig_with(prefill_on_disconnect=mode)
+    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    client = rig.leave_later(completion())
+    await _in_state(rig, "prefilling")
+    await eventually(lambda: _held_is(rig, rig.prefill, 1))
+    await _cancel(client)
+    action = "abort" if mode == "abort" else "finish"  # auto: predicted to end soon
+    await eventually(lambda: _disconnects_are(rig, action, 1))
+    if action == "abort":  # the engine dropped it at once
+        await eventually(lambda: _held_is(rig, rig.prefill, 0))
+    else:  # still running; once it ends, its KV is released
+        assert await rig.held(rig.prefill) == 1
+        await rig.release_held()
+        await eventually(lambda: _releases_are(rig, "sent", 1))
+    await rig.settled()
+    assert await engine_requests(rig.http, rig.decode) == [] or action == "finish"
+
+
+async def test_auto_aborts_a_prefill_far_from_done(rig: Rig) -> None:
+    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    client = rig.leave_later(completion(LONG_PROMPT))
+    await _in_state(rig, "prefilling")
+    await eventually(lambda: _held_is(rig, rig.prefill, 1))
+    await _cancel(client)
+    await eventually(lambda: _disconnects_are(rig, "abort", 1))
+    await eventually(lambda: _held_is(rig, rig.prefill, 0))
+    await rig.settled()
+    assert await rig.releases("sent") == 0
+
+
+async def test_client_gone_as_the_prefill_answer_arrives(rig_with: RigFactory) -> None:
+    # Even with abort: the status line is in, so the engine is done and its KV staged.
+    rig = await rig_with(prefill_on_disconnect="abort")
+    await inject(rig.http, rig.prefill, kind="stall", role="prefill", after_chunks=1)
+    client = rig.leave_later(completion())
+    await eventually(lambda: _held_is(rig, rig.prefill, 1))
+    assert await staged_blocks(rig.http, rig.prefill) > 0
+    await _cancel(client)
+    await eventually(lambda: _disconnects_are(rig, "finish", 1))
+    await rig.release_held()
+    await rig.settled()
+    assert await rig.releases("sent") == 1
+
+
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "between_legs",  # the decode engine took the request, no status line yet
+        "before_first_byte",  # its status line is in, no body byte yet
+    ],
+)
+async def test_client_gone_before_the_decode_answer(rig: Rig, moment: str) -> None:
+    if moment == "between_legs":
+        await inject(rig.http, rig.decode, kind="hang", role="decode")
+    else:
+        await inject(rig.http, rig.decode, kind="stall", role="decode", after_chunks=1)
+    client = rig.leave_later(completion())
+    await _in_state(rig, "decoding")
+    await eventually(lambda: _held_is(rig, rig.decode, 1))
+    await _cancel(client)
+    if moment == "between_legs":  # not pulled: the release frees it
+        await eventually(lambda: _releases_are(rig, "sent", 1))
+    else:  # the emulator pulled before it stalled: the release fails, harmlessly
+        await eventually(lambda: _releases_are(rig, "failed", 1))
+    await rig.release_held()
+    await rig.settled()
+    assert (await rig.record())["state"] == "cancelled"
+
+
+async def test_client_gone_mid_stream(rig: Rig) -> None:
+    await inject(rig.http, rig.decode, kind="stall", role="decode", after_chunks=2)
+    client = rig.leave_later(completion(stream=True, max_tokens=20), read_first=True)
+    await eventually(lambda: _held_is(rig, rig.decode, 1))
+    await _cancel(client)
+    await rig.release_held()
+    await rig.settled()
+    assert await rig.releases("sent") == 0  # the decode engine pulled the KV itself
+    assert (await rig.record())["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("moment", ["prefilling", "decoding"])
+async def test_cancelled_twice(rig_with: RigFactory, moment: str) -> None:
+    """A second cancellation (a drain after the client left, say) skips nothing."""
+    rig = await rig_with(prefill_on_disconnect="abort")
+    engine = rig.prefill if moment == "prefilling" else rig.decode
+    await inject(
+        rig.http, engine, kind="hang", role="prefill" if engine is rig.prefill else "decode"
+    )
+    client = rig.leave_later(completion())
+    await _in_state(rig, moment)
+    await eventually(lambda: _held_is(rig, engine, 1))
+    [handler] = [t for t in asyncio.all_tasks() if _serving(t)]
+    handler.cancel()
+    await asyncio.sleep(0)  # the first cancellation is being handled
+    handler.cancel()
+    await _cancel(client)
+    await eventually(lambda: _held_is(rig, engine, 0))
+    if moment == "decoding":
+        await eventually(lambda: _releases_are(rig, "sent", 1))
+    await rig.settled()
+
+
+def _serving(task: asyncio.Task[Any]) -> bool:
+    return any(where.endswith("pipeline.py:_serve") for where in awaiting(task))
+
+
+async def _held_is(rig: Rig, engine: RunningEmulator, count: int) -> bool:
+    return await rig.held(engine) == count
+
+
+async def _releases_are(rig: Rig, outcome: str, count: int) -> bool:
+    return await rig.releases(outcome) == count
+
+
+async def _disconnects_are(rig: Rig, action: str, count: int) -> bool:
+    sample = f'pd_sidecar_prefill_disconnects_total{{action="{action}"}}'
+    return await metric(rig.http, rig.sidecar.url, sample) == count
