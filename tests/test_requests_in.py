@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import orjson
 import pytest
@@ -150,3 +151,49 @@ async def test_request_id_minted_when_absent(http, sidecar, decode) -> None:
     assert len(ids) == 2
     legs = await engine_requests(http, decode)
     assert {leg["headers"]["x-request-id"] for leg in legs} == ids
+
+
+async def test_a_new_header_name_is_opt_in(
+    http, start_sidecar_with: StartSidecar, start_engine, decode
+) -> None:
+    first, second = await start_engine(), await start_engine()
+    headers = {"x-prefill-endpoint": first.endpoint, "x-prefiller-host-port": second.endpoint}
+    # Default: the new name is not read (a gateway that does not know it would let clients
+    # choose).
+    default = await start_sidecar_with()
+    async with http.post(default.url + "/v1/completions", json=completion()) as response:
+        assert response.status == 200
+    async with http.post(
+        default.url + "/v1/completions", json=completion(), headers={"x-prefill-endpoint": "x:1"}
+    ) as response:
+        assert response.status == 200
+    assert await engine_requests(http, first) == []
+    async with http.delete(decode.url + "/emulator/requests") as response:
+        assert response.status == 200
+    # Configured first, it wins over the default name; both are stripped from every leg.
+    configured = await start_sidecar_with(
+        prefill_headers="x-prefill-endpoint,x-prefiller-host-port"
+    )
+    async with http.post(
+        configured.url + "/v1/completions", json=completion(), headers=headers
+    ) as response:
+        assert response.status == 200
+    [leg] = await engine_requests(http, first)
+    assert await engine_requests(http, second) == []
+    legs = [leg, *await engine_requests(http, decode)]
+    for sent in legs:
+        assert not {"x-prefill-endpoint", "x-prefiller-host-port"} & set(sent["headers"])
+
+
+async def test_a_prefill_target_that_is_the_sidecar_itself_is_400(http, sidecar, decode) -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", socket.gethostname()):
+        target = f"{host}:{sidecar.port}"
+        async with http.post(
+            sidecar.url + "/v1/completions",
+            json=completion(),
+            headers={"x-prefiller-host-port": target},
+        ) as response:
+            assert response.status == 400, target
+            error = await _error(response)
+        assert "this sidecar itself" in error["message"]
+    assert await engine_requests(http, decode) == []
