@@ -40,7 +40,8 @@ class DecodeSend:
             headers=ex.headers,
             data=data,
             by=by,
-            timeout_s=self._first_byte_timeout_s,
+            limit=f"{self._first_byte_timeout_s:g}s "
+            "(SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S or SIDECAR_REQUEST_TIMEOUT_S)",
         )
         ex.progress.first_byte()
         return Answer(upstream, first, patch)
@@ -54,10 +55,10 @@ async def started(
     headers: Mapping[str, str],
     data: Body,
     by: float,
-    timeout_s: float,
+    limit: str,
 ) -> tuple[EngineAnswer, bytes]:
     """Send to the decode engine; its answer and first body chunk by loop time ``by``, else
-    ``EngineTimeout`` naming ``timeout_s``."""
+    ``EngineTimeout`` naming ``limit`` (the time and the setting that set it)."""
     try:
         async with asyncio.timeout_at(by):
             upstream = await engines.send(
@@ -69,8 +70,5 @@ async def started(
                 upstream.close()
                 raise
     except TimeoutError:
-        raise EngineTimeout(
-            f"the decode engine sent nothing within {timeout_s:g}s "
-            "(SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S or SIDECAR_REQUEST_TIMEOUT_S)"
-        ) from None
+        raise EngineTimeout(f"the decode engine sent nothing within {limit}") from None
     return upstream, first

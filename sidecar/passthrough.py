@@ -39,7 +39,7 @@ class Passthrough:
                 headers=self._gateway.passthrough(request.headers),
                 data=request.content.iter_any() if request.body_exists else None,
                 by=asyncio.get_running_loop().time() + self._first_byte_timeout_s,
-                timeout_s=self._first_byte_timeout_s,
+                limit=f"{self._first_byte_timeout_s:g}s (SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S)",
             )
             try:
                 relayed = await relay(

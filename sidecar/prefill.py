@@ -11,10 +11,11 @@ client's own fault: ``Refused``, never retried. When the prefill finally fails,
 A client that leaves while the call runs (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort`` cancels
 the call (the engine drops a prefill it is still computing); ``finish`` lets it end in the
 background and hands its KV to ``orphaned`` (to be released); ``auto`` finishes a call predicted to
-end within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done. Whatever the
-mode, a call whose answer has started to arrive is finished: the engine is done, its KV staged. The call's own
-task reports to the scheduler when it really ends, so an endpoint's slot is never counted free
-while the engine still works on it. Nothing here awaits after a cancellation: a second one cannot
+end within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler
+judges: ``Scheduler.prefill_remaining``). Whatever the mode, a call whose answer has started to
+arrive is finished: the engine is done, its KV staged. The call's own task reports to the
+scheduler when it really ends, so an endpoint's slot is never counted free while the engine still
+works on it. Nothing here awaits after a cancellation: a second one cannot
 skip a step.
 """
 
