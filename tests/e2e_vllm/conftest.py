@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -23,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 from e2e.engines import (
+    KV_CACHE_BYTES,
     SERVED_MODEL,
     SidecarProcess,
     VllmEngine,
@@ -49,6 +51,11 @@ KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 2
 """Tiny model (e2e/make_tiny_model.py): K and V × 2 layers × 4 KV heads × head size 32 × bf16."""
 LEASE_S = 30.0
 """How long a prefill engine keeps unpulled KV (vLLM's default kv_lease_duration)."""
+KV_USAGE = "vllm:kv_cache_usage_perc"
+"""Engine: share of KV blocks in use, 0 to 1 (blocks cached for prefix reuse but free count as
+free)."""
+KV_BLOCKS = KV_CACHE_BYTES // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
+"""Blocks in each engine's KV cache (1024); the gauge counts all but vLLM's reserved null block."""
 
 
 @dataclass(slots=True, eq=False)
@@ -275,3 +282,87 @@ async def until(check: Callable[[], Awaitable[bool]], within: float, what: str) 
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {within} s: {what}")
         await asyncio.sleep(0.2)
+
+
+# --- KV held on the prefill engine ---------------------------------------------------------------
+
+
+async def prefill_kv_blocks(http: aiohttp.ClientSession, cluster: Cluster) -> int:
+    """KV blocks the prefill engine holds now, read so that the reading is fresh.
+
+    A plain one-token request (no KV transfer, a prompt of its own) goes straight to the prefill
+    engine first: the engine publishes ``vllm:kv_cache_usage_perc`` only from its steps, and the
+    request makes it step at least once; its own blocks are free again (cached, not held) before
+    that step's stats are taken. docs/e2e.md, "KV held on the prefill engine", says why.
+    """
+    poke = request_body("completions", unique_prompt("kv-reading", words=3), stream=False)
+    poke["max_tokens"] = 1
+    answer = await generate(http, cluster.prefill.url, "completions", poke)
+    assert answer.status == 200, answer.body
+    return round(await metric(http, cluster.prefill, KV_USAGE) * (KV_BLOCKS - 1))
+
+
+async def settled_prefill_kv_blocks(
+    http: aiohttp.ClientSession, cluster: Cluster, at_most: int, within: float
+) -> tuple[int, float]:
+    """Blocks held on the prefill engine once they are down to ``at_most``, or after ``within``
+    seconds; and the seconds it took."""
+    started = time.monotonic()
+    while True:
+        blocks = await prefill_kv_blocks(http, cluster)
+        took = time.monotonic() - started
+        if blocks <= at_most or took > within:
+            return blocks, took
+        await asyncio.sleep(0.1)
+
+
+async def warm_pair(http: aiohttp.ClientSession, cluster: Cluster, tag: str) -> None:
+    """One ordinary P/D request through the sidecar, so that the decode engine has made its NIXL
+    handshake with the prefill engine. On a pair that never transferred, vLLM's own cleanup of a
+    decode request refused or aborted before it was scheduled waits for that handshake and then
+    for the decode engine's next step, which an idle engine does not take (docs/e2e.md)."""
+    request_id = f"warm-{tag}"
+    body = request_body("completions", unique_prompt(request_id), stream=False, max_tokens=2)
+    answer = await generate(
+        http, cluster.sidecar.url, "completions", body, prefill_header(cluster, request_id)
+    )
+    assert answer.status == 200, answer.body
+
+
+_LABELLED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}\s+(\S+)")
+
+
+async def sidecar_metric(
+    http: aiohttp.ClientSession, cluster: Cluster, name: str, **labels: str
+) -> float:
+    """The sidecar's ``name`` summed over the samples whose labels include ``labels``."""
+    async with http.get(cluster.sidecar.url + "/metrics") as response:
+        assert response.status == 200, await response.text()
+        text = await response.text()
+    if not labels:
+        return metric_value(text, name)
+    wanted = {f'{key}="{value}"' for key, value in labels.items()}
+    total = 0.0
+    for line in text.splitlines():
+        match = _LABELLED.match(line)
+        if match and match.group(1) == name and wanted <= set(match.group(2).split(",")):
+            total += float(match.group(3))
+    return total
+
+
+async def settled_sidecar_metric(
+    http: aiohttp.ClientSession,
+    cluster: Cluster,
+    name: str,
+    at_least: float,
+    within: float = 5,
+    **labels: str,
+) -> float:
+    """The sidecar's metric once it reaches ``at_least`` (some of its work runs in the
+    background), or its value after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        value = await sidecar_metric(http, cluster, name, **labels)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.1)

@@ -1,0 +1,296 @@
+"""KV that a prefill staged for a decode that will not take it: freed at once, not at expiry.
+
+Runs before test_real_engines.py (file order), so on engines that no test has stopped; the first
+test here also starts them. "KV held on the prefill engine" is read as docs/e2e.md explains: a
+plain one-token request straight to the prefill engine, then its ``vllm:kv_cache_usage_perc``,
+compared with a reading taken the same way before the scenario. Both tests first make one ordinary
+P/D request, so that the decode engine has its NIXL handshake with the prefill engine before the
+scenario starts (on a pair that never transferred, vLLM's own cleanup of a refused decode request
+waits for the decode engine's next step: the result would depend on test order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+import pytest
+
+from e2e.engines import MAX_MODEL_LEN
+from tests.e2e_vllm.conftest import (
+    PATHS,
+    Cluster,
+    Route,
+    generate,
+    prefill_header,
+    prefill_kv_blocks,
+    record,
+    request_body,
+    settled_prefill_kv_blocks,
+    settled_sidecar_metric,
+    sidecar_metric,
+    unique_prompt,
+    until,
+    warm_pair,
+)
+
+pytestmark = [pytest.mark.e2e_vllm, pytest.mark.asyncio(loop_scope="session")]
+
+KV_FREED_WITHIN_S = 10.0
+""""Within a few seconds": far below the prefill engine's 30 s lease, far above a release's
+round trip (about 0.1 s measured)."""
+RELEASES = "pd_sidecar_kv_releases_total"
+
+# --- random client disconnects -------------------------------------------------------------------
+
+SEED = 20261201
+REQUESTS = 48
+Cancel = Literal["prefill", "between", "midstream", "never"]
+"""When the client leaves: a random moment early on (mostly during the prefill leg), a random
+moment after the sidecar's record shows the prefill done, after a random number of streamed
+events, or never."""
+Window = Literal["before arrival", "prefill", "between legs", "decode answer", "never"]
+"""Where a cancellation really landed, from the sidecar's record (its phases against the client's
+clock): before the sidecar saw the request, before ``prefill_done``, between ``prefill_done``
+and ``first_byte``, after ``first_byte``."""
+
+
+@dataclass(slots=True)
+class Plan:
+    request_id: str
+    route: Route
+    stream: bool
+    cancel: Cancel
+    start_after_s: float
+    prompt_words: int
+    max_tokens: int
+    cancel_after_s: float
+    """prefill: after sending; between: after the record shows the prefill done."""
+    cancel_after_events: int
+    """midstream: SSE events read before leaving."""
+    status: int | None = None
+    text: str = ""
+    cancelled_at: float | None = None
+    """Wall-clock time the client left (the sidecar's ``started_at`` is wall-clock too)."""
+
+
+def plans(rng: random.Random) -> list[Plan]:
+    kinds: list[Cancel] = ["prefill", "between", "midstream", "never"] * (REQUESTS // 4)
+    rng.shuffle(kinds)
+    routes: list[Route] = ["completions", "chat"]
+    chosen = []
+    for i, kind in enumerate(kinds):
+        chosen.append(
+            Plan(
+                request_id=f"disconnect-{i}-{kind}",
+                route=rng.choice(routes),
+                stream=kind == "midstream" or rng.random() < 0.5,
+                cancel=kind,
+                start_after_s=rng.uniform(0, 0.5),
+                # Longer prompts widen the prefill window for the early cancellations. The prefill
+                # engine computes about 600 prompt tokens a second on its one core (2 a word).
+                prompt_words=rng.randint(60, 150) if kind == "prefill" else rng.randint(10, 60),
+                max_tokens=rng.randint(16, 40),
+                cancel_after_s=rng.uniform(0.01, 0.3)
+                if kind == "prefill"
+                else rng.uniform(0, 0.02),
+                cancel_after_events=rng.randint(1, 8),
+            )
+        )
+    return chosen
+
+
+async def _send(session: aiohttp.ClientSession, cluster: Cluster, plan: Plan) -> None:
+    body = request_body(
+        plan.route,
+        unique_prompt(plan.request_id, words=plan.prompt_words),
+        stream=plan.stream,
+        max_tokens=plan.max_tokens,
+    )
+    async with session.post(
+        cluster.sidecar.url + PATHS[plan.route],
+        json=body,
+        headers=prefill_header(cluster, plan.request_id),
+    ) as response:
+        plan.status = response.status
+        if not plan.stream or response.status != 200:
+            raw = await response.read()
+            if response.status == 200:
+                choice = orjson.loads(raw)["choices"][0]
+                plan.text = choice.get("text") or choice.get("message", {}).get("content") or ""
+            return
+        events = 0
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            events += 1
+            for choice in orjson.loads(line[len(b"data: ") :]).get("choices") or []:
+                plan.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if plan.cancel == "midstream" and events >= plan.cancel_after_events:
+                plan.cancelled_at = time.time()
+                response.close()  # the client leaves mid-stream
+                return
+
+
+async def _prefill_done(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> bool:
+    async with http.get(f"{cluster.sidecar.url}/debug/requests/{request_id}") as response:
+        if response.status != 200:  # not arrived yet
+            return False
+        return "prefill_done" in (await response.json())["phases"]
+
+
+async def _run(
+    session: aiohttp.ClientSession, http: aiohttp.ClientSession, cluster: Cluster, plan: Plan
+) -> None:
+    await asyncio.sleep(plan.start_after_s)
+    call = asyncio.ensure_future(_send(session, cluster, plan))
+    if plan.cancel == "prefill":
+        await asyncio.wait({call}, timeout=plan.cancel_after_s)
+    elif plan.cancel == "between":
+        # The record lives in the sidecar, seen only over HTTP: there is no event to await.
+        while True:
+            if call.done() or await _prefill_done(http, cluster, plan.request_id):
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.wait({call}, timeout=plan.cancel_after_s)
+    if plan.cancel in ("prefill", "between") and not call.done():
+        plan.cancelled_at = time.time()
+        call.cancel()  # the client leaves: its connection closes (force_close below)
+    try:
+        await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # not the client leaving: the test is stopped
+            raise
+
+
+def window(plan: Plan, entry: dict[str, Any] | None) -> Window:
+    if plan.cancelled_at is None:
+        return "never"
+    if entry is None:
+        return "before arrival"
+    left = plan.cancelled_at - entry["started_at"]
+    phases = entry["phases"]
+    if "prefill_done" not in phases or left < phases["prefill_done"]:
+        return "prefill"
+    if "first_byte" not in phases or left < phases["first_byte"]:
+        return "between legs"
+    return "decode answer"
+
+
+@pytest.mark.timeout(300)  # the first test also starts the engines
+async def test_random_client_disconnects_leave_no_kv_held(cluster: Cluster, http) -> None:
+    """48 concurrent P/D requests, streamed and not, both routes; each client leaves at its own
+    random moment (seeded): during the prefill leg, between the legs, mid-stream, or never.
+    Afterwards the prefill engine holds no more KV than before, within seconds (no waiting for
+    the 30 s lease), and no record is left in flight."""
+    await warm_pair(http, cluster, "disconnects")
+    held_before = await prefill_kv_blocks(http, cluster)
+    released_before = await sidecar_metric(http, cluster, RELEASES, outcome="sent")
+    chosen = plans(random.Random(SEED))
+
+    # One connection per request, closed when its client leaves: the sidecar sees a disconnect.
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(_run(session, http, cluster, plan) for plan in chosen))
+
+    async def none_in_flight() -> bool:
+        async with http.get(cluster.sidecar.url + "/debug/requests?limit=1000") as response:
+            listed = await response.json()
+        return not listed["inflight"]
+
+    await until(none_in_flight, KV_FREED_WITHIN_S, "every request record leaves inflight")
+    entries: dict[str, dict[str, Any] | None] = {}
+    for plan in chosen:
+        async with http.get(f"{cluster.sidecar.url}/debug/requests/{plan.request_id}") as response:
+            entries[plan.request_id] = await response.json() if response.status == 200 else None
+    windows = Counter(window(plan, entries[plan.request_id]) for plan in chosen)
+    held, took = await settled_prefill_kv_blocks(
+        http, cluster, at_most=held_before, within=KV_FREED_WITHIN_S
+    )
+    released = await sidecar_metric(http, cluster, RELEASES, outcome="sent") - released_before
+    failed = await sidecar_metric(http, cluster, RELEASES, outcome="failed")
+    summary = (
+        f"seed {SEED}; where clients left: {dict(windows)}; prefill KV blocks held "
+        f"{held_before} before, {held} after {took:.1f} s; releases sent {released:g}, "
+        f"failed (total) {failed:g}"
+    )
+    print(summary)
+
+    for plan in chosen:
+        entry = entries[plan.request_id]
+        if plan.cancelled_at is None:
+            assert plan.status == 200, (plan, entry)
+            assert plan.text, plan
+            assert entry is not None, plan
+            assert entry["state"] == "completed", (plan, entry)
+        elif entry is not None:
+            assert entry["state"] in ("completed", "failed", "cancelled"), entry
+    # The scenario did what it claims: clients left in each window.
+    for where in ("prefill", "between legs", "decode answer", "never"):
+        assert windows[where] > 0, summary
+    assert held <= held_before, summary
+
+
+# --- the decode engine refuses after a good prefill ----------------------------------------------
+
+REFUSED_MAX_TOKENS = 5000
+"""Over the engines' --max-model-len: the decode engine answers 400 before admitting the request;
+the prefill leg, which the sidecar sends with max_tokens 1, succeeds."""
+assert REFUSED_MAX_TOKENS > MAX_MODEL_LEN
+
+
+@pytest.mark.timeout(300)  # also starts the engines when run alone
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_decode_refusal_releases_the_prefill_kv(cluster: Cluster, http, stream: bool) -> None:
+    """The prefill leg succeeds, then the decode engine refuses the request (400, max_tokens over
+    its context): the client gets that 400, and the sidecar releases the KV the prefill staged
+    (one release sent) instead of leaving it to the prefill engine's lease.
+
+    On a warmed pair vLLM 0.32's decode engine also frees a refused request's KV by itself
+    (docs/e2e.md): the release counter is what proves the sidecar's part; the KV reading proves
+    that nothing is left held, whoever freed it.
+    """
+    await warm_pair(http, cluster, f"refusal-{stream}")
+    held_before = await prefill_kv_blocks(http, cluster)
+    released_before = await sidecar_metric(http, cluster, RELEASES, outcome="sent")
+    request_id = f"decode-refuses-{'stream' if stream else 'json'}"
+    body = request_body(
+        "completions",
+        unique_prompt(request_id, words=250),  # about 500 tokens: 4 blocks of KV
+        stream=stream,
+        max_tokens=REFUSED_MAX_TOKENS,
+    )
+
+    answer = await generate(
+        http, cluster.sidecar.url, "completions", body, prefill_header(cluster, request_id)
+    )
+
+    assert answer.status == 400, answer.body
+    entry = await record(http, cluster, request_id)
+    assert entry["decision"] == "remote", entry
+    assert "prefill_done" in entry["phases"], entry  # the prefill leg did stage KV
+    assert (entry["state"], entry["status"]) == ("failed", 400), entry
+    held, took = await settled_prefill_kv_blocks(
+        http, cluster, at_most=held_before, within=KV_FREED_WITHIN_S
+    )
+    released = await settled_sidecar_metric(
+        http, cluster, RELEASES, released_before + 1, outcome="sent"
+    )
+    # The decode engine's own refusal of the same body; asked only now, as it makes that engine
+    # step (which would flush a cleanup vLLM still had queued).
+    plain = await generate(http, cluster.decode.url, "completions", body)
+
+    assert (plain.status, answer.body) == (400, plain.body), "not the decode engine's answer"
+    assert held <= held_before, f"{held} blocks held after {took:.1f} s, {held_before} before"
+    assert released == released_before + 1, (
+        f"{RELEASES}{{outcome=sent}} went from {released_before:g} to {released:g}: "
+        "the sidecar did not release the KV staged for the refused decode"
+    )
