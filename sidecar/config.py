@@ -231,7 +231,7 @@ class Settings(BaseSettings):
     @classmethod
     def _header_names(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = tuple(item.lower() for item in _items(value))
+            value = _items(value)
         if isinstance(value, list | tuple):
             bad = [item for item in value if not isinstance(item, str) or not _TOKEN.match(item)]
             if bad:
