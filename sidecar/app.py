@@ -24,7 +24,7 @@ from sidecar.passthrough import Passthrough
 from sidecar.pipeline import Pipeline
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
-from sidecar.scheduling.scheduler import Scheduler, SchedulerConfig
+from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.tracking import Tracker
@@ -60,24 +60,10 @@ def create_app(settings: Settings) -> web.Application:
         metrics=metrics,
     )
     scheduler = Scheduler(
-        SchedulerConfig(
-            policy=settings.scheduler_policy,
-            choices=settings.scheduler_choices,
-            min_tokens=settings.disagg_min_tokens,
-            ttft_ratio=settings.disagg_ttft_ratio,
-            scrape_interval_s=settings.scrape_interval_s,
-            discovery_interval_s=settings.discovery_interval_s,
-            prefix_block_tokens=settings.prefix_block_tokens,
-            prefix_cache_blocks=settings.prefix_cache_blocks,
-            eject_after_failures=settings.eject_after_failures,
-            eject_base_s=settings.eject_base_s,
-            eject_max_s=settings.eject_max_s,
-            seed=settings.scheduler_seed,
-        ),
+        settings,
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
         backend=_state_backend(settings, metrics),
         engines=engines,
-        decode_url=settings.decode_url,
         metrics=metrics,
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
@@ -66,47 +67,31 @@ class Placement:
     local_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    policy: str = "qoe"
-    choices: int = 2
-    min_tokens: int = 512
-    ttft_ratio: float = 2.0
-    scrape_interval_s: float = 1.0
-    discovery_interval_s: float = 10.0
-    prefix_block_tokens: int = 16
-    prefix_cache_blocks: int = 65536
-    eject_after_failures: int = 3
-    eject_base_s: float = 2.0
-    eject_max_s: float = 60.0
-    seed: int | None = None
-
-
 class Scheduler:
     def __init__(
         self,
-        config: SchedulerConfig,
+        settings: Settings,
         *,
         discovery: Discovery,
         backend: StateBackend,
         engines: Engines,
-        decode_url: str,
         metrics: Metrics,
     ) -> None:
-        self._config = config
+        self._settings = settings
         self._discovery = discovery
         self.backend = backend
         self._engines = engines
-        self._decode_url = decode_url
+        self._decode_url = settings.decode_url
         self._metrics = metrics
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(settings.scheduler_seed)
         self._decider = Decider(
-            make_policy(config.policy, self._rng, choices=config.choices),
-            min_tokens=config.min_tokens,
-            ttft_ratio=config.ttft_ratio,
+            make_policy(settings.scheduler_policy, self._rng, choices=settings.scheduler_choices),
+            min_tokens=settings.disagg_min_tokens,
+            ttft_ratio=settings.disagg_ttft_ratio,
         )
         self._prefix = PrefixIndex(
-            block_tokens=config.prefix_block_tokens, capacity_blocks=config.prefix_cache_blocks
+            block_tokens=settings.prefix_block_tokens,
+            capacity_blocks=settings.prefix_cache_blocks,
         )
         self._pool: dict[str, EndpointState] = {}
         self._local_ahead = 0
@@ -114,7 +99,7 @@ class Scheduler:
         self._local_load: EngineLoad | None = None
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
-        self._scrape_timeout_s = min(config.scrape_interval_s, 2.0)
+        self._scrape_timeout_s = min(settings.scrape_interval_s, 2.0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -155,9 +140,9 @@ class Scheduler:
 
     def _new_health(self) -> Health:
         return Health(
-            eject_after=self._config.eject_after_failures,
-            base_s=self._config.eject_base_s,
-            max_s=self._config.eject_max_s,
+            eject_after=self._settings.eject_after_failures,
+            base_s=self._settings.eject_base_s,
+            max_s=self._settings.eject_max_s,
         )
 
     # --- the request path ------------------------------------------------------------------
@@ -344,7 +329,7 @@ class Scheduler:
     def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
         if load is None:
             return None
-        if time.monotonic() - load.at > STALE_AFTER_SCRAPES * self._config.scrape_interval_s:
+        if time.monotonic() - load.at > STALE_AFTER_SCRAPES * self._settings.scrape_interval_s:
             return None
         value: float | None = getattr(load, name)
         return value
@@ -358,13 +343,13 @@ class Scheduler:
 
     async def _discover(self) -> None:
         while True:
-            await asyncio.sleep(self._config.discovery_interval_s)
+            await asyncio.sleep(self._settings.discovery_interval_s)
             await self.refresh_pool()
 
     async def _scrape_forever(self) -> None:
         while True:
             await self.scrape_once()
-            await asyncio.sleep(self._config.scrape_interval_s)
+            await asyncio.sleep(self._settings.scrape_interval_s)
 
     async def scrape_once(self) -> None:
         states = list(self._pool.values())
@@ -460,10 +445,10 @@ class Scheduler:
                 }
             )
         return {
-            "policy": self._config.policy,
-            "choices": self._config.choices,
-            "disagg_min_tokens": self._config.min_tokens,
-            "disagg_ttft_ratio": self._config.ttft_ratio,
+            "policy": self._settings.scheduler_policy,
+            "choices": self._settings.scheduler_choices,
+            "disagg_min_tokens": self._settings.disagg_min_tokens,
+            "disagg_ttft_ratio": self._settings.disagg_ttft_ratio,
             "discovery": self._discovery.describe(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),

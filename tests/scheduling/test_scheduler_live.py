@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from sidecar.app import SCHEDULER
+from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.metrics import Metrics
-from sidecar.scheduling.scheduler import Scheduler, SchedulerConfig
+from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState
 from sidecar.upstream import Engines
 from tests.conftest import (
@@ -199,11 +200,16 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
     await engines.open()
     discovery = Discovery((), Endpoint("svc", first.port), resolver=resolver)
     scheduler = Scheduler(
-        SchedulerConfig(scrape_interval_s=60, min_tokens=0, ttft_ratio=1000, seed=3),
+        Settings(
+            decode_url=decode.url,
+            scrape_interval_s=60,
+            disagg_min_tokens=0,
+            disagg_ttft_ratio=1000,
+            scheduler_seed=3,
+        ),
         discovery=discovery,
         backend=MemoryState(),
         engines=engines,
-        decode_url=decode.url,
         metrics=Metrics(),
     )
     await scheduler.start()
