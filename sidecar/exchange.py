@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from multidict import CIMultiDict
 
 from sidecar.endpoints import Endpoint
+from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.scheduling.scheduler import Placement
 from sidecar.upstream import EngineAnswer
 
@@ -63,7 +64,7 @@ class Exchange:
 
     @property
     def request_id(self) -> str:
-        return self.headers["x-request-id"]
+        return self.headers[REQUEST_ID_HEADER]
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,19 +138,17 @@ class PrefillCall:
     def _ended(self, placement: Placement, started: float, call: asyncio.Future[_Result]) -> None:
         """The call is over, whoever waited for it: tell the scheduler and count it."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
-        if not call.cancelled():
-            if call.exception() is not None:
-                logger.error("prefill call failed", exc_info=call.exception())
+        # (An exception is a bug, logged by whoever awaits the call: the request, or _salvage.)
+        if not call.cancelled() and call.exception() is None:
+            result = call.result()
+            if isinstance(result, _Failure):
+                ok = False
+                self._metrics.prefill_requests.labels(result.outcome).inc()
+            elif isinstance(result, Prefilled):
+                ok = True
+                self._metrics.prefill_requests.labels("success").inc()
             else:
-                result = call.result()
-                if isinstance(result, _Failure):
-                    ok = False
-                    self._metrics.prefill_requests.labels(result.outcome).inc()
-                elif isinstance(result, Prefilled):
-                    ok = True
-                    self._metrics.prefill_requests.labels("success").inc()
-                else:
-                    self._metrics.prefill_requests.labels("client_error").inc()
+                self._metrics.prefill_requests.labels("client_error").inc()
         seconds = asyncio.get_running_loop().time() - started
         self._scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
 
@@ -258,10 +256,15 @@ class PrefillCall:
 
 def _salvage(call: asyncio.Future[_Result], orphaned: Orphaned) -> None:
     """The KV of a call that delivered after its client left goes to ``orphaned``."""
-    if not call.cancelled() and call.exception() is None:
-        result = call.result()
-        if isinstance(result, Prefilled):
-            orphaned(result)
+    if call.cancelled():
+        return
+    error = call.exception()
+    if error is not None:
+        logger.error("prefill call failed after its client left", exc_info=error)
+        return
+    result = call.result()
+    if isinstance(result, Prefilled):
+        orphaned(result)
 
 
 def _past(deadline: float | None) -> bool:

@@ -169,15 +169,17 @@ async def rig_with(
     start_engine: StartEmulator,
     start_sidecar_with: StartSidecar,
 ) -> RigFactory:
-    async def make(decode: dict[str, Any] | None = None, **settings: Any) -> Rig:
-        prefill = await start_engine()
+    async def make(
+        decode: dict[str, Any] | None = None, prefill: dict[str, Any] | None = None, **settings: Any
+    ) -> Rig:
+        prefill_engine = await start_engine(**(prefill or {}))
         decode_engine = await start_engine(**(decode or {}))
         sidecar = await start_sidecar_with(
             decode_url=decode_engine.url,
-            prefill_endpoints=prefill.endpoint,
+            prefill_endpoints=prefill_engine.endpoint,
             **{**spec.settings, **settings},
         )
-        return Rig(http, prefill, decode_engine, sidecar)
+        return Rig(http, prefill_engine, decode_engine, sidecar)
 
     return make
 
@@ -367,6 +369,34 @@ async def test_auto_aborts_a_prefill_far_from_done(rig: Rig) -> None:
     await eventually(lambda: _held_is(rig, rig.prefill, 0))
     await rig.settled()
     assert await rig.releases("sent") == 0
+
+
+async def test_auto_aborts_a_queued_prefill(rig_with: RigFactory) -> None:
+    """The engine says requests are waiting, and the work reserved ahead of this prefill would
+    not have drained yet: it is queued, and aborting it saves the engine's compute."""
+    rig = await rig_with(prefill={"max_num_seqs": 1}, scrape_interval_s=0.05)
+    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    ahead = rig.leave_later(completion(LONG_PROMPT * 3))  # ~21,000 tokens: ~2 s predicted
+    await eventually(lambda: _held_is(rig, rig.prefill, 1))
+    queued = rig.leave_later(completion())
+    await eventually(lambda: _scraped_waiting_is(rig, 1))
+    await _cancel(queued)
+    await eventually(lambda: _disconnects_are(rig, "abort", 1))
+    await eventually(lambda: _engine_waiting_is(rig, 0))  # the engine dropped it from its queue
+    await _cancel(ahead)  # auto aborts this one too: far from done
+    await eventually(lambda: _disconnects_are(rig, "abort", 2))
+    await rig.settled()
+    assert len(await engine_requests(rig.http, rig.prefill)) == 2
+
+
+async def _scraped_waiting_is(rig: Rig, count: int) -> bool:
+    scheduler = await get_json(rig.http, rig.sidecar.url + "/debug/scheduler")
+    scraped = scheduler["endpoints"][0]["scraped"]
+    return scraped is not None and scraped.get("waiting") == count
+
+
+async def _engine_waiting_is(rig: Rig, count: int) -> bool:
+    return await metric(rig.http, rig.prefill.url, "vllm:num_requests_waiting") == count
 
 
 async def test_client_gone_as_the_prefill_answer_arrives(rig_with: RigFactory) -> None:
