@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 
 import aiohttp
 import orjson
@@ -79,22 +79,30 @@ class EngineAnswer:
             raise self._broken(exc) from exc
 
     async def chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]:
-        """The rest of the body as it arrives, chunk by chunk; fails when no byte arrives for
-        ``idle_timeout_s`` (None: no limit)."""
+        """The rest of the body as it arrives, chunk by chunk; fails when a read waits
+        ``idle_timeout_s`` for a byte (None: no limit)."""
         content = self._response.content
-        try:
-            if idle_timeout_s is None:
+        if idle_timeout_s is None:
+            try:
                 async for chunk in content.iter_any():
                     yield chunk
-                return
+            except _TRANSPORT_ERRORS as exc:
+                raise self._broken(exc) from exc
+            return
+        loop = asyncio.get_running_loop()
+        watch = _IdleWatch(loop, idle_timeout_s, self._response.close)
+        try:
             while True:
-                async with asyncio.timeout(idle_timeout_s):
-                    chunk = await content.readany()
+                watch.since = loop.time()
+                chunk = await content.readany()
+                watch.since = None
                 if not chunk:
                     return
                 yield chunk
         except _TRANSPORT_ERRORS as exc:
-            raise self._broken(exc) from exc
+            raise self._broken(TimeoutError() if watch.fired else exc) from exc
+        finally:
+            watch.stop()
 
     def close(self) -> None:
         """Drop the connection (an answer not read to its end cannot be reused)."""
@@ -103,6 +111,40 @@ class EngineAnswer:
     def _broken(self, exc: BaseException) -> EngineStreamBroken:
         detail = "no data within the idle timeout" if isinstance(exc, TimeoutError) else None
         return EngineStreamBroken(f"{self.engine} broke the stream: {detail or _describe(exc)}")
+
+
+class _IdleWatch:
+    """Closes a response once a read of it has waited ``seconds`` for data.
+
+    One timer per idle period rather than one per chunk: the reader only stamps ``since`` around
+    each read, and the timer re-arms itself at the current read's deadline. Only time spent
+    waiting for the engine counts, not time the caller spends writing what it read.
+    """
+
+    __slots__ = ("_close", "_handle", "_loop", "_seconds", "fired", "since")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, seconds: float, close: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self._seconds = seconds
+        self._close = close
+        self.since: float | None = None
+        """Loop time the pending read started; None between reads."""
+        self.fired = False
+        self._handle = loop.call_at(loop.time() + seconds, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self.since is not None and now - self.since >= self._seconds:
+            self.fired = True
+            self._close()  # the pending read fails
+            return
+        start = now if self.since is None else self.since
+        self._handle = self._loop.call_at(start + self._seconds, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
 
 
 class Engines:
