@@ -82,6 +82,10 @@ class Aftercare:
             self._metrics.kv_releases.labels("failed").inc()
             logger.warning("releasing staged KV failed: %s", exc.message)
             return
+        except Exception:
+            self._metrics.kv_releases.labels("failed").inc()
+            logger.exception("releasing staged KV failed")
+            return
         if answer.status >= 400:
             self._metrics.kv_releases.labels("failed").inc()
             logger.warning(
@@ -90,7 +94,16 @@ class Aftercare:
             return
         self._metrics.kv_releases.labels("sent").inc()
 
-    async def close(self) -> None:
-        """Let the work under way finish (each piece is bounded by its own timeout)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def close(self, timeout_s: float) -> None:
+        """Let the work under way finish for up to ``timeout_s``, then cancel what is left (a
+        finishing prefill cancelled then may keep its KV until the engine's expiry)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        while self._tasks and loop.time() < until:
+            await asyncio.wait(list(self._tasks), timeout=until - loop.time())
+        left = list(self._tasks)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+            logger.warning("shutdown: %d KV release(s) or finishing prefill(s) cut", len(left))

@@ -39,6 +39,7 @@ READINESS = web.AppKey("readiness", Readiness)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 GUARD = web.AppKey("guard", PrefillGuard)
+AFTERCARE = web.AppKey("aftercare", Aftercare)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 
 LISTEN_BACKLOG = 2048
@@ -96,11 +97,10 @@ def create_app(settings: Settings) -> web.Application:
         scheduler=scheduler,
         guard=guard,
         gateway=gateway,
-        aftercare=aftercare,
         tracker=tracker,
         metrics=metrics,
     )
-    app[GUARD] = guard
+    app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
     passthrough = Passthrough(settings, engines=engines, gateway=gateway, metrics=metrics)
     debug = DebugViews(tracker)
@@ -129,6 +129,7 @@ def create_app(settings: Settings) -> web.Application:
 
     app.cleanup_ctx.append(_engines_ctx)
     app.cleanup_ctx.append(_scheduler_ctx)
+    app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
     app.cleanup_ctx.append(_readiness_ctx)
     return app
 
@@ -148,8 +149,12 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
 async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[SCHEDULER].start()
     yield
-    await app[PIPELINE].close()  # KV releases still under way use the scheduler and engines
     await app[SCHEDULER].close()
+
+
+async def _aftercare_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[AFTERCARE].close(app[SETTINGS].drain_timeout_s)
 
 
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:

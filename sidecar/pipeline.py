@@ -15,7 +15,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from sidecar.aftercare import Aftercare
 from sidecar.config import Settings
 from sidecar.connectors import Connector
 from sidecar.endpoints import Endpoint
@@ -47,7 +46,6 @@ class Pipeline:
         scheduler: Scheduler,
         guard: PrefillGuard,
         gateway: GatewayHeaders,
-        aftercare: Aftercare,
         tracker: Tracker,
         metrics: Metrics,
     ) -> None:
@@ -56,13 +54,8 @@ class Pipeline:
         self._scheduler = scheduler
         self._guard = guard
         self._gateway = gateway
-        self._aftercare = aftercare
         self._tracker = tracker
         self._metrics = metrics
-
-    async def close(self) -> None:
-        """Let the background work of finished requests (KV releases) end."""
-        await self._aftercare.close()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers)
@@ -73,6 +66,10 @@ class Pipeline:
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
+        except orjson.JSONEncodeError as exc:  # parsed, but nested too deeply to send on
+            error = BadRequest(f"request body cannot be forwarded: {exc}")
+            _fail(record, error)
+            return error_response(error, request_id)
         except asyncio.CancelledError:
             record.state = State.CANCELLED
             raise

@@ -12,7 +12,7 @@ A client that leaves while the call runs (``SIDECAR_PREFILL_ON_DISCONNECT``): ``
 the call (the engine drops a prefill it is still computing); ``finish`` lets it end in the
 background and hands its KV to ``orphaned`` (to be released); ``auto`` finishes a call predicted to
 end within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler
-judges: ``Scheduler.prefill_remaining``). Whatever the mode, a call whose answer has started to
+predicts: ``Scheduler.prefill_outlook``). Whatever the mode, a call whose answer has started to
 arrive is finished: the engine is done, its KV staged. The call's own task reports to the
 scheduler when it really ends, so an endpoint's slot is never counted free while the engine still
 works on it. Nothing here awaits after a cancellation: a second one cannot
@@ -40,8 +40,9 @@ logger = logging.getLogger("sidecar.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
 AUTO_FINISH_WITHIN_S = 0.5
-"""``auto``: a prefill predicted to end within this many seconds (overdue ones included) is let
-finish when its client leaves; one queued or further from done is aborted."""
+"""``auto``: a prefill whose client left is let finish when its prompt's own compute, or its
+predicted remaining time (overdue included), is within this many seconds; one queued or further
+from done is aborted."""
 
 Outcome = Prefilled | Refused | Fallback
 BodyFor = Callable[[Endpoint], bytes]
@@ -93,8 +94,13 @@ class PrefillCall:
         while current is not None and current.endpoint is not None:
             attempt += 1
             last = current.endpoint
+            try:
+                data = body_for(current.endpoint)
+            except BaseException:
+                self._scheduler.prefill_finished(current, ok=None)  # no call will give it back
+                raise
             ex.progress.prefill_sent(current.endpoint, attempt)
-            result = await self._attempt(ex, body_for(current.endpoint), current, accept, orphaned)
+            result = await self._attempt(ex, data, current, accept, orphaned)
             if not isinstance(result, _Failure):
                 return result
             failure = result
@@ -170,6 +176,8 @@ class PrefillCall:
         if action == "finish" and self._aftercare.adopt(call):
             call.add_done_callback(functools.partial(_salvage, orphaned=orphaned))
         else:
+            if answering:  # staged KV that cannot be read now: left to the engine's expiry
+                self._metrics.kv_releases.labels("skipped").inc()
             action = "abort"
             call.cancel()
             self._aftercare.watch(call)
@@ -182,8 +190,12 @@ class PrefillCall:
         if not self._settings.release_on_disconnect:
             return "abort"  # finishing would only stage KV that nobody releases
         elapsed = asyncio.get_running_loop().time() - started
-        remaining = self._scheduler.prefill_remaining(placement, elapsed)
-        return "finish" if remaining is not None and remaining <= AUTO_FINISH_WITHIN_S else "abort"
+        outlook = self._scheduler.prefill_outlook(placement, elapsed)
+        if outlook.queued:
+            return "abort"  # not started: nothing to race with, all of its compute saved
+        if outlook.compute_s <= AUTO_FINISH_WITHIN_S:
+            return "finish"  # little compute to save, whatever the fitted overhead says
+        return "finish" if outlook.remaining_s <= AUTO_FINISH_WITHIN_S else "abort"
 
     async def _call(
         self,
@@ -210,7 +222,10 @@ class PrefillCall:
             answering.set()
             answer = await upstream.read()
         except EngineTimeout as exc:
-            return _Failure("prefill_timeout", "timeout", exc.message, transient=True)
+            # A timeout after the status line: the engine finished (its KV is staged) and the
+            # body stalled. Another endpoint would compute the prompt again; fall back instead.
+            transient = not answering.is_set()
+            return _Failure("prefill_timeout", "timeout", exc.message, transient=transient)
         except EngineUnreachable as exc:
             return _Failure("prefill_unreachable", "unreachable", exc.message, transient=True)
 

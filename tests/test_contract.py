@@ -290,20 +290,43 @@ async def _post_to_closed_prefill(rig: Rig) -> tuple[int, bytes]:
 # --- decode failures after a good prefill ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("refusal", ["4xx", "5xx"])
+@pytest.mark.parametrize("refusal", ["4xx", "5xx", "closed"])
 async def test_decode_refusal_releases_the_kv_at_once(rig_with: RigFactory, refusal: str) -> None:
     rig = await rig_with(decode={"max_model_len": 512})
     body = completion(max_tokens=64)
     if refusal == "4xx":
         body["max_tokens"] = 5000  # over the decode engine's context; the prefill leg asks for 1
-    else:
+    elif refusal == "5xx":
         await inject(rig.http, rig.decode, kind="status", status=500, role="decode")
-    status, raw = await rig.post(body)
-    assert status == (400 if refusal == "4xx" else 500)
+    else:  # read the request, then closed the connection without a word
+        await inject(rig.http, rig.decode, kind="reset", role="decode")
+    status, raw = await rig.post(body, **{"x-request-id": "refused"})
+    assert status == {"4xx": 400, "5xx": 500, "closed": 503}[refusal]
     assert orjson.loads(raw)["error"]["code"] == status
     assert len(await engine_requests(rig.http, rig.prefill)) == 1
     await rig.settled()
     assert await rig.releases("sent") == 1
+    # The release has an id and a prefix-cache salt of its own: whatever it reads (the engine
+    # may have freed and reused the blocks) can never serve another request.
+    decode_leg, release = await engine_requests(rig.http, rig.decode)
+    assert decode_leg["headers"]["x-request-id"] == "refused"
+    assert release["headers"]["x-request-id"] == "refused-release"
+    assert release["body"]["max_tokens"] == 1
+    assert release["body"]["kv_transfer_params"] == decode_leg["body"]["kv_transfer_params"]
+    assert release["body"]["cache_salt"].startswith("pd-sidecar-release-")
+    assert "cache_salt" not in decode_leg["body"]
+
+
+async def test_a_body_that_cannot_be_forwarded_is_400_and_reserves_nothing(rig: Rig) -> None:
+    # Parsed (up to 1024 levels) but too deep to serialize again (orjson writes up to 254).
+    nested: Any = []
+    for _ in range(300):
+        nested = [nested]
+    status, raw = await rig.post(completion(logit_bias_notes=nested))
+    assert status == 400
+    assert "cannot be forwarded" in orjson.loads(raw)["error"]["message"]
+    assert await engine_requests(rig.http, rig.prefill) == []
+    await rig.settled()
 
 
 async def test_a_refused_release_is_counted_failed(rig: Rig) -> None:

@@ -14,12 +14,16 @@ The choreography::
 NIXL has no "free" call: blocks staged on the prefill engine are freed when a decode pulls them
 (or at the engine's expiry, 30–480 s). So a release is the cheapest pull — a one-token,
 non-streamed decode carrying the KV params, its answer dropped. Whether a decode that failed had
-pulled already is unknowable from outside; a second pull of pulled KV fails harmlessly.
+pulled already (or vLLM freed the blocks itself, as 0.32 does for a request its decode engine
+refused) is unknowable from outside. A second pull is then either refused or, on vLLM 0.32, reads
+blocks that may hold another request's KV by now: the release's own ``cache_salt`` keeps what it
+read from ever serving another request, and its answer is dropped.
 """
 
 from __future__ import annotations
 
 import functools
+import secrets
 from typing import Any
 
 import orjson
@@ -27,11 +31,14 @@ import orjson
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
 from sidecar.endpoints import Endpoint
-from sidecar.errors import EngineUnreachable
+from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.exchange import Answer, Exchange, Prefilled, Refused
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 REMOTE_HOST = "remote_host"
+CACHE_SALT = "cache_salt"
+"""vLLM's per-request prefix-cache salt (at most 128 characters, no '@', '/', '\\')."""
+RELEASE_ID_SUFFIX = "-release"
 
 PREFILL_REQUEST_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -65,10 +72,9 @@ class NixlConnector:
 
     async def run(self, ex: Exchange) -> Answer | Refused:
         if ex.placement.endpoint is not None:
-            data = orjson.dumps(self.prefill_body(ex.body, ex.route))
             outcome = await self._parts.prefill.run(
                 ex,
-                body_for=lambda endpoint: data,
+                body_for=lambda endpoint: orjson.dumps(self.prefill_body(ex.body, ex.route)),
                 accept=self._accept,
                 orphaned=functools.partial(self._release, ex),
             )
@@ -86,10 +92,11 @@ class NixlConnector:
             patch = CachedTokensPatch(prefilled.cached_tokens)
         try:
             answer = await self._parts.decode.send(ex, data, patch)
-        except EngineUnreachable:
-            raise  # the decode engine got nothing, and would not take a release either
         except BaseException:
-            self._release(ex, prefilled)  # timed out, broken or left before the first byte
+            # Timed out, broken, closed without an answer (perhaps after reading the request),
+            # or the client left, before the first byte. A decode engine that was merely
+            # unreachable fails the release fast too; it is counted, not guessed.
+            self._release(ex, prefilled)
             raise
         if answer.upstream.status >= 400:
             self._release(ex, prefilled)  # refused: e.g. max_tokens over its context
@@ -103,7 +110,10 @@ class NixlConnector:
 
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
         data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
-        self._parts.aftercare.release(self._parts.decode.url + ex.path, ex.headers, data)
+        headers = ex.headers.copy()
+        # Its own id: the decode leg it stands in for may still be known to the engine.
+        headers[REQUEST_ID_HEADER] = f"{ex.request_id}{RELEASE_ID_SUFFIX}"
+        self._parts.aftercare.release(self._parts.decode.url + ex.path, headers, data)
 
     # --- the wire ------------------------------------------------------------------------
 
@@ -155,4 +165,8 @@ class NixlConnector:
     ) -> dict[str, Any]:
         leg = self.prefill_body(body, route)
         leg[KV_TRANSFER_PARAMS] = kv_params
+        # The engine may have freed (and reused) these blocks already; vLLM 0.32 reads them all
+        # the same and caches what it read under the prompt's hashes. A salt of its own keeps
+        # that from ever being a prefix-cache hit for another request.
+        leg[CACHE_SALT] = f"pd-sidecar-release-{secrets.token_hex(16)}"
         return leg

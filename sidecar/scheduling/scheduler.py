@@ -58,6 +58,16 @@ class EndpointState:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillOutlook:
+    queued: bool
+    """Probably still waiting in the engine's queue."""
+    compute_s: float
+    """The prompt's own predicted compute, without queue or fixed overhead."""
+    remaining_s: float
+    """Predicted seconds until it ends (negative: overdue)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where one request prefills, and what to give back when it is done."""
 
@@ -164,8 +174,7 @@ class Scheduler:
             self._local_ahead += uncached
             return Placement(decision, None, local_tokens=uncached)
         if header is not None:
-            # Not a choice, but predicted all the same: the record shows it, and a prefill
-            # whose client leaves is finished or aborted by how near its end is predicted.
+            # Not a choice, but predicted all the same, for the record.
             predicted = self._decider.remote_seconds(self._candidate(str(header)), tokens)
             uncached = max(0, tokens - cached)
             decision = Decision(str(header), "header", tokens, uncached, predicted)
@@ -244,9 +253,8 @@ class Scheduler:
             del self._pool[state.key]
             self._metrics.forget_endpoint(state.key)
 
-    def prefill_remaining(self, placement: Placement, elapsed_s: float) -> float | None:
-        """Predicted seconds until the prefill of ``placement`` ends, ``elapsed_s`` after it was
-        sent (negative: overdue); None while it is probably still queued.
+    def prefill_outlook(self, placement: Placement, elapsed_s: float) -> PrefillOutlook:
+        """How a prefill stands ``elapsed_s`` after it was sent to ``placement``'s endpoint.
 
         Queued means: the engine's last fresh scrape showed waiting requests, and the work
         reserved ahead of this prefill when it was sent would not have drained yet. Without that
@@ -263,9 +271,13 @@ class Scheduler:
         queue_s = 0.0
         if waiting and placement.reservation is not None:
             queue_s = speed.s_per_token * placement.reservation.ahead_tokens
-            if elapsed_s < queue_s:
-                return None
-        return queue_s + speed.seconds(placement.decision.prompt_tokens) - elapsed_s
+        # The tokens its speed was learned on (prefill_finished): the uncached ones.
+        compute_s = speed.s_per_token * placement.decision.uncached_tokens
+        return PrefillOutlook(
+            queued=elapsed_s < queue_s,
+            compute_s=compute_s,
+            remaining_s=queue_s + speed.overhead_s + compute_s - elapsed_s,
+        )
 
     def local_first_byte(self, placement: Placement, seconds: float | None) -> None:
         """A locally prefilled request produced its first byte (``seconds`` after it arrived),
