@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from sidecar.endpoints import Endpoint, parse_endpoint, valid_host
+from sidecar.headers import DEFAULT_PREFILL_HEADERS
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -154,11 +155,11 @@ class Settings(BaseSettings):
         "auto",
         description="A prefill whose client left: abort (the engine drops it; one that was "
         "just finishing may keep its KV until expiry), finish (let it end, then release its "
-        "KV; needs SIDECAR_RELEASE_ON_DISCONNECT=true), auto (finish one predicted to end "
-        "within 0.5 s, abort one queued or far from done).",
+        "KV; needs SIDECAR_RELEASE_ON_DISCONNECT=true), auto (abort one queued, finish one "
+        "whose own compute or predicted remaining time is within 0.5 s, abort the rest).",
     )
     prefill_headers: Annotated[tuple[str, ...], NoDecode] = Field(
-        ("x-prefiller-host-port", "x-gateway-prefill-endpoints"),
+        DEFAULT_PREFILL_HEADERS,
         description="Request headers a gateway names the prefill server in, in order of "
         "precedence (comma list; the first present wins). Every one of them is stripped before "
         "any engine. Add a name only if the gateway strips it from client requests. Empty: no "

@@ -65,7 +65,8 @@ class GatewayHeaders:
     """
 
     def __init__(self, names: Iterable[str] = DEFAULT_PREFILL_HEADERS) -> None:
-        self.names = tuple(name.lower() for name in names)
+        self.names = tuple(names)
+        """Lowercase (Settings normalizes them)."""
         prefill = {*self.names, *DEFAULT_PREFILL_HEADERS, PREFILLER_URL}
         self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
         self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS

@@ -12,6 +12,7 @@ reports what happened (``Relayed``); it writes no record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import orjson
@@ -85,15 +86,16 @@ async def relay(
     try:
         await out.prepare(request)
         try:
-            if rewriter is None:
-                await out.write(answer.first)
-                async for chunk in upstream.chunks(idle_timeout_s):
-                    await out.write(chunk)
-            else:
-                await out.write(rewriter.feed(answer.first))
-                async for chunk in upstream.chunks(idle_timeout_s):
-                    await out.write(rewriter.feed(chunk))
-                await out.write(rewriter.rest())
+            async with contextlib.aclosing(upstream.chunks(idle_timeout_s)) as source:
+                if rewriter is None:
+                    await out.write(answer.first)
+                    async for chunk in source:
+                        await out.write(chunk)
+                else:
+                    await out.write(rewriter.feed(answer.first))
+                    async for chunk in source:
+                        await out.write(rewriter.feed(chunk))
+                    await out.write(rewriter.rest())
         except EngineStreamBroken as broken:
             error = broken
             if expired:
@@ -119,8 +121,11 @@ async def relay(
 async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: float | None) -> bytes:
     parts = [answer.first]
     try:
-        async with asyncio.timeout_at(deadline):
-            async for chunk in answer.upstream.chunks(idle_timeout_s):
+        async with (
+            asyncio.timeout_at(deadline),
+            contextlib.aclosing(answer.upstream.chunks(idle_timeout_s)) as source,
+        ):
+            async for chunk in source:
                 parts.append(chunk)
     except TimeoutError:
         raise EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S") from None

@@ -10,7 +10,9 @@ is allowed, and the start-up log says so once.
 
 Whatever the lists say, a target that is this sidecar itself — its API port on a loopback
 address, on one of the pod's own addresses, or on its host name — is refused with 400: the
-prefill leg would come back in as a new request, and again, until something broke.
+prefill leg would come back in as a new request (prefill headers stripped) and be computed by the
+local engine without staging KV, and the request would then fall back and compute its prompt a
+second time.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class PrefillGuard:
         return any(self._own_address(a) for a in await self._lookup(host, target.port))
 
     def _own_address(self, address: IPAddress) -> bool:
+        if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
         return address.is_loopback or address.is_unspecified or address in self._own_addresses
 
     def warn_if_open(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 
 import aiohttp
 import orjson
@@ -78,7 +78,7 @@ class EngineAnswer:
         except _TRANSPORT_ERRORS as exc:
             raise self._broken(exc) from exc
 
-    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncGenerator[bytes]:
         """The rest of the body as it arrives, chunk by chunk; fails when a read waits
         ``idle_timeout_s`` for a byte (None: no limit)."""
         content = self._response.content

@@ -161,13 +161,19 @@ async def test_a_new_header_name_is_opt_in(
     # Default: the new name is not read (a gateway that does not know it would let clients
     # choose).
     default = await start_sidecar_with()
-    async with http.post(default.url + "/v1/completions", json=completion()) as response:
-        assert response.status == 200
     async with http.post(
-        default.url + "/v1/completions", json=completion(), headers={"x-prefill-endpoint": "x:1"}
+        default.url + "/v1/completions",
+        json=completion(),
+        headers={"x-prefill-endpoint": first.endpoint, "x-request-id": "not-read"},
     ) as response:
         assert response.status == 200
     assert await engine_requests(http, first) == []
+    record = await get_json(http, default.url + "/debug/requests/not-read")
+    assert (record["decision"], record["reason"], record["fallback_reason"]) == (
+        "local",
+        "pool_empty",
+        None,
+    )
     async with http.delete(decode.url + "/emulator/requests") as response:
         assert response.status == 200
     # Configured first, it wins over the default name; both are stripped from every leg.
@@ -186,7 +192,7 @@ async def test_a_new_header_name_is_opt_in(
 
 
 async def test_a_prefill_target_that_is_the_sidecar_itself_is_400(http, sidecar, decode) -> None:
-    for host in ("127.0.0.1", "127.0.0.2", "localhost", socket.gethostname()):
+    for host in ("127.0.0.1", "127.0.0.2", "[::ffff:127.0.0.1]", "localhost", socket.gethostname()):
         target = f"{host}:{sidecar.port}"
         async with http.post(
             sidecar.url + "/v1/completions",
