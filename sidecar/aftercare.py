@@ -38,10 +38,6 @@ class Aftercare:
         self._timeout_s = timeout_s
         self._tasks: set[asyncio.Future[Any]] = set()
 
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
-
     def adopt(self, task: asyncio.Future[Any]) -> bool:
         """Keep ``task`` running after its request ended; False when the set is full."""
         if len(self._tasks) >= MAX_PENDING:

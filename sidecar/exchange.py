@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 
 from sidecar.endpoints import Endpoint
 from sidecar.errors import REQUEST_ID_HEADER
+from sidecar.metrics import ROUTES
 from sidecar.scheduling.scheduler import Placement
 from sidecar.upstream import EngineAnswer
 
@@ -48,8 +49,6 @@ class Exchange:
     """One generation request as the connector sees it."""
 
     path: str
-    route: str
-    """``completions`` or ``chat_completions``."""
     body: Body
     """The client's body, parsed and sanitized; never mutated."""
     raw: bytes | None
@@ -61,6 +60,11 @@ class Exchange:
     deadline: float | None
     """Loop time by which the whole request must be done (None: no limit)."""
     progress: Progress
+
+    @property
+    def route(self) -> str:
+        """``completions`` or ``chat_completions``."""
+        return ROUTES[self.path]
 
     @property
     def request_id(self) -> str:

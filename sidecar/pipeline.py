@@ -104,7 +104,6 @@ class Pipeline:
         progress = _Progress(record, self._scheduler, placement)
         exchange = Exchange(
             path=request.path,
-            route=ROUTES[request.path],
             body=body,
             raw=None if sanitized else raw,
             headers=self._gateway.engine_leg(request.headers, request_id),
