@@ -17,6 +17,7 @@ from sidecar.connectors import Parts, make_connector
 from sidecar.debug import DebugViews
 from sidecar.decode import DecodeSend
 from sidecar.discovery import Discovery
+from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import EngineUnreachable, NotFound, error_response
 from sidecar.headers import GatewayHeaders
 from sidecar.metrics import ROUTES, Metrics
@@ -41,6 +42,7 @@ PIPELINE = web.AppKey("pipeline", Pipeline)
 GUARD = web.AppKey("guard", PrefillGuard)
 AFTERCARE = web.AppKey("aftercare", Aftercare)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
+DRAIN = web.AppKey("drain", Drain)
 
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
@@ -49,8 +51,10 @@ thousand clients connect at once; vLLM's API server uses 2048 too)."""
 
 def create_app(settings: Settings) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process."""
+    drain = Drain(settings.drain_timeout_s)
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[drain.middleware])
+    app[DRAIN] = drain
     engines = Engines(connect_timeout_s=settings.connect_timeout_s)
     tracker = Tracker(settings.debug_history)
     metrics = Metrics()
@@ -154,7 +158,7 @@ async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _aftercare_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
-    await app[AFTERCARE].close(app[SETTINGS].drain_timeout_s)
+    await app[AFTERCARE].close(app[DRAIN].background_s())
 
 
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -220,14 +224,24 @@ class RunningSidecar:
         return _url(self.host, self.admin_port if self.admin_port is not None else self.port)
 
     def begin_drain(self) -> None:
-        """SIGTERM's first step: /ready turns 503 at once."""
+        """SIGTERM's first step: /ready turns 503 at once, and the drain's clock starts."""
         self.app[READINESS].draining = True
+        self.app[DRAIN].begin()
 
-    async def close(self) -> None:
-        """Stop listening, let requests in flight finish within the drain timeout (then cancel
-        them), and close every resource; the admin listener goes last."""
+    async def close(self) -> int:
+        """The shutdown sequence of ``sidecar.drain``, within the drain timeout + 1 s: stop
+        listening, let requests in flight finish until the deadline, cancel the rest, and close
+        every resource; the admin listener goes last. Returns how many requests were cut."""
+        self.begin_drain()
+        main = self.runners[0]
+        for site in list(main.sites):
+            await site.stop()
+        if main.server is not None:
+            main.server.pre_shutdown()  # keep-alive connections close after their answer
+        cut = await self.app[DRAIN].settle()
         for runner in self.runners:
             await runner.cleanup()
+        return cut
 
 
 async def start_sidecar(settings: Settings) -> RunningSidecar:
@@ -237,7 +251,7 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
         app,
         handler_cancellation=True,  # a client that leaves cancels its request's work at once
         access_log=None,
-        shutdown_timeout=settings.drain_timeout_s,
+        shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
     )
     await runner.setup()
     await web.TCPSite(runner, settings.host, settings.port, backlog=LISTEN_BACKLOG).start()
@@ -245,7 +259,9 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
     app[GUARD].listening(port, **await _own_identity(settings.host))
     runners, admin_port = [runner], None
     if ADMIN_APP in app:
-        admin_runner = web.AppRunner(app[ADMIN_APP], access_log=None, shutdown_timeout=1)
+        admin_runner = web.AppRunner(
+            app[ADMIN_APP], access_log=None, shutdown_timeout=CUT_GRACE_S
+        )
         await admin_runner.setup()
         await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
         admin_port = admin_runner.addresses[0][1]

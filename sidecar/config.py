@@ -184,7 +184,7 @@ class Settings(BaseSettings):
         30,
         ge=0,
         description="On SIGTERM, how long requests in flight may take to finish before they "
-        "are cancelled, in seconds.",
+        "are cancelled, in seconds; the whole shutdown ends within this + 1 s.",
     )
     rewrite_remote_host: bool = Field(
         False,

@@ -121,7 +121,6 @@ class Tracker:
         self._inflight: dict[int, RequestRecord] = {}
         self._recent: deque[RequestRecord] = deque(maxlen=history)
         self._keys = itertools.count()
-        self.cancelled_total = 0
 
     @property
     def history_size(self) -> int:
@@ -137,8 +136,6 @@ class Tracker:
         record = self._inflight.pop(key, None)
         if record is not None:
             self._recent.append(record)
-            if record.state == State.CANCELLED:
-                self.cancelled_total += 1
 
     def inflight_count(self) -> int:
         return len(self._inflight)

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import time
 
-from tests.conftest import completion
+import aiohttp
+import pytest
+
+from tests.conftest import completion, eventually, get_json, inject
 from tests.processes import sidecar_process
 
 
@@ -29,3 +34,51 @@ async def test_process_serves_and_stops_on_sigterm(http, decode) -> None:
     assert "unknown variable SIDECAR_TYPO" in log
     assert "proc-1 /v1/completions decision=local" in log
     assert "uvloop" in log
+
+
+DRAIN_S = 2.0
+
+
+@pytest.mark.timeout(60)
+async def test_shutdown_is_one_budget(http, start_engine) -> None:
+    """SIGTERM with a slow stream in flight and a prefill that will never finish: the process
+    exits within SIDECAR_DRAIN_TIMEOUT_S + 1 s, and its log counts what was cut. (aiohttp's own
+    shutdown waits the timeout twice, and the finishing prefill would get another timeout.)"""
+    decode = await start_engine(decode_s_per_token=0.2)
+    prefill = await start_engine(side_channel_port=0)
+    # The prefill answers its status line, then holds its body: cut then, it is finished in
+    # the background (the status line is in), where only the shutdown budget stops it.
+    await inject(http, prefill, kind="stall", after_chunks=1, role="prefill")
+    async with sidecar_process(
+        capture_log=True,
+        until="/ready",
+        decode_url=decode.url,
+        ready_interval_s="0.05",
+        drain_timeout_s=str(DRAIN_S),
+        prefill_timeout_s="120",
+    ) as sidecar:
+        url = sidecar.url + "/v1/completions"
+        async with http.post(url, json=completion(stream=True, max_tokens=100)) as stream:
+            assert stream.status == 200
+            await stream.content.readuntil(b"\n\n")  # about 20 s of tokens to go
+            stalled = asyncio.ensure_future(
+                http.post(
+                    url, json=completion(), headers={"x-prefiller-host-port": prefill.endpoint}
+                )
+            )
+
+            async def prefill_held() -> bool:
+                return int((await get_json(http, prefill.url + "/emulator/faults"))["held"]) == 1
+
+            await eventually(prefill_held)
+            sidecar.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            status = await asyncio.wait_for(sidecar.process.wait(), 15)
+            took = time.monotonic() - signalled
+            with contextlib.suppress(aiohttp.ClientError):
+                await (await stalled).read()
+        log = await sidecar.log()
+    assert status == 0, log
+    assert DRAIN_S - 0.1 <= took <= DRAIN_S + 1, (took, log)
+    assert "drained: 0 request(s) finished, 2 cancelled at the drain timeout" in log
+    assert "shutdown: 1 KV release(s) or finishing prefill(s) cut" in log
