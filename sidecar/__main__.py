@@ -11,7 +11,7 @@ import sys
 from pydantic import ValidationError
 
 from sidecar import __version__
-from sidecar.app import DRAIN, RunningSidecar, start_sidecar
+from sidecar.app import DRAIN, CannotListen, RunningSidecar, start_sidecar
 from sidecar.config import Settings, describe_fields, explain
 from sidecar.drain import BUDGET_SLACK_S
 
@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(_serve(settings))
+        status = asyncio.run(_serve(settings))
     else:
-        uvloop.run(_serve(settings))
+        status = uvloop.run(_serve(settings))
+    if status:
+        raise SystemExit(status)
 
 
 def _warn_unknown_variables() -> None:
@@ -78,12 +80,17 @@ def _warn_unknown_variables() -> None:
             logger.warning("ignoring unknown variable %s (see --help)", name)
 
 
-async def _serve(settings: Settings) -> None:
+async def _serve(settings: Settings) -> int:
+    """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    sidecar = await start_sidecar(settings)
+    try:
+        sidecar = await start_sidecar(settings)
+    except CannotListen as exc:
+        logger.error("%s", exc)
+        return 1
     logger.info(
         "listening on %s (event loop: %s), decode engine %s",
         sidecar.url,
@@ -94,6 +101,7 @@ async def _serve(settings: Settings) -> None:
         logger.info("admin endpoints on %s", sidecar.admin_url)
     await stop.wait()
     await _drain(sidecar, settings.drain_timeout_s)
+    return 0
 
 
 async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:

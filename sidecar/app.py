@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -244,8 +245,15 @@ class RunningSidecar:
         return cut
 
 
+class CannotListen(Exception):
+    """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
+
+
 async def start_sidecar(settings: Settings) -> RunningSidecar:
-    """Serve ``create_app(settings)`` on its port (0 = a free one) until ``close()``."""
+    """Serve ``create_app(settings)`` on its port (0 = a free one) until ``close()``.
+
+    Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
+    """
     app = create_app(settings)
     runner = web.AppRunner(
         app,
@@ -253,20 +261,35 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
         access_log=None,
         shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
     )
+    runners = [runner]
     await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port, backlog=LISTEN_BACKLOG).start()
-    host, port = runner.addresses[0][:2]
-    app[GUARD].listening(port, **await _own_identity(settings.host))
-    runners, admin_port = [runner], None
-    if ADMIN_APP in app:
-        admin_runner = web.AppRunner(
-            app[ADMIN_APP], access_log=None, shutdown_timeout=CUT_GRACE_S
-        )
-        await admin_runner.setup()
-        await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
-        admin_port = admin_runner.addresses[0][1]
-        runners.append(admin_runner)
+    try:
+        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT")
+        host, port = runner.addresses[0][:2]
+        app[GUARD].listening(port, **await _own_identity(settings.host))
+        admin_port = None
+        if ADMIN_APP in app:
+            admin_runner = web.AppRunner(
+                app[ADMIN_APP], access_log=None, shutdown_timeout=CUT_GRACE_S
+            )
+            runners.append(admin_runner)
+            await admin_runner.setup()
+            await _listen(admin_runner, settings.host, settings.admin_port, "SIDECAR_ADMIN_PORT")
+            admin_port = admin_runner.addresses[0][1]
+    except BaseException:
+        for started in reversed(runners):
+            await started.cleanup()
+        raise
     return RunningSidecar(app, runners, host, port, admin_port)
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int | None, variable: str) -> None:
+    try:
+        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        address = _url(host, port or 0).removeprefix("http://")
+        raise CannotListen(f"cannot listen on {address} ({variable}): {reason}") from exc
 
 
 async def _own_identity(listen_host: str) -> dict[str, list[str]]:

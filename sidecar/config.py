@@ -88,7 +88,9 @@ class Settings(BaseSettings):
     eject_base_s: float = Field(
         2, gt=0, description="First ejection time in seconds; doubles per failed probe."
     )
-    eject_max_s: float = Field(60, gt=0, description="Longest ejection time in seconds.")
+    eject_max_s: float = Field(
+        60, gt=0, description="Longest ejection time in seconds; at least SIDECAR_EJECT_BASE_S."
+    )
     state_backend: Literal["memory", "redis"] = Field(
         "memory",
         description="Where reservations, speed estimates and ejections live: memory (this "
@@ -226,6 +228,21 @@ class Settings(BaseSettings):
                 "finish lets a prefill stage KV that nobody then releases: it needs "
                 "SIDECAR_RELEASE_ON_DISCONNECT=true"
             )
+        return value
+
+    @field_validator("eject_max_s")
+    @classmethod
+    def _eject_max_above_base(cls, value: float, info: ValidationInfo) -> float:
+        base = info.data.get("eject_base_s")
+        if base is not None and base > value:
+            raise ValueError(f"{value:g} is below SIDECAR_EJECT_BASE_S ({base:g})")
+        return value
+
+    @field_validator("admin_port")
+    @classmethod
+    def _admin_port_apart(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and value == info.data.get("port"):
+            raise ValueError(f"{value} is SIDECAR_PORT too: leave it empty to serve both there")
         return value
 
     @field_validator("prefill_headers", mode="before")

@@ -146,6 +146,41 @@ def test_finish_without_releases_is_refused(
     assert load_settings().prefill_on_disconnect == "auto"
 
 
+CONTRADICTIONS = [
+    # (two settings that contradict each other, what the line says, a second value that agrees)
+    (
+        {"SIDECAR_EJECT_BASE_S": "120", "SIDECAR_EJECT_MAX_S": "60"},
+        "below SIDECAR_EJECT_BASE_S",
+        "120",
+    ),
+    ({"SIDECAR_PORT": "8000", "SIDECAR_ADMIN_PORT": "8000"}, "is SIDECAR_PORT too", "8001"),
+]
+
+
+@pytest.mark.parametrize(("variables", "says", "agrees"), CONTRADICTIONS, ids=["eject", "ports"])
+def test_contradictory_settings_exit_2_naming_both(
+    variables: dict[str, str],
+    says: str,
+    agrees: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in list(os.environ):
+        if name.startswith("SIDECAR_"):
+            monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        load_settings()
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert all(name in lines[0] for name in variables), lines
+    assert says in lines[0]
+    monkeypatch.setenv(list(variables)[1], agrees)
+    assert isinstance(load_settings(), Settings)
+
+
 def test_prefill_headers_parse_in_order_lowercased() -> None:
     assert Settings().prefill_headers == ("x-prefiller-host-port", "x-gateway-prefill-endpoints")
     parsed = Settings(prefill_headers="X-Prefill-Endpoint, x-prefiller-host-port")

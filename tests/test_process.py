@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import socket
+import sys
 import time
 
 import aiohttp
@@ -82,3 +85,28 @@ async def test_shutdown_is_one_budget(http, start_engine) -> None:
     assert DRAIN_S - 0.1 <= took <= DRAIN_S + 1, (took, log)
     assert "drained: 0 request(s) finished, 2 cancelled at the drain timeout" in log
     assert "shutdown: 1 KV release(s) or finishing prefill(s) cut" in log
+
+
+@pytest.mark.parametrize("variable", ["SIDECAR_PORT", "SIDECAR_ADMIN_PORT"])
+async def test_a_busy_port_is_one_line_and_exit_1(variable: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+        env.update(SIDECAR_HOST="127.0.0.1", SIDECAR_PORT="0", PYTHONDEVMODE="1")
+        env[variable] = str(port)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sidecar", env=env, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 30)
+    log = err.decode()
+    assert process.returncode == 1, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert errors == [
+        f"{errors[0][: errors[0].index(' ERROR ')]} ERROR sidecar: cannot listen on "
+        f"127.0.0.1:{port} ({variable}): address already in use"
+    ], log
+    # Nothing else: no traceback, nothing left open (dev mode warns about unclosed resources).
+    assert "Traceback" not in log
+    assert "nclosed" not in log
