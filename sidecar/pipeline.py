@@ -129,6 +129,7 @@ class Pipeline:
                 request_id=request_id,
                 idle_timeout_s=settings.stream_idle_timeout_s,
                 deadline=deadline,
+                status_sent=progress.status_sent,
             )
         finally:
             answer.upstream.close()
@@ -169,6 +170,9 @@ class _Progress:
     def first_byte(self) -> None:
         self._record.mark(Phase.FIRST_BYTE)
         self._tell(self._record.span(None, Phase.FIRST_BYTE))
+
+    def status_sent(self, status: int) -> None:
+        self._record.status = status
 
     def settle(self) -> None:
         """The exchange ended: a local prefill that produced no first byte still leaves the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
@@ -49,8 +50,12 @@ async def relay(
     request_id: str | None,
     idle_timeout_s: float | None = None,
     deadline: float | None = None,
+    status_sent: Callable[[int], None] | None = None,
 ) -> Relayed:
     """Write ``answer`` to the client; the caller closes ``answer.upstream`` whatever happens.
+
+    ``status_sent`` is told the status as soon as the status line went out, so that a relay
+    cancelled midway (the client left, the drain cut it) is still known to have sent it.
 
     A JSON body to patch is read whole first, so a failure while reading it (``SidecarError``)
     still gets a proper error status. Otherwise the status line goes out at once, and a stream the
@@ -85,6 +90,8 @@ async def relay(
     error: SidecarError | None = None
     try:
         await out.prepare(request)
+        if status_sent is not None:
+            status_sent(upstream.status)
         try:
             async with contextlib.aclosing(upstream.chunks(idle_timeout_s)) as source:
                 if rewriter is None:

@@ -70,3 +70,32 @@ async def test_client_gone_cancels_the_engine_call(
 
 async def _running_is(http: aiohttp.ClientSession, url: str, count: int) -> bool:
     return await _running(http, url) == count
+
+
+async def test_a_stream_left_midway_records_the_status_it_sent(
+    http, start_sidecar_with, decode
+) -> None:
+    """The 200 and some events went out before the client left: the record says 200, not null
+    (the status is what the client was sent, docs/observability.md)."""
+    sidecar = await start_sidecar_with()
+    await inject(http, decode, kind="stall", after_chunks=2, role="plain")
+    async with (
+        aiohttp.ClientSession() as own,
+        own.post(
+            sidecar.url + "/v1/completions",
+            json=completion(stream=True, max_tokens=8),
+            headers={"x-request-id": "left-midway"},
+        ) as response,
+    ):
+        assert response.status == 200
+        await response.content.readuntil(b"\n\n")
+    # The session closed: the client is gone while the engine holds the rest of the stream.
+
+    async def recorded() -> bool:
+        debug = await get_json(http, sidecar.url + "/debug/requests")
+        return not debug["inflight"]
+
+    await eventually(recorded)
+    entry = await get_json(http, sidecar.url + "/debug/requests/left-midway")
+    assert (entry["state"], entry["status"]) == ("cancelled", 200), entry
+    assert "first_byte" in entry["phases"], entry
