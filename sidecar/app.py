@@ -19,8 +19,8 @@ from sidecar.debug import DebugViews
 from sidecar.decode import DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
-from sidecar.errors import EngineUnreachable, NotFound, error_response
-from sidecar.headers import GatewayHeaders
+from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
+from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
 from sidecar.pipeline import Pipeline
@@ -120,6 +120,8 @@ def create_app(settings: Settings) -> web.Application:
         app.router.add_route("*", "/metrics", _admin_elsewhere)
         app.router.add_route("*", "/debug/{tail:.*}", _admin_elsewhere)
         app[ADMIN_APP] = admin
+        admin.on_response_prepare.append(_stamp_request_id)
+    app.on_response_prepare.append(_stamp_request_id)
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     admin.router.add_get("/metrics", _metrics)
@@ -174,6 +176,13 @@ async def _readiness_ctx(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer carries an ``x-request-id``: the one its handler set, else the client's,
+    else a new one (aiohttp's own 404s and 405s included)."""
+    if REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = request_id_from(request.headers)
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -8,9 +8,9 @@ from aiohttp import web
 
 from sidecar.config import Settings
 from sidecar.decode import started
-from sidecar.errors import SidecarError, error_response
+from sidecar.errors import REQUEST_ID_HEADER, SidecarError, error_response
 from sidecar.exchange import Answer
-from sidecar.headers import GatewayHeaders
+from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
 from sidecar.relay import relay
 from sidecar.upstream import Engines
@@ -28,15 +28,19 @@ class Passthrough:
         self._metrics = metrics
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        """Not tracked in /debug/requests; counted in the requests metric as route ``other``."""
+        """Not tracked in /debug/requests; counted in the requests metric as route ``other``.
+        The engine and the client see the same ``x-request-id`` (the client's, or a new one)."""
         status: int | None = None
         cancelled = False
+        request_id = request_id_from(request.headers)
+        headers = self._gateway.passthrough(request.headers)
+        headers[REQUEST_ID_HEADER] = request_id
         try:
             upstream, first = await started(
                 self._engines,
                 request.method,
                 self._decode_url + request.raw_path,
-                headers=self._gateway.passthrough(request.headers),
+                headers=headers,
                 data=request.content.iter_any() if request.body_exists else None,
                 by=asyncio.get_running_loop().time() + self._first_byte_timeout_s,
                 limit=f"{self._first_byte_timeout_s:g}s (SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S)",
@@ -45,7 +49,7 @@ class Passthrough:
                 relayed = await relay(
                     request,
                     Answer(upstream, first),
-                    request_id=None,
+                    request_id=request_id,
                     idle_timeout_s=self._idle_timeout_s,
                 )
             finally:
@@ -56,7 +60,7 @@ class Passthrough:
             return relayed.response
         except SidecarError as exc:
             status = exc.status
-            return error_response(exc, None)
+            return error_response(exc, request_id)
         except asyncio.CancelledError:
             cancelled = True
             raise

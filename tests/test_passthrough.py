@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
+import pytest
 from aiohttp import web
 
-from tests.conftest import StartSidecar
+from tests.conftest import StartSidecar, engine_requests
 
 
 async def test_models_passthrough(http, sidecar, decode) -> None:
@@ -49,7 +51,7 @@ async def test_method_path_query_headers_and_body_unchanged(
         "PUT",
         sidecar.url + "/v1/some/path?x=1&y=%20z",
         data=payload,
-        headers={"x-custom": "kept", "x-prefiller-host-port": "10.0.0.1:1"},
+        headers={"x-custom": "kept", "x-prefiller-host-port": "127.0.0.9:1"},
     ) as response:
         assert response.status == 207
         assert response.headers["x-engine"] == "yes"
@@ -95,3 +97,28 @@ async def test_passthrough_silent_engine_is_504(
         assert response.status == 504
         assert (await response.json())["error"]["type"] == "GatewayTimeoutError"
     release.set()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/chat/completions", 405),  # the engine's answer, relayed
+        ("GET", "/v1/no/such/path", 404),  # the engine's answer, relayed
+        ("GET", "/health", 200),  # the sidecar's own
+        ("DELETE", "/metrics", 405),  # aiohttp's router
+        ("GET", "/debug/nothing-here", 404),
+    ],
+)
+async def test_every_answer_carries_a_request_id(
+    http, sidecar, decode, method: str, path: str, status: int
+) -> None:
+    async with http.request(method, sidecar.url + path, headers={"x-request-id": "mine-1"}) as r:
+        assert r.status == status
+        assert r.headers.get("x-request-id") == "mine-1"
+    async with http.request(method, sidecar.url + path) as response:  # none sent: one minted
+        assert response.status == status
+        minted = response.headers.get("x-request-id", "")
+    assert re.fullmatch(r"[0-9a-f]{32}", minted), minted
+    if path.startswith("/v1/"):  # the engine saw the same id as the client
+        seen = [leg["headers"].get("x-request-id") for leg in await engine_requests(http, decode)]
+        assert seen[-2:] == ["mine-1", minted], seen

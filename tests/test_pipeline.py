@@ -147,8 +147,8 @@ async def test_same_request_id_on_both_legs_and_answer(http, sidecar, prefill, d
 async def test_prefill_headers_never_reach_engines(http, sidecar, prefill, decode) -> None:
     headers = {
         "x-prefiller-host-port": prefill.endpoint,
-        "x-gateway-prefill-endpoints": "10.0.0.1:8000",
-        "x-prefiller-url": "http://10.0.0.2:8000",
+        "x-gateway-prefill-endpoints": "127.0.0.9:1",
+        "x-prefiller-url": "http://127.0.0.9:2",
         "authorization": "Bearer secret",
     }
     status, _, _ = await _post(http, sidecar.url + "/v1/completions", completion(), headers)
@@ -173,7 +173,7 @@ async def test_local_decode_without_header_or_pool(http, sidecar, decode) -> Non
 
 
 async def test_client_kv_params_removed_on_local_decode(http, sidecar, decode) -> None:
-    body = completion(kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.9.9.9"})
+    body = completion(kv_transfer_params={"do_remote_prefill": True, "remote_host": "127.0.0.9"})
     status, _, _ = await _post(http, sidecar.url + "/v1/completions", body)
     assert status == 200
     [leg] = await engine_requests(http, decode)

@@ -63,9 +63,9 @@ async def test_body_over_limit_is_413(http, start_sidecar_with: StartSidecar, de
         {"x-prefiller-host-port": "prefill"},
         {"x-prefiller-host-port": "prefill:http"},
         {"x-prefiller-host-port": "bad host:8000"},
-        {"x-prefiller-host-port": ",10.0.0.1:8000"},
-        {"x-prefiller-host-port": "fd00::1:8000"},
-        {"x-gateway-prefill-endpoints": "10.0.0.1"},
+        {"x-prefiller-host-port": ",127.0.0.9:1"},
+        {"x-prefiller-host-port": "::1:8000"},
+        {"x-gateway-prefill-endpoints": "127.0.0.9"},
     ],
 )
 async def test_malformed_prefill_header_is_400(http, sidecar, decode, headers) -> None:
