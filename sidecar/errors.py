@@ -101,6 +101,40 @@ def error_body(status: int, type_name: str, message: str) -> bytes:
     )
 
 
+_CLIENT_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    408: "RequestTimeoutError",
+    409: "ConflictError",
+    413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+}
+"""Type names by status, as the OpenAI API (and its SDKs' exception classes) names them."""
+SHOWN_BYTES = 200
+"""How much of a foreign answer an error message quotes."""
+
+
+def is_error_body(raw: bytes) -> bool:
+    """The engine's own error shape: a JSON object whose ``error`` object holds a ``message``."""
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    error = answer.get("error") if isinstance(answer, dict) else None
+    return isinstance(error, dict) and isinstance(error.get("message"), str)
+
+
+def foreign_refusal(who: str, status: int, raw: bytes) -> bytes:
+    """An engine-shaped body for a 4xx whose own body is not one (an empty 404 from whatever
+    answered at that address, say), quoting the start of what came."""
+    shown = raw[:SHOWN_BYTES].decode("utf-8", "replace")
+    message = f"{who} answered {status}: {shown}" if shown else f"{who} answered {status}"
+    return error_body(status, _CLIENT_ERROR_TYPES.get(status, "BadRequestError"), message)
+
+
 def error_response(error: SidecarError, request_id: str | None) -> web.Response:
     """The one place an error answer is written before any byte reached the client."""
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from sidecar.aftercare import Aftercare
 from sidecar.config import Settings
 from sidecar.endpoints import Endpoint
-from sidecar.errors import EngineError, EngineTimeout, EngineUnreachable, PrefillFailed
+from sidecar.errors import (
+    EngineError,
+    EngineTimeout,
+    EngineUnreachable,
+    PrefillFailed,
+    foreign_refusal,
+    is_error_body,
+)
 from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
 from sidecar.metrics import Metrics
 from sidecar.scheduling.scheduler import Placement, Scheduler
@@ -231,8 +238,11 @@ class PrefillCall:
 
         status = upstream.status
         if 400 <= status < 500:
-            content_type = upstream.headers.get("content-type", "application/json")
-            return Refused(status, answer, content_type, f"prefill answered {status}")
+            if is_error_body(answer):  # the engine's own refusal: the client sees it as is
+                content_type = upstream.headers.get("content-type", "application/json")
+                return Refused(status, answer, content_type, f"prefill answered {status}")
+            body = foreign_refusal("prefill target", status, answer)
+            return Refused(status, body, "application/json", f"prefill target answered {status}")
         if status >= 300:
             return _Failure(
                 "prefill_error",

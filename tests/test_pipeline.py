@@ -256,6 +256,53 @@ async def test_prefill_4xx_is_returned_as_is(http, sidecar, prefill, decode) -> 
     assert (record["state"], record["status"]) == ("failed", 404)
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "type_name", "shown"),
+    [
+        (404, b"", "NotFoundError", ""),
+        (
+            404,
+            b"<html>404 page not found</html>",
+            "NotFoundError",
+            ": <html>404 page not found</html>",
+        ),
+        (401, b'{"detail": "no"}', "AuthenticationError", ': {"detail": "no"}'),
+        (400, b"x" * 300, "BadRequestError", ": " + "x" * 200),
+    ],
+    ids=["empty", "html", "other-json", "long"],
+)
+async def test_a_foreign_prefill_4xx_gets_an_engine_shaped_body(
+    http, sidecar, decode, aiohttp_server, status: int, body: bytes, type_name: str, shown: str
+) -> None:
+    """Whatever answers at the named address is not always an engine: its 4xx keeps its status
+    and reaches the client in the engine's error shape, quoting the start of what it said."""
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=status, body=body, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", refuse)
+    stranger = await aiohttp_server(app)
+    got, raw, _ = await _post(
+        http,
+        sidecar.url + "/v1/completions",
+        completion(),
+        {"x-prefiller-host-port": f"127.0.0.1:{stranger.port}"},
+    )
+    assert got == status
+    assert orjson.loads(raw) == {
+        "error": {
+            "message": f"prefill target answered {status}{shown}",
+            "type": type_name,
+            "param": None,
+            "code": status,
+        }
+    }
+    assert await engine_requests(http, decode) == []
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert (record["state"], record["status"]) == ("failed", status)
+
+
 async def test_prefill_500_falls_back_to_local(http, sidecar, prefill, decode) -> None:
     await inject(http, prefill, kind="status", status=500, role="prefill")
     code, raw, _ = await _post(
