@@ -238,6 +238,10 @@ def _describe(exc: BaseException) -> str:
     """A short reason for people, not aiohttp's wording."""
     if isinstance(exc, asyncio.TimeoutError):
         return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        # getaddrinfo's errors are not errno values: os.strerror(-2) says "unknown error -2".
+        reason = exc.os_error.strerror or str(exc.os_error)
+        return f"the name {exc.host} did not resolve ({reason})"
     if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
         return os.strerror(exc.os_error.errno).lower()  # e.g. "connection refused"
     if isinstance(exc, aiohttp.ServerDisconnectedError):

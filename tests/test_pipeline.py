@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 from typing import Any
 
 import aiohttp
@@ -350,6 +351,44 @@ async def test_prefill_unreachable_falls_back_to_local(
     record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
     assert record["fallback_reason"] == "prefill_unreachable"
     assert len(await engine_requests(http, decode)) == 1
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+async def test_a_prefill_name_that_does_not_resolve_is_named(
+    http,
+    start_sidecar_with: StartSidecar,
+    decode,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fallback: str,
+) -> None:
+    """Said so in the fallback's log line, or in the 503 when the fallback is ``fail`` (it was
+    "unknown error -2"). The resolver's NXDOMAIN is played by getaddrinfo itself: no query leaves
+    the machine."""
+    name = "no-such-prefill.invalid"
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == name:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    sidecar = await start_sidecar_with(prefill_fallback=fallback, prefill_retries=0)
+    status, raw, _ = await _post(
+        http,
+        sidecar.url + "/v1/completions",
+        completion(),
+        {"x-prefiller-host-port": f"{name}:8000"},
+    )
+    said = f"the name {name} did not resolve (Name or service not known)"
+    if fallback == "local":
+        assert status == 200
+        assert said in caplog.text
+    else:
+        assert status == 503
+        assert said in orjson.loads(raw)["error"]["message"]
+    assert "unknown error" not in caplog.text
 
 
 async def test_prefill_reset_falls_back_to_local(http, sidecar, prefill) -> None:
