@@ -232,6 +232,11 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        try:
+            raw.decode("utf-8")  # only on this error path: orjson's wording does not say where
+        except UnicodeDecodeError as bad:
+            where = f"byte {bad.start} (0x{raw[bad.start]:02x})"
+            raise BadRequest(f"request body is not valid UTF-8: {where}") from None
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")

@@ -37,6 +37,24 @@ async def test_body_not_a_json_object_is_400(http, sidecar, prefill, decode, raw
     assert await engine_requests(http, decode) == []
 
 
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b'{"prompt": "caf\xe9"}', "request body is not valid UTF-8: byte 15 (0xe9)"),
+        (b"\xff\xfe", "request body is not valid UTF-8: byte 0 (0xff)"),
+        (b'{"prompt": "\xed\xa0\x80"}', "request body is not valid UTF-8: byte 12 (0xed)"),
+    ],
+    ids=["latin-1", "bom", "surrogate"],
+)
+async def test_a_body_that_is_not_utf8_says_so_and_where(
+    http, sidecar, decode, raw: bytes, says: str
+) -> None:
+    async with http.post(sidecar.url + "/v1/completions", data=raw) as response:
+        assert response.status == 400
+        assert (await _error(response))["message"] == says
+    assert await engine_requests(http, decode) == []
+
+
 async def test_body_over_limit_is_413(http, start_sidecar_with: StartSidecar, decode) -> None:
     sidecar = await start_sidecar_with(max_body_bytes=1024)
     body = orjson.dumps(completion("x" * 2000))
