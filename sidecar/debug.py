@@ -6,11 +6,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from multidict import MultiMapping
 
 from sidecar.errors import BadRequest, NotFound, error_response
 from sidecar.tracking import State, Tracker
 
 DEFAULT_LIMIT = 100
+QUERY = ("state", "limit")
 
 
 class DebugViews:
@@ -19,8 +21,10 @@ class DebugViews:
 
     async def requests(self, request: web.Request) -> web.Response:
         """``{"inflight": [...], "recent": [...]}``, newest first; ``?state=`` and ``?limit=``
-        (1 to the history size; larger values are clamped) filter both lists."""
+        (1 to the history size; larger values are clamped) filter both lists. Any other
+        parameter, or one given twice, is a 400: a typo never silently widens the answer."""
         try:
+            _known_once(request.query)
             state = _state(request.query.get("state"))
             limit = _limit(request.query.get("limit"), self._tracker.history_size)
         except BadRequest as exc:
@@ -50,6 +54,16 @@ def _select(records: Any, state: State | None, limit: int) -> list[dict[str, Any
             if len(chosen) == limit:
                 break
     return chosen
+
+
+def _known_once(query: MultiMapping[str]) -> None:
+    seen: set[str] = set()
+    for name, _ in query.items():  # keys() would fold repeats into one
+        if name not in QUERY:
+            raise BadRequest(f"unknown query parameter {name!r}; known: {', '.join(QUERY)}")
+        if name in seen:
+            raise BadRequest(f"query parameter {name!r} given more than once")
+        seen.add(name)
 
 
 def _state(value: str | None) -> State | None:
