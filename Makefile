@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check sidecar tests bench e2e
-	$(VENV)/bin/ruff format --check sidecar tests bench e2e
+	$(VENV)/bin/ruff check sidecar tests bench e2e devkit
+	$(VENV)/bin/ruff format --check sidecar tests bench e2e devkit
 
 format: setup
-	$(VENV)/bin/ruff check --fix sidecar tests bench e2e
-	$(VENV)/bin/ruff format sidecar tests bench e2e
+	$(VENV)/bin/ruff check --fix sidecar tests bench e2e devkit
+	$(VENV)/bin/ruff format sidecar tests bench e2e devkit
 
 types: setup
 	$(VENV)/bin/mypy

@@ -4,7 +4,7 @@
     python bench/load.py --concurrency 200 --requests 600  # a quick look
 
 Starts a prefill emulator, a decode emulator (with a per-token delay, so that streams are long-lived
-and really concurrent) and a sidecar as subprocesses on free loopback ports (bench/harness.py),
+and really concurrent) and a sidecar as subprocesses on free loopback ports (bench/cluster.py),
 warms up, then ramps to ``--concurrency`` streaming requests (half completions, half chat
 completions, every one with the ``x-prefiller-host-port`` header, so each is a full prefill +
 KV transfer + decode) and keeps that many open until ``--requests`` were sent. Every answer must
@@ -31,30 +31,36 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import aiohttp
 
-from bench.harness import (
+from bench.client import (
+    ClientStats,
+    RequestSpec,
+    client_session,
+    run_workers,
+    stream_one,
+    wait_until,
+)
+from bench.cluster import (
     FD_SLACK,
     TASK_SLACK,
-    ClientStats,
     Cluster,
     ClusterConfig,
+    add_cluster_arguments,
+    raise_open_files_limit,
+    run,
+)
+from bench.readings import (
     Contention,
     Metrics,
     ProcReading,
-    RequestSpec,
     SidecarReading,
-    add_cluster_arguments,
-    client_session,
     load_average,
     mib,
     ms,
     own_cpu_s,
-    percentile,
-    raise_open_files_limit,
     read_proc,
-    run,
-    run_workers,
-    stream_one,
-    wait_until,
+)
+from devkit.stats import (
+    percentile,
 )
 
 

@@ -39,27 +39,33 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import (
-    FD_SLACK,
-    TASK_SLACK,
+from bench.client import (
     ClientStats,
-    Cluster,
-    ClusterConfig,
-    Contention,
     RequestSpec,
-    SidecarReading,
-    add_cluster_arguments,
     client_session,
-    load_average,
-    mib,
-    ms,
-    percentile,
-    raise_open_files_limit,
-    read_proc,
-    run,
     run_workers,
     stream_one,
     wait_until,
+)
+from bench.cluster import (
+    FD_SLACK,
+    TASK_SLACK,
+    Cluster,
+    ClusterConfig,
+    add_cluster_arguments,
+    raise_open_files_limit,
+    run,
+)
+from bench.readings import (
+    Contention,
+    SidecarReading,
+    load_average,
+    mib,
+    ms,
+    read_proc,
+)
+from devkit.stats import (
+    percentile,
 )
 
 

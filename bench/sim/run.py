@@ -12,6 +12,7 @@ from bench.sim.engines import DecodeEngine, Job, Loop, PrefillEngine, Request
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.sidecars import Reservations, Sidecar
 from bench.sim.workload import Shape, shapes
+from devkit.stats import percentile
 from sidecar.scheduling.model import Candidate, LocalView
 
 SAMPLE_S = 0.05
@@ -260,10 +261,10 @@ class Simulation:
             attainment=met / n,
             ttft_attainment=met_ttft / n,
             tpot_attainment=met_tpot / n,
-            ttft_p50=percentile(ttfts, 0.50),
-            ttft_p99=percentile(ttfts, 0.99),
-            tpot_p50=percentile(tpots, 0.50),
-            tpot_p99=percentile(tpots, 0.99),
+            ttft_p50=percentile(ttfts, 50),
+            ttft_p99=percentile(ttfts, 99),
+            tpot_p50=percentile(tpots, 50),
+            tpot_p99=percentile(tpots, 99),
             remote_share=sum(r.endpoint is not None for r in self.requests) / n,
             reasons=dict(Counter(r.reason for r in self.requests)),
             queue_mean=self._sum_mean / samples,
@@ -277,11 +278,6 @@ class Simulation:
             sim_s=self.loop.now,
             by_kind={kind: kinds_met[kind] / count for kind, count in kinds.items()},
         )
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def simulate(

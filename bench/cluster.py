@@ -1,0 +1,287 @@
+"""The benchmark's processes: one prefill emulator, one decode emulator and one sidecar.
+
+:class:`Cluster` starts them on the shared launcher (devkit/processes.py) as subprocesses of
+``sys.executable`` on free loopback ports, each in its own process group with its output in a
+log file, and waits until each one answers (``/health`` for the emulators, ``/ready`` for the
+sidecar, which waits for its decode engine). Leaving the ``async with`` block, by any route (an
+error, Ctrl-C, a SIGTERM turned into a cancellation by :func:`run`), sends SIGTERM to every
+process group, then SIGKILL to whatever is left after a grace period. An ``atexit`` hook and
+``PR_SET_PDEATHSIG`` are the last resorts: no emulator survives the benchmark that started it.
+
+It also holds what the benchmarks judge the idle sidecar by: its sockets, its logs, the slack
+allowed above the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import resource
+import signal
+import sys
+from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+import orjson
+
+from bench.readings import Metrics, SidecarReading, read_proc, tcp_sockets
+from devkit.processes import Child, Launcher, environment, free_port
+
+STOP_GRACE_S = 5.0
+SIDECAR_KEEPALIVE_S = 30.0
+"""Keep-alive of the sidecar's idle engine connections (sidecar/upstream.py)."""
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to the hard limit (children inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The three processes of a benchmark. Emulator delays are in seconds (see emulator.md)."""
+
+    prefill_s_per_token: float = 0.0002
+    decode_s_per_token: float = 0.2
+    emulator_args: tuple[str, ...] = ()
+    """Extra flags for both emulators, e.g. ``("--jitter", "0.1")``."""
+    sidecar_env: Mapping[str, str] = field(default_factory=dict)
+    """Extra ``SIDECAR_*`` variables, on top of host, port and decode URL."""
+    log_dir: Path | None = None
+    """Where the children's logs go; None: a new directory under the system temp dir."""
+
+
+class Cluster:
+    """Prefill emulator, decode emulator and sidecar, started and stopped together."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self._launcher = Launcher(
+            config.log_dir, prefix="pd-sidecar-bench-", keep_logs=True, grace_s=STOP_GRACE_S
+        )
+        self.log_dir = self._launcher.log_dir
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def children(self) -> list[Child]:
+        """Prefill, decode, sidecar: in that order, as far as they were started."""
+        return self._launcher.children
+
+    @property
+    def prefill(self) -> Child:
+        return self.children[0]
+
+    @property
+    def decode(self) -> Child:
+        return self.children[1]
+
+    @property
+    def sidecar(self) -> Child:
+        return self.children[2]
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """A small session for control traffic (health, metrics, KV state)."""
+        assert self._session is not None
+        return self._session
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _start(self) -> None:
+        config = self.config
+        python = sys.executable
+        for name, delays in (
+            ("prefill", ("--prefill-s-per-token", str(config.prefill_s_per_token))),
+            ("decode", ("--decode-s-per-token", str(config.decode_s_per_token))),
+        ):
+            port = free_port()
+            argv = [
+                python, "-m", "sidecar.emulator", "--port", str(port),
+                "--side-channel-port", str(free_port()), *delays, *config.emulator_args,
+            ]  # fmt: skip
+            self._launcher.spawn(name, argv, url=f"http://127.0.0.1:{port}")
+        for child in self.children:
+            await child.wait_ready("/health")
+        port = free_port()
+        env = {
+            "SIDECAR_HOST": "127.0.0.1",
+            "SIDECAR_PORT": str(port),
+            "SIDECAR_DECODE_URL": self.decode.url,
+            "SIDECAR_LOG_LEVEL": "WARNING",
+            **config.sidecar_env,
+        }
+        await self._launcher.start(
+            "sidecar",
+            [python, "-m", "sidecar"],
+            env=environment(env, drop=["SIDECAR_"]),
+            url=f"http://127.0.0.1:{port}",
+            ready="/ready",
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self._launcher.close()
+
+    async def get_json(self, url: str) -> Any:
+        async with self.session.get(url) as response:
+            response.raise_for_status()
+            return orjson.loads(await response.read())
+
+    async def sidecar_metrics(self) -> Metrics:
+        async with self.session.get(self.sidecar.url + "/metrics") as response:
+            response.raise_for_status()
+            return Metrics.parse(await response.text())
+
+    async def read_sidecar(self) -> SidecarReading:
+        """The sidecar's process readings plus its own task and in-flight gauges."""
+        metrics = await self.sidecar_metrics()
+        return SidecarReading(
+            read_proc(self.sidecar.pid),
+            metrics.value("pd_sidecar_asyncio_tasks"),
+            metrics.value("pd_sidecar_inflight_requests"),
+        )
+
+    async def prefix_index_blocks(self) -> int:
+        """Blocks in the scheduler's local prefix-cache estimate (an LRU bounded by
+        ``SIDECAR_PREFIX_CACHE_BLOCKS``): the sidecar's largest structure that grows with
+        distinct prompts until it is full."""
+        view = await self.get_json(self.sidecar.url + "/debug/scheduler")
+        return int(view["local"]["prefix_index_blocks"])
+
+    def prefix_index_capacity(self) -> int:
+        return int(self.config.sidecar_env.get("SIDECAR_PREFIX_CACHE_BLOCKS", 65536))
+
+    async def kv_state(self) -> dict[str, Any]:
+        """The prefill emulator's ``/emulator/kv`` (staged blocks, pulls, expiries)."""
+        state: dict[str, Any] = await self.get_json(self.prefill.url + "/emulator/kv")
+        return state
+
+    async def debug_inflight(self) -> list[Any]:
+        records: dict[str, Any] = await self.get_json(self.sidecar.url + "/debug/requests")
+        inflight: list[Any] = records["inflight"]
+        return inflight
+
+    def sidecar_sockets(self) -> Counter[str]:
+        """The sidecar's TCP sockets by peer (prefill, decode, sidecar clients) and state."""
+        names = {}
+        for child in self.children:
+            names[int(child.url.rsplit(":", 1)[1])] = child.name
+        return tcp_sockets(self.sidecar.pid, names)
+
+    def decode_pool_bound(self) -> int:
+        """How many idle connections to the decode engine the sidecar may keep for good.
+
+        aiohttp's pool hands out the least recently used idle connection (FIFO), and the
+        sidecar's periodic calls to the decode engine (readiness ``/health`` every
+        ``SIDECAR_READY_INTERVAL_S``, scheduler scrape of ``/metrics`` every
+        ``SIDECAR_SCRAPE_INTERVAL_S``) share the pool with requests: each poll takes the oldest
+        idle connection and makes it new again, so about polls-per-second x keep-alive (30 s)
+        idle connections are refreshed before they expire, indefinitely (docs/benchmarks.md).
+        """
+        env = self.config.sidecar_env
+        ready_s = float(env.get("SIDECAR_READY_INTERVAL_S", 2))
+        scrape_s = float(env.get("SIDECAR_SCRAPE_INTERVAL_S", 1))
+        return math.ceil(SIDECAR_KEEPALIVE_S * (1 / ready_s + 1 / scrape_s)) + 1
+
+    def idle_socket_problems(self, sockets: Counter[str]) -> list[str]:
+        """What is wrong with the idle sidecar's sockets (after more than 2 x keep-alive)."""
+        problems = []
+        bound = self.decode_pool_bound()
+        for key, count in sorted(sockets.items()):
+            peer, _, state = key.rpartition(" ")
+            if peer == "decode" and state == "ESTABLISHED":
+                if count > bound:
+                    problems.append(f"{count} idle decode connections (at most {bound} expected)")
+            elif peer == "sidecar clients" and state in ("LISTEN", "ESTABLISHED"):
+                if state == "ESTABLISHED" and count > 1:  # 1: the benchmark's control session
+                    problems.append(f"{count} client connections open")
+            else:
+                problems.append(f"{count} sockets {key}")
+        return problems
+
+    def log_problems(self) -> dict[str, int]:
+        """Per child, how many log lines are warnings, errors or tracebacks."""
+        problems = {}
+        for child in self.children:
+            text = child.log()
+            count = sum(
+                1
+                for line in text.splitlines()
+                if " WARNING " in line or " ERROR " in line or line.startswith("Traceback")
+            )
+            problems[child.name] = count
+        return problems
+
+
+def run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """``asyncio.run(main())`` on uvloop when available; SIGTERM cancels like Ctrl-C does."""
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await main()
+
+    try:
+        import uvloop
+
+        return uvloop.run(guarded())
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(guarded())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\ninterrupted; child processes stopped", file=sys.stderr)
+        return 130
+
+
+TASK_SLACK = 3
+"""Asyncio tasks the idle sidecar may have above its baseline (periodic pollers come and go)."""
+FD_SLACK = 5
+"""Open fds the idle sidecar may have above its baseline, besides idle decode connections."""
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every benchmark shares: the emulated cluster and where its logs go."""
+    parser.add_argument(
+        "--prefill-s-per-token", type=float, default=0.0002, help="prefill emulator delay"
+    )
+    parser.add_argument(
+        "--sidecar-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra sidecar variable (repeatable)",
+    )
+    parser.add_argument(
+        "--emulator-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra flag for both emulators (repeatable; e.g. --emulator-arg=--jitter=0.1)",
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")
