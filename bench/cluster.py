@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import resource
 import signal
 import sys
@@ -34,8 +33,10 @@ from bench.readings import Metrics, SidecarReading, read_proc, tcp_sockets
 from devkit.processes import Child, Launcher, environment, free_port
 
 STOP_GRACE_S = 5.0
-SIDECAR_KEEPALIVE_S = 30.0
-"""Keep-alive of the sidecar's idle engine connections (sidecar/upstream.py)."""
+POLL_CONNECTIONS = 2
+"""Connections the sidecar may hold to its decode engine for its health and metrics polls, the
+only traffic of an idle sidecar: sidecar/upstream.py gives polls a pool of their own,
+``TCPConnector(limit_per_host=2)``, apart from the request pool."""
 
 
 def raise_open_files_limit() -> int:
@@ -195,19 +196,17 @@ class Cluster:
         return tcp_sockets(self.sidecar.pid, names)
 
     def decode_pool_bound(self) -> int:
-        """How many idle connections to the decode engine the sidecar may keep for good.
+        """How many idle connections to the decode engine the sidecar may keep for good: the
+        poll pool's cap, :data:`POLL_CONNECTIONS` (2).
 
-        aiohttp's pool hands out the least recently used idle connection (FIFO), and the
-        sidecar's periodic calls to the decode engine (readiness ``/health`` every
-        ``SIDECAR_READY_INTERVAL_S``, scheduler scrape of ``/metrics`` every
-        ``SIDECAR_SCRAPE_INTERVAL_S``) share the pool with requests: each poll takes the oldest
-        idle connection and makes it new again, so about polls-per-second x keep-alive (30 s)
-        idle connections are refreshed before they expire, indefinitely (docs/benchmarks.md).
+        Its readiness ``/health`` (every ``SIDECAR_READY_INTERVAL_S``) and its scheduler's
+        ``/metrics`` scrape (every ``SIDECAR_SCRAPE_INTERVAL_S``) go through that pool and keep
+        its connections alive; request traffic has a pool of its own, whose idle connections
+        close 30-60 s after their last use (keep-alive 30 s, swept every 30 s), whatever the
+        poll rate. Before the pools were split, the polls kept ~45 of those alive for good
+        (docs/benchmarks.md): the check exists to catch that again.
         """
-        env = self.config.sidecar_env
-        ready_s = float(env.get("SIDECAR_READY_INTERVAL_S", 2))
-        scrape_s = float(env.get("SIDECAR_SCRAPE_INTERVAL_S", 1))
-        return math.ceil(SIDECAR_KEEPALIVE_S * (1 / ready_s + 1 / scrape_s)) + 1
+        return POLL_CONNECTIONS
 
     def idle_socket_problems(self, sockets: Counter[str]) -> list[str]:
         """What is wrong with the idle sidecar's sockets (after more than 2 x keep-alive)."""
