@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from devkit.processes import free_port
 from sidecar.emulator import RunningEmulator
 
 from .conftest import MakeEmulator
@@ -56,13 +57,6 @@ async def decode(
 
 async def kv_state(session: aiohttp.ClientSession, emu: RunningEmulator) -> Any:
     return await get_json(session, f"{emu.url}/emulator/kv")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @pytest.fixture
