@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sidecar import tracking
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
@@ -121,7 +122,13 @@ def sse_events(raw: bytes) -> list[bytes]:
     ]
 
 
-_REQUEST_CODE = (
+REQUEST_TASK_PREFIX: str = getattr(tracking, "REQUEST_TASK_PREFIX", "pd-sidecar:request:")
+"""Every task the sidecar runs for one request is named ``<prefix><request id>:<part>`` (the
+handler, a prefill call, a KV release). Until sidecar/tracking.py defines the prefix and the
+sidecar names its tasks, :func:`tasks_in_request_code` also recognises them by the files their
+coroutines run in (the fallback below)."""
+
+_REQUEST_CODE = (  # the fallback: files of the request path
     "pipeline.py",
     "prefill.py",
     "decode.py",
@@ -145,19 +152,27 @@ def awaiting(task: asyncio.Task[Any]) -> list[str]:
     return chain
 
 
+def _in_request_code(task: asyncio.Task[Any]) -> str | None:
+    """Where ``task`` runs the sidecar's request path (``file:function``), or None."""
+    for where in awaiting(task):
+        path, name = where.rsplit(":", 1)
+        if "/sidecar/" in path and "/emulator/" not in path and path.endswith(_REQUEST_CODE):
+            return f"{path.rsplit('/', 1)[1]}:{name}"
+    return None
+
+
 def tasks_in_request_code() -> list[str]:
-    """Tasks (of this process: sidecar and emulators alike) still inside the sidecar's request
-    path: a request the sidecar forgot to finish, a prefill call left running, or a KV release
-    that never ends."""
+    """Tasks (of this process: sidecar and emulators alike) still doing a request's work: a
+    request the sidecar forgot to finish, a prefill call left running, or a KV release that
+    never ends. Found by their names; also, until the sidecar names them, by their code."""
     stuck = []
     for task in asyncio.all_tasks():
         if task is asyncio.current_task():
             continue
-        for where in awaiting(task):
-            path, name = where.rsplit(":", 1)
-            if "/sidecar/" in path and "/emulator/" not in path and path.endswith(_REQUEST_CODE):
-                stuck.append(f"{path.rsplit('/', 1)[1]}:{name}")
-                break
+        if task.get_name().startswith(REQUEST_TASK_PREFIX):
+            stuck.append(task.get_name())
+        elif (where := _in_request_code(task)) is not None:  # the fallback
+            stuck.append(where)
     return stuck
 
 

@@ -84,7 +84,6 @@ class RedisServer:
         argv = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no",
-            "--enable-debug-command", "local",  # DEBUG SLEEP plays a slow Redis
         ]  # fmt: skip
         self.process = await self._launcher.start(
             "redis", argv, ready=lambda: tcp_open("127.0.0.1", self.port), timeout_s=10

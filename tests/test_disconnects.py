@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import (
+    REQUEST_TASK_PREFIX,
     StartEmulator,
     StartSidecar,
     completion,
@@ -88,3 +89,15 @@ async def test_random_disconnects_leak_nothing(
         assert await metric(http, sidecar.url, f'{disconnects}{{action="{action}"}}') > 0, action
     cancelled = await get_json(http, sidecar.url + "/debug/requests?state=cancelled&limit=1000")
     assert len(cancelled["recent"]) > 50
+
+
+async def test_a_task_named_for_a_request_counts_as_left_running() -> None:
+    """The naming contract with the sidecar: a task named for a request is that request's
+    work, wherever its code lives."""
+    gate = asyncio.Event()
+    name = f"{REQUEST_TASK_PREFIX}req-1:prefill"
+    task = asyncio.create_task(gate.wait(), name=name)
+    assert name in tasks_in_request_code()
+    gate.set()
+    await task
+    assert name not in tasks_in_request_code()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -14,6 +14,8 @@ from tests.conftest import StartEmulator, completion, eventually, get_json, inje
 from tests.processes import RedisServer, free_port, sidecar_process
 
 LONG_PROMPT = "Retrieved passage about KV caches and their transfer. " * 45  # ~600 tokens
+PAUSE_MS = 3000
+"""How long Redis plays dead in the slow-Redis test: far longer than one request takes."""
 
 
 @pytest.fixture
@@ -58,6 +60,10 @@ async def test_slow_endpoint_receives_fewer_prefills(
         sidecar_process(settings, scheduler_seed="1") as one,
         sidecar_process(settings, scheduler_seed="2") as two,
     ):
+        # Both synced with Redis and scraped every endpoint: every request is scheduled, none
+        # decided on a partial view of a sidecar that is still starting.
+        for sidecar in (one, two):
+            await eventually(functools.partial(_scheduling, http, sidecar.url, 3), within=15)
 
         async def client(sidecar_url: str, index: int) -> int:
             async with http.post(
@@ -111,8 +117,10 @@ async def test_dead_sidecar_stops_counting_within_the_lease(
         for task in pending:  # the victim's clients lose their connection
             with pytest.raises(aiohttp.ClientError):
                 await task
-        # Lease 1 s; the watcher's heartbeat comes every third of it.
-        await eventually(lambda: reserved(0), within=3)
+        # Lease 1 s; the watcher's heartbeat comes every third of it: 1.33 s at most on an idle
+        # machine. Without the lease the count would stay at 2 for good; 10 s leaves a loaded
+        # CI room to schedule three processes.
+        await eventually(lambda: reserved(0), within=10)
         async with http.post(decode.url + "/emulator/release") as response:
             assert response.status in (200, 204)
 
@@ -190,50 +198,47 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
 
 @pytest.mark.timeout(30)
 async def test_slow_redis_does_not_hold_requests(http, redis_server, prefill, decode) -> None:
+    # A long lease: no heartbeat sync falls into the pause (a request arriving during a sync
+    # decides on the local view without waiting, and counts no timeout).
     settings = _shared(
-        redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_timeout_ms="20"
+        redis_server,
+        decode.url,
+        prefill_endpoints=prefill.endpoint,
+        state_timeout_ms="20",
+        state_lease_s="600",
     )
     client = aioredis.Redis.from_url(redis_server.url)
+    probe = aioredis.Redis.from_url(redis_server.url)
     try:
         async with sidecar_process(settings) as sidecar:
             await eventually(lambda: _connected(http, sidecar.url))
-            # Redis stops answering anyone for 2 s; the request must not wait for it.
-            stall = asyncio.create_task(client.execute_command("DEBUG", "SLEEP", "2"))
-            await eventually(lambda: _stalled(redis_server.port))
-            loop = asyncio.get_running_loop()
-            started = loop.time()
+            await probe.ping()  # connected before the pause
+            # Redis answers no client for PAUSE_MS from the moment it says OK.
+            assert await client.execute_command("CLIENT", "PAUSE", str(PAUSE_MS), "ALL")
+            paused = asyncio.ensure_future(probe.ping())  # answered when the pause ends
             async with http.post(
                 sidecar.url + "/v1/completions", json=completion("slow " + LONG_PROMPT)
             ) as response:
                 assert response.status == 200
                 await response.read()
-            assert loop.time() - started < 1.0
-            assert not stall.done()
+            # The request did not wait for Redis: it was answered within the pause.
+            assert not paused.done()
             records = (await get_json(http, sidecar.url + "/debug/requests"))["recent"]
             assert records[0]["decision"] == "remote"
             async with http.get(sidecar.url + "/metrics") as response:
                 text = await response.text()
             assert 'pd_sidecar_state_backend_errors_total{kind="timeout"} 1.0' in text
-            await stall
+            await paused
     finally:
         await client.aclose()
+        await probe.aclose()
 
 
-async def _stalled(port: int) -> bool:
-    """True once Redis leaves a PING unanswered for 50 ms."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(b"PING\r\n")
-        await writer.drain()
-        async with asyncio.timeout(0.05):
-            await reader.readline()
-        return False
-    except TimeoutError:
-        return True
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+async def _scheduling(http: aiohttp.ClientSession, url: str, endpoints: int) -> bool:
+    """The sidecar has synced with Redis and scraped each of its ``endpoints`` at least once."""
+    snapshot = await get_json(http, url + "/debug/scheduler")
+    scraped = [e for e in snapshot["endpoints"] if e["scraped"] is not None]
+    return bool(snapshot["state_backend"]["connected"]) and len(scraped) == endpoints
 
 
 async def _connected(http: aiohttp.ClientSession, url: str) -> bool:
