@@ -15,6 +15,7 @@ from typing import Any
 
 from sidecar.errors import SidecarError
 from sidecar.metrics import Metrics
+from sidecar.tracking import task_name
 from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.aftercare")
@@ -51,8 +52,9 @@ class Aftercare:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def release(self, url: str, headers: Mapping[str, str], data: bytes) -> None:
-        """Send ``data`` to ``url`` in the background to free staged KV; its answer is dropped.
+    def release(self, request_id: str, url: str, headers: Mapping[str, str], data: bytes) -> None:
+        """Send ``data`` to ``url`` in the background to free request ``request_id``'s staged KV;
+        its answer is dropped.
 
         Does nothing when releases are off (``SIDECAR_RELEASE_ON_DISCONNECT=false``).
         """
@@ -61,7 +63,8 @@ class Aftercare:
         if len(self._tasks) >= MAX_PENDING:
             self._metrics.kv_releases.labels("skipped").inc()
             return
-        self.watch(asyncio.ensure_future(self._send(url, headers, data)))
+        name = task_name(request_id, "release")
+        self.watch(asyncio.create_task(self._send(url, headers, data), name=name))
 
     async def _send(self, url: str, headers: Mapping[str, str], data: bytes) -> None:
         try:

@@ -13,6 +13,7 @@ from sidecar.exchange import Answer
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
 from sidecar.relay import relay
+from sidecar.tracking import name_this_task
 from sidecar.upstream import Engines
 
 
@@ -33,6 +34,7 @@ class Passthrough:
         status: int | None = None
         cancelled = False
         request_id = request_id_from(request.headers)
+        name_this_task(request_id, "passthrough")
         headers = self._gateway.passthrough(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
         try:

@@ -31,7 +31,7 @@ from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
 from sidecar.scheduling.scheduler import Placement, Scheduler
-from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker
+from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker, name_this_task
 from sidecar.trust import PrefillGuard
 
 logger = logging.getLogger("sidecar.pipeline")
@@ -59,6 +59,7 @@ class Pipeline:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers)
+        name_this_task(request_id, "handler")
         key, record = self._tracker.start(request_id, request.path)
         self._metrics.inflight.inc()
         try:

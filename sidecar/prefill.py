@@ -41,6 +41,7 @@ from sidecar.errors import (
 from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
 from sidecar.metrics import Metrics
 from sidecar.scheduling.scheduler import Placement, Scheduler
+from sidecar.tracking import task_name
 from sidecar.upstream import Engines, parse_json
 
 logger = logging.getLogger("sidecar.prefill")
@@ -138,7 +139,10 @@ class PrefillCall:
         assert placement.endpoint is not None
         started = asyncio.get_running_loop().time()
         answering = asyncio.Event()
-        call = asyncio.ensure_future(self._call(ex, data, placement.endpoint, accept, answering))
+        call = asyncio.create_task(
+            self._call(ex, data, placement.endpoint, accept, answering),
+            name=task_name(ex.request_id, "prefill"),
+        )
         call.add_done_callback(functools.partial(self._ended, placement, started))
         try:
             return await asyncio.shield(call)

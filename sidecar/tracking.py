@@ -7,6 +7,7 @@ a wall-clock step cannot make a phase negative.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections import deque
@@ -26,6 +27,22 @@ class State(StrEnum):
 
 
 FINAL_STATES = frozenset({State.COMPLETED, State.FAILED, State.CANCELLED})
+
+REQUEST_TASK_PREFIX = "pd-sidecar:request:"
+"""Every task doing one request's work is named ``<prefix><request id>:<part>`` (``task_name``):
+its handler, its prefill call, its KV release. A task left behind is found by its name (tests,
+debuggers, ``asyncio.all_tasks()``)."""
+
+
+def task_name(request_id: str, part: str) -> str:
+    return f"{REQUEST_TASK_PREFIX}{request_id}:{part}"
+
+
+def name_this_task(request_id: str, part: str) -> None:
+    """Name the running task (a handler aiohttp started) after the request it serves."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.set_name(task_name(request_id, part))
 
 
 class Decision(StrEnum):

@@ -8,6 +8,7 @@ import contextlib
 import aiohttp
 import pytest
 
+from sidecar.tracking import task_name
 from tests.conftest import completion, eventually, get_json, inject
 
 
@@ -50,6 +51,10 @@ async def test_client_gone_cancels_the_engine_call(
 
     await eventually(in_phase)
     await eventually(lambda: _running_is(http, engine.url, 1))
+    # The request's tasks carry its id (REQUEST_TASK_PREFIX): a task left behind is found by it.
+    names = {task.get_name() for task in asyncio.all_tasks()}
+    parts = {"handler", "prefill"} if phase == "prefilling" else {"handler"}
+    assert {task_name("leaver", part) for part in parts} <= names, names
     client.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await client

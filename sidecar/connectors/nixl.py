@@ -113,7 +113,9 @@ class NixlConnector:
         headers = ex.headers.copy()
         # Its own id: the decode leg it stands in for may still be known to the engine.
         headers[REQUEST_ID_HEADER] = f"{ex.request_id}{RELEASE_ID_SUFFIX}"
-        self._parts.aftercare.release(self._parts.decode.url + ex.path, headers, data)
+        self._parts.aftercare.release(
+            ex.request_id, self._parts.decode.url + ex.path, headers, data
+        )
 
     # --- the wire ------------------------------------------------------------------------
 
