@@ -9,10 +9,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar import tracking
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
+from sidecar.tracking import REQUEST_TASK_PREFIX
 
 StartSidecar = Callable[..., Awaitable[RunningSidecar]]
 StartEmulator = Callable[..., Awaitable[RunningEmulator]]
@@ -122,23 +122,6 @@ def sse_events(raw: bytes) -> list[bytes]:
     ]
 
 
-REQUEST_TASK_PREFIX: str = getattr(tracking, "REQUEST_TASK_PREFIX", "pd-sidecar:request:")
-"""Every task the sidecar runs for one request is named ``<prefix><request id>:<part>`` (the
-handler, a prefill call, a KV release). Until sidecar/tracking.py defines the prefix and the
-sidecar names its tasks, :func:`tasks_in_request_code` also recognises them by the files their
-coroutines run in (the fallback below)."""
-
-_REQUEST_CODE = (  # the fallback: files of the request path
-    "pipeline.py",
-    "prefill.py",
-    "decode.py",
-    "aftercare.py",
-    "relay.py",
-    "passthrough.py",
-    "nixl.py",
-)
-
-
 def awaiting(task: asyncio.Task[Any]) -> list[str]:
     """``file:function`` of every coroutine along ``task``'s await chain, outermost first
     (``Task.get_stack`` shows only the outermost frame of a suspended task)."""
@@ -152,28 +135,17 @@ def awaiting(task: asyncio.Task[Any]) -> list[str]:
     return chain
 
 
-def _in_request_code(task: asyncio.Task[Any]) -> str | None:
-    """Where ``task`` runs the sidecar's request path (``file:function``), or None."""
-    for where in awaiting(task):
-        path, name = where.rsplit(":", 1)
-        if "/sidecar/" in path and "/emulator/" not in path and path.endswith(_REQUEST_CODE):
-            return f"{path.rsplit('/', 1)[1]}:{name}"
-    return None
-
-
 def tasks_in_request_code() -> list[str]:
-    """Tasks (of this process: sidecar and emulators alike) still doing a request's work: a
-    request the sidecar forgot to finish, a prefill call left running, or a KV release that
-    never ends. Found by their names; also, until the sidecar names them, by their code."""
-    stuck = []
-    for task in asyncio.all_tasks():
-        if task is asyncio.current_task():
-            continue
-        if task.get_name().startswith(REQUEST_TASK_PREFIX):
-            stuck.append(task.get_name())
-        elif (where := _in_request_code(task)) is not None:  # the fallback
-            stuck.append(where)
-    return stuck
+    """Tasks of this process still doing a sidecar request's work: a request the sidecar forgot
+    to finish, a prefill call left running, or a KV release that never ends. The sidecar names
+    every such task ``<REQUEST_TASK_PREFIX><request id>:<part>`` where it creates it (or, for
+    the handler aiohttp started, where the request enters); the emulators' tasks have other
+    names."""
+    return [
+        task.get_name()
+        for task in asyncio.all_tasks()
+        if task is not asyncio.current_task() and task.get_name().startswith(REQUEST_TASK_PREFIX)
+    ]
 
 
 async def metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:

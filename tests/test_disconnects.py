@@ -8,8 +8,8 @@ import random
 import aiohttp
 import pytest
 
+from sidecar.tracking import REQUEST_TASK_PREFIX
 from tests.conftest import (
-    REQUEST_TASK_PREFIX,
     StartEmulator,
     StartSidecar,
     completion,
