@@ -54,8 +54,8 @@ async def demo(log_dir: Path) -> None:
         started = time.monotonic()
         for process in (prefill, decode, sidecar):
             process.start()
-        for process in (prefill, decode, sidecar):
-            await asyncio.to_thread(process.wait_ready)
+        for process in (prefill, decode, sidecar):  # started together, they get ready together
+            await process.wait_ready()
         say(f"ready in {time.monotonic() - started:.0f} s\n")
         for engine in (prefill, decode):
             say(f"{engine.role} engine".ljust(16) + f"{engine.url}   (NIXL side channel ", end="")
@@ -65,7 +65,7 @@ async def demo(log_dir: Path) -> None:
             await _show(http, prefill, decode, sidecar)
     finally:
         for process in (sidecar, decode, prefill):
-            process.stop()
+            await process.stop()
 
 
 async def _show(

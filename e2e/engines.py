@@ -1,11 +1,13 @@
 """Real vLLM engines (and the sidecar) as local processes, for the end-to-end suite and the demo.
 
-Standard library only: this module runs under the sidecar's interpreter and starts the engines
-with the interpreter of the separate vLLM environment that ``e2e/setup_vllm.sh`` builds. Facts
-behind every flag and variable: ../shared/reference/real-vllm-on-cpu.md and docs/e2e.md.
+This module runs under the sidecar's interpreter and starts the engines with the interpreter of
+the separate vLLM environment that ``e2e/setup_vllm.sh`` builds. Facts behind every flag and
+variable: ../shared/reference/real-vllm-on-cpu.md and docs/e2e.md.
 
-Every process starts in a session of its own, so that ``stop()`` can signal the whole group (a
-vLLM server forks an engine-core and a worker process) and nothing outlives a failed test.
+Every process runs on the shared launcher (devkit/processes.py): in a session of its own, so
+that ``stop()`` signals the whole group (a vLLM server forks an engine-core and a worker
+process), killed with the interpreter that started it, its output in a log file. Start them
+from the event loop's thread: a child dies with the thread that started it.
 """
 
 from __future__ import annotations
@@ -14,17 +16,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from devkit.processes import Child, LaunchError, environment, free_port
 
 SERVED_MODEL = "tiny-llama"
 MAX_MODEL_LEN = 4096
@@ -50,8 +47,11 @@ _NIXL_ENV = {
 }
 
 
-class EngineError(RuntimeError):
-    """An engine (or the sidecar) did not start, or died; the message ends with its log's tail."""
+EngineError = LaunchError
+"""An engine (or the sidecar) did not start, or died; the message ends with its log's tail."""
+
+STOP_GRACE_S = 20.0
+"""A vLLM server's shutdown (engine core, worker, NIXL agent) before SIGKILL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,90 +83,6 @@ class VllmHome:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-@dataclass(slots=True, eq=False)
-class Process:
-    """A child process in its own session, logging to a file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log_path: Path
-    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the process group, SIGKILL after ``grace_s``; idempotent."""
-        if self.popen is None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.popen.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # The leader exited; its children (engine core, worker) may still be going down.
-            if not _group_alive(self.popen.pid):
-                break
-        if self.popen.poll() is None:
-            self.popen.wait()
-
-    def wait_until(self, check: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive:
-                raise EngineError(
-                    f"{self.name} exited ({self.popen.returncode if self.popen else '?'}) "
-                    f"before {what}; log {self.log_path}:\n{log_tail(self.log_path)}"
-                )
-            if check():
-                return
-            time.sleep(0.25)
-        raise EngineError(
-            f"{self.name}: no {what} within {timeout_s:.0f} s; log {self.log_path}:\n"
-            f"{log_tail(self.log_path)}"
-        )
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def engine_cores() -> tuple[int | None, int | None]:
     """A core for the prefill engine and another for the decode engine (see ``VllmEngine.argv``),
     or no pinning at all when there are fewer than two cores or no ``taskset``."""
@@ -174,17 +90,6 @@ def engine_cores() -> tuple[int | None, int | None]:
     if len(cores) < 2 or shutil.which("taskset") is None:
         return None, None
     return cores[0], cores[1]
-
-
-def http_status(url: str, timeout_s: float = 2.0) -> int | None:
-    """The status of ``GET url``, or None when nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, TimeoutError):
-        return None
 
 
 @dataclass(slots=True, eq=False)
@@ -200,7 +105,7 @@ class VllmEngine:
     """The one core for all of the engine's processes (see ``argv``), None: any core."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Overrides of the engine's environment (e.g. UCX_LOG_LEVEL when debugging a transfer)."""
-    process: Process | None = field(default=None, repr=False)
+    process: Child | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -256,33 +161,29 @@ class VllmEngine:
         ]
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "UCX_"))}
-        env.update(_OFFLINE_ENV)
-        env.update(_NIXL_ENV)
+        env = {**_OFFLINE_ENV, **_NIXL_ENV}
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
         env.update(self.extra_env)
-        return env
+        return environment(env, drop=["VLLM_", "UCX_"])
 
     def start(self) -> None:
-        self.process = Process(
+        self.process = Child(
             f"vLLM {self.role} engine",
             self.argv(),
-            self.environment(),
-            self.log_dir / f"vllm-{self.role}-{self.port}.log",
-        )
-        self.process.start()
+            log_path=self.log_dir / f"vllm-{self.role}-{self.port}.log",
+            env=self.environment(),
+            url=self.url,
+        ).start()
 
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
+    async def wait_ready(self, timeout_s: float = 240.0) -> None:
         assert self.process is not None, "start() first"
-        self.process.wait_until(
-            lambda: http_status(self.url + "/health") == 200, timeout_s, "/health answering 200"
-        )
+        await self.process.wait_ready("/health", timeout_s)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.process is not None:
-            self.process.stop()
+            await self.process.stop(STOP_GRACE_S)
 
     @property
     def log_path(self) -> Path | None:
@@ -297,38 +198,35 @@ class SidecarProcess:
     log_dir: Path
     port: int = field(default_factory=free_port)
     python: str = sys.executable
-    process: Process | None = field(default=None, repr=False)
+    process: Child | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
-        env.update(
-            SIDECAR_HOST="127.0.0.1",
-            SIDECAR_PORT=str(self.port),
-            SIDECAR_DECODE_URL=self.decode_url,
-            SIDECAR_READY_INTERVAL_S="0.5",
-            SIDECAR_LOG_REQUESTS="true",
-        )
-        self.process = Process(
+        env = {
+            "SIDECAR_HOST": "127.0.0.1",
+            "SIDECAR_PORT": str(self.port),
+            "SIDECAR_DECODE_URL": self.decode_url,
+            "SIDECAR_READY_INTERVAL_S": "0.5",
+            "SIDECAR_LOG_REQUESTS": "true",
+        }
+        self.process = Child(
             "sidecar",
             [self.python, "-m", "sidecar"],
-            env,
-            self.log_dir / f"sidecar-{self.port}.log",
-        )
-        self.process.start()
+            log_path=self.log_dir / f"sidecar-{self.port}.log",
+            env=environment(env, drop=["SIDECAR_"]),
+            url=self.url,
+        ).start()
 
-    def wait_ready(self, timeout_s: float = 60.0) -> None:
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
         assert self.process is not None, "start() first"
-        self.process.wait_until(
-            lambda: http_status(self.url + "/ready") == 200, timeout_s, "/ready answering 200"
-        )
+        await self.process.wait_ready("/ready", timeout_s)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.process is not None:
-            self.process.stop()
+            await self.process.stop(STOP_GRACE_S)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")

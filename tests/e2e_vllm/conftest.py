@@ -11,9 +11,8 @@ import asyncio
 import math
 import os
 import re
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -71,17 +70,17 @@ class Cluster:
     """Monotonic time of the last prefill whose KV was (deliberately) never pulled."""
     expected_expiries: int = 0
     """Prefills the tests stranded on purpose: what the prefill engine must count as expired."""
-    restarting: threading.Thread | None = None
+    restarting: asyncio.Task[None] | None = None
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.restarting is not None:
-            self.restarting.join()
+            await asyncio.gather(self.restarting, return_exceptions=True)
         for process in (self.sidecar, self.decode, self.prefill):
-            process.stop()
+            await process.stop()
 
-    def restart_decode(self) -> None:
+    async def restart_decode(self) -> None:
         """A fresh decode engine on the same ports: the sidecar's decode URL stays valid."""
-        self.decode.stop()
+        await self.decode.stop()
         self.decode = VllmEngine(
             "decode",
             self.home,
@@ -91,11 +90,11 @@ class Cluster:
             cpu=self.decode.cpu,
         )
         self.decode.start()
-        self.decode.wait_ready()
+        await self.decode.wait_ready()
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     home = VllmHome.locate()
     if (problem := home.missing()) is not None:
         pytest.fail(problem, pytrace=False)
@@ -106,15 +105,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     sidecar = SidecarProcess(decode.url, log_dir)
     running = Cluster(home, log_dir, prefill, decode, sidecar)
     try:
-        prefill.start()
-        decode.start()
-        sidecar.start()
-        prefill.wait_ready()
-        decode.wait_ready()
-        sidecar.wait_ready()
+        for process in (prefill, decode, sidecar):
+            process.start()
+        for process in (prefill, decode, sidecar):  # started together, they get ready together
+            await process.wait_ready()
         yield running
     finally:
-        running.stop()
+        await running.stop()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

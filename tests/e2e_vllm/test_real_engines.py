@@ -9,7 +9,6 @@ engine.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -126,7 +125,7 @@ async def test_decode_engine_stopped_gives_a_clear_503(cluster: Cluster, http) -
     Then the decode engine is restarted in the background for the tests after this one.
     """
     served = await metric(http, cluster.prefill, PREFILLS_SERVED)
-    cluster.decode.stop()
+    await cluster.decode.stop()
 
     async def unready() -> bool:
         async with http.get(cluster.sidecar.url + "/ready") as response:
@@ -152,8 +151,7 @@ async def test_decode_engine_stopped_gives_a_clear_503(cluster: Cluster, http) -
     cluster.expected_expiries += int(stranded)
     cluster.stranded_since = time.monotonic()
 
-    cluster.restarting = threading.Thread(target=cluster.restart_decode, name="restart-decode")
-    cluster.restarting.start()
+    cluster.restarting = asyncio.create_task(cluster.restart_decode(), name="restart-decode")
 
 
 @pytest.mark.timeout(180)
@@ -166,9 +164,9 @@ async def test_prefill_lease_expires_only_for_the_stranded_request(cluster: Clus
     assert await settled_metric(http, cluster.prefill, EXPIRED, expected, within=10) == expected
 
     assert cluster.restarting is not None
-    await asyncio.to_thread(cluster.restarting.join, 150)
+    await asyncio.wait_for(asyncio.shield(cluster.restarting), 150)
     assert cluster.decode.process is not None
-    assert cluster.decode.process.alive
+    assert cluster.decode.process.running
 
     async def ready() -> bool:
         async with http.get(cluster.sidecar.url + "/ready") as response:
@@ -204,7 +202,7 @@ async def test_batched_prompts_each_get_their_own_kv(cluster: Cluster, http) -> 
 
 @pytest.mark.timeout(120)
 async def test_prefill_engine_stopped_falls_back_to_local_decode(cluster: Cluster, http) -> None:
-    cluster.prefill.stop()
+    await cluster.prefill.stop()
     request_id = "prefill-stopped"
     body = request_body("completions", unique_prompt(request_id), stream=True)
 
