@@ -14,6 +14,10 @@ import pytest
 
 from devkit.processes import Child, Launcher, environment, free_port, tcp_open
 
+START_TIMEOUT_S = 30.0
+"""How long a sidecar or emulator may take to answer: seconds on an idle machine, over 15 on a
+starved CI (the interpreter's imports alone)."""
+
 __all__ = ["EmulatorProcess", "RedisServer", "SidecarProcess", "free_port", "sidecar_process"]
 
 
@@ -65,7 +69,7 @@ async def sidecar_process(
             env=env,
             url=f"http://127.0.0.1:{port}",
             ready=until,
-            timeout_s=15,
+            timeout_s=START_TIMEOUT_S,
         )
         yield SidecarProcess(process, port)
 
@@ -113,7 +117,7 @@ class EmulatorProcess:
     async def start(self) -> None:
         argv = [sys.executable, "-m", "sidecar.emulator", "--port", str(self.port), *self._flags]
         self.process = await self._launcher.start(
-            "emulator", argv, url=self.url, ready="/health", timeout_s=15
+            "emulator", argv, url=self.url, ready="/health", timeout_s=START_TIMEOUT_S
         )
 
     def kill(self) -> None:
