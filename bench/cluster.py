@@ -31,12 +31,9 @@ import orjson
 
 from bench.readings import Metrics, SidecarReading, read_proc, tcp_sockets
 from devkit.processes import Child, Launcher, environment, free_port
+from sidecar.upstream import POLL_CONNECTIONS_PER_ENGINE
 
 STOP_GRACE_S = 5.0
-POLL_CONNECTIONS = 2
-"""Connections the sidecar may hold to its decode engine for its health and metrics polls, the
-only traffic of an idle sidecar: sidecar/upstream.py gives polls a pool of their own,
-``TCPConnector(limit_per_host=2)``, apart from the request pool."""
 
 
 def raise_open_files_limit() -> int:
@@ -197,7 +194,7 @@ class Cluster:
 
     def decode_pool_bound(self) -> int:
         """How many idle connections to the decode engine the sidecar may keep for good: the
-        poll pool's cap, :data:`POLL_CONNECTIONS` (2).
+        poll pool's cap, ``sidecar.upstream.POLL_CONNECTIONS_PER_ENGINE`` (2).
 
         Its readiness ``/health`` (every ``SIDECAR_READY_INTERVAL_S``) and its scheduler's
         ``/metrics`` scrape (every ``SIDECAR_SCRAPE_INTERVAL_S``) go through that pool and keep
@@ -206,7 +203,7 @@ class Cluster:
         poll rate. Before the pools were split, the polls kept ~45 of those alive for good
         (docs/benchmarks.md): the check exists to catch that again.
         """
-        return POLL_CONNECTIONS
+        return POLL_CONNECTIONS_PER_ENGINE
 
     def idle_socket_problems(self, sockets: Counter[str]) -> list[str]:
         """What is wrong with the idle sidecar's sockets (after more than 2 x keep-alive)."""

@@ -32,6 +32,11 @@ _LARGE_BODY = 1 << 20
 Body = bytes | io.BytesIO | AsyncIterable[bytes] | None
 
 
+POLL_CONNECTIONS_PER_ENGINE = 2
+"""Health and metrics polls have a pool of their own, capped at this many connections per engine:
+all an idle sidecar keeps open to its decode engine (bench/cluster.py checks it)."""
+
+
 class EngineAnswer:
     """An engine's answer whose body has not been read yet; ``close()`` it when done.
 
@@ -166,7 +171,11 @@ class Engines:
             aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
         )
         self._polls = self._new_session(
-            aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=30, enable_cleanup_closed=True)
+            aiohttp.TCPConnector(
+                limit_per_host=POLL_CONNECTIONS_PER_ENGINE,
+                keepalive_timeout=30,
+                enable_cleanup_closed=True,
+            )
         )
 
     def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:

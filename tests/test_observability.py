@@ -116,8 +116,8 @@ async def test_filters(http, sidecar, decode) -> None:
     limited = await get_json(http, sidecar.url + "/debug/requests?state=completed&limit=2")
     assert [r["id"] for r in limited["recent"]] == ["ok2", "ok1"]
     assert len((await get_json(http, sidecar.url + "/debug/requests?limit=999999"))["recent"]) == 4
-    refused = ("state=done", "limit=0", "limit=-1", "limit=ten", "limit=")
-    refused += ("foo=1", "State=failed", "limit=1&limit=2", "state=failed&limt=2")
+    refused = ["state=done", "limit=0", "limit=-1", "limit=ten", "limit="]
+    refused += ["foo=1", "State=failed", "limit=1&limit=2", "state=failed&limt=2"]
     for query in refused:
         async with http.get(sidecar.url + "/debug/requests?" + query) as response:
             assert response.status == 400, query
