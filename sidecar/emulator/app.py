@@ -1,7 +1,8 @@
 """Assembling an emulator: the API app, the side-channel app, and their lifecycle.
 
-Start order: KV store -> side-channel listener (its port is advertised in kv_transfer_params) ->
-API app (cleanup_ctx: pull session + engine, expiry sweeper) -> API listener.
+Start order: KV store, push board, room board (sglang prefill) -> side-channel listener (its port
+is advertised in kv_transfer_params; it is the sglang bootstrap server too) -> API app
+(cleanup_ctx: pull session + engine, expiry sweeper) -> API listener.
 Close order (:meth:`RunningEmulator.close`): cancel in-flight API handlers (hung, stalled and
 streaming requests end at once) -> stop the API listener and run its cleanup_ctx in reverse
 (sweeper, then the pull session) -> stop the side-channel listener.
@@ -34,8 +35,10 @@ from sidecar.emulator.keys import (
     INFLIGHT,
     KV,
     METRICS,
+    PUSH,
     REQUEST_ID,
     REQUEST_LOG,
+    ROOMS,
     SIDE_CHANNEL_PORT,
     STARTED_AT,
 )
@@ -43,7 +46,10 @@ from sidecar.emulator.kv import Clock, KvStore
 from sidecar.emulator.metrics import CONTENT_TYPE, EmulatorMetrics
 from sidecar.emulator.nixl import KvPuller, create_side_channel_app
 from sidecar.emulator.parse import Endpoint
+from sidecar.emulator.push import PushBoard, add_push_routes
 from sidecar.emulator.reqlog import RequestLog
+from sidecar.emulator.sglang import RoomBoard, add_bootstrap_routes
+from sidecar.emulator.storage import SharedKvStore
 
 log = logging.getLogger("sidecar.emulator")
 
@@ -142,6 +148,10 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[METRICS],
         puller=KvPuller(session, config.kv_pull_timeout_s),
         side_channel_port=app[SIDE_CHANNEL_PORT],
+        rooms=app.get(ROOMS),
+        store=SharedKvStore(config.kv_store, config.kv_store_max_blocks)
+        if config.kv_store
+        else None,
     )
     yield
     await session.close()
@@ -165,7 +175,12 @@ async def _sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_api_app(
-    config: EmulatorConfig, *, kv: KvStore, side_channel_port: int
+    config: EmulatorConfig,
+    *,
+    kv: KvStore,
+    side_channel_port: int,
+    push: PushBoard,
+    rooms: RoomBoard | None = None,
 ) -> web.Application:
     # Long prompts are the point of P/D disaggregation: allow bodies far beyond aiohttp's 1 MiB.
     app = web.Application(middlewares=[_errors, _track_and_log], client_max_size=MAX_BODY_BYTES)
@@ -175,6 +190,9 @@ def create_api_app(
     app[FAULTS] = FaultBoard(config.faults)
     app[REQUEST_LOG] = RequestLog(config.request_log_size)
     app[SIDE_CHANNEL_PORT] = side_channel_port
+    app[PUSH] = push
+    if rooms is not None:
+        app[ROOMS] = rooms
     app[STARTED_AT] = int(time.time())
     app[INFLIGHT] = set()
     app.cleanup_ctx.append(_engine_ctx)
@@ -208,7 +226,9 @@ class RunningEmulator:
         self._api_runner = api_runner
         self._side_runner = side_runner
         self.port: int = api_runner.addresses[0][1]
+        # The NIXL side channel; for an sglang prefill server, its bootstrap server.
         self.side_channel_port: int = side_runner.addresses[0][1]
+        self.bootstrap_port: int = self.side_channel_port
         self.endpoint = f"{_host_for_url(config.host)}:{self.port}"
         self.url = f"http://{self.endpoint}"
         self._closed = False
@@ -256,20 +276,31 @@ async def start_emulator(
 ) -> RunningEmulator:
     """Start both listeners; ``clock`` (monotonic seconds) drives KV expiry, for tests."""
     config = config or EmulatorConfig()
+    kv_clock = clock or time.monotonic
     kv = KvStore(
         engine_id=str(uuid.uuid4()),
         block_size=config.block_size,
         expiry_s=config.kv_expiry_s,
-        clock=clock or time.monotonic,
+        clock=kv_clock,
     )
+    push = PushBoard(kv)
+    rooms = RoomBoard(kv_clock) if config.disaggregation_mode == "prefill" else None
+    side_app = create_side_channel_app(kv)
+    add_push_routes(side_app, push, kv.engine_id)
+    add_bootstrap_routes(side_app, rooms)
     side_runner = web.AppRunner(
-        create_side_channel_app(kv), access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        side_app,
+        access_log=None,
+        handler_cancellation=True,  # a decode that leaves drops its registration or claim
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await side_runner.setup()
     try:
         await web.TCPSite(side_runner, config.side_channel_host, config.side_channel_port).start()
         side_channel_port: int = side_runner.addresses[0][1]
-        app = create_api_app(config, kv=kv, side_channel_port=side_channel_port)
+        app = create_api_app(
+            config, kv=kv, side_channel_port=side_channel_port, push=push, rooms=rooms
+        )
         api_runner = web.AppRunner(
             app,
             access_log=None,

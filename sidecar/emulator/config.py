@@ -16,6 +16,15 @@ from sidecar.emulator.faults import FaultSpec
 
 Mode = Literal["strict", "lenient"]
 MODES: tuple[Mode, ...] = ("strict", "lenient")
+KvProtocol = Literal["nixl", "nixl-push", "sglang", "shared-storage"]
+KV_PROTOCOLS: tuple[KvProtocol, ...] = ("nixl", "nixl-push", "sglang", "shared-storage")
+DisaggregationMode = Literal["null", "prefill", "decode"]
+DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "mode": MODES,
+    "kv_protocol": KV_PROTOCOLS,
+    "disaggregation_mode": DISAGGREGATION_MODES,
+}
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -79,6 +88,37 @@ class EmulatorConfig:
     kv_pull_timeout_s: float = field(
         default=10.0, metadata=_doc("timeout of one side-channel pull, seconds")
     )
+    kv_protocol: KvProtocol = field(
+        default="nixl",
+        metadata=_doc(
+            "KV transfer protocol: nixl (vLLM pull), nixl-push (vLLM NixlPushConnector), "
+            "sglang (bootstrap rooms), shared-storage (a directory of blocks)"
+        ),
+    )
+    push_registration_timeout_s: float = field(
+        default=480.0,
+        metadata=_doc("nixl-push: seconds a decode waits for its registration to be matched"),
+    )
+    disaggregation_mode: DisaggregationMode = field(
+        default="null",
+        metadata=_doc("sglang: this server's role, like SGLang's --disaggregation-mode"),
+    )
+    bootstrap_timeout_s: float = field(
+        default=300.0,
+        metadata=_doc("sglang prefill: seconds a computed room waits for a decode to claim it"),
+    )
+    waiting_timeout_s: float = field(
+        default=300.0,
+        metadata=_doc("sglang decode: seconds a request waits for its room's KV"),
+    )
+    kv_store: str | None = field(
+        default=None,
+        metadata=_doc("shared-storage: directory of KV blocks shared by the engines"),
+    )
+    kv_store_max_blocks: int = field(
+        default=0,
+        metadata=_doc("shared-storage: blocks kept in the store, least recent evicted; 0 = no cap"),
+    )
     faults: tuple[FaultSpec, ...] = field(
         default=(), metadata=_doc("faults armed at start (CLI: --fault, repeatable)")
     )
@@ -113,6 +153,27 @@ class EmulatorConfig:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter}")
         if self.kv_pull_timeout_s <= 0:
             raise ValueError("kv_pull_timeout_s must be > 0")
+        self._check_protocol()
+
+    def _check_protocol(self) -> None:
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in ("push_registration_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.kv_store_max_blocks < 0:
+            raise ValueError("kv_store_max_blocks must be >= 0")
+        sglang = self.kv_protocol == "sglang"
+        if sglang and self.disaggregation_mode == "null":
+            raise ValueError("kv_protocol sglang needs disaggregation_mode prefill or decode")
+        if not sglang and self.disaggregation_mode != "null":
+            raise ValueError("disaggregation_mode applies to kv_protocol sglang only")
+        shared = self.kv_protocol == "shared-storage"
+        if shared and not self.kv_store:
+            raise ValueError("kv_protocol shared-storage needs kv_store (a directory)")
+        if not shared and self.kv_store is not None:
+            raise ValueError("kv_store applies to kv_protocol shared-storage only")
 
 
 def _fault(text: str) -> FaultSpec:
@@ -148,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
-        elif f.name == "mode":
-            parser.add_argument(flag, choices=MODES, default=default, help=help_text)
+        elif f.name in CHOICES:
+            parser.add_argument(flag, choices=CHOICES[f.name], default=default, help=help_text)
+        elif f.name == "kv_store":
+            parser.add_argument(flag, type=str, default=None, metavar="PATH", help=help_text)
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text)
     return parser

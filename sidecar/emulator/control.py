@@ -2,31 +2,59 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from sidecar.emulator.errors import EmulatorError
 from sidecar.emulator.faults import FaultSpec
 from sidecar.emulator.generation import read_json
-from sidecar.emulator.keys import ENGINE, FAULTS, KV, REQUEST_LOG
+from sidecar.emulator.keys import CONFIG, ENGINE, FAULTS, KV, PUSH, REQUEST_LOG
 
 
 async def get_kv(request: web.Request) -> web.Response:
+    """KV state; sglang rooms computed and not yet claimed count as staged."""
     kv = request.app[KV]
-    staged = kv.snapshot()  # sweeps expiry first
+    engine = request.app[ENGINE]
+    config = request.app[CONFIG]
+    staged = [
+        {"request_id": s.request_id, "blocks": s.blocks, "age_s": s.age_s}
+        for s in kv.snapshot()  # sweeps expiry first
+    ]
+    rooms = engine.rooms
+    if rooms is not None:
+        staged += [
+            {"request_id": r.request_id, "blocks": r.blocks, "age_s": r.age_s, "room": r.room}
+            for r in rooms.snapshot()
+        ]
+    store_blocks = await asyncio.to_thread(engine.store.count) if engine.store else 0
     return web.json_response(
         {
             "engine_id": kv.engine_id,
+            "kv_protocol": config.kv_protocol,
+            "disaggregation_mode": config.disaggregation_mode,
             "staged_requests": len(staged),
-            "staged_blocks": sum(s.blocks for s in staged),
-            "pulled_total": kv.pulled_total,
-            "expired_total": kv.expired_total,
-            "failed_pulls_total": request.app[ENGINE].failed_pulls_total,
+            "staged_blocks": sum(s["blocks"] for s in staged),
+            "pulled_total": kv.pulled_total + (rooms.claimed_total if rooms else 0),
+            "expired_total": kv.expired_total + (rooms.timed_out_total if rooms else 0),
+            "failed_pulls_total": engine.failed_pulls_total,
             "rejected_pulls_total": kv.rejected_total,
-            "staged": [
-                {"request_id": s.request_id, "blocks": s.blocks, "age_s": s.age_s} for s in staged
-            ],
+            "registrations_waiting": request.app[PUSH].waiting,
+            "rooms_waiting": engine.rooms_waiting,
+            "claims_waiting": rooms.claims_waiting if rooms else 0,
+            "store_blocks": store_blocks,
+            "staged": staged,
         }
     )
+
+
+async def post_abort(request: web.Request) -> web.Response:
+    """SGLang's ``POST /abort_request {"rid": ...}``: cancel the running requests with that rid."""
+    body = await read_json(request)
+    rid = body.get("rid") if isinstance(body, dict) else None
+    if not isinstance(rid, str):
+        raise EmulatorError(400, "rid must be a string")
+    return web.json_response({"aborted": request.app[ENGINE].abort(rid)})
 
 
 async def get_requests(request: web.Request) -> web.Response:
@@ -73,3 +101,4 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/emulator/faults", post_fault)
     app.router.add_delete("/emulator/faults", delete_faults)
     app.router.add_post("/emulator/release", post_release)
+    app.router.add_post("/abort_request", post_abort)

@@ -16,16 +16,26 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.errors import EmulatorError
 from sidecar.emulator.kv import KvStore, PrefixCache, PullStatus, chain_hashes
 from sidecar.emulator.metrics import EmulatorMetrics
-from sidecar.emulator.nixl import SILENT_IN_LENIENT, KvPuller, RemoteKv, parse_remote_kv
+from sidecar.emulator.nixl import (
+    SILENT_IN_LENIENT,
+    WAIT_MARGIN_S,
+    KvPuller,
+    PullOutcome,
+    RemoteKv,
+    parse_remote_kv,
+)
 from sidecar.emulator.parse import GenerationRequest
+from sidecar.emulator.push import REGISTER_PATH, TRANSFER_MODE
 from sidecar.emulator.responses import Usage
+from sidecar.emulator.sglang import Bootstrap, RoomBoard
+from sidecar.emulator.storage import SharedKvStore
 
 log = logging.getLogger("sidecar.emulator.engine")
 
@@ -71,7 +81,10 @@ class Engine:
         metrics: EmulatorMetrics,
         puller: KvPuller,
         side_channel_port: int,
+        rooms: RoomBoard | None = None,
+        store: SharedKvStore | None = None,
     ) -> None:
+        """``rooms``: an sglang prefill server's room board; ``store``: the shared-storage store."""
         self.config = config
         self.kv = kv
         self.metrics = metrics
@@ -84,6 +97,10 @@ class Engine:
         self.waiting = 0
         self.in_use_blocks = 0
         self.failed_pulls_total = 0
+        self.rooms = rooms
+        self.store = store
+        self.rooms_waiting = 0  # sglang decode: requests waiting for their room's KV
+        self._by_rid: dict[str, set[asyncio.Task[Any]]] = {}
 
     @contextlib.asynccontextmanager
     async def admit(self, request: GenerationRequest) -> AsyncIterator[None]:
@@ -106,6 +123,41 @@ class Engine:
             if self._slots is not None:
                 self._slots.release()
 
+    @contextlib.contextmanager
+    def abortable(self, rid: str | None) -> Iterator[None]:
+        """Make the current handler cancellable by ``POST /abort_request {"rid": rid}``."""
+        task = asyncio.current_task()
+        if rid is None or task is None:
+            yield
+            return
+        tasks = self._by_rid.setdefault(rid, set())
+        tasks.add(task)
+        try:
+            yield
+        finally:
+            tasks.discard(task)
+            if not tasks:
+                self._by_rid.pop(rid, None)
+
+    def abort(self, rid: str) -> int:
+        """Cancel every running request with this rid; returns how many."""
+        tasks = list(self._by_rid.get(rid, ()))
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    @contextlib.contextmanager
+    def waiting_for_kv(self) -> Iterator[None]:
+        """A request waiting for remote KV counts as waiting, not running, as in vLLM's
+        WAITING_FOR_REMOTE_KVS (it keeps its max_num_seqs slot and its blocks)."""
+        self.running -= 1
+        self.waiting += 1
+        try:
+            yield
+        finally:
+            self.waiting -= 1
+            self.running += 1
+
     def resolve_remote(self, request: GenerationRequest) -> RemoteKv | None:
         """The pull instructions of a decode request; None means compute the prompt locally.
 
@@ -114,7 +166,7 @@ class Engine:
         if not request.is_decode or request.kv_params is None:
             return None
         try:
-            return parse_remote_kv(request.kv_params)
+            return parse_remote_kv(request.kv_params, push=self.config.kv_protocol == "nixl-push")
         except ValueError as exc:
             if self.config.mode == "strict":
                 raise EmulatorError(400, f"strict mode: invalid kv_transfer_params: {exc}") from exc
@@ -136,15 +188,106 @@ class Engine:
         local_cached = self.prefix_cache.match(hashes[:matchable]) * block_size
         self.metrics.prefix_queries.inc(prompt.num_tokens)
         self.metrics.prefix_hits.inc(local_cached)
+        if request.bootstrap is not None and request.is_decode:
+            await self._claim_room(request, request.bootstrap)
+            self.prefix_cache.insert(hashes)
+            return prompt.num_tokens  # KV received from the prefill counts as cached
         if remote is not None and await self._pull(request, remote):
             self.prefix_cache.insert(hashes)
             return prompt.num_tokens  # vLLM reports pulled KV as cached
-        await _sleep(self.latency.prefill(prompt.num_tokens - local_cached, self.running))
+        cached = local_cached
+        if self.store is not None:
+            stored = await asyncio.to_thread(self.store.lookup, hashes[:matchable]) * block_size
+            if stored > cached:
+                await _sleep(self.latency.transfer((stored - cached) // block_size))
+                cached = stored
+        await _sleep(self.latency.prefill(prompt.num_tokens - cached, self.running))
         self.prefix_cache.insert(hashes)
-        return local_cached
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save, hashes)
+        return cached
+
+    async def _claim_room(self, request: GenerationRequest, bootstrap: Bootstrap) -> None:
+        """SGLang decode: wait at the prefill's bootstrap server for the room's KV."""
+        timeout_s = self.config.waiting_timeout_s
+        payload = {"room": bootstrap.room, "timeout_s": timeout_s}
+        self.rooms_waiting += 1
+        try:
+            with self.waiting_for_kv():
+                outcome = await self._puller.call(
+                    bootstrap.claim_url, payload, timeout_s + WAIT_MARGIN_S
+                )
+        finally:
+            self.rooms_waiting -= 1
+        if outcome.status is PullStatus.OK:
+            await self._transferred(outcome)
+            return
+        self._count_failure(request, outcome)
+        if outcome.status is PullStatus.TIMEOUT:
+            message = (
+                f"Request {request.request_id} timed out after {timeout_s}s in "
+                f"KVPoll.WaitingForInput (bootstrap room {bootstrap.room})"
+            )
+        else:
+            message = f"KV transfer for bootstrap room {bootstrap.room} failed: {outcome.message}"
+        raise EmulatorError(500, message)
+
+    async def serve_room(self, request: GenerationRequest) -> None:
+        """SGLang prefill: stage the room's KV and wait until a decode claims it (500 if none)."""
+        if self.rooms is None or request.bootstrap is None:
+            return
+        room = request.bootstrap.room
+        blocks = self.kv.blocks_for(request.prompt.num_tokens)
+        timeout_s = self.config.bootstrap_timeout_s
+        if not await self.rooms.serve(room, request.response_id, blocks, timeout_s):
+            raise EmulatorError(
+                500,
+                f"Request {request.request_id}: no decode claimed bootstrap room {room} "
+                f"within {timeout_s}s (bootstrap timeout); its KV was dropped",
+            )
+
+    async def _transferred(self, outcome: PullOutcome) -> None:
+        transfer = self.latency.transfer(outcome.blocks)
+        await _sleep(transfer)
+        self.metrics.xfer_time.observe(outcome.elapsed_s + transfer)
+
+    def _count_failure(self, request: GenerationRequest, outcome: PullOutcome) -> None:
+        self.failed_pulls_total += 1
+        self.metrics.failed_transfers.inc()
+        log.warning("KV transfer for %s failed: %s", request.request_id, outcome.message)
+
+    async def _register_push(self, request: GenerationRequest, remote: RemoteKv) -> bool:
+        """NIXL push: register under this request's own id; the prefill pushes what it staged
+        under the same id. Raises a 500 when nothing matched within the registration timeout."""
+        incompatible = (request.kv_params or {}).get("transfer_mode", TRANSFER_MODE)
+        if incompatible != TRANSFER_MODE:
+            raise EmulatorError(
+                500, f"NIXL push decode cannot pair with a {incompatible!r} mode prefill"
+            )
+        timeout_s = self.config.push_registration_timeout_s
+        payload = {
+            "engine_id": remote.engine_id,
+            "request_id": request.response_id,
+            "timeout_s": timeout_s,
+        }
+        with self.waiting_for_kv():
+            outcome = await self._puller.call(
+                remote.url(REGISTER_PATH), payload, timeout_s + WAIT_MARGIN_S
+            )
+        if outcome.status is PullStatus.OK:
+            await self._transferred(outcome)
+            return True
+        self._count_failure(request, outcome)
+        raise EmulatorError(
+            500,
+            f"KV push from {remote.engine_id} for {request.response_id} failed "
+            f"({outcome.status}): {outcome.message}",
+        )
 
     async def _pull(self, request: GenerationRequest, remote: RemoteKv) -> bool:
         """True when the KV arrived; False when lenient mode recomputes; raises a 500 otherwise."""
+        if self.config.kv_protocol == "nixl-push":
+            return await self._register_push(request, remote)
         outcome = await self._puller.pull(remote)
         if outcome.status is PullStatus.OK:
             transfer = self.latency.transfer(len(remote.block_ids))
@@ -173,12 +316,12 @@ class Engine:
 
         A streamed prefill (lenient mode) stages but returns nothing, as vLLM 0.32 does.
         """
-        if not request.is_prefill:
+        if not request.is_prefill or self.config.kv_protocol not in ("nixl", "nixl-push"):
             return None
         staged = self.kv.stage(request.response_id, request.prompt.num_tokens)
         if request.stream:
             return None
-        return {
+        params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(staged.block_ids)],  # one list per KV-cache group
@@ -188,14 +331,20 @@ class Engine:
             "remote_port": self._side_channel_port,
             "tp_size": 1,
         }
+        if self.config.kv_protocol == "nixl-push":
+            params["transfer_mode"] = TRANSFER_MODE
+        return params
 
     def usage(self, request: GenerationRequest, cached_tokens: int) -> Usage:
         details = cached_tokens if self.config.prompt_tokens_details else None
         return Usage(request.prompt.num_tokens, request.n * request.output_tokens, details)
 
     def refresh_metrics(self) -> None:
+        rooms = self.rooms.snapshot() if self.rooms is not None else []
         self.metrics.refresh(
             self.kv,
+            room_requests=len(rooms),
+            room_blocks=sum(r.blocks for r in rooms),
             running=self.running,
             waiting=self.waiting,
             in_use_blocks=self.in_use_blocks,

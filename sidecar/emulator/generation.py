@@ -62,18 +62,20 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
             return web.Response()  # never written: aiohttp sees the closed transport
 
     started = time.perf_counter()
-    async with engine.admit(req):
-        if fault is not None and fault.kind is FaultKind.HANG:
-            # A stuck engine: the request counts as running. A client disconnect or close()
-            # cancels the wait.
-            await faults.wait_released()
-            fault = None
-        cached = await engine.load_prompt(req, remote)
-        envelope = Envelope(req, engine.config.model, int(time.time()))
-        if req.stream:
-            response = await _stream(request, envelope, cached, fault, faults)
-        else:
-            response = await _respond(request, envelope, cached, fault, faults)
+    with engine.abortable(req.rid):
+        async with engine.admit(req):
+            if fault is not None and fault.kind is FaultKind.HANG:
+                # A stuck engine: the request counts as running. A client disconnect or close()
+                # cancels the wait.
+                await faults.wait_released()
+                fault = None
+            cached = await engine.load_prompt(req, remote)
+            await engine.serve_room(req)  # sglang prefill: until a decode claims the room
+            envelope = Envelope(req, engine.config.model, int(time.time()))
+            if req.stream:
+                response = await _stream(request, envelope, cached, fault, faults)
+            else:
+                response = await _respond(request, envelope, cached, fault, faults)
     log.debug(
         "%s %s request %s: %d prompt tokens (%d cached), %d x %d output tokens in %.3fs",
         req.endpoint,

@@ -12,7 +12,9 @@ from sidecar.emulator.engine import Engine
 from sidecar.emulator.faults import FaultBoard
 from sidecar.emulator.kv import KvStore
 from sidecar.emulator.metrics import EmulatorMetrics
+from sidecar.emulator.push import PushBoard
 from sidecar.emulator.reqlog import RequestLog
+from sidecar.emulator.sglang import RoomBoard
 
 CONFIG = web.AppKey("config", EmulatorConfig)
 KV = web.AppKey("kv", KvStore)
@@ -23,6 +25,8 @@ SIDE_CHANNEL_PORT = web.AppKey("side_channel_port", int)
 STARTED_AT = web.AppKey("started_at", int)
 # Handler tasks in flight, so close() can cancel hung and streaming requests promptly.
 INFLIGHT = web.AppKey("inflight", set[asyncio.Task[Any]])
+PUSH = web.AppKey("push", PushBoard)  # the prefill side's push registrations
+ROOMS = web.AppKey("rooms", RoomBoard)  # sglang prefill servers only
 ENGINE = web.AppKey("engine", Engine)  # set by a cleanup_ctx once the pull session exists
 
 REQUEST_ID = web.RequestKey("request_id", str)

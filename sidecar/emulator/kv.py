@@ -51,6 +51,8 @@ class PullStatus(StrEnum):
     ENGINE_MISMATCH = "engine_mismatch"
     BLOCK_MISMATCH = "block_mismatch"
     UNREACHABLE = "unreachable"  # decode side only: the side channel did not answer usably
+    TIMEOUT = "timeout"  # push registration or sglang claim not matched in time
+    NOT_PREFILL = "not_prefill"  # sglang: the bootstrap address is not a prefill server
 
 
 class KvStore:
@@ -74,6 +76,11 @@ class KvStore:
         self.pulled_total = 0
         self.expired_total = 0
         self.rejected_total = 0
+        self._stage_listeners: list[Callable[[str], None]] = []
+
+    def add_stage_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(request_id)`` after every stage() (push registrations wait on it)."""
+        self._stage_listeners.append(listener)
 
     def blocks_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self._block_size)
@@ -88,6 +95,17 @@ class KvStore:
         staged = StagedKv(request_id, ids, self._clock())
         self._staged[request_id] = staged
         self._history.pop(request_id, None)
+        for listener in self._stage_listeners:
+            listener(request_id)
+        return staged
+
+    def take(self, request_id: str) -> StagedKv | None:
+        """Push mode: hand over and free the entry staged under this id, whatever its blocks."""
+        self.sweep()
+        staged = self._staged.pop(request_id, None)
+        if staged is not None:
+            self._remember(request_id, PullStatus.ALREADY_PULLED)
+            self.pulled_total += 1
         return staged
 
     def pull(self, engine_id: str, request_id: str, block_ids: Sequence[int]) -> PullStatus:

@@ -70,12 +70,23 @@ class EmulatorMetrics:
         self._seen_pulled = 0
 
     def refresh(
-        self, kv: KvStore, *, running: int, waiting: int, in_use_blocks: int, num_gpu_blocks: int
+        self,
+        kv: KvStore,
+        *,
+        running: int,
+        waiting: int,
+        in_use_blocks: int,
+        num_gpu_blocks: int,
+        room_requests: int = 0,
+        room_blocks: int = 0,
     ) -> None:
-        """Bring state-mirroring series up to date (the store sweeps expiry on read)."""
-        staged_blocks = kv.staged_blocks
+        """Bring state-mirroring series up to date (the store sweeps expiry on read).
+
+        ``room_*``: sglang rooms computed and not yet claimed, which count as staged.
+        """
+        staged_blocks = kv.staged_blocks + room_blocks
         self.staged_blocks.set(staged_blocks)
-        self.staged_requests.set(kv.staged_requests)
+        self.staged_requests.set(kv.staged_requests + room_requests)
         self.kv_expired.inc(kv.expired_total - self._seen_expired)
         self._seen_expired = kv.expired_total
         self.pulled.inc(kv.pulled_total - self._seen_pulled)

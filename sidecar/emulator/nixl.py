@@ -68,10 +68,13 @@ class RemoteKv:
 
     @property
     def pull_url(self) -> str:
+        return self.url(PULL_PATH)
+
+    def url(self, path: str) -> str:
         host = self.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 literal
-        return f"http://{host}:{self.port}{PULL_PATH}"
+        return f"http://{host}:{self.port}{path}"
 
 
 def _block_ids(value: object) -> tuple[int, ...]:
@@ -88,9 +91,13 @@ def _block_ids(value: object) -> tuple[int, ...]:
     return tuple(flat)
 
 
-def parse_remote_kv(params: Mapping[str, Any]) -> RemoteKv:
-    """Validate the fields vLLM's decode needs; ValueError names what is missing or wrong."""
-    missing = [name for name in REQUIRED_PARAMS if params.get(name) is None]
+def parse_remote_kv(params: Mapping[str, Any], *, push: bool = False) -> RemoteKv:
+    """Validate the fields vLLM's decode needs; ValueError names what is missing or wrong.
+
+    In push mode the decode allocates its own blocks, so ``remote_block_ids`` is not needed.
+    """
+    required = [n for n in REQUIRED_PARAMS if not (push and n == "remote_block_ids")]
+    missing = [name for name in required if params.get(name) is None]
     if missing:
         raise ValueError(f"kv_transfer_params is missing {', '.join(missing)}")
     engine_id = params["remote_engine_id"]
@@ -103,7 +110,8 @@ def parse_remote_kv(params: Mapping[str, Any]) -> RemoteKv:
         raise ValueError("remote_host must be a non-empty string")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError("remote_port must be a TCP port number")
-    return RemoteKv(engine_id, request_id, _block_ids(params["remote_block_ids"]), host, port)
+    blocks = _block_ids(params["remote_block_ids"]) if params.get("remote_block_ids") else ()
+    return RemoteKv(engine_id, request_id, blocks, host, port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,46 +119,60 @@ class PullOutcome:
     status: PullStatus
     message: str
     elapsed_s: float
+    blocks: int = 0  # push registrations and sglang claims: blocks handed over
+
+
+# A side channel that waits (push registration, sglang claim) answers by the timeout the caller
+# sent; the caller's own deadline is later by this margin, for an answer that is on its way.
+WAIT_MARGIN_S = 5.0
 
 
 class KvPuller:
-    """Decode side: asks a prefill emulator's side channel for staged blocks."""
+    """Decode side: asks a prefill emulator's side channel for KV (pull, push, sglang claim)."""
 
     def __init__(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
         self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
 
     async def pull(self, remote: RemoteKv) -> PullOutcome:
-        started = time.perf_counter()
         payload = {
             "engine_id": remote.engine_id,
             "request_id": remote.request_id,
             "block_ids": list(remote.block_ids),
         }
+        return await self.call(remote.pull_url, payload, self._timeout_s)
+
+    async def call(self, url: str, payload: Mapping[str, Any], timeout_s: float) -> PullOutcome:
+        """POST to a side channel; never raises for network trouble (status UNREACHABLE)."""
+        started = time.perf_counter()
         try:
             async with self._session.post(
-                remote.pull_url,
+                url,
                 data=orjson.dumps(payload),
-                timeout=self._timeout,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
                 headers={"Content-Type": "application/json"},
             ) as resp:
                 raw = await resp.read()
                 http_status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
-            message = f"side channel {remote.pull_url} unreachable: {exc!r}"
+            message = f"side channel {url} unreachable: {exc!r}"
             return PullOutcome(PullStatus.UNREACHABLE, message, time.perf_counter() - started)
-        status, message = _decode_answer(http_status, raw)
-        return PullOutcome(status, message, time.perf_counter() - started)
+        status, message, blocks = _decode_answer(http_status, raw)
+        return PullOutcome(status, message, time.perf_counter() - started, blocks)
 
 
-def _decode_answer(http_status: int, raw: bytes) -> tuple[PullStatus, str]:
+def _decode_answer(http_status: int, raw: bytes) -> tuple[PullStatus, str, int]:
     try:
         body = orjson.loads(raw)
         status = PullStatus(body["status"])
         message = str(body.get("message", ""))
+        blocks = body.get("blocks", 0)
+        if isinstance(blocks, bool) or not isinstance(blocks, int):
+            raise TypeError("blocks must be an integer")
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-        return PullStatus.UNREACHABLE, f"side channel answered {http_status} without a pull status"
-    return status, message
+        message = f"side channel answered {http_status} without a pull status"
+        return PullStatus.UNREACHABLE, message, 0
+    return status, message, blocks
 
 
 async def _handle_pull(request: web.Request) -> web.Response:
@@ -189,6 +211,7 @@ async def _handle_pull(request: web.Request) -> web.Response:
 
 
 def create_side_channel_app(kv: KvStore) -> web.Application:
+    """The pull route; push.py and sglang.py add theirs to the same app."""
     app = web.Application()
     app[KV_STORE] = kv
     app.router.add_post(PULL_PATH, _handle_pull)

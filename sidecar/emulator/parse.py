@@ -13,6 +13,7 @@ from typing import Any
 
 from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.errors import EmulatorError
+from sidecar.emulator.sglang import Bootstrap, parse_bootstrap, parse_rid
 from sidecar.emulator.text import Prompt, prompt_from_completion, prompt_from_messages
 
 MAX_N = 128
@@ -29,7 +30,8 @@ class GenerationRequest:
 
     ``is_prefill`` is ``kv_transfer_params.do_remote_decode`` (this engine prefills for a remote
     decode and stages the KV); ``is_decode`` is ``do_remote_prefill`` (pull the KV from a remote
-    prefill). Both may be set in lenient mode.
+    prefill). Both may be set in lenient mode. With the sglang protocol they follow the server's
+    ``disaggregation_mode`` instead, and ``bootstrap`` holds the request's room.
     """
 
     endpoint: Endpoint
@@ -42,6 +44,8 @@ class GenerationRequest:
     is_prefill: bool
     is_decode: bool
     kv_params: Mapping[str, Any] | None
+    bootstrap: Bootstrap | None = None
+    rid: str | None = None
 
     @property
     def response_id(self) -> str:
@@ -144,6 +148,28 @@ def parse_generation(
         raise _bad("kv_transfer_params must be an object")
     is_prefill = kv_params is not None and _flag(kv_params, "do_remote_decode")
     is_decode = kv_params is not None and _flag(kv_params, "do_remote_prefill")
+    bootstrap: Bootstrap | None = None
+    rid: str | None = None
+    if config.kv_protocol in ("sglang", "shared-storage") and kv_params is not None:
+        if config.mode == "strict":
+            raise _bad(f"strict mode: kv_transfer_params is not used with {config.kv_protocol}")
+        kv_params, is_prefill, is_decode = None, False, False  # ignored, as vLLM would
+    if config.kv_protocol == "sglang":
+        try:
+            bootstrap = parse_bootstrap(body, _prompt_count(endpoint, body), n)
+        except ValueError as exc:
+            raise _bad(str(exc)) from exc
+        rid = parse_rid(body)
+        is_prefill = config.disaggregation_mode == "prefill"
+        is_decode = config.disaggregation_mode == "decode"
+        if bootstrap is None:
+            what = "serve without a decode" if is_prefill else "prefill locally"
+            raise _bad(
+                f"a {config.disaggregation_mode} server cannot {what}: "
+                "bootstrap_host/bootstrap_port/bootstrap_room required"
+            )
+        if is_prefill:
+            output_tokens = 1  # an SGLang prefill server generates the first token only
 
     request = GenerationRequest(
         endpoint=endpoint,
@@ -156,10 +182,20 @@ def parse_generation(
         is_prefill=is_prefill,
         is_decode=is_decode,
         kv_params=kv_params,
+        bootstrap=bootstrap,
+        rid=rid,
     )
-    if config.mode == "strict":
+    if config.mode == "strict" and config.kv_protocol in ("nixl", "nixl-push"):
         _check_strict(request, max_tokens, max_completion_tokens)
     return request
+
+
+def _prompt_count(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """Prompts in a completions batch (a list of strings or of token-id lists); 1 otherwise."""
+    prompt = body.get("prompt") if endpoint is Endpoint.COMPLETIONS else None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1
 
 
 def _check_strict(
