@@ -18,7 +18,9 @@ PROMPT = "SGLang sends the same request to the prefill and the decode server at 
 Pair = tuple[RunningEmulator, RunningEmulator]
 
 
-def sglang_body(prefiller: RunningEmulator, room: int, **overrides: Any) -> dict[str, Any]:
+def sglang_body(
+    prefiller: RunningEmulator, room: int | list[int], **overrides: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": PROMPT,
         "max_tokens": 5,
