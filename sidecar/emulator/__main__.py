@@ -22,13 +22,15 @@ async def serve(config: EmulatorConfig) -> None:
     emulator = await start_emulator(config)
     try:
         log.info(
-            "emulator serving %s at %s (side channel %s:%d, engine %s, %s mode)",
+            "emulator serving %s at %s (side channel %s:%d, engine %s, %s mode, kv protocol %s%s)",
             config.model,
             emulator.url,
             config.side_channel_host,
             emulator.side_channel_port,
             emulator.engine_id,
             config.mode,
+            config.kv_protocol,
+            f" {config.disaggregation_mode}" if config.kv_protocol == "sglang" else "",
         )
         await stop.wait()
         log.info("emulator stopping")

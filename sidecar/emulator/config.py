@@ -186,7 +186,8 @@ def _fault(text: str) -> FaultSpec:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sidecar.emulator",
-        description="vLLM-compatible engine emulator with an emulated NIXL KV side channel.",
+        description="vLLM-compatible engine emulator speaking NIXL (pull or push), SGLang "
+        "bootstrap rooms or shared-storage KV transfer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(EmulatorConfig):

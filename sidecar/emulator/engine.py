@@ -288,6 +288,11 @@ class Engine:
         """True when the KV arrived; False when lenient mode recomputes; raises a 500 otherwise."""
         if self.config.kv_protocol == "nixl-push":
             return await self._register_push(request, remote)
+        if (request.kv_params or {}).get("transfer_mode") == TRANSFER_MODE:
+            # transfer_mode is part of vLLM's NIXL compatibility hash: the handshake fails.
+            self.failed_pulls_total += 1
+            self.metrics.failed_transfers.inc()
+            raise EmulatorError(500, "NIXL pull decode cannot pair with a 'push' mode prefill")
         outcome = await self._puller.pull(remote)
         if outcome.status is PullStatus.OK:
             transfer = self.latency.transfer(len(remote.block_ids))

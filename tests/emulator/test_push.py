@@ -181,3 +181,15 @@ async def test_push_decode_refuses_pull_mode_params(
     status, body = await decode(session, decoder, params, "mixed")
     assert status == 500
     assert "cannot pair" in body["error"]["message"]
+
+
+async def test_pull_decode_refuses_push_mode_params(
+    make_emulator: MakeEmulator, session: aiohttp.ClientSession
+) -> None:
+    prefiller = await make_emulator(kv_protocol="nixl-push")
+    decoder = await make_emulator()  # pull mode
+    params = await prefill(session, prefiller, "mixed-2")
+    status, body = await decode(session, decoder, params, "mixed-2")
+    assert status == 500
+    assert "cannot pair" in body["error"]["message"]
+    assert (await kv_state(session, prefiller))["staged_blocks"] == 4
