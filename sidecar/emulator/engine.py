@@ -243,7 +243,8 @@ class Engine:
             raise EmulatorError(
                 500,
                 f"Request {request.request_id}: no decode claimed bootstrap room {room} "
-                f"within {timeout_s}s (bootstrap timeout); its KV was dropped",
+                f"within {timeout_s}s (bootstrap timeout) or another prefill took the room; "
+                "its KV was dropped",
             )
 
     async def _transferred(self, outcome: PullOutcome) -> None:

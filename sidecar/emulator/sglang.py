@@ -106,7 +106,7 @@ class _Room:
     request_id: str
     blocks: int
     staged_at: float
-    claimed: asyncio.Future[None] = field(
+    claimed: asyncio.Future[bool] = field(  # True: claimed; False: replaced by a later prefill
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
@@ -141,21 +141,18 @@ class RoomBoard:
         ]
 
     async def serve(self, room: int, request_id: str, blocks: int, timeout_s: float) -> bool:
-        """Stage the room and wait until a decode claims it; False (room dropped) on timeout.
-
-        Cancellation drops the room too.
-        """
+        """Stage the room and wait until a decode claims it; False (room dropped) on timeout or
+        when a later prefill staged the same room. Cancellation drops the room too."""
         entry = _Room(request_id, blocks, self._clock())
         if self._hand_to_waiting_claim(room, blocks):
             return True
         previous = self._rooms.get(room)
         if previous is not None and not previous.claimed.done():
-            previous.claimed.cancel()  # a re-used room replaces the old one, which then fails
+            previous.claimed.set_result(False)  # a re-used room replaces the old one, which fails
         self._rooms[room] = entry
         try:
             async with asyncio.timeout(timeout_s):
-                await entry.claimed
-            return True
+                return await entry.claimed
         except TimeoutError:
             self.timed_out_total += 1
             return False
@@ -175,7 +172,7 @@ class RoomBoard:
         """Blocks of the room once it is staged; None after ``timeout_s``."""
         entry = self._rooms.get(room)
         if entry is not None and not entry.claimed.done():
-            entry.claimed.set_result(None)
+            entry.claimed.set_result(True)
             del self._rooms[room]
             self.claimed_total += 1
             return entry.blocks

@@ -263,3 +263,24 @@ async def test_faults_apply_by_server_role(pair: Pair, session: aiohttp.ClientSe
     body = sglang_body(prefiller, 41)
     assert (await completion(session, prefiller, body))[0] == 503
     assert (await completion(session, decoder, body))[0] == 502
+
+
+async def test_a_second_prefill_with_the_same_room_replaces_the_first(
+    pair: Pair, session: aiohttp.ClientSession
+) -> None:
+    prefiller, decoder = pair
+    body = sglang_body(prefiller, 51)
+    first = asyncio.create_task(completion(session, prefiller, body))
+
+    async def staged(count: int) -> bool:
+        return bool((await kv_state(session, prefiller))["staged_requests"] == count)
+
+    await eventually(lambda: staged(1))
+    second = asyncio.create_task(completion(session, prefiller, body))
+    async with asyncio.timeout(10):
+        status, answer = await first
+    assert status == 500
+    assert "another prefill took the room" in answer["error"]["message"]
+    assert (await completion(session, decoder, body))[0] == 200
+    async with asyncio.timeout(10):
+        assert (await second)[0] == 200
