@@ -3,9 +3,10 @@
 Start order: KV store, push board, room board (sglang prefill) -> side-channel listener (its port
 is advertised in kv_transfer_params; it is the sglang bootstrap server too) -> API app
 (cleanup_ctx: pull session + engine, expiry sweeper) -> API listener.
-Close order (:meth:`RunningEmulator.close`): cancel in-flight API handlers (hung, stalled and
-streaming requests end at once) -> stop the API listener and run its cleanup_ctx in reverse
-(sweeper, then the pull session) -> stop the side-channel listener.
+Close order (:meth:`RunningEmulator.close`): cancel in-flight API and side-channel handlers (hung,
+stalled and streaming requests, waiting push registrations and sglang claims end at once) -> stop
+the API listener and run its cleanup_ctx in reverse (sweeper, then the pull session) -> stop the
+side-channel listener.
 """
 
 from __future__ import annotations
@@ -254,8 +255,7 @@ class RunningEmulator:
         if self._closed:
             return
         self._closed = True
-        tasks: set[asyncio.Task[Any]] = self.app[INFLIGHT]
-        inflight = list(tasks)
+        inflight = [*self.app[INFLIGHT], *self._side_runner.app[INFLIGHT]]
         for task in inflight:
             task.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
@@ -286,6 +286,8 @@ async def start_emulator(
     push = PushBoard(kv)
     rooms = RoomBoard(kv_clock) if config.disaggregation_mode == "prefill" else None
     side_app = create_side_channel_app(kv)
+    side_app.middlewares.append(_track_and_log)  # waiting registrations and claims end on close()
+    side_app[INFLIGHT] = set()
     add_push_routes(side_app, push, kv.engine_id)
     add_bootstrap_routes(side_app, rooms)
     side_runner = web.AppRunner(

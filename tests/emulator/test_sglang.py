@@ -284,3 +284,20 @@ async def test_a_second_prefill_with_the_same_room_replaces_the_first(
     assert (await completion(session, decoder, body))[0] == 200
     async with asyncio.timeout(10):
         assert (await second)[0] == 200
+
+
+async def test_closing_the_prefill_ends_a_waiting_claim_at_once(
+    pair: Pair, session: aiohttp.ClientSession
+) -> None:
+    prefiller, decoder = pair
+    task = asyncio.create_task(completion(session, decoder, sglang_body(prefiller, 61)))
+
+    async def claimed() -> bool:
+        return bool((await kv_state(session, prefiller))["claims_waiting"] == 1)
+
+    await eventually(claimed)
+    async with asyncio.timeout(5):
+        await prefiller.close()
+        status, body = await task
+    assert status == 500, body
+    assert (await kv_state(session, decoder))["rooms_waiting"] == 0
