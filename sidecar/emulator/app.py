@@ -288,7 +288,7 @@ async def start_emulator(
     side_app = create_side_channel_app(kv)
     side_app.middlewares.append(_track_and_log)  # waiting registrations and claims end on close()
     side_app[INFLIGHT] = set()
-    add_push_routes(side_app, push, kv.engine_id)
+    add_push_routes(side_app, push if config.kv_protocol == "nixl-push" else None, kv.engine_id)
     add_bootstrap_routes(side_app, rooms)
     side_runner = web.AppRunner(
         side_app,

@@ -7,7 +7,7 @@ Prefill side (side channel)::
     {"engine_id": str, "request_id": <the decode's own response id>, "timeout_s": float}
 
     200 {"status": "ok", "blocks": N}    the entry staged under that id was taken (pulled_total +1)
-    409 {"status": "engine_mismatch"}    the engine id is not this emulator's
+    409 {"status": "engine_mismatch"}    not this emulator's engine id, or not a push-mode engine
     408 {"status": "timeout"}            nothing was staged under that id within timeout_s
 
 A registration that finds nothing staged waits (the prefill may still be computing) until an entry
@@ -84,8 +84,10 @@ PUSH_BOARD = web.AppKey("push_board", PushBoard)
 
 
 async def handle_register(request: web.Request) -> web.Response:
-    board = request.app[PUSH_BOARD]
+    board = request.app.get(PUSH_BOARD)
     kv_engine_id = request.app[KV_ENGINE_ID]
+    if board is None:  # vLLM: the transfer mode is in the compatibility hash, the handshake fails
+        return _answer(PullStatus.ENGINE_MISMATCH, 409, "the prefill engine is not in push mode")
     try:
         body = orjson.loads(await request.read())
         if not isinstance(body, Mapping):
@@ -116,7 +118,9 @@ async def handle_register(request: web.Request) -> web.Response:
 KV_ENGINE_ID = web.AppKey("kv_engine_id", str)
 
 
-def add_push_routes(app: web.Application, board: PushBoard, engine_id: str) -> None:
-    app[PUSH_BOARD] = board
+def add_push_routes(app: web.Application, board: PushBoard | None, engine_id: str) -> None:
+    """The registration route; ``board`` is None on an engine that is not in push mode."""
+    if board is not None:
+        app[PUSH_BOARD] = board
     app[KV_ENGINE_ID] = engine_id
     app.router.add_post(REGISTER_PATH, handle_register)

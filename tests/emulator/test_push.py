@@ -177,6 +177,9 @@ async def test_push_decode_refuses_pull_mode_params(
     decoder = await make_emulator(kv_protocol="nixl-push", push_registration_timeout_s=0.1)
     params = await prefill(session, prefiller, "mixed")
     assert "transfer_mode" not in params
+    status, body = await decode(session, decoder, params, "mixed")
+    assert status == 500
+    assert "not in push mode" in body["error"]["message"]
     params["transfer_mode"] = "pull"
     status, body = await decode(session, decoder, params, "mixed")
     assert status == 500
