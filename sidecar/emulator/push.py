@@ -18,7 +18,6 @@ carry the same ``x-request-id`` on the same endpoint, as with vLLM.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 
@@ -26,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from sidecar.emulator.kv import KvStore, PullStatus, StagedKv
+from sidecar.emulator.waiters import Waiters
 
 log = logging.getLogger("sidecar.emulator.push")
 
@@ -38,39 +38,26 @@ class PushBoard:
 
     def __init__(self, kv: KvStore) -> None:
         self._kv = kv
-        self._waiting: dict[str, list[asyncio.Future[StagedKv]]] = {}
+        self._waiting: Waiters[str, StagedKv] = Waiters()
         kv.add_stage_listener(self._on_stage)
 
     @property
     def waiting(self) -> int:
-        return sum(len(futures) for futures in self._waiting.values())
+        return self._waiting.count()
 
     async def register(self, request_id: str, timeout_s: float) -> StagedKv | None:
         """The staged entry for this id, once there is one; None after ``timeout_s``."""
         staged = self._kv.take(request_id)
         if staged is not None:
             return staged
-        future: asyncio.Future[StagedKv] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(request_id, []).append(future)
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await future
-        except TimeoutError:
-            return None
-        finally:
-            futures = self._waiting.get(request_id, [])
-            if future in futures:
-                futures.remove(future)
-            if not futures:
-                self._waiting.pop(request_id, None)
+        return await self._waiting.wait(request_id, timeout_s)
 
     def _on_stage(self, request_id: str) -> None:
-        for future in self._waiting.get(request_id, []):
-            if not future.done():
-                staged = self._kv.take(request_id)
-                if staged is not None:
-                    future.set_result(staged)
-                return
+        future = self._waiting.first(request_id)
+        if future is not None:
+            staged = self._kv.take(request_id)
+            if staged is not None:
+                future.set_result(staged)
 
 
 def _answer(status: PullStatus, http_status: int, message: str, blocks: int = 0) -> web.Response:

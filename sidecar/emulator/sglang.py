@@ -28,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from sidecar.emulator.kv import Clock, PullStatus
+from sidecar.emulator.waiters import Waiters
 
 log = logging.getLogger("sidecar.emulator.sglang")
 
@@ -125,13 +126,13 @@ class RoomBoard:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._rooms: dict[int, _Room] = {}
-        self._claims: dict[int, list[asyncio.Future[int]]] = {}
+        self._claims: Waiters[int, int] = Waiters()
         self.claimed_total = 0
         self.timed_out_total = 0
 
     @property
     def claims_waiting(self) -> int:
-        return sum(len(futures) for futures in self._claims.values())
+        return self._claims.count()
 
     def snapshot(self) -> list[RoomView]:
         now = self._clock()
@@ -161,12 +162,12 @@ class RoomBoard:
                 del self._rooms[room]
 
     def _hand_to_waiting_claim(self, room: int, blocks: int) -> bool:
-        for future in self._claims.get(room, []):
-            if not future.done():
-                future.set_result(blocks)
-                self.claimed_total += 1
-                return True
-        return False
+        future = self._claims.first(room)
+        if future is None:
+            return False
+        future.set_result(blocks)
+        self.claimed_total += 1
+        return True
 
     async def claim(self, room: int, timeout_s: float) -> int | None:
         """Blocks of the room once it is staged; None after ``timeout_s``."""
@@ -176,19 +177,7 @@ class RoomBoard:
             del self._rooms[room]
             self.claimed_total += 1
             return entry.blocks
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._claims.setdefault(room, []).append(future)
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await future
-        except TimeoutError:
-            return None
-        finally:
-            futures = self._claims.get(room, [])
-            if future in futures:
-                futures.remove(future)
-            if not futures:
-                self._claims.pop(room, None)
+        return await self._claims.wait(room, timeout_s)
 
 
 ROOM_BOARD = web.AppKey("room_board", RoomBoard)
