@@ -15,14 +15,16 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
-from sidecar.endpoints import Endpoint, parse_endpoint, valid_host
+from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 from sidecar.headers import DEFAULT_PREFILL_HEADERS
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
 
-CONNECTOR_ALIASES = {"nixlv2": "nixl"}
+CONNECTOR_ALIASES = {"nixlv2": "nixl", "shared_storage": "shared-storage", "nixl_push": "nixl-push"}
 """llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
+REMOTE_ONLY_CONNECTORS = frozenset({"sglang"})
+"""Protocols whose decode server cannot prefill a prompt itself: every request disaggregates."""
 
 
 class Settings(BaseSettings):
@@ -34,10 +36,20 @@ class Settings(BaseSettings):
         "http://127.0.0.1:8200",
         description="Base URL of the local decode engine (http or https, no path).",
     )
-    connector: Literal["nixl"] = Field(
+    connector: Literal["nixl", "nixl-push", "sglang", "shared-storage"] = Field(
         "nixl",
-        description="KV connector protocol spoken to the engines: nixl (vLLM NixlConnector; "
-        "alias nixlv2).",
+        description="KV connector protocol spoken to the engines: nixl (vLLM NixlConnector, "
+        "pull; alias nixlv2), nixl-push (vLLM NixlPushConnector), sglang (SGLang's bootstrap "
+        "rendezvous; every request disaggregates), shared-storage (vLLM ExampleConnector, "
+        "LMCache-style stores: the decode finds the KV by prefix).",
+    )
+    sglang_bootstrap_port: int = Field(
+        8998,
+        ge=1,
+        le=65535,
+        description="SGLang prefill servers' bootstrap port (their --disaggregation-bootstrap-"
+        "port), for header and DNS targets; a SIDECAR_PREFILL_ENDPOINTS entry may name its own "
+        "as host:port#bootstrap_port.",
     )
     prefill_endpoints: Annotated[tuple[Endpoint, ...], NoDecode] = Field(
         (),
@@ -128,9 +140,10 @@ class Settings(BaseSettings):
         0.05, ge=0, description="Wait before the first prefill retry, doubled for each next one."
     )
     prefill_fallback: Literal["local", "fail"] = Field(
-        "local",
+        None,  # resolved per connector by _fallback_for_connector
+        validate_default=True,
         description="After a failed prefill: local (the decode engine recomputes the prompt) or "
-        "fail (503 to the client).",
+        "fail (503 to the client). Empty: local, except with sglang (fail; local is refused).",
     )
     prefill_timeout_s: float = Field(
         60, gt=0, description="Longest prefill leg, in seconds (a timeout is a transient failure)."
@@ -230,6 +243,19 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("prefill_fallback", mode="before")
+    @classmethod
+    def _fallback_for_connector(cls, value: Any, info: ValidationInfo) -> Any:
+        remote_only = info.data.get("connector") in REMOTE_ONLY_CONNECTORS
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return "fail" if remote_only else "local"
+        if remote_only and isinstance(value, str) and value.strip().lower() == "local":
+            raise ValueError(
+                "local is impossible with SIDECAR_CONNECTOR=sglang: an SGLang decode server "
+                "cannot prefill a prompt itself"
+            )
+        return value
+
     @field_validator("eject_max_s")
     @classmethod
     def _eject_max_above_base(cls, value: float, info: ValidationInfo) -> float:
@@ -269,7 +295,7 @@ class Settings(BaseSettings):
             value = _items(value)
         if isinstance(value, list | tuple):
             return tuple(
-                item if isinstance(item, Endpoint) else parse_endpoint(item) for item in value
+                item if isinstance(item, Endpoint) else parse_pool_entry(item) for item in value
             )
         return value
 

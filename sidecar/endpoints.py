@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
@@ -18,10 +18,15 @@ _LEGACY_SCHEME = "http://"
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """An engine's address. ``host`` holds an IPv6 literal without brackets."""
+    """An engine's address. ``host`` holds an IPv6 literal without brackets.
+
+    ``bootstrap_port``: where an SGLang prefill server takes KV rendezvous, when a pool entry
+    names it (``host:port#bootstrap_port``); not part of the address (equality, ``str``).
+    """
 
     host: str
     port: int
+    bootstrap_port: int | None = field(default=None, compare=False)
 
     @property
     def is_ipv6(self) -> bool:
@@ -60,6 +65,17 @@ def parse_endpoint(text: str) -> Endpoint:
     if not _PORT.match(port_text) or not 1 <= int(port_text) <= 65535:
         raise ValueError(f"{text!r}: port must be a number from 1 to 65535")
     return Endpoint(host=host.lower(), port=int(port_text))
+
+
+def parse_pool_entry(text: str) -> Endpoint:
+    """A pool entry: ``host:port``, optionally ``#bootstrap_port`` (SGLang)."""
+    address, sep, bootstrap = text.partition("#")
+    endpoint = parse_endpoint(address)
+    if not sep:
+        return endpoint
+    if not _PORT.match(bootstrap.strip()) or not 1 <= int(bootstrap) <= 65535:
+        raise ValueError(f"{text!r}: the bootstrap port after '#' must be a number from 1 to 65535")
+    return Endpoint(endpoint.host, endpoint.port, int(bootstrap))
 
 
 def valid_host(host: str) -> bool:

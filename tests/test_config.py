@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from sidecar.__main__ import load_settings
 from sidecar.config import Settings, describe_fields
@@ -89,6 +90,7 @@ INVALID = [
     ("SIDECAR_PREFILL_RETRIES", "-1"),
     ("SIDECAR_PREFILL_RETRY_BACKOFF_S", "-1"),
     ("SIDECAR_PREFILL_FALLBACK", "maybe"),
+    ("SIDECAR_SGLANG_BOOTSTRAP_PORT", "0"),
     ("SIDECAR_PREFILL_TIMEOUT_S", "0"),
     ("SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S", "0"),
     ("SIDECAR_STREAM_IDLE_TIMEOUT_S", "0"),
@@ -154,10 +156,17 @@ CONTRADICTIONS = [
         "120",
     ),
     ({"SIDECAR_PORT": "8000", "SIDECAR_ADMIN_PORT": "8000"}, "is SIDECAR_PORT too", "8001"),
+    (
+        {"SIDECAR_CONNECTOR": "sglang", "SIDECAR_PREFILL_FALLBACK": "local"},
+        "cannot prefill a prompt itself",
+        "fail",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("variables", "says", "agrees"), CONTRADICTIONS, ids=["eject", "ports"])
+@pytest.mark.parametrize(
+    ("variables", "says", "agrees"), CONTRADICTIONS, ids=["eject", "ports", "sglang-local"]
+)
 def test_contradictory_settings_exit_2_naming_both(
     variables: dict[str, str],
     says: str,
@@ -179,6 +188,27 @@ def test_contradictory_settings_exit_2_naming_both(
     assert says in lines[0]
     monkeypatch.setenv(list(variables)[1], agrees)
     assert isinstance(load_settings(), Settings)
+
+
+def test_the_fallback_follows_the_connector() -> None:
+    assert Settings().prefill_fallback == "local"
+    assert Settings(connector="sglang").prefill_fallback == "fail"  # it cannot decode locally
+    assert Settings(connector="shared-storage", prefill_fallback="fail").prefill_fallback == "fail"
+    assert Settings(connector="nixlv2").connector == "nixl"
+    assert Settings(connector="NIXL_PUSH").connector == "nixl-push"
+
+
+def test_a_pool_entry_may_name_its_bootstrap_port() -> None:
+    pool = Settings(prefill_endpoints="p0:8000#9000, [::1]:8001#9001,p2:8002").prefill_endpoints
+    assert [(str(e), e.bootstrap_port) for e in pool] == [
+        ("p0:8000", 9000),
+        ("[::1]:8001", 9001),
+        ("p2:8002", None),
+    ]
+    assert pool[0] == Endpoint("p0", 8000)  # the same address, whatever its bootstrap port
+    for bad in ("p0:8000#", "p0:8000#0", "p0:8000#x", "p0:8000#70000"):
+        with pytest.raises(ValidationError, match="bootstrap port"):
+            Settings(prefill_endpoints=bad)
 
 
 def test_prefill_headers_parse_in_order_lowercased() -> None:
