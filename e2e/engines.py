@@ -31,6 +31,11 @@ KV_CACHE_BYTES = 128 * 1024 * 1024
 Role = Literal["prefill", "decode"]
 _KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
+KvConnector = Literal["NixlConnector", "NixlPushConnector", "ExampleConnector"]
+"""vLLM's KV connectors the suite runs: NIXL pull (the decode reads the prefill's blocks), NIXL
+push (the prefill writes into blocks the decode registered), and the shared-storage example
+(KV saved to files in a directory both engines see, keyed by the prompt's tokens)."""
+
 _OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -94,11 +99,14 @@ def engine_cores() -> tuple[int | None, int | None]:
 
 @dataclass(slots=True, eq=False)
 class VllmEngine:
-    """One real vLLM OpenAI server with NixlConnector on CPU memory."""
+    """One real vLLM OpenAI server with a KV connector (NixlConnector by default) on CPU memory."""
 
     role: Role
     home: VllmHome
     log_dir: Path
+    kv_connector: KvConnector = "NixlConnector"
+    shared_storage_path: Path | None = None
+    """ExampleConnector only: the directory both engines of the pair save KV to and load it from."""
     port: int = field(default_factory=free_port)
     side_channel_port: int = field(default_factory=free_port)
     cpu: int | None = None
@@ -126,12 +134,7 @@ class VllmEngine:
         read freed blocks; the prefill counted them expired) — with or without the sidecar. With
         each engine on a core of its own, 32 concurrent P/D requests take about a second.
         """
-        kv_config = {
-            "kv_connector": "NixlConnector",
-            "kv_role": _KV_ROLES[self.role],
-            "kv_buffer_device": "cpu",
-            "kv_connector_extra_config": {},
-        }
+        kv_config = self.kv_transfer_config()
         pin = ["taskset", "-c", str(self.cpu)] if self.cpu is not None else []
         return [
             *pin,
@@ -160,6 +163,24 @@ class VllmEngine:
             json.dumps(kv_config),
         ]
 
+    def kv_transfer_config(self) -> dict[str, object]:
+        """``--kv-transfer-config``: NIXL (pull or push) with a producer and a consumer on CPU
+        memory; ExampleConnector with ``kv_both`` on both engines (any engine whose prompt misses
+        the store saves its KV there) and the pair's directory."""
+        if self.kv_connector == "ExampleConnector":
+            assert self.shared_storage_path is not None, "ExampleConnector needs a directory"
+            return {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"shared_storage_path": str(self.shared_storage_path)},
+            }
+        return {
+            "kv_connector": self.kv_connector,
+            "kv_role": _KV_ROLES[self.role],
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {},
+        }
+
     def environment(self) -> dict[str, str]:
         env = {**_OFFLINE_ENV, **_NIXL_ENV}
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
@@ -172,7 +193,7 @@ class VllmEngine:
         self.process = Child(
             f"vLLM {self.role} engine",
             self.argv(),
-            log_path=self.log_dir / f"vllm-{self.role}-{self.port}.log",
+            log_path=self.log_dir / f"vllm-{self.role}-{self.kv_connector}-{self.port}.log",
             env=self.environment(),
             url=self.url,
         ).start()
@@ -196,6 +217,8 @@ class SidecarProcess:
 
     decode_url: str
     log_dir: Path
+    connector: str = "nixl"
+    """``SIDECAR_CONNECTOR``: the protocol the sidecar speaks to the pair's engines."""
     port: int = field(default_factory=free_port)
     python: str = sys.executable
     process: Child | None = field(default=None, repr=False)
@@ -211,6 +234,7 @@ class SidecarProcess:
             "SIDECAR_DECODE_URL": self.decode_url,
             "SIDECAR_READY_INTERVAL_S": "0.5",
             "SIDECAR_LOG_REQUESTS": "true",
+            "SIDECAR_CONNECTOR": self.connector,
         }
         self.process = Child(
             "sidecar",

@@ -1,4 +1,9 @@
-"""Real vLLM prefill and decode engines and the sidecar process, started once per session.
+"""Real vLLM prefill and decode engines and the sidecar process.
+
+The NixlConnector pair (``cluster``) starts once per session; the pairs of the other connectors
+(``start_cluster``) once per module. One pair runs at a time: starting a pair stops any other
+(two engines per core would starve each other), and the modules run in ``MODULE_ORDER``, the
+NixlConnector ones first.
 
 Needs the environment ``e2e/setup_vllm.sh`` builds (``make e2e-vllm`` runs it first). Engine and
 sidecar logs go to a temporary directory named in every startup failure, or to ``E2E_VLLM_LOG_DIR``
@@ -25,6 +30,8 @@ import pytest_asyncio
 from e2e.engines import (
     KV_CACHE_BYTES,
     SERVED_MODEL,
+    KvConnector,
+    Role,
     SidecarProcess,
     VllmEngine,
     VllmHome,
@@ -57,6 +64,31 @@ KV_BLOCKS = KV_CACHE_BYTES // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
 """Blocks in each engine's KV cache (1024); the gauge counts all but vLLM's reserved null block."""
 
 
+MODULE_ORDER = (
+    "test_kv_release.py",
+    "test_real_engines.py",
+    "test_nixl_push.py",
+    "test_shared_storage.py",
+)
+"""The order modules run in: the session's NixlConnector pair serves the first two; each later
+module starts a pair of its own, which stops the one before."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run this directory's modules in ``MODULE_ORDER`` (file order within each), in the places
+    its tests already hold among the session's items."""
+    here = Path(__file__).parent
+    places = [i for i, item in enumerate(items) if item.path.parent == here]
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return MODULE_ORDER.index(name) if name in MODULE_ORDER else len(MODULE_ORDER)
+
+    ordered = sorted((items[i] for i in places), key=rank)  # stable: file order within a module
+    for place, item in zip(places, ordered, strict=True):
+        items[place] = item
+
+
 @dataclass(slots=True, eq=False)
 class Cluster:
     """Processes under test; tests that stop an engine say so, restore what later ones need."""
@@ -66,6 +98,8 @@ class Cluster:
     prefill: VllmEngine
     decode: VllmEngine
     sidecar: SidecarProcess
+    shared_storage_path: Path | None = None
+    """ExampleConnector pairs: the directory both engines save KV to and load it from."""
     stranded_since: float | None = None
     """Monotonic time of the last prefill whose KV was (deliberately) never pulled."""
     expected_expiries: int = 0
@@ -73,10 +107,13 @@ class Cluster:
     restarting: asyncio.Task[None] | None = None
 
     async def stop(self) -> None:
+        """Stop every process of the pair (idempotent)."""
         if self.restarting is not None:
             await asyncio.gather(self.restarting, return_exceptions=True)
-        for process in (self.sidecar, self.decode, self.prefill):
-            await process.stop()
+        await self.sidecar.stop()
+        await asyncio.gather(self.decode.stop(), self.prefill.stop())  # about 10 s each
+        if self in _RUNNING:
+            _RUNNING.remove(self)
 
     async def restart_decode(self) -> None:
         """A fresh decode engine on the same ports: the sidecar's decode URL stays valid."""
@@ -85,6 +122,8 @@ class Cluster:
             "decode",
             self.home,
             self.log_dir,
+            kv_connector=self.decode.kv_connector,
+            shared_storage_path=self.decode.shared_storage_path,
             port=self.decode.port,
             side_channel_port=self.decode.side_channel_port,
             cpu=self.decode.cpu,
@@ -93,22 +132,61 @@ class Cluster:
         await self.decode.wait_ready()
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+_RUNNING: list[Cluster] = []
+"""Pairs started and not yet stopped: at most one (see ``start_cluster``)."""
+
+
+def log_dir_for(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(os.environ.get("E2E_VLLM_LOG_DIR") or tmp_path_factory.mktemp("e2e-vllm-logs"))
+
+
+async def start_cluster(
+    log_dir: Path,
+    *,
+    kv_connector: KvConnector = "NixlConnector",
+    sidecar_connector: str = "nixl",
+    shared_storage_path: Path | None = None,
+) -> Cluster:
+    """A prefill engine, a decode engine with ``kv_connector`` and a sidecar speaking
+    ``sidecar_connector`` to them, ready. Any other pair still running is stopped first: each
+    engine has a core of its own (docs/e2e.md), so two pairs on two cores would starve."""
     home = VllmHome.locate()
     if (problem := home.missing()) is not None:
         pytest.fail(problem, pytrace=False)
-    log_dir = Path(os.environ.get("E2E_VLLM_LOG_DIR") or tmp_path_factory.mktemp("e2e-vllm-logs"))
+    for other in list(_RUNNING):
+        await other.stop()
     prefill_cpu, decode_cpu = engine_cores()
-    prefill = VllmEngine("prefill", home, log_dir, cpu=prefill_cpu)
-    decode = VllmEngine("decode", home, log_dir, cpu=decode_cpu)
-    sidecar = SidecarProcess(decode.url, log_dir)
-    running = Cluster(home, log_dir, prefill, decode, sidecar)
+    roles: tuple[tuple[Role, int | None], ...] = (("prefill", prefill_cpu), ("decode", decode_cpu))
+    prefill, decode = (
+        VllmEngine(
+            role,
+            home,
+            log_dir,
+            kv_connector=kv_connector,
+            shared_storage_path=shared_storage_path,
+            cpu=cpu,
+        )
+        for role, cpu in roles
+    )
+    sidecar = SidecarProcess(decode.url, log_dir, connector=sidecar_connector)
+    running = Cluster(home, log_dir, prefill, decode, sidecar, shared_storage_path)
+    _RUNNING.append(running)
     try:
         for process in (prefill, decode, sidecar):
             process.start()
         for process in (prefill, decode, sidecar):  # started together, they get ready together
             await process.wait_ready()
+    except BaseException:
+        await running.stop()
+        raise
+    return running
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    """The NixlConnector (pull) pair, for test_kv_release.py and test_real_engines.py."""
+    running = await start_cluster(log_dir_for(tmp_path_factory))
+    try:
         yield running
     finally:
         await running.stop()
