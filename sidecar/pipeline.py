@@ -141,13 +141,14 @@ class Pipeline:
 class _Progress:
     """The connector's milestones, written into the record (and the scheduler's local view)."""
 
-    __slots__ = ("_placement", "_record", "_scheduler", "_told")
+    __slots__ = ("_placement", "_prefilling", "_record", "_scheduler", "_told")
 
     def __init__(self, record: RequestRecord, scheduler: Scheduler, placement: Placement) -> None:
         self._record = record
         self._scheduler = scheduler
         self._placement = placement
         self._told = False
+        self._prefilling = False
 
     def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None:
         record = self._record
@@ -155,9 +156,14 @@ class _Progress:
         record.mark(Phase.PREFILL_SENT)
         record.prefill_attempts = attempt
         record.prefill_endpoint = str(endpoint)
+        self._prefilling = True
 
     def prefill_ended(self) -> None:
-        self._record.phases[Phase.PREFILL_DONE] = self._record.elapsed()
+        record = self._record
+        record.phases[Phase.PREFILL_DONE] = record.elapsed()
+        self._prefilling = False
+        if Phase.DECODE_SENT in record.phases and record.state == State.PREFILLING:
+            record.state = State.DECODING  # legs sent at once (SGLang): the decode goes on
 
     def fell_back(self, reason: str, *, local: bool) -> None:
         self._record.fallback_reason = reason
@@ -165,10 +171,13 @@ class _Progress:
             self._record.decision = Decision.LOCAL
 
     def decode_sent(self) -> None:
-        self._record.state = State.DECODING
+        # With legs sent at once, the record says "prefilling" until the prefill ends.
+        if not self._prefilling:
+            self._record.state = State.DECODING
         self._record.mark(Phase.DECODE_SENT)
 
     def first_byte(self) -> None:
+        self._record.state = State.DECODING
         self._record.mark(Phase.FIRST_BYTE)
         self._tell(self._record.span(None, Phase.FIRST_BYTE))
 

@@ -56,7 +56,8 @@ Outcome = Prefilled | Refused | Fallback
 BodyFor = Callable[[Endpoint], bytes]
 """The prefill leg's bytes for an endpoint (a protocol may name the endpoint in the body)."""
 Accept = Callable[[object, Endpoint], Prefilled | None]
-"""A 2xx prefill answer (parsed JSON) → ``Prefilled``, or None when it is unusable."""
+"""A 2xx prefill answer (parsed JSON, or its raw bytes when the call is not ``json``) →
+``Prefilled``, or None when it is unusable."""
 Orphaned = Callable[[Prefilled], None]
 """Gets the KV of a prefill whose client left."""
 
@@ -72,6 +73,16 @@ class _Failure:
 
 
 _Result = Prefilled | Refused | _Failure
+
+
+@dataclass(frozen=True, slots=True)
+class _CallSpec:
+    """What a connector asked of its prefill calls (``PrefillCall.run``'s arguments)."""
+
+    accept: Accept
+    orphaned: Orphaned
+    json: bool
+    abort_on_disconnect: bool
 
 
 class PrefillCall:
@@ -91,9 +102,23 @@ class PrefillCall:
         self._aftercare = aftercare
 
     async def run(
-        self, ex: Exchange, *, body_for: BodyFor, accept: Accept, orphaned: Orphaned
+        self,
+        ex: Exchange,
+        *,
+        body_for: BodyFor,
+        accept: Accept,
+        orphaned: Orphaned,
+        json: bool = True,
+        abort_on_disconnect: bool = False,
     ) -> Outcome:
-        """Prefill ``ex`` where it was placed, retrying and falling back as configured."""
+        """Prefill ``ex`` where it was placed, retrying and falling back as configured.
+
+        ``json``: the answer is parsed before ``accept`` sees it (else its raw bytes, which may
+        be a stream). ``abort_on_disconnect``: a call cancelled before its answer started is
+        aborted whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill waits
+        for its decode, which is gone then).
+        """
+        spec = _CallSpec(accept, orphaned, json, abort_on_disconnect)
         tried: set[str] = set()
         current: Placement | None = ex.placement
         attempt = 0
@@ -108,7 +133,7 @@ class PrefillCall:
                 self._scheduler.prefill_finished(current, ok=None)  # no call will give it back
                 raise
             ex.progress.prefill_sent(current.endpoint, attempt)
-            result = await self._attempt(ex, data, current, accept, orphaned)
+            result = await self._attempt(ex, data, current, spec)
             if not isinstance(result, _Failure):
                 return result
             failure = result
@@ -133,21 +158,20 @@ class PrefillCall:
         ex: Exchange,
         data: bytes,
         placement: Placement,
-        accept: Accept,
-        orphaned: Orphaned,
+        spec: _CallSpec,
     ) -> _Result:
         assert placement.endpoint is not None
         started = asyncio.get_running_loop().time()
         answering = asyncio.Event()
         call = asyncio.create_task(
-            self._call(ex, data, placement.endpoint, accept, answering),
+            self._call(ex, data, placement.endpoint, spec, answering),
             name=task_name(ex.request_id, "prefill"),
         )
         call.add_done_callback(functools.partial(self._ended, placement, started))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
-            self._client_left(call, placement, started, answering.is_set(), orphaned)
+            self._client_left(call, placement, started, answering.is_set(), spec)
             raise
         finally:
             ex.progress.prefill_ended()
@@ -175,17 +199,22 @@ class PrefillCall:
         placement: Placement,
         started: float,
         answering: bool,
-        orphaned: Orphaned,
+        spec: _CallSpec,
     ) -> None:
         """Abort the call or let it finish (module docstring); synchronous on purpose."""
         if call.done():  # its answer came in with the cancellation
-            _salvage(call, orphaned)
+            _salvage(call, spec.orphaned)
             return
         # An engine whose status line is in has finished the prefill (and staged its KV):
         # aborting saves nothing then, and only reading the answer can free the KV.
-        action = "finish" if answering else self._action(placement, started)
+        if answering:
+            action = "finish"
+        elif spec.abort_on_disconnect:
+            action = "abort"
+        else:
+            action = self._action(placement, started)
         if action == "finish" and self._aftercare.adopt(call):
-            call.add_done_callback(functools.partial(_salvage, orphaned=orphaned))
+            call.add_done_callback(functools.partial(_salvage, orphaned=spec.orphaned))
         else:
             if answering:  # staged KV that cannot be read now: left to the engine's expiry
                 self._metrics.kv_releases.labels("skipped").inc()
@@ -213,7 +242,7 @@ class PrefillCall:
         ex: Exchange,
         data: bytes,
         endpoint: Endpoint,
-        accept: Accept,
+        spec: _CallSpec,
         answering: asyncio.Event,
     ) -> _Result:
         """One prefill call; sets ``answering`` once the engine's status line is in."""
@@ -254,11 +283,15 @@ class PrefillCall:
                 f"prefill answered {status}",
                 transient=status in TRANSIENT_STATUSES,
             )
-        try:
-            parsed = parse_json(answer, "prefill")
-        except EngineError as exc:
-            return _Failure("prefill_bad_response", "bad_response", exc.message, transient=False)
-        prefilled = accept(parsed, endpoint)
+        parsed: object = answer
+        if spec.json:
+            try:
+                parsed = parse_json(answer, "prefill")
+            except EngineError as exc:
+                return _Failure(
+                    "prefill_bad_response", "bad_response", exc.message, transient=False
+                )
+        prefilled = spec.accept(parsed, endpoint)
         if prefilled is None:
             return _Failure(
                 "no_kv_params", "bad_response", "answer has no usable KV params", transient=False

@@ -5,7 +5,10 @@ emulator, the sidecar in front. Each case ends by checking that nothing is left 
 staged on the prefill engine, no request running on either engine, no task in the sidecar's request
 path, no reservation held, no record in flight.
 
-A connector joins by adding a ``Spec`` to ``SPECS``: its settings and what its legs must carry.
+A connector joins by adding a ``Spec`` to ``SPECS``: its settings, its engines' KV protocol, what
+its legs must carry and how it frees KV that a failed decode did not take. What "left behind"
+means is the same for all: no NIXL block staged, no SGLang room computed and unclaimed, no decode
+waiting for a room or a push registration, no prefill waiting for its decode.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,6 +26,7 @@ import pytest
 
 from sidecar.app import RunningSidecar
 from sidecar.connectors.nixl import PREFILL_REQUEST_PARAMS
+from sidecar.connectors.sglang import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM
 from sidecar.emulator import RunningEmulator
 from tests.conftest import (
     StartEmulator,
@@ -39,6 +44,7 @@ from tests.conftest import (
     tasks_in_request_code,
 )
 
+SGLANG_FIELDS = (BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM)
 LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a while. " * 400
 """About 7,000 tokens: at the scheduler's prior speed, predicted past ``auto``'s finish window."""
 
@@ -61,14 +67,87 @@ def _nixl_legs(
     assert params["remote_request_id"]
 
 
+def _push_legs(
+    client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
+) -> None:
+    assert decode_leg["kv_transfer_params"]["transfer_mode"] == "push"
+    _nixl_legs(client, route, prefill_leg, decode_leg)
+
+
+def _sglang_legs(
+    client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
+) -> None:
+    assert prefill_leg == decode_leg  # the same body, to both at once
+    rendezvous = {name: decode_leg.pop(name) for name in SGLANG_FIELDS}
+    assert decode_leg == client
+    assert rendezvous[BOOTSTRAP_HOST] == "127.0.0.1"
+    assert isinstance(rendezvous[BOOTSTRAP_PORT], int)
+    room = rendezvous[BOOTSTRAP_ROOM]
+    assert isinstance(room, int)
+    assert 0 <= room < 2**63
+
+
+def _storage_legs(
+    client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
+) -> None:
+    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
+    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected.update(stream=False, max_tokens=1)
+    if route == "chat_completions":
+        expected["max_completion_tokens"] = 1
+    if "n" in client:
+        expected["n"] = 1
+    assert prefill_leg == expected
+    assert decode_leg == client  # unchanged: the KV is found in the store
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
-    settings: dict[str, Any] = field(default_factory=dict)
     check_legs: Callable[[dict[str, Any], str, dict[str, Any], dict[str, Any]], None] = _nixl_legs
+    prefill: dict[str, Any] = field(default_factory=dict)
+    """The prefill emulator's config (its KV protocol)."""
+    decode: dict[str, Any] = field(default_factory=dict)
+    release: str | None = "own_id"
+    """How KV a failed decode did not take is freed: a release under the request's id with
+    ``-release`` (``own_id``) or under the request's own id (``same_id``); None: nothing is ever
+    staged for one request."""
+    concurrent: bool = False
+    """Both legs are sent at once (the decode engine always sees a leg)."""
+    shared_store: bool = False
+    """Both engines use one KV store directory."""
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"connector": self.name}
 
 
-SPECS = [Spec("nixl")]
+SPECS = [
+    Spec("nixl"),
+    Spec(
+        "nixl-push",
+        _push_legs,
+        prefill={"kv_protocol": "nixl-push"},
+        decode={"kv_protocol": "nixl-push"},
+        release="same_id",
+    ),
+    Spec(
+        "sglang",
+        _sglang_legs,
+        prefill={"kv_protocol": "sglang", "disaggregation_mode": "prefill"},
+        decode={"kv_protocol": "sglang", "disaggregation_mode": "decode"},
+        release=None,
+        concurrent=True,
+    ),
+    Spec(
+        "shared-storage",
+        _storage_legs,
+        prefill={"kv_protocol": "shared-storage"},
+        decode={"kv_protocol": "shared-storage"},
+        release=None,
+        shared_store=True,
+    ),
+]
 
 
 @dataclass
@@ -77,6 +156,14 @@ class Rig:
     prefill: RunningEmulator
     decode: RunningEmulator
     sidecar: RunningSidecar
+    spec: Spec
+
+    async def inject(self, engine: RunningEmulator, **fault: Any) -> None:
+        """A fault on ``engine``. Its ``role`` picks the leg; a shared-storage request has no
+        role (every request is plain), and on its own engine "any" picks the same leg."""
+        if self.spec.shared_store:
+            fault["role"] = "any"
+        await inject(self.http, engine, **fault)
 
     async def post(
         self, body: dict[str, Any], path: str = "/v1/completions", **headers: str
@@ -123,6 +210,9 @@ class Rig:
             async with self.http.post(engine.url + "/emulator/release") as response:
                 assert response.status == 200
 
+    async def kv(self, engine: RunningEmulator) -> dict[str, Any]:
+        return await get_json(self.http, engine.url + "/emulator/kv")
+
     async def state(self) -> dict[str, Any]:
         debug = await get_json(self.http, self.sidecar.url + "/debug/requests")
         scheduler = await get_json(self.http, self.sidecar.url + "/debug/scheduler")
@@ -131,17 +221,30 @@ class Rig:
             await metric(self.http, e.url, "vllm:num_requests_running")
             for e in (self.prefill, self.decode)
         ]
+        prefill_kv, decode_kv = await self.kv(self.prefill), await self.kv(self.decode)
         return {
             "inflight": len(debug["inflight"]),
-            "staged": await staged_blocks(self.http, self.prefill),
+            "staged": prefill_kv["staged_blocks"],  # NIXL blocks, or SGLang rooms unclaimed
             "running": running,
+            "waiting": {  # for KV: a push registration, a room, or a prefill for its claim
+                "registrations": decode_kv["registrations_waiting"],
+                "rooms": decode_kv["rooms_waiting"],
+                "claims": prefill_kv["claims_waiting"],
+            },
             "reserved": (endpoint["reserved_requests"], endpoint["inflight_here"]),
             "tasks": tasks_in_request_code(),
         }
 
     async def settled(self, within: float = 5.0) -> None:
         """Nothing left behind (the module docstring), within ``within`` seconds."""
-        clean = {"inflight": 0, "staged": 0, "running": [0, 0], "reserved": (0, 0), "tasks": []}
+        clean = {
+            "inflight": 0,
+            "staged": 0,
+            "running": [0, 0],
+            "waiting": {"registrations": 0, "rooms": 0, "claims": 0},
+            "reserved": (0, 0),
+            "tasks": [],
+        }
         seen: dict[str, Any] = {}
 
         async def check() -> bool:
@@ -168,18 +271,22 @@ async def rig_with(
     spec: Spec,
     start_engine: StartEmulator,
     start_sidecar_with: StartSidecar,
+    tmp_path: Path,
 ) -> RigFactory:
     async def make(
         decode: dict[str, Any] | None = None, prefill: dict[str, Any] | None = None, **settings: Any
     ) -> Rig:
-        prefill_engine = await start_engine(**(prefill or {}))
-        decode_engine = await start_engine(**(decode or {}))
+        store = {"kv_store": str(tmp_path / "kv")} if spec.shared_store else {}
+        prefill_engine = await start_engine(**{**spec.prefill, **store, **(prefill or {})})
+        decode_engine = await start_engine(**{**spec.decode, **store, **(decode or {})})
+        if spec.name == "sglang":  # header targets use the setting
+            settings.setdefault("sglang_bootstrap_port", prefill_engine.bootstrap_port)
         sidecar = await start_sidecar_with(
             decode_url=decode_engine.url,
             prefill_endpoints=prefill_engine.endpoint,
             **{**spec.settings, **settings},
         )
-        return Rig(http, prefill_engine, decode_engine, sidecar)
+        return Rig(http, prefill_engine, decode_engine, sidecar, spec)
 
     return make
 
@@ -235,11 +342,12 @@ async def test_streaming(rig: Rig) -> None:
 # --- prefill failures -------------------------------------------------------------------------
 
 
-async def test_prefill_4xx_goes_to_the_client(rig: Rig) -> None:
+async def test_prefill_4xx_goes_to_the_client(rig: Rig, spec: Spec) -> None:
     status, raw = await rig.post(completion(model="no-such-model"))
     assert status == 404
     assert orjson.loads(raw)["error"]["code"] == 404
-    assert await engine_requests(rig.http, rig.decode) == []
+    if not spec.concurrent:
+        assert await engine_requests(rig.http, rig.decode) == []
     record = await rig.record()
     assert (record["state"], record["status"]) == ("failed", 404)
     await rig.settled()
@@ -248,13 +356,15 @@ async def test_prefill_4xx_goes_to_the_client(rig: Rig) -> None:
 @pytest.mark.parametrize("failure", ["5xx", "timeout", "unreachable"])
 @pytest.mark.parametrize("fallback", ["local", "fail"])
 async def test_prefill_failure_follows_the_fallback_policy(
-    rig_with: RigFactory, failure: str, fallback: str
+    rig_with: RigFactory, spec: Spec, failure: str, fallback: str
 ) -> None:
+    if spec.name == "sglang" and fallback == "local":
+        pytest.skip("an SGLang decode server cannot prefill: refused at start (test_config)")
     rig = await rig_with(prefill_fallback=fallback, prefill_timeout_s=0.3)
     if failure == "5xx":
-        await inject(rig.http, rig.prefill, kind="status", status=500, role="prefill")
+        await rig.inject(rig.prefill, kind="status", status=500, role="prefill")
     elif failure == "timeout":
-        await inject(rig.http, rig.prefill, kind="hang", role="prefill", count=2)
+        await rig.inject(rig.prefill, kind="hang", role="prefill", count=2)
     status, raw = await (
         _post_to_closed_prefill(rig) if failure == "unreachable" else rig.post(completion())
     )
@@ -271,10 +381,21 @@ async def test_prefill_failure_follows_the_fallback_policy(
     else:
         assert status == 503
         assert orjson.loads(raw)["error"]["type"] == "ServiceUnavailableError"
-        assert await engine_requests(rig.http, rig.decode) == []
+        if spec.concurrent:  # every attempt's decode leg was aborted
+            assert await _decode_legs_waiting(rig) == 0
+        else:
+            assert await engine_requests(rig.http, rig.decode) == []
     if failure != "unreachable":  # (the prefill engine is gone: nothing to check there)
         await rig.release_held()
         await rig.settled()
+
+
+async def _decode_legs_waiting(rig: Rig) -> int:
+    async def gone() -> bool:
+        return await metric(rig.http, rig.decode.url, "vllm:num_requests_waiting") == 0
+
+    await eventually(gone)
+    return int((await rig.kv(rig.decode))["rooms_waiting"])
 
 
 async def _post_to_closed_prefill(rig: Rig) -> tuple[int, bytes]:
@@ -291,26 +412,34 @@ async def _post_to_closed_prefill(rig: Rig) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("refusal", ["4xx", "5xx", "closed"])
-async def test_decode_refusal_releases_the_kv_at_once(rig_with: RigFactory, refusal: str) -> None:
+async def test_decode_refusal_releases_the_kv_at_once(
+    rig_with: RigFactory, spec: Spec, refusal: str
+) -> None:
     rig = await rig_with(decode={"max_model_len": 512})
     body = completion(max_tokens=64)
     if refusal == "4xx":
         body["max_tokens"] = 5000  # over the decode engine's context; the prefill leg asks for 1
     elif refusal == "5xx":
-        await inject(rig.http, rig.decode, kind="status", status=500, role="decode")
+        await rig.inject(rig.decode, kind="status", status=500, role="decode")
     else:  # read the request, then closed the connection without a word
-        await inject(rig.http, rig.decode, kind="reset", role="decode")
+        await rig.inject(rig.decode, kind="reset", role="decode")
     status, raw = await rig.post(body, **{"x-request-id": "refused"})
     assert status == {"4xx": 400, "5xx": 500, "closed": 503}[refusal]
     assert orjson.loads(raw)["error"]["code"] == status
     assert len(await engine_requests(rig.http, rig.prefill)) == 1
-    await rig.settled()
+    await rig.settled()  # SGLang: the prefill waiting for this decode was aborted
+    if spec.release is None:
+        assert await rig.releases("sent") == 0
+        return
     assert await rig.releases("sent") == 1
-    # The release has an id and a prefix-cache salt of its own: whatever it reads (the engine
-    # may have freed and reused the blocks) can never serve another request.
+    # The release has a prefix-cache salt of its own: whatever it reads (the engine may have
+    # freed and reused the blocks) can never serve another request. NIXL pull: an id of its
+    # own too; push: the prefill leg's id, the only one its engine hands the KV to.
     decode_leg, release = await engine_requests(rig.http, rig.decode)
     assert decode_leg["headers"]["x-request-id"] == "refused"
-    assert release["headers"]["x-request-id"] == "refused-release"
+    own_id = "refused-release" if spec.release == "own_id" else "refused"
+    assert release["headers"]["x-request-id"] == own_id
+    assert release["path"] == decode_leg["path"]
     assert release["body"]["max_tokens"] == 1
     assert release["body"]["kv_transfer_params"] == decode_leg["body"]["kv_transfer_params"]
     assert release["body"]["cache_salt"].startswith("pd-sidecar-release-")
@@ -329,9 +458,11 @@ async def test_a_body_that_cannot_be_forwarded_is_400_and_reserves_nothing(rig: 
     await rig.settled()
 
 
-async def test_a_refused_release_is_counted_failed(rig: Rig) -> None:
+async def test_a_refused_release_is_counted_failed(rig: Rig, spec: Spec) -> None:
+    if spec.release is None:
+        pytest.skip(f"{spec.name} never releases")
     # The decode engine refuses the decode leg, then the release too.
-    await inject(rig.http, rig.decode, kind="status", status=503, role="decode", count=2)
+    await rig.inject(rig.decode, kind="status", status=503, role="decode", count=2)
     status, _ = await rig.post(completion())
     assert status == 503
 
@@ -363,27 +494,34 @@ async def test_client_gone_before_the_prefill(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("mode", ["auto", "abort", "finish"])
-async def test_client_gone_during_a_short_prefill(rig_with: RigFactory, mode: str) -> None:
+async def test_client_gone_during_a_short_prefill(
+    rig_with: RigFactory, spec: Spec, mode: str
+) -> None:
     rig = await rig_with(prefill_on_disconnect=mode)
-    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    await rig.inject(rig.prefill, kind="hang", role="prefill")
     client = rig.leave_later(completion())
     await _in_state(rig, "prefilling")
     await eventually(lambda: _held_is(rig, rig.prefill, 1))
     await _cancel(client)
-    action = "abort" if mode == "abort" else "finish"  # auto: predicted to end soon
+    # auto: predicted to end soon. SGLang: always abort, its decode is aborted too.
+    action = "abort" if mode == "abort" or spec.concurrent else "finish"
     await eventually(lambda: _disconnects_are(rig, action, 1))
     if action == "abort":  # the engine dropped it at once
         await eventually(lambda: _held_is(rig, rig.prefill, 0))
     else:  # still running; once it ends, its KV is released
         assert await rig.held(rig.prefill) == 1
         await rig.release_held()
-        await eventually(lambda: _releases_are(rig, "sent", 1))
+        if spec.release is not None:
+            await eventually(lambda: _releases_are(rig, "sent", 1))
     await rig.settled()
-    assert await engine_requests(rig.http, rig.decode) == [] or action == "finish"
+    if spec.release is None:
+        assert await rig.releases("sent") == 0
+    if not spec.concurrent:
+        assert await engine_requests(rig.http, rig.decode) == [] or action == "finish"
 
 
 async def test_auto_aborts_a_prefill_far_from_done(rig: Rig) -> None:
-    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    await rig.inject(rig.prefill, kind="hang", role="prefill")
     client = rig.leave_later(completion(LONG_PROMPT))
     await _in_state(rig, "prefilling")
     await eventually(lambda: _held_is(rig, rig.prefill, 1))
@@ -398,7 +536,7 @@ async def test_auto_aborts_a_queued_prefill(rig_with: RigFactory) -> None:
     """The engine says requests are waiting, and the work reserved ahead of this prefill would
     not have drained yet: it is queued, and aborting it saves the engine's compute."""
     rig = await rig_with(prefill={"max_num_seqs": 1}, scrape_interval_s=0.05)
-    await inject(rig.http, rig.prefill, kind="hang", role="prefill")
+    await rig.inject(rig.prefill, kind="hang", role="prefill")
     ahead = rig.leave_later(completion(LONG_PROMPT * 3))  # ~21,000 tokens: ~2 s predicted
     await eventually(lambda: _held_is(rig, rig.prefill, 1))
     queued = rig.leave_later(completion())
@@ -422,18 +560,21 @@ async def _engine_waiting_is(rig: Rig, count: int) -> bool:
     return await metric(rig.http, rig.prefill.url, "vllm:num_requests_waiting") == count
 
 
-async def test_client_gone_as_the_prefill_answer_arrives(rig_with: RigFactory) -> None:
+async def test_client_gone_as_the_prefill_answer_arrives(rig_with: RigFactory, spec: Spec) -> None:
     # Even with abort: the status line is in, so the engine is done and its KV staged.
+    if spec.concurrent:
+        pytest.skip("an SGLang prefill answers once its decode has the KV: nothing to free")
     rig = await rig_with(prefill_on_disconnect="abort")
-    await inject(rig.http, rig.prefill, kind="stall", role="prefill", after_chunks=1)
+    await rig.inject(rig.prefill, kind="stall", role="prefill", after_chunks=1)
     client = rig.leave_later(completion())
     await eventually(lambda: _held_is(rig, rig.prefill, 1))
-    assert await staged_blocks(rig.http, rig.prefill) > 0
+    if spec.release is not None:
+        assert await staged_blocks(rig.http, rig.prefill) > 0
     await _cancel(client)
     await eventually(lambda: _disconnects_are(rig, "finish", 1))
     await rig.release_held()
     await rig.settled()
-    assert await rig.releases("sent") == 1
+    assert await rig.releases("sent") == (0 if spec.release is None else 1)
 
 
 @pytest.mark.parametrize(
@@ -443,26 +584,37 @@ async def test_client_gone_as_the_prefill_answer_arrives(rig_with: RigFactory) -
         "before_first_byte",  # its status line is in, no body byte yet
     ],
 )
-async def test_client_gone_before_the_decode_answer(rig: Rig, moment: str) -> None:
+async def test_client_gone_before_the_decode_answer(
+    rig_with: RigFactory, spec: Spec, moment: str
+) -> None:
+    if spec.concurrent and moment == "between_legs":
+        pytest.skip("SGLang has no moment between legs: test_cancelled_twice covers a hung decode")
+    # nixl-push: a release after the decode took the KV waits for a push that will not come,
+    # until the release's timeout (the first-byte timeout).
+    rig = await rig_with(decode_first_byte_timeout_s=2.0)
     if moment == "between_legs":
-        await inject(rig.http, rig.decode, kind="hang", role="decode")
+        await rig.inject(rig.decode, kind="hang", role="decode")
     else:
-        await inject(rig.http, rig.decode, kind="stall", role="decode", after_chunks=1)
+        await rig.inject(rig.decode, kind="stall", role="decode", after_chunks=1)
     client = rig.leave_later(completion())
     await _in_state(rig, "decoding")
     await eventually(lambda: _held_is(rig, rig.decode, 1))
     await _cancel(client)
-    if moment == "between_legs":  # not pulled: the release frees it
+    if spec.release is None:  # nothing staged for this request alone
+        pass
+    elif moment == "between_legs":  # not pulled: the release frees it
         await eventually(lambda: _releases_are(rig, "sent", 1))
     else:  # the emulator pulled before it stalled: the release fails, harmlessly
         await eventually(lambda: _releases_are(rig, "failed", 1))
     await rig.release_held()
     await rig.settled()
     assert (await rig.record())["state"] == "cancelled"
+    if spec.release is None:
+        assert await rig.releases("sent") == await rig.releases("failed") == 0
 
 
 async def test_client_gone_mid_stream(rig: Rig) -> None:
-    await inject(rig.http, rig.decode, kind="stall", role="decode", after_chunks=2)
+    await rig.inject(rig.decode, kind="stall", role="decode", after_chunks=2)
     client = rig.leave_later(completion(stream=True, max_tokens=20), read_first=True)
     await eventually(lambda: _held_is(rig, rig.decode, 1))
     await _cancel(client)
@@ -473,15 +625,14 @@ async def test_client_gone_mid_stream(rig: Rig) -> None:
 
 
 @pytest.mark.parametrize("moment", ["prefilling", "decoding"])
-async def test_cancelled_twice(rig_with: RigFactory, moment: str) -> None:
+async def test_cancelled_twice(rig_with: RigFactory, spec: Spec, moment: str) -> None:
     """A second cancellation (a drain after the client left, say) skips nothing."""
     rig = await rig_with(prefill_on_disconnect="abort")
     engine = rig.prefill if moment == "prefilling" else rig.decode
-    await inject(
-        rig.http, engine, kind="hang", role="prefill" if engine is rig.prefill else "decode"
-    )
+    await rig.inject(engine, kind="hang", role="prefill" if engine is rig.prefill else "decode")
     client = rig.leave_later(completion())
-    await _in_state(rig, moment)
+    # SGLang: a hung decode never claims its room, so the prefill never ends.
+    await _in_state(rig, "prefilling" if spec.concurrent else moment)
     await eventually(lambda: _held_is(rig, engine, 1))
     [handler] = [t for t in asyncio.all_tasks() if _serving(t)]
     handler.cancel()
@@ -489,7 +640,7 @@ async def test_cancelled_twice(rig_with: RigFactory, moment: str) -> None:
     handler.cancel()
     await _cancel(client)
     await eventually(lambda: _held_is(rig, engine, 0))
-    if moment == "decoding":
+    if moment == "decoding" and spec.release is not None:
         await eventually(lambda: _releases_are(rig, "sent", 1))
     await rig.settled()
 

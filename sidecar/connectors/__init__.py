@@ -17,7 +17,10 @@ from typing import Protocol
 
 from sidecar.config import Settings
 from sidecar.connectors.nixl import NixlConnector
+from sidecar.connectors.nixl_push import NixlPushConnector
 from sidecar.connectors.parts import Parts
+from sidecar.connectors.sglang import SglangConnector
+from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.exchange import Answer, Body, Exchange, Refused
 
 
@@ -44,9 +47,24 @@ class Connector(Protocol):
 
 
 def make_connector(settings: Settings, parts: Parts) -> Connector:
-    if settings.connector == NixlConnector.name:
+    name = settings.connector
+    if name == NixlConnector.name:
         return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
-    raise ValueError(f"unknown connector {settings.connector!r}")
+    if name == NixlPushConnector.name:
+        return NixlPushConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    if name == SglangConnector.name:
+        return SglangConnector(parts, bootstrap_port=settings.sglang_bootstrap_port)
+    if name == SharedStorageConnector.name:
+        return SharedStorageConnector(parts)
+    raise ValueError(f"unknown connector {name!r}")
 
 
-__all__ = ["Connector", "NixlConnector", "Parts", "make_connector"]
+__all__ = [
+    "Connector",
+    "NixlConnector",
+    "NixlPushConnector",
+    "Parts",
+    "SglangConnector",
+    "SharedStorageConnector",
+    "make_connector",
+]

@@ -63,6 +63,20 @@ REQUIRED_DECODE_PARAMS = (
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
+def one_token_leg(body: dict[str, Any], route: str) -> dict[str, Any]:
+    """The client's body made a prefill: not streamed, one token, one sample."""
+    leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    # An uncapped max_completion_tokens made the prefill decode N steps (llm-d #400). Chat
+    # always gets it; on completions it is set only when the client used the field.
+    if route == "chat_completions" or "max_completion_tokens" in body:
+        leg["max_completion_tokens"] = 1
+    if "n" in body:
+        leg["n"] = 1
+    return leg
+
+
 class NixlConnector:
     name = "nixl"
 
@@ -135,16 +149,8 @@ class NixlConnector:
         return True
 
     def prefill_body(self, body: dict[str, Any], route: str) -> dict[str, Any]:
-        leg = {key: value for key, value in body.items() if key not in _PREFILL_DROPPED}
+        leg = one_token_leg(body, route)
         leg[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
-        leg["stream"] = False
-        leg["max_tokens"] = 1
-        # An uncapped max_completion_tokens made the prefill decode N steps (llm-d #400). Chat
-        # always gets it; on completions it is set only when the client used the field.
-        if route == "chat_completions" or "max_completion_tokens" in body:
-            leg["max_completion_tokens"] = 1
-        if "n" in body:
-            leg["n"] = 1
         return leg
 
     def kv_params(self, prefill_answer: Any, endpoint: Endpoint) -> dict[str, Any] | None:

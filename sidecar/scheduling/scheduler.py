@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.config import Settings
+from sidecar.config import REMOTE_ONLY_CONNECTORS, Settings
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
@@ -98,6 +98,8 @@ class Scheduler:
             make_policy(settings.scheduler_policy, self._rng, choices=settings.scheduler_choices),
             min_tokens=settings.disagg_min_tokens,
             ttft_ratio=settings.disagg_ttft_ratio,
+            # A decode server that cannot prefill: nothing to weigh, every request goes remote.
+            always=settings.connector in REMOTE_ONLY_CONNECTORS,
         )
         self._prefix = PrefixIndex(
             block_tokens=settings.prefix_block_tokens,

@@ -1,0 +1,65 @@
+"""Shared-storage connectors (vLLM ExampleConnector, formerly SharedStorageConnector; LMCache-style
+stores): serial legs, and the decode engine finds the KV by prompt prefix in the shared store.
+
+Wire facts from ../shared/reference/protocol.md §5: the prefill leg computes the prompt and stops
+after one token (``max_tokens``/``max_completion_tokens`` 1, ``stream`` false) without
+``kv_transfer_params``; its store write is its side effect. The decode leg gets the client's body
+unchanged. Nothing is staged for one request alone — the store keeps (and evicts) blocks by its own
+policy — so there is nothing to release, and a prefill that failed only means the decode
+recomputes the prompt: ``SIDECAR_PREFILL_FALLBACK`` applies as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from sidecar.connectors.nixl import KV_TRANSFER_PARAMS, one_token_leg
+from sidecar.connectors.parts import Parts
+from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
+from sidecar.endpoints import Endpoint
+from sidecar.exchange import Answer, Exchange, Prefilled, Refused
+
+
+class SharedStorageConnector:
+    name = "shared-storage"
+
+    def __init__(self, parts: Parts) -> None:
+        self._parts = parts
+
+    async def run(self, ex: Exchange) -> Answer | Refused:
+        patch = None
+        if ex.placement.endpoint is not None:
+            outcome = await self._parts.prefill.run(
+                ex,
+                body_for=lambda endpoint: orjson.dumps(one_token_leg(ex.body, ex.route)),
+                accept=_accept,
+                orphaned=_nothing_staged,
+            )
+            if isinstance(outcome, Refused):
+                return outcome
+            if isinstance(outcome, Prefilled) and outcome.cached_tokens is not None:
+                patch = CachedTokensPatch(outcome.cached_tokens)
+        # Prefilled or not, the decode gets the client's body: it finds what the store holds.
+        data = ex.raw if ex.raw is not None else orjson.dumps(ex.body)
+        return await self._parts.decode.send(ex, data, patch)
+
+    def unsupported(self, body: dict[str, Any]) -> str | None:
+        return None  # the store is keyed by prompt: every prompt of a batch is found
+
+    def sanitize(self, body: dict[str, Any]) -> bool:
+        # Meaningless to these engines, and a NIXL engine would act on them.
+        if KV_TRANSFER_PARAMS not in body:
+            return False
+        del body[KV_TRANSFER_PARAMS]
+        return True
+
+
+def _accept(answer: object, endpoint: Endpoint) -> Prefilled:
+    """Any 2xx JSON answer: the prompt's KV is in the store."""
+    return Prefilled(endpoint, {}, cached_tokens(answer))
+
+
+def _nothing_staged(prefilled: Prefilled) -> None:
+    """The store keeps blocks by its own policy: a prefill whose client left holds nothing."""
