@@ -1,0 +1,227 @@
+"""What one connector does that the shared contract suite (tests/test_contract.py) cannot say.
+
+SGLang: rooms, the bootstrap port, every request disaggregated, a retry restarting both legs, a
+refused prefill ending its decode at once, both legs' timings. Shared storage: the client's usage
+says what the prefill found cached, not what the decode found in the store the prefill just wrote.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from sidecar.app import RunningSidecar
+from sidecar.connectors.sglang import BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROOM_LIMIT, new_room
+from sidecar.emulator import RunningEmulator
+from tests.conftest import (
+    StartEmulator,
+    StartSidecar,
+    completion,
+    engine_requests,
+    eventually,
+    get_json,
+    inject,
+    metric,
+)
+
+SGLANG_PREFILL = {"kv_protocol": "sglang", "disaggregation_mode": "prefill"}
+SGLANG_DECODE = {"kv_protocol": "sglang", "disaggregation_mode": "decode"}
+
+
+async def _post(
+    http: aiohttp.ClientSession, sidecar: RunningSidecar, body: Any, **headers: str
+) -> tuple[int, Any]:
+    async with http.post(sidecar.url + "/v1/completions", json=body, headers=headers) as response:
+        return response.status, orjson.loads(await response.read())
+
+
+async def _record(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> Any:
+    return (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+
+
+async def _nothing_waits(http: aiohttp.ClientSession, decode: RunningEmulator) -> None:
+    """No decode leg waits for a room (SGLang would keep one for 300 s)."""
+
+    async def none() -> bool:
+        kv = await get_json(http, decode.url + "/emulator/kv")
+        return int(kv["rooms_waiting"]) == 0
+
+    await eventually(none)
+
+
+# --- SGLang -----------------------------------------------------------------------------------
+
+
+def test_rooms_are_63_bit_one_per_prompt_of_a_batch() -> None:
+    rooms = {new_room(completion()) for _ in range(64)}
+    assert len(rooms) == 64  # from a CSPRNG: never the same twice in practice
+    assert all(isinstance(r, int) and 0 <= r < ROOM_LIMIT for r in rooms)
+    batch = new_room(completion(["one prompt", "another", "a third"]))
+    assert isinstance(batch, list)
+    assert len(set(batch)) == 3
+    assert isinstance(new_room(completion([1, 2, 3])), int)  # token ids: one prompt
+    # n > 1: one room; SGLang gives sample i the room + i itself (and refuses a list then).
+    sampled = new_room(completion(n=4))
+    assert isinstance(sampled, int)
+    assert sampled + 3 < ROOM_LIMIT
+
+
+@pytest.fixture
+async def sglang_pair(start_engine: StartEmulator) -> tuple[RunningEmulator, RunningEmulator]:
+    return await start_engine(**SGLANG_PREFILL), await start_engine(**SGLANG_DECODE)
+
+
+async def test_every_request_disaggregates_with_the_pool_entrys_bootstrap_port(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill, decode = sglang_pair
+    sidecar = await start_sidecar_with(
+        connector="sglang",
+        decode_url=decode.url,
+        # The entry's own bootstrap port wins over the setting (which names nothing here).
+        prefill_endpoints=f"{prefill.endpoint}#{prefill.bootstrap_port}",
+        sglang_bootstrap_port=1,
+        disagg_min_tokens=100_000,  # would keep every prompt local for another connector
+    )
+    for _ in range(2):
+        status, answer = await _post(http, sidecar, completion(max_tokens=3))
+        assert status == 200, answer
+        record = await _record(http, sidecar)
+        assert (record["decision"], record["reason"]) == ("remote", "scheduled")
+    legs = [leg["body"] for leg in await engine_requests(http, decode)]
+    assert [leg[BOOTSTRAP_PORT] for leg in legs] == [prefill.bootstrap_port] * 2
+    assert legs[0][BOOTSTRAP_ROOM] != legs[1][BOOTSTRAP_ROOM]
+    assert [leg["body"] for leg in await engine_requests(http, prefill)] == legs
+
+
+async def test_no_prefill_endpoint_is_a_503(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    _, decode = sglang_pair
+    sidecar = await start_sidecar_with(connector="sglang", decode_url=decode.url)
+    status, answer = await _post(http, sidecar, completion())
+    assert status == 503
+    assert "cannot prefill" in answer["error"]["message"]
+    assert await engine_requests(http, decode) == []
+    record = await _record(http, sidecar)
+    assert (record["state"], record["reason"]) == ("failed", "pool_empty")
+
+
+async def test_a_retry_restarts_both_legs_in_a_new_room(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill, decode = sglang_pair
+    sidecar = await start_sidecar_with(
+        connector="sglang",
+        decode_url=decode.url,
+        sglang_bootstrap_port=prefill.bootstrap_port,
+        prefill_retries=1,
+    )
+    await inject(http, prefill, kind="status", status=503, role="prefill")
+    status, answer = await _post(
+        http, sidecar, completion(max_tokens=3), **{"x-prefiller-host-port": prefill.endpoint}
+    )
+    assert status == 200, answer
+    first, second = [leg["body"][BOOTSTRAP_ROOM] for leg in await engine_requests(http, prefill)]
+    assert first != second
+    decode_rooms = [leg["body"][BOOTSTRAP_ROOM] for leg in await engine_requests(http, decode)]
+    assert decode_rooms == [first, second]  # the first attempt's decode leg was aborted
+    assert (await _record(http, sidecar))["prefill_attempts"] == 2
+    await _nothing_waits(http, decode)
+
+
+async def test_a_refused_prefill_ends_its_decode_leg_at_once(
+    http: aiohttp.ClientSession,
+    start_engine: StartEmulator,
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill = await start_engine(**SGLANG_PREFILL, max_model_len=64)
+    decode = await start_engine(**SGLANG_DECODE)  # waits 300 s for a room by default
+    sidecar = await start_sidecar_with(
+        connector="sglang", decode_url=decode.url, sglang_bootstrap_port=prefill.bootstrap_port
+    )
+    status, answer = await _post(
+        http,
+        sidecar,
+        completion("far too long for the prefill server " * 40),
+        **{"x-prefiller-host-port": prefill.endpoint},
+    )
+    assert status == 400, answer
+    assert answer["error"]["code"] == 400  # the prefill's own error
+    assert len(await engine_requests(http, decode)) == 1  # sent at once, then aborted
+    await _nothing_waits(http, decode)
+    record = await _record(http, sidecar)
+    assert (record["state"], record["error"]) == ("failed", "prefill answered 400")
+
+
+async def test_both_legs_timings_in_the_record_and_the_metrics(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill, decode = sglang_pair
+    sidecar = await start_sidecar_with(  # a pool entry without '#': the setting's port
+        connector="sglang",
+        decode_url=decode.url,
+        prefill_endpoints=prefill.endpoint,
+        sglang_bootstrap_port=prefill.bootstrap_port,
+    )
+    status, answer = await _post(http, sidecar, completion(max_tokens=4, stream=False))
+    assert status == 200, answer
+    record = await _record(http, sidecar)
+    assert set(record["phases"]) >= {"prefill_sent", "prefill_done", "decode_sent", "first_byte"}
+    assert record["durations_ms"]["prefill"] is not None
+    assert record["durations_ms"]["decode"] is not None
+    for phase in ("prefill", "decode"):
+        sample = f'pd_sidecar_phase_duration_seconds_count{{phase="{phase}"}}'
+        assert await metric(http, sidecar.url, sample) == 1
+
+
+# --- shared storage ---------------------------------------------------------------------------
+
+
+async def test_shared_storage_usage_says_what_the_prefill_found_cached(
+    http: aiohttp.ClientSession,
+    start_engine: StartEmulator,
+    start_sidecar_with: StartSidecar,
+    tmp_path: Path,
+) -> None:
+    engines = {
+        "kv_protocol": "shared-storage",
+        "kv_store": str(tmp_path),
+        "prompt_tokens_details": True,
+    }
+    prefill, decode = await start_engine(**engines), await start_engine(**engines)
+    sidecar = await start_sidecar_with(
+        connector="shared-storage",
+        decode_url=decode.url,
+        prefill_endpoints=prefill.endpoint,
+    )
+    prompt = "A prompt long enough to fill a few blocks of sixteen tokens each. " * 8
+    cached = []
+    for _ in range(2):
+        status, answer = await _post(
+            http,
+            sidecar,
+            completion(prompt, max_tokens=2),
+            **{"x-prefiller-host-port": prefill.endpoint},  # the prefix index would stay local
+        )
+        assert status == 200, answer
+        assert (await _record(http, sidecar))["decision"] == "remote"
+        cached.append(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # The decode found the whole prompt in the store both times (the prefill had just written
+    # it); the client is told what was cached before this request: nothing, then everything.
+    assert cached[0] == 0
+    assert cached[1] > 0
+    kv = await get_json(http, decode.url + "/emulator/kv")
+    assert kv["store_blocks"] > 0
