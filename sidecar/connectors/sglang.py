@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
 from sidecar.endpoints import Endpoint
 from sidecar.errors import PrefillFailed
@@ -46,9 +47,15 @@ BOOTSTRAP_PORT = "bootstrap_port"
 BOOTSTRAP_ROOM = "bootstrap_room"
 ROOM_LIMIT = 2**63
 """Rooms are integers in [0, 2^63 - 1] (SGLang stores them as int64)."""
-CLIENT_FIELDS = (BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, "bootstrap_pair_key")
-"""Rendezvous fields a client must not set: they would pair a decode with a room of its
-choosing."""
+CLIENT_FIELDS = (
+    BOOTSTRAP_HOST,
+    BOOTSTRAP_PORT,
+    BOOTSTRAP_ROOM,
+    "bootstrap_pair_key",
+    KV_TRANSFER_PARAMS,
+)
+"""Fields a client must not set: the rendezvous would pair a decode with a room of the client's
+choosing; NIXL's instructions mean nothing to SGLang."""
 
 
 class SglangConnector:
