@@ -114,9 +114,9 @@ class PrefillCall:
         """Prefill ``ex`` where it was placed, retrying and falling back as configured.
 
         ``json``: the answer is parsed before ``accept`` sees it (else its raw bytes, which may
-        be a stream). ``abort_on_disconnect``: a call cancelled before its answer started is
-        aborted whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill waits
-        for its decode, which is gone then).
+        be a stream). ``abort_on_disconnect``: a cancelled call is aborted, even one whose answer
+        has started, whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill
+        waits for its decode, which is gone then, and stages nothing to release).
         """
         spec = _CallSpec(accept, orphaned, json, abort_on_disconnect)
         tried: set[str] = set()
@@ -206,17 +206,19 @@ class PrefillCall:
             _salvage(call, spec.orphaned)
             return
         # An engine whose status line is in has finished the prefill (and staged its KV):
-        # aborting saves nothing then, and only reading the answer can free the KV.
-        if answering:
-            action = "finish"
-        elif spec.abort_on_disconnect:
+        # aborting saves nothing then, and only reading the answer can free the KV. Unless the
+        # protocol stages nothing for the client's leg to take (``abort_on_disconnect``).
+        if spec.abort_on_disconnect:
             action = "abort"
+        elif answering:
+            action = "finish"
         else:
             action = self._action(placement, started)
         if action == "finish" and self._aftercare.adopt(call):
             call.add_done_callback(functools.partial(_salvage, orphaned=spec.orphaned))
         else:
-            if answering:  # staged KV that cannot be read now: left to the engine's expiry
+            if answering and not spec.abort_on_disconnect:
+                # staged KV that cannot be read now: left to the engine's expiry
                 self._metrics.kv_releases.labels("skipped").inc()
             action = "abort"
             call.cancel()

@@ -17,6 +17,7 @@ import pytest
 from sidecar.app import RunningSidecar
 from sidecar.connectors.sglang import BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROOM_LIMIT, new_room
 from sidecar.emulator import RunningEmulator
+from sidecar.errors import BadRequest
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -68,6 +69,11 @@ def test_rooms_are_63_bit_one_per_prompt_of_a_batch() -> None:
     sampled = new_room(completion(n=4))
     assert isinstance(sampled, int)
     assert sampled + 3 < ROOM_LIMIT
+    both = new_room(completion(["one prompt", "another"], n=3))  # SGLang spreads it over all 6
+    assert isinstance(both, int)
+    assert both + 5 < ROOM_LIMIT
+    with pytest.raises(BadRequest, match="'n' is too large"):
+        new_room(completion(n=2**62))
 
 
 @pytest.fixture

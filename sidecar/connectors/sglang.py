@@ -36,7 +36,7 @@ import orjson
 from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
 from sidecar.endpoints import Endpoint
-from sidecar.errors import PrefillFailed
+from sidecar.errors import BadRequest, PrefillFailed
 from sidecar.exchange import Answer, Exchange, Fallback, Prefilled, Refused
 from sidecar.tracking import task_name
 
@@ -47,6 +47,8 @@ BOOTSTRAP_PORT = "bootstrap_port"
 BOOTSTRAP_ROOM = "bootstrap_room"
 ROOM_LIMIT = 2**63
 """Rooms are integers in [0, 2^63 - 1] (SGLang stores them as int64)."""
+MAX_ROOMS_PER_REQUEST = 2**32
+"""Far beyond any engine's limit; keeps ``room + i`` in range with a room drawn from 2^63 - 2^32."""
 CLIENT_FIELDS = (
     BOOTSTRAP_HOST,
     BOOTSTRAP_PORT,
@@ -83,6 +85,7 @@ class SglangConnector:
             ),
             name=task_name(ex.request_id, "prefill-leg"),
         )
+        prefill.add_done_callback(_retrieve)  # however the race ends, its end is seen
         try:
             return await legs.race(prefill)
         except BaseException:
@@ -113,15 +116,22 @@ class SglangConnector:
 def new_room(body: dict[str, Any]) -> int | list[int]:
     """A fresh room from the CSPRNG: one per prompt of a batch, else one.
 
-    With ``n`` > 1 a single room: SGLang gives sample ``i`` the room ``room + i`` itself (and
-    refuses a list of rooms when ``n`` > 1), so the room is drawn low enough to leave them room.
+    With ``n`` > 1 a single room, batch or not: SGLang gives its ``i``-th request (prompt ×
+    sample) the room ``room + i`` itself, and refuses a list of rooms when ``n`` > 1
+    (``io_struct.py``), so the room is drawn low enough to leave them all in range.
     """
     prompt = body.get("prompt")
+    prompts = 1
     if isinstance(prompt, list) and len(prompt) > 0 and not isinstance(prompt[0], int):
-        return [secrets.randbelow(ROOM_LIMIT) for _ in prompt]
+        prompts = len(prompt)
     n = body.get("n")
     samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-    return secrets.randbelow(ROOM_LIMIT - samples + 1)
+    if samples == 1 and prompts > 1:
+        return [secrets.randbelow(ROOM_LIMIT) for _ in range(prompts)]
+    requests = prompts * samples
+    if requests > MAX_ROOMS_PER_REQUEST:
+        raise BadRequest(f"'n' is too large: at most {MAX_ROOMS_PER_REQUEST} samples in all")
+    return secrets.randbelow(ROOM_LIMIT - requests + 1)
 
 
 class _Legs:
@@ -145,17 +155,20 @@ class _Legs:
         self.settled = False
         """The decode answered: no further attempt may start a leg."""
 
-    # Progress, passed on
+    # Progress, passed on until the decode answered (the request may be over by then)
     def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None:
         self.attempting = True
-        self._progress.prefill_sent(endpoint, attempt)
+        if not self.settled:
+            self._progress.prefill_sent(endpoint, attempt)
 
     def prefill_ended(self) -> None:
         self.attempting = False
-        self._progress.prefill_ended()
+        if not self.settled:
+            self._progress.prefill_ended()
 
     def fell_back(self, reason: str, *, local: bool) -> None:
-        self._progress.fell_back(reason, local=local)
+        if not self.settled:
+            self._progress.fell_back(reason, local=local)
 
     def decode_sent(self) -> None:
         self._progress.decode_sent()
@@ -167,7 +180,7 @@ class _Legs:
     def start(self, endpoint: Endpoint) -> bytes:
         """The prefill attempt's body; starts the decode leg of the same room (any earlier
         attempt's decode leg waits for a room that will not come: it is aborted)."""
-        if self.settled:
+        if self.settled or self._decoded():
             raise _Settled
         self._abort_decode()
         ex = self.ex
@@ -190,6 +203,8 @@ class _Legs:
             if decode is not None and not decode.done():
                 waiting.add(decode)
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if self._decoded():
+                break
             if prefill.done():
                 outcome = prefill.result()  # PrefillFailed and the like: raised, decode aborted
                 if isinstance(outcome, Refused):
@@ -204,20 +219,31 @@ class _Legs:
                 continue  # a retry started another decode leg
             if decode.cancelled():
                 continue
-            if decode.exception() is None and decode.result().upstream.status < 400:
-                break
             if self.attempting:
                 # The decode failed while its prefill runs: that prefill would wait for it in
                 # vain. (A decode that failed with its attempt is the retry's business.)
                 self._cancel(prefill)
                 return decode.result()  # its refusal, or the exception it raised
-        # The decode has the KV: the prefill's own answer is only read to its end.
+        # The decode has the KV: the prefill's own answer is only read to its end, and the
+        # record counts the prefill done now (its answer may come after the request ended).
+        if self.attempting:
+            self._progress.prefill_ended()
         self.settled = True
-        parts = self._connector.parts
-        prefill.add_done_callback(_retrieve)
-        if not parts.aftercare.adopt(prefill):
+        if not prefill.done() and not self._connector.parts.aftercare.adopt(prefill):
             self._cancel(prefill)
-        return decode.result()
+        assert self.decode is not None
+        return self.decode.result()
+
+    def _decoded(self) -> bool:
+        """The current decode leg answered (not with an error status): it has the KV."""
+        decode = self.decode
+        return (
+            decode is not None
+            and decode.done()
+            and not decode.cancelled()
+            and decode.exception() is None
+            and decode.result().upstream.status < 400
+        )
 
     def abort(self, prefill: asyncio.Task[Any]) -> None:
         """Cancel whatever still runs (the client left, or something raised)."""
