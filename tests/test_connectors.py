@@ -121,6 +121,25 @@ async def test_no_prefill_endpoint_is_a_503(
     assert (record["state"], record["reason"]) == ("failed", "pool_empty")
 
 
+async def test_too_many_samples_for_the_rooms_is_a_400_before_any_leg(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill, decode = sglang_pair
+    sidecar = await start_sidecar_with(
+        connector="sglang", decode_url=decode.url, sglang_bootstrap_port=prefill.bootstrap_port
+    )
+    status, answer = await _post(
+        http, sidecar, completion(n=2**62), **{"x-prefiller-host-port": prefill.endpoint}
+    )
+    assert status == 400, answer
+    assert answer["error"]["type"] == "BadRequestError"
+    assert "'n' is too large" in answer["error"]["message"]
+    assert await engine_requests(http, prefill) == []
+    assert await engine_requests(http, decode) == []
+
+
 async def test_a_retry_restarts_both_legs_in_a_new_room(
     http: aiohttp.ClientSession,
     sglang_pair: tuple[RunningEmulator, RunningEmulator],
