@@ -16,6 +16,7 @@ setup: $(STAMP)
 lint: setup
 	$(VENV)/bin/ruff check sidecar tests bench e2e devkit
 	$(VENV)/bin/ruff format --check sidecar tests bench e2e devkit
+	$(VENV)/bin/hadolint Dockerfile
 
 format: setup
 	$(VENV)/bin/ruff check --fix sidecar tests bench e2e devkit
