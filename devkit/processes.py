@@ -77,8 +77,9 @@ def _die_with_parent() -> None:
 class Child:
     """One command line run as a child process; see the module's docstring for its contract.
 
-    ``env`` is the child's whole environment (None: this process's). ``url`` is where it serves,
-    for readiness paths and reports (None: it serves nothing the caller needs to name).
+    ``env`` is the child's whole environment (None: this process's), ``cwd`` its working
+    directory (None: this process's). ``url`` is where it serves, for readiness paths and reports
+    (None: it serves nothing the caller needs to name).
     """
 
     def __init__(
@@ -88,12 +89,14 @@ class Child:
         *,
         log_path: Path,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
         url: str | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
         self.env = None if env is None else dict(env)
+        self.cwd = cwd
         self._url = url
         self._popen: subprocess.Popen[bytes] | None = None
 
@@ -126,6 +129,7 @@ class Child:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=self.env,
+                    cwd=self.cwd,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
@@ -310,10 +314,12 @@ class Launcher:
         argv: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
         url: str | None = None,
     ) -> Child:
         """Start ``argv`` as the child ``name``; returns at once."""
-        child = Child(name, argv, log_path=self.log_dir / f"{name}.log", env=env, url=url)
+        log_path = self.log_dir / f"{name}.log"
+        child = Child(name, argv, log_path=log_path, env=env, cwd=cwd, url=url)
         self.children.append(child)
         return child.start()
 
@@ -323,13 +329,14 @@ class Launcher:
         argv: Sequence[str],
         *,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
         url: str | None = None,
         ready: Ready | None = None,
         timeout_s: float = READY_TIMEOUT_S,
     ) -> Child:
         """Start ``argv`` as the child ``name`` and return once ``ready`` holds (see
         :meth:`Child.wait_ready`; None: at once)."""
-        child = self.spawn(name, argv, env=env, url=url)
+        child = self.spawn(name, argv, env=env, cwd=cwd, url=url)
         if ready is not None:
             await child.wait_ready(ready, timeout_s)
         return child
