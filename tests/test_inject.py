@@ -78,8 +78,10 @@ def sidecar_env(spec: dict[str, Any]) -> dict[str, str]:
 
 def settings_of(spec: dict[str, Any]) -> Settings:
     """The sidecar's own Settings from the pod's env: every variable must exist and be valid."""
-    env = sidecar_env(spec)
-    return Settings(**{name.removeprefix("SIDECAR_").lower(): v for name, v in env.items()})
+    values: dict[str, Any] = {
+        name.removeprefix("SIDECAR_").lower(): value for name, value in sidecar_env(spec).items()
+    }
+    return Settings(**values)
 
 
 def check_termination(spec: dict[str, Any]) -> None:
