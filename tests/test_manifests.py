@@ -246,3 +246,18 @@ def test_vendored_crds_are_named_in_their_readme() -> None:
     jsonschema.Draft7Validator.check_schema(
         crd_schemas()[("inference.networking.k8s.io/v1", "InferencePool")]
     )
+
+
+def test_deploy_md_states_the_numbers_the_yaml_has() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    packaged = load()
+    env = {e["name"]: e["value"] for e in packaged["container"]["env"]}
+    match = re.search(r"(\d+)\s+=\s+(\d+) \+ (\d+) \+ 5", text)
+    assert match, "deploy.md: the grace-period equation with numbers"
+    grace, wait, drain = (int(g) for g in match.groups())
+    assert grace == packaged["terminationGracePeriodSeconds"]
+    assert wait == int(packaged["enginePreStop"]["exec"]["command"][1])
+    assert drain == int(env["SIDECAR_DRAIN_TIMEOUT_S"])
+    assert f"{ENGINE_EXIT_S} s cover" in text
+    for path in [COMPONENT, *BUILDS, MANIFESTS / "prefill"]:
+        assert f"`{path.relative_to(ROOT)}/`" in text, path
