@@ -324,6 +324,14 @@ def test_the_grace_period_is_raised_never_lowered(before: int, after: int) -> No
 
 REFUSALS = [
     pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "        - name: other\n"
+        "          image: example/other:1\n"
+        "          ports: [{containerPort: 8000}]\n",
+        "Deployment/decode: containers 'vllm' and 'other' both claim port 8000",
+        id="two containers on the port",
+    ),
+    pytest.param(
         '          args: ["--port", "9000"]\n',
         "Deployment/decode: no container serves port 8000",
         id="nothing on the serving port",

@@ -62,23 +62,7 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
             "remove it and inject again"
         )
     port = options.sidecar_port
-    for container in init_containers:
-        if port in _ports_of(container):
-            raise InjectError(
-                f"init container {container.get('name')!r} already serves port {port}: "
-                "the engine is behind another proxy"
-            )
-    engines = [c for c in containers if port in _ports_of(c)]
-    if not engines:
-        names = ", ".join(repr(c.get("name")) for c in containers) or "none"
-        raise InjectError(
-            f"no container serves port {port} (no containerPort {port}, no --port {port}; "
-            f"containers: {names}); name the pod's serving port with --sidecar-port"
-        )
-    if len(engines) > 1:
-        names = " and ".join(repr(c.get("name")) for c in engines)
-        raise InjectError(f"containers {names} both claim port {port}")
-    engine = engines[0]
+    engine = _find_engine(containers, init_containers, port)
     who = f"engine container {engine.get('name')!r}"
     for other in [*init_containers, *containers]:
         taken = _ports_of(other)
@@ -130,6 +114,29 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
     grace = spec.get("terminationGracePeriodSeconds")
     if not isinstance(grace, int) or grace < rendered.grace_period_s:
         spec["terminationGracePeriodSeconds"] = rendered.grace_period_s
+
+
+def _find_engine(
+    containers: list[Container], init_containers: list[Container], port: int
+) -> Container:
+    """The one main container serving ``port``; a native sidecar serving it is another proxy."""
+    for container in init_containers:
+        if port in _ports_of(container):
+            raise InjectError(
+                f"init container {container.get('name')!r} already serves port {port}: "
+                "the engine is behind another proxy"
+            )
+    engines = [c for c in containers if port in _ports_of(c)]
+    if not engines:
+        names = ", ".join(repr(c.get("name")) for c in containers) or "none"
+        raise InjectError(
+            f"no container serves port {port} (no containerPort {port}, no --port {port}; "
+            f"containers: {names}); name the pod's serving port with --sidecar-port"
+        )
+    if len(engines) > 1:
+        names = " and ".join(repr(c.get("name")) for c in engines)
+        raise InjectError(f"containers {names} both claim port {port}")
+    return engines[0]
 
 
 def _refuse_proxies(containers: list[Container]) -> None:
