@@ -1,0 +1,515 @@
+"""``python -m sidecar.inject``: what it does to real manifests, what it refuses, and its CLI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sidecar.config import Settings
+from sidecar.inject import InjectError, Options, defaults, inject_text
+from sidecar.inject.template import ENGINE_EXIT_S, load
+from tests.k8s import validate, yamllint
+
+DEPLOYMENT = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: decode
+spec:
+  selector:
+    matchLabels:
+      app: decode
+  template:
+    metadata:
+      labels:
+        app: decode
+    spec:
+      containers:
+        - name: vllm
+          image: vllm/vllm-openai:v0.32.0
+{engine}
+"""
+ENGINE_ARGS = """\
+          args: ["--model", "m", "--port", "8000"]
+          ports:
+            - containerPort: 8000
+"""
+
+
+def deployment(engine: str = ENGINE_ARGS, kind: str = "Deployment") -> str:
+    return DEPLOYMENT.format(engine=engine.rstrip("\n")).replace(
+        "kind: Deployment", f"kind: {kind}"
+    )
+
+
+def inject(text: str, options: Options | None = None, names: tuple[str, ...] = ()) -> str:
+    return inject_text(text, options or defaults(), names)[0]
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any]:
+    if doc["kind"] == "Pod":
+        return doc["spec"]
+    if doc["kind"] == "PodTemplate":
+        return doc["template"]["spec"]
+    return doc["spec"]["template"]["spec"]
+
+
+def only(text: str) -> dict[str, Any]:
+    (doc,) = [d for d in yaml.safe_load_all(text) if d]
+    return doc
+
+
+def container(spec: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in spec["containers"] if c["name"] == name]
+    return found
+
+
+def sidecar_env(spec: dict[str, Any]) -> dict[str, str]:
+    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == "pd-sidecar"]
+    return {item["name"]: item["value"] for item in sidecar["env"]}
+
+
+def settings_of(spec: dict[str, Any]) -> Settings:
+    """The sidecar's own Settings from the pod's env: every variable must exist and be valid."""
+    values: dict[str, Any] = {
+        name.removeprefix("SIDECAR_").lower(): value for name, value in sidecar_env(spec).items()
+    }
+    return Settings(**values)
+
+
+def check_termination(spec: dict[str, Any]) -> None:
+    """The arithmetic of docs/deploy.md, from the numbers in the pod spec."""
+    drain = float(sidecar_env(spec)["SIDECAR_DRAIN_TIMEOUT_S"])
+    pre_stop = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    wait = float(pre_stop[1])
+    assert wait >= drain
+    assert spec["terminationGracePeriodSeconds"] >= wait + drain + ENGINE_EXIT_S
+
+
+def engine_command(spec: dict[str, Any]) -> list[str]:
+    engine = spec["containers"][0]
+    return [*engine.get("command", []), *engine.get("args", [])]
+
+
+def test_a_deployment_gets_the_packaged_sidecar_and_its_engine_moves() -> None:
+    out = inject(deployment())
+    doc = only(out)
+    spec = pod_spec(doc)
+    assert spec["initContainers"] == [load()["container"]]
+    sidecar = spec["initContainers"][0]
+    assert sidecar["restartPolicy"] == "Always"
+    assert "startupProbe" not in sidecar
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/ready"
+    engine = container(spec, "vllm")
+    assert engine["args"] == ["--model", "m", "--port", "8200"]
+    assert engine["ports"] == [{"containerPort": 8200, "name": "engine"}]
+    settings = settings_of(spec)
+    assert settings.port == 8000
+    assert settings.decode_url == "http://127.0.0.1:8200"
+    assert settings.admin_port == 9090
+    check_termination(spec)
+    validate(out)
+    yamllint(stdin=out)
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        pytest.param(
+            '          args: ["--model", "m", "--port=8000"]\n',
+            ["--model", "m", "--port=8200"],
+            id="--port=8000",
+        ),
+        pytest.param(
+            '          command: ["vllm", "serve", "m", "--port", "8000"]\n',
+            ["vllm", "serve", "m", "--port", "8200"],
+            id="in command",
+        ),
+        pytest.param(
+            '          command: ["sh", "-c", "vllm serve m --port 8000 --max-num-seqs 8000"]\n',
+            ["sh", "-c", "vllm serve m --port 8200 --max-num-seqs 8000"],
+            id="shell script",
+        ),
+        pytest.param(
+            '          args: ["--model", "m"]\n          ports: [{containerPort: 8000}]\n',
+            ["--model", "m", "--port", "8200"],
+            id="containerPort only: --port added",
+        ),
+        pytest.param(
+            '          command: ["vllm", "serve", "m"]\n          ports: [{containerPort: 8000}]\n',
+            ["vllm", "serve", "m", "--port", "8200"],
+            id="containerPort only, command only",
+        ),
+    ],
+)
+def test_every_form_of_the_port_is_moved(engine: str, expected: list[str]) -> None:
+    out = inject(deployment(engine))
+    spec = pod_spec(only(out))
+    assert engine_command(spec) == expected
+    assert {"containerPort": 8200, "name": "engine"} in container(spec, "vllm")["ports"]
+    validate(out)
+
+
+def test_a_named_port_goes_to_the_sidecar_and_the_engine_probes_follow_the_engine() -> None:
+    engine = """\
+          args: ["--port", "8000"]
+          ports:
+            - name: api
+              containerPort: 8000
+              protocol: TCP
+            - name: nixl
+              containerPort: 5600
+          startupProbe:
+            httpGet: {path: /health, port: api}
+          livenessProbe:
+            tcpSocket: {port: 8000}
+          readinessProbe:
+            httpGet: {path: /health, port: "8000"}
+"""
+    spec = pod_spec(only(inject(deployment(engine))))
+    sidecar = spec["initContainers"][0]
+    assert sidecar["ports"][0] == {"name": "api", "containerPort": 8000}
+    vllm = container(spec, "vllm")
+    assert vllm["ports"] == [
+        {"name": "engine", "containerPort": 8200, "protocol": "TCP"},
+        {"name": "nixl", "containerPort": 5600},
+    ]
+    assert vllm["startupProbe"]["httpGet"]["port"] == "engine"
+    assert vllm["livenessProbe"]["tcpSocket"]["port"] == 8200
+    assert vllm["readinessProbe"]["httpGet"]["port"] == 8200
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "DaemonSet", "ReplicaSet"])
+def test_other_workloads_with_a_pod_template(kind: str) -> None:
+    text = deployment(kind=kind)
+    if kind == "StatefulSet":
+        text = text.replace("spec:\n  selector:", "spec:\n  serviceName: decode\n  selector:")
+    out = inject(text)
+    doc = only(out)
+    assert doc["kind"] == kind
+    check_termination(pod_spec(doc))
+    validate(out)
+
+
+def test_a_bare_pod_and_a_pod_template() -> None:
+    pod = """\
+apiVersion: v1
+kind: Pod
+metadata:
+  name: decode-0
+spec:
+  containers:
+    - name: vllm
+      image: vllm/vllm-openai:v0.32.0
+      args: ["--port", "8000"]
+---
+apiVersion: v1
+kind: PodTemplate
+metadata:
+  name: decode-template
+template:
+  spec:
+    containers:
+      - name: vllm
+        image: vllm/vllm-openai:v0.32.0
+        args: ["--port", "8000"]
+"""
+    out = inject(pod)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    assert [d["kind"] for d in docs] == ["Pod", "PodTemplate"]
+    for doc in docs:
+        spec = pod_spec(doc)
+        assert engine_command(spec) == ["--port", "8200"]
+        check_termination(spec)
+    validate(out)
+
+
+def test_a_list_is_injected_item_by_item() -> None:
+    listed = {"apiVersion": "v1", "kind": "List", "items": [yaml.safe_load(deployment())]}
+    out = inject(yaml.safe_dump(listed, sort_keys=False))
+    doc = only(out)
+    assert doc["kind"] == "List"
+    check_termination(pod_spec(doc["items"][0]))
+    validate(out)
+
+
+SERVICE = """\
+# The decode Service: kept as written, this comment included.
+apiVersion: v1
+kind: Service
+metadata:
+  name: decode   # odd spacing, kept
+spec:
+  ports: [{port: 8000, targetPort: 8000}]
+"""
+CONFIGMAP = """\
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: settings}
+data:
+  mode: "on"
+"""
+
+
+def test_documents_other_than_workloads_pass_through_byte_for_byte() -> None:
+    text = SERVICE + CONFIGMAP + "---\n" + deployment() + "---\n# only a comment\n"
+    out = inject(text)
+    assert out.startswith(SERVICE + CONFIGMAP + "---\n")
+    assert out.endswith("---\n# only a comment\n")
+    kinds = [d["kind"] for d in yaml.safe_load_all(out) if d]
+    assert kinds == ["Service", "ConfigMap", "Deployment"]
+
+
+def test_injecting_twice_changes_nothing() -> None:
+    text = SERVICE + "---\n" + deployment()
+    once, report = inject_text(text, defaults())
+    twice, again = inject_text(once, defaults())
+    assert twice == once
+    assert report.injected == ["Deployment/decode"]
+    assert again.injected == []
+    assert again.unchanged == ["Deployment/decode"]
+
+
+def test_only_the_named_workloads_are_injected() -> None:
+    prefill = deployment().replace("name: decode", "name: prefill")
+    text = deployment() + "---\n" + prefill
+    out = inject(text, names=("decode",))
+    assert out.endswith("---\n" + prefill)
+    with pytest.raises(InjectError, match="no Deployment, StatefulSet or pod named decoder"):
+        inject(text, names=("decoder",))
+
+
+def test_options_change_every_place_the_number_appears() -> None:
+    engine = '          args: ["--port", "8080"]\n'
+    options = Options(
+        image="registry.example/pd-sidecar:dev",
+        sidecar_port=8080,
+        engine_port=9000,
+        admin_port=9100,
+        drain_s=10,
+    )
+    out = inject(deployment(engine), options)
+    spec = pod_spec(only(out))
+    sidecar = spec["initContainers"][0]
+    assert sidecar["image"] == "registry.example/pd-sidecar:dev"
+    assert [p["containerPort"] for p in sidecar["ports"]] == [8080, 9100]
+    assert sidecar["readinessProbe"]["httpGet"]["port"] == 8080
+    settings = settings_of(spec)
+    assert (settings.port, settings.admin_port) == (8080, 9100)
+    assert settings.decode_url == "http://127.0.0.1:9000"
+    assert settings.drain_timeout_s == 10
+    assert engine_command(spec) == ["--port", "9000"]
+    assert spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    assert spec["terminationGracePeriodSeconds"] == 10 + 10 + ENGINE_EXIT_S
+    check_termination(spec)
+
+
+@pytest.mark.parametrize(("before", "after"), [(20, 65), (65, 65), (300, 300)])
+def test_the_grace_period_is_raised_never_lowered(before: int, after: int) -> None:
+    text = deployment().replace(
+        "      containers:", f"      terminationGracePeriodSeconds: {before}\n      containers:"
+    )
+    assert pod_spec(only(inject(text)))["terminationGracePeriodSeconds"] == after
+
+
+REFUSALS = [
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "        - name: other\n"
+        "          image: example/other:1\n"
+        "          ports: [{containerPort: 8000}]\n",
+        "Deployment/decode: containers 'vllm' and 'other' both claim port 8000",
+        id="two containers on the port",
+    ),
+    pytest.param(
+        '          args: ["--port", "9000"]\n',
+        "Deployment/decode: no container serves port 8000",
+        id="nothing on the serving port",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "        - name: istio-proxy\n"
+        "          image: docker.io/istio/proxyv2:1.24.0\n",
+        "Deployment/decode: container 'istio-proxy' (image 'docker.io/istio/proxyv2:1.24.0') "
+        "looks like Istio's sidecar: the engine is already behind another proxy",
+        id="istio",
+    ),
+    pytest.param(
+        '          args: ["--port", "8200"]\n'
+        "      initContainers:\n"
+        "        - name: proxy\n"
+        "          image: example/other-proxy:1\n"
+        "          restartPolicy: Always\n"
+        "          ports: [{containerPort: 8000}]\n",
+        "Deployment/decode: init container 'proxy' already serves port 8000: "
+        "the engine is behind another proxy",
+        id="another native sidecar on the port",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "      initContainers:\n"
+        "        - name: routing-proxy\n"
+        "          image: ghcr.io/llm-d/llm-d-routing-sidecar:v0.3.0\n"
+        "          restartPolicy: Always\n",
+        "looks like llm-d's routing sidecar",
+        id="llm-d routing sidecar",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "        - name: exporter\n"
+        "          image: example/exporter:1\n"
+        "          ports: [{containerPort: 8200}]\n",
+        "Deployment/decode: container 'exporter' already uses port 8200, the engine's new port",
+        id="engine port taken",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "          lifecycle:\n"
+        "            preStop: {exec: {command: [sleep, '5']}}\n",
+        "Deployment/decode: engine container 'vllm' already has a preStop hook",
+        id="a preStop already",
+    ),
+    pytest.param(
+        "          ports: [{containerPort: 8000}]\n",
+        "engine container 'vllm' has no command or args: --port cannot be added",
+        id="no command to add --port to",
+    ),
+    pytest.param(
+        '          command: ["/bin/sh", "-c", "exec vllm serve m"]\n'
+        "          ports: [{containerPort: 8000}]\n",
+        "engine container 'vllm' runs a shell script without --port",
+        id="shell script without --port",
+    ),
+    pytest.param(
+        '          args: ["--port", "9000"]\n          ports: [{containerPort: 8000}]\n',
+        "engine container 'vllm' declares containerPort 8000 but runs with --port 9000",
+        id="containerPort and --port disagree",
+    ),
+    pytest.param(
+        '          args: ["--port", "$(PORT)"]\n          ports: [{containerPort: 8000}]\n',
+        "engine container 'vllm' runs with --port $(PORT), which is not a number",
+        id="--port not a number",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "        - name: pd-sidecar\n"
+        "          image: ghcr.io/pd-sidecar/pd-sidecar:0.0.1\n",
+        "container 'pd-sidecar' is a regular container, not the native sidecar",
+        id="an old sidecar as a regular container",
+    ),
+]
+
+
+@pytest.mark.parametrize(("engine", "message"), REFUSALS)
+def test_refusals_name_the_object_and_the_reason(engine: str, message: str) -> None:
+    with pytest.raises(InjectError) as caught:
+        inject(deployment(engine))
+    assert message in str(caught.value)
+
+
+def test_input_without_any_workload_is_refused() -> None:
+    with pytest.raises(InjectError, match=r"nothing to inject: .* \(kinds: Service\)"):
+        inject(SERVICE)
+    with pytest.raises(InjectError, match="document 2 is not valid YAML"):
+        inject(SERVICE + "---\nkind: [\n")
+
+
+# The command line, as run by a person: real files, stdin, exit status and stderr.
+
+
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar.inject", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_cli_reads_a_file_and_its_output_reinjects_to_the_same_bytes(tmp_path: Path) -> None:
+    source = tmp_path / "decode.yaml"
+    source.write_text(SERVICE + "---\n" + deployment())
+    first = cli("-f", str(source))
+    assert first.returncode == 0, first.stderr
+    assert first.stderr == ""
+    assert first.stdout == inject(source.read_text())
+    second = cli(stdin=first.stdout)  # stdin by default
+    assert second.returncode == 0
+    assert second.stdout == first.stdout
+    assert "Deployment/decode: injected already, left as it is" in second.stderr
+    assert cli("-f", "-", stdin=first.stdout).stdout == first.stdout
+
+
+def test_cli_reads_several_files_as_one_stream(tmp_path: Path) -> None:
+    (tmp_path / "service.yaml").write_text(SERVICE)
+    (tmp_path / "decode.yaml").write_text(deployment())
+    result = cli("-f", str(tmp_path / "service.yaml"), "-f", str(tmp_path / "decode.yaml"))
+    assert result.returncode == 0, result.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
+    assert kinds == ["Service", "Deployment"]
+
+
+def test_cli_refusal_is_exit_status_2_with_nothing_on_stdout(tmp_path: Path) -> None:
+    source = tmp_path / "decode.yaml"
+    source.write_text(deployment('          args: ["--port", "9000"]\n'))
+    result = cli("-f", str(source))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("pd-sidecar inject: Deployment/decode: no container serves")
+    missing = cli("-f", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2
+    assert "cannot read" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--engine-port", "8000"],
+        ["--admin-port", "8200"],
+        ["--sidecar-port", "70000"],
+        ["--drain-s", "-1"],
+        ["--image", " "],
+    ],
+)
+def test_cli_bad_options_are_exit_status_2(args: list[str]) -> None:
+    result = cli(*args, stdin=deployment())
+    assert result.returncode == 2
+    assert result.stdout == ""
+
+
+def test_cli_options_reach_the_output() -> None:
+    result = cli(
+        "--image", "registry.example/pd-sidecar:dev", "--drain-s", "12", stdin=deployment()
+    )
+    assert result.returncode == 0, result.stderr
+    spec = pod_spec(only(result.stdout))
+    assert spec["initContainers"][0]["image"] == "registry.example/pd-sidecar:dev"
+    assert settings_of(spec).drain_timeout_s == 12
+    assert spec["terminationGracePeriodSeconds"] == 12 + 12 + ENGINE_EXIT_S
+
+
+def test_the_console_script_is_installed() -> None:
+    script = Path(sysconfig.get_path("scripts")) / "pd-sidecar-inject"
+    assert script.exists() or shutil.which("pd-sidecar-inject"), "pip install -e . installs it"
+    result = subprocess.run(
+        [str(script), "-f", "-"], input=deployment(), capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == inject(deployment())
+    assert (
+        "kubectl apply -f -"
+        in subprocess.run(
+            [str(script), "--help"], capture_output=True, text=True, timeout=30
+        ).stdout
+    )

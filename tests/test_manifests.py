@@ -1,0 +1,263 @@
+"""manifests/: every overlay builds and validates, the component injects what the command does,
+and the termination arithmetic holds in the YAML itself."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+import sidecar
+from sidecar.emulator.config import config_from_args
+from sidecar.inject import defaults, inject_text
+from sidecar.inject.template import ENGINE_EXIT_S, grace_period_s, load
+from tests.k8s import MANIFESTS, ROOT, crd_schemas, documents, kustomize, validate, yamllint
+from tests.test_inject import check_termination, settings_of
+
+COMPONENT = MANIFESTS / "components" / "pd-sidecar"
+OVERLAYS = sorted(p.parent for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
+BUILDS = [MANIFESTS / "base", *OVERLAYS]
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, list[dict[str, Any]]]:
+    """Every kustomization, built once for the module."""
+    return {path.name: documents(kustomize(path)) for path in BUILDS}
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def injected(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workloads that carry the sidecar."""
+    found = []
+    for doc in docs:
+        template = doc.get("spec", {}).get("template", {})
+        init = template.get("spec", {}).get("initContainers", [])
+        if any(c["name"] == "pd-sidecar" for c in init):
+            found.append(doc)
+    return found
+
+
+def test_the_three_overlays_exist() -> None:
+    assert [p.name for p in OVERLAYS] == ["emulated", "gateway", "standalone"]
+
+
+@pytest.mark.parametrize("path", BUILDS, ids=lambda p: p.name)
+def test_every_build_validates(path: Path) -> None:
+    validate(kustomize(path))
+
+
+@pytest.mark.parametrize("name", ["base", "emulated", "gateway", "standalone"])
+def test_the_decode_pods_carry_the_sidecar_and_only_they(built: dict, name: str) -> None:
+    docs = built[name]
+    assert [d["metadata"]["name"] for d in injected(docs)] == ["decode"]
+    spec = by_kind(docs, "Deployment", "decode")["spec"]["template"]["spec"]
+    check_termination(spec)  # grace >= preStop wait + drain + 5, preStop wait >= drain
+    settings = settings_of(spec)  # every SIDECAR_* variable exists and is valid
+    assert settings.decode_url == "http://127.0.0.1:8200"
+    engine_ports = {p["containerPort"] for p in spec["containers"][0]["ports"]}
+    assert 8200 in engine_ports
+    assert 8000 not in engine_ports
+    service = by_kind(docs, "Service", "decode")
+    (port,) = service["spec"]["ports"]
+    sidecar_ports = {p["name"]: p["containerPort"] for p in spec["initContainers"][0]["ports"]}
+    assert sidecar_ports[port["targetPort"]] == settings.port
+
+
+def test_standalone_schedules_over_dns_with_redis(built: dict) -> None:
+    docs = built["standalone"]
+    spec = by_kind(docs, "Deployment", "decode")["spec"]["template"]["spec"]
+    settings = settings_of(spec)
+    assert settings.state_backend == "redis"
+    assert settings.prefill_dns is not None
+    prefill = by_kind(docs, "Service", settings.prefill_dns.host)
+    assert prefill["spec"]["clusterIP"] == "None"
+    assert prefill["spec"]["ports"][0]["port"] == settings.prefill_dns.port
+    redis_url = settings.redis_url.get_secret_value()
+    match = re.fullmatch(r"redis://([\w-]+):(\d+)/0", redis_url)
+    assert match, redis_url
+    redis = by_kind(docs, "Service", match.group(1))
+    assert redis["spec"]["ports"][0]["port"] == int(match.group(2))
+
+
+def test_gateway_allows_header_targets_by_network_and_pools_both_roles(built: dict) -> None:
+    docs = built["gateway"]
+    decode = by_kind(docs, "Deployment", "decode")
+    settings = settings_of(decode["spec"]["template"]["spec"])
+    assert settings.prefill_allowed_cidrs
+    assert settings.prefill_dns is None
+    assert not settings.prefill_endpoints
+    pool = by_kind(docs, "InferencePool", "pd-llm")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    selector = pool["spec"]["selector"]["matchLabels"]
+    for name, role in (("decode", "decode"), ("prefill", "prefill")):
+        labels = by_kind(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+        assert labels["llm-d.ai/role"] == role
+    assert pool["spec"]["targetPorts"] == [{"number": settings.port}]
+
+
+def test_emulated_runs_the_emulator_with_flags_it_accepts(built: dict) -> None:
+    docs = built["emulated"]
+    image = load()["container"]["image"]
+    for name in ("decode", "prefill"):
+        (engine,) = by_kind(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        assert engine["command"] == ["python", "-m", "sidecar.emulator"]
+        assert engine["image"] == image
+        assert "nvidia.com/gpu" not in str(engine["resources"])
+        args = [a.replace("$(POD_IP)", "10.1.2.3") for a in engine["args"]]
+        config = config_from_args(args)  # the emulator's own parser: exits on an unknown flag
+        port = {p["name"]: p["containerPort"] for p in engine["ports"]}
+        assert config.port == (port["engine"] if name == "decode" else port["http"])
+        # The kubelet probes the pod's address: an engine on loopback only would be restarted.
+        assert engine["livenessProbe"]["httpGet"]["port"] == config.port
+        assert config.host == "0.0.0.0"
+    # Its shorter drain changed all three numbers (check_termination above holds them together).
+    decode = by_kind(docs, "Deployment", "decode")["spec"]["template"]["spec"]
+    assert settings_of(decode).drain_timeout_s == 10
+    assert decode["terminationGracePeriodSeconds"] == grace_period_s(10, 10)
+
+
+# One source of truth: the component repeats sidecar/inject/sidecar.yaml.
+
+
+def component_patches() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    patch = yaml.safe_load((COMPONENT / "sidecar.yaml").read_text())
+    json_patch = yaml.safe_load((COMPONENT / "engine-prestop.yaml").read_text())
+    return patch, json_patch
+
+
+def test_the_component_patch_is_the_packaged_definition() -> None:
+    packaged = load()
+    patch, json_patch = component_patches()
+    spec = patch["spec"]["template"]["spec"]
+    assert spec["initContainers"] == [packaged["container"]]
+    assert spec["terminationGracePeriodSeconds"] == packaged["terminationGracePeriodSeconds"]
+    assert json_patch == [
+        {
+            "op": "add",
+            "path": "/spec/template/spec/containers/0/lifecycle",
+            "value": {"preStop": packaged["enginePreStop"]},
+        }
+    ]
+
+
+def test_the_packaged_numbers_satisfy_the_arithmetic() -> None:
+    packaged = load()
+    env = {e["name"]: e["value"] for e in packaged["container"]["env"]}
+    drain = int(env["SIDECAR_DRAIN_TIMEOUT_S"])
+    wait = int(packaged["enginePreStop"]["exec"]["command"][1])
+    assert wait >= drain
+    assert packaged["terminationGracePeriodSeconds"] >= wait + drain + ENGINE_EXIT_S
+    assert packaged["terminationGracePeriodSeconds"] == grace_period_s(wait, drain)
+
+
+def test_the_image_tag_is_the_package_version() -> None:
+    assert load()["container"]["image"].endswith(f":{sidecar.__version__}")
+
+
+def test_the_component_and_the_command_inject_the_same_pod() -> None:
+    """The base's decode Deployment as the component leaves it, and the same Deployment with its
+    engine still on 8000 after ``python -m sidecar.inject``: equal."""
+    by_component = by_kind(documents(kustomize(MANIFESTS / "base")), "Deployment", "decode")
+    source = (MANIFESTS / "base" / "decode.yaml").read_text()
+    before_move = source.replace("8200", "8000").replace("name: engine", "name: http")
+    by_command = yaml.safe_load(inject_text(before_move, defaults())[0])
+    assert by_command == by_component
+
+
+def test_the_images_transformer_changes_the_sidecar_image(tmp_path: Path) -> None:
+    (tmp_path / "decode.yaml").write_text((MANIFESTS / "base" / "decode.yaml").read_text())
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [decode.yaml]\n"
+        f"components: [{os.path.relpath(COMPONENT, tmp_path)}]\n"
+        "images:\n"
+        "  - name: ghcr.io/pd-sidecar/pd-sidecar\n"
+        "    newName: registry.example/pd-sidecar\n"
+        "    newTag: dev\n"
+    )
+    (decode,) = documents(kustomize(tmp_path))
+    spec = decode["spec"]["template"]["spec"]
+    assert spec["initContainers"][0]["image"] == "registry.example/pd-sidecar:dev"
+    assert spec["containers"][0]["image"].startswith("vllm/")
+
+
+def test_the_component_leaves_unlabelled_workloads_alone(tmp_path: Path) -> None:
+    prefill = (MANIFESTS / "prefill" / "prefill.yaml").read_text()
+    (tmp_path / "prefill.yaml").write_text(prefill)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [prefill.yaml]\ncomponents: [{os.path.relpath(COMPONENT, tmp_path)}]\n"
+    )
+
+    def key(doc: dict[str, Any]) -> tuple[str, str]:
+        return doc["kind"], doc["metadata"]["name"]
+
+    built = sorted(documents(kustomize(tmp_path)), key=key)
+    assert built == sorted(documents(prefill), key=key)
+    assert injected(built) == []
+
+
+def test_yaml_sources_pass_yamllint() -> None:
+    yamllint(MANIFESTS, ROOT / "sidecar" / "inject", ROOT / ".yamllint")
+
+
+# The validation must be able to fail: a typo and a bad CRD field are caught.
+
+
+def test_validation_catches_an_unknown_field() -> None:
+    text = kustomize(MANIFESTS / "base").replace(
+        "restartPolicy: Always", "restartPolicy: Always\n        restartPolicyy: Always"
+    )
+    with pytest.raises(AssertionError, match="restartPolicyy"):
+        validate(text)
+
+
+def test_validation_checks_crd_kinds_against_their_schema() -> None:
+    pool = by_kind(
+        documents(kustomize(MANIFESTS / "overlays" / "gateway")), "InferencePool", "pd-llm"
+    )
+    pool["spec"]["targetPorts"] = [{"number": 0}]
+    pool["spec"]["selectr"] = {}
+    with pytest.raises(AssertionError) as caught:
+        validate(yaml.safe_dump(pool))
+    assert "spec.targetPorts.0.number" in str(caught.value)
+    assert "selectr" in str(caught.value)
+    assert ("inference.networking.k8s.io/v1", "InferencePool") in crd_schemas()
+
+
+def test_validation_refuses_a_kind_without_any_schema() -> None:
+    unknown = {"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {"name": "g"}}
+    with pytest.raises(AssertionError, match="Gadget"):
+        validate(yaml.safe_dump(unknown))
+
+
+def test_vendored_crds_are_named_in_their_readme() -> None:
+    readme = (ROOT / "tests" / "crds" / "README.md").read_text()
+    for path in (ROOT / "tests" / "crds").glob("*.yaml"):
+        assert f"`{path.name}`" in readme, f"{path.name}: name its source and version"
+    jsonschema.Draft7Validator.check_schema(
+        crd_schemas()[("inference.networking.k8s.io/v1", "InferencePool")]
+    )
+
+
+def test_deploy_md_states_the_numbers_the_yaml_has() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    packaged = load()
+    env = {e["name"]: e["value"] for e in packaged["container"]["env"]}
+    match = re.search(r"(\d+)\s+=\s+(\d+) \+ (\d+) \+ 5", text)
+    assert match, "deploy.md: the grace-period equation with numbers"
+    grace, wait, drain = (int(g) for g in match.groups())
+    assert grace == packaged["terminationGracePeriodSeconds"]
+    assert wait == int(packaged["enginePreStop"]["exec"]["command"][1])
+    assert drain == int(env["SIDECAR_DRAIN_TIMEOUT_S"])
+    assert f"{ENGINE_EXIT_S} s cover" in text
+    for path in [COMPONENT, *BUILDS, MANIFESTS / "prefill"]:
+        assert f"`{path.relative_to(ROOT)}/`" in text, path
