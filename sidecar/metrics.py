@@ -1,6 +1,7 @@
 """Prometheus metrics on a registry owned by each app (several apps may live in one test process).
 
-Label values are fixed vocabularies documented in docs/metrics.md; never request ids or raw input.
+Label values are fixed vocabularies documented in docs/observability.md; never request ids or
+raw input.
 """
 
 from __future__ import annotations
@@ -134,6 +135,13 @@ class Metrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self.endpoint_ejections = Counter(
+            "pd_sidecar_prefill_endpoint_ejections",
+            "Times this sidecar took a healthy prefill endpoint out of service (failures in a "
+            "row); a failed probe that prolongs an ejection is not counted again.",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.state_backend_errors = Counter(
             "pd_sidecar_state_backend_errors",
             "Shared-state backend failures, by kind (timeout, connection).",
@@ -143,9 +151,14 @@ class Metrics:
 
     def forget_endpoint(self, endpoint: str) -> None:
         """Drop a removed endpoint's series (pool members only: bounded label values)."""
-        for gauge in (self.endpoint_reserved_tokens, self.endpoint_waiting, self.endpoint_healthy):
+        for family in (
+            self.endpoint_reserved_tokens,
+            self.endpoint_waiting,
+            self.endpoint_healthy,
+            self.endpoint_ejections,
+        ):
             with contextlib.suppress(KeyError):
-                gauge.remove(endpoint)
+                family.remove(endpoint)
 
     def observe_request(self, route: str, record: RequestRecord) -> None:
         """Count a finished generation request and its phase durations."""

@@ -302,6 +302,8 @@ class Scheduler:
                 state.health.failures,
             )
             self.backend.publish_ejection(state.key, time.time() + state.health.ejected_until - now)
+            if was == Availability.HEALTHY:  # taken out of service; a failed probe is not new
+                self._metrics.endpoint_ejections.labels(state.key).inc()
 
     def _candidate(self, key: str) -> Candidate:
         """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
@@ -428,6 +430,8 @@ class Scheduler:
             )
             healthy = not state.draining and state.health.available(time.monotonic())
             self._metrics.endpoint_healthy.labels(key).set(1 if healthy else 0)
+            # Present at 0 from the start: the first ejection then shows in increase().
+            self._metrics.endpoint_ejections.labels(key)
 
     # --- /debug/scheduler ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from tests.conftest import (
     eventually,
     get_json,
     inject,
+    metric,
 )
 from tests.processes import free_port
 
@@ -118,6 +119,9 @@ async def test_failing_endpoint_is_ejected_then_readmitted(
     async with http.get(sidecar.url + "/metrics") as response:
         text = await response.text()
     assert f'pd_sidecar_prefill_endpoint_healthy{{endpoint="{broken.endpoint}"}} 0.0' in text
+    ejections = "pd_sidecar_prefill_endpoint_ejections_total"
+    assert f'{ejections}{{endpoint="{broken.endpoint}"}} 1.0' in text
+    assert f'{ejections}{{endpoint="{healthy.endpoint}"}} 0.0' in text  # present before any
     # The backoff runs out, the /health probe succeeds: back in the pool.
     await eventually(lambda: _is(state_of(broken.endpoint), "healthy"))
     chosen = {
@@ -136,7 +140,10 @@ async def test_dead_endpoint_is_ejected_by_the_scraper(
 ) -> None:
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens there: connections are refused
     sidecar = await start_sidecar_with(
-        prefill_endpoints=nobody, scrape_interval_s=0.05, eject_after_failures=2
+        prefill_endpoints=nobody,
+        scrape_interval_s=0.05,
+        eject_after_failures=2,
+        eject_base_s=0.05,
     )
 
     async def ejected() -> bool:
@@ -146,6 +153,15 @@ async def test_dead_endpoint_is_ejected_by_the_scraper(
     await eventually(ejected)
     record = await _send(http, sidecar, completion(LONG))
     assert (record["decision"], record["reason"]) == ("local", "pool_empty")
+
+    # Failed probes eject it again, for longer, without counting again: it never came back.
+    async def probed_twice() -> bool:
+        snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        return snapshot["endpoints"][0]["consecutive_failures"] >= 4
+
+    await eventually(probed_twice)
+    ejections = f'pd_sidecar_prefill_endpoint_ejections_total{{endpoint="{nobody}"}}'
+    assert await metric(http, sidecar.url, ejections) == 1
 
 
 async def test_scraped_load_is_visible(

@@ -1,0 +1,1 @@
+"""Monitoring manifests: alerts, dashboard, PodMonitor, proven against promtool and Prometheus."""
