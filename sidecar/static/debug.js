@@ -24,8 +24,10 @@
   let loaded = false;
   let clockOffset = 0;    // the sidecar's clock minus the browser's, seconds
   let paused = false, pausedAt = 0, timer = 0;
+  let generation = 0;     // of refresh(): only the latest one schedules the next
   let lastCopy = null;    // the selected record as last seen, kept when it leaves the list
-  let fetching = null;    // the id being fetched from requests/{id}
+  let fetching = null;    // the id looked up at requests/{id} (not in the list)
+  let lookupError = null; // why that lookup failed
 
   // --- small helpers --------------------------------------------------------------------------
   function el(tag, className, text) {
@@ -114,6 +116,7 @@
 
   async function refresh() {
     clearTimeout(timer);
+    const mine = ++generation;
     const limit = query.get("limit");
     const [requests, scheduler] = await Promise.allSettled([
       getJSON(limit ? `requests?limit=${encodeURIComponent(limit)}` : "requests"),
@@ -141,7 +144,7 @@
       setText($("scheduler-status"), `unavailable: ${scheduler.reason.message}`);
     }
     render();
-    if (!paused) timer = setTimeout(refresh, interval() * 1000);
+    if (!paused && mine === generation) timer = setTimeout(refresh, interval() * 1000);
   }
   const interval = () => Number($("interval").value) || 2;
 
@@ -274,7 +277,8 @@
     $("detail-link").href = `requests/${encodeURIComponent(id)}`;
     const note = $("detail-note");
     note.hidden = Boolean(current);
-    setText(note, record ? "Not in the list now (filters, history size): the last copy seen." : "Not in the list: looking it up…");
+    setText(note, record ? "Not in the list now (history size, limit): the last copy seen."
+      : lookupError || "Not in the list: looking it up…");
     if (!record) return;
     const d = record.durations_ms || {};
     definitions($("detail-summary"), [
@@ -296,15 +300,14 @@
       const { body } = await getJSON(`requests/${encodeURIComponent(id)}`);
       if (view.selected === id) lastCopy = body;
     } catch (error) {
-      if (view.selected === id) setText($("detail-note"), error.message);
-      return;
+      if (view.selected === id) lookupError = error.message;
     }
     renderDetail();
   }
 
   function select(id) {
     view.selected = id;
-    fetching = null;
+    fetching = lookupError = null;
     writeHash();
     render();
   }
@@ -394,7 +397,7 @@
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape" && view.selected !== null) select(null);
   });
-  window.addEventListener("hashchange", () => { readHash(); render(); });
+  window.addEventListener("hashchange", () => { fetching = lookupError = null; readHash(); render(); });
   setInterval(() => {
     if (!paused && records.some((r) => IN_FLIGHT.has(r.state))) render();
   }, TICK_MS);
