@@ -9,7 +9,10 @@
   const IN_FLIGHT = new Set(["received", "prefilling", "decoding"]);
   const DECISIONS = ["remote", "local", "none"];
   const MARKS = ["prefill_sent", "prefill_done", "decode_sent", "first_byte"];
-  // A segment is named after the phase it starts at and ends at the next phase the record has.
+  // A segment runs from one phase the record has to the next. It is named after the furthest
+  // phase reached by its start, in this order: "received" < MARKS, so when phases overlap (SGLang
+  // sends both legs at once; its prefill may end after the first byte) the bar follows the
+  // decode's progress, and adjacent segments of one name merge.
   const SEGMENT = {
     received: "placing", prefill_sent: "prefill", prefill_done: "handoff",
     decode_sent: "first token", first_byte: "streaming",
@@ -155,9 +158,16 @@
     const marks = [["received", 0], ...MARKS.filter((m) => m in phases).map((m) => [m, phases[m]])];
     marks.sort((a, b) => a[1] - b[1]);
     const end = Math.max(live ? at - r.started_at : phases.done, marks[marks.length - 1][1]);
-    const segments = marks.map(([from, t0], i) => {
+    const order = Object.keys(SEGMENT);
+    const segments = [];
+    let kind = "received";
+    marks.forEach(([from, t0], i) => {
+      if (order.indexOf(from) > order.indexOf(kind)) kind = from;
       const next = marks[i + 1];
-      return { from, to: next ? next[0] : live ? "now" : "done", t0, t1: next ? next[1] : end };
+      const to = next ? next[0] : live ? "now" : "done", t1 = next ? next[1] : end;
+      const last = segments[segments.length - 1];
+      if (last && last.kind === kind) Object.assign(last, { to, t1 });
+      else segments.push({ kind, from, to, t0, t1 });
     });
     return { start: r.started_at, end, live, segments };
   }
@@ -234,12 +244,12 @@
     node.style.left = axis ? pct((s.start - axis.t0) / axis.width) : "0%";
     node.style.width = axis ? pct(s.end / axis.width) : "100%";
     for (const g of s.segments) {
-      const segment = el("span", `seg seg-${g.from}${g.to === "now" ? " running" : ""}`);
-      segment.dataset.phase = SEGMENT[g.from];
+      const segment = el("span", `seg seg-${g.kind}${g.to === "now" ? " running" : ""}`);
+      segment.dataset.phase = SEGMENT[g.kind];
       segment.dataset.from = g.from;
       segment.dataset.to = g.to;
       segment.style.width = s.end > 0 ? pct((g.t1 - g.t0) / s.end) : `${100 / s.segments.length}%`;
-      segment.title = `${SEGMENT[g.from]}: ${g.from} → ${g.to}, ${duration(g.t1 - g.t0)}`;
+      segment.title = `${SEGMENT[g.kind]}: ${g.from} → ${g.to}, ${duration(g.t1 - g.t0)}`;
       node.append(segment);
     }
     return node;
