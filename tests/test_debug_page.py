@@ -80,6 +80,7 @@ def browser() -> Iterator[WebDriver]:
     with tempfile.TemporaryDirectory(prefix="pd-sidecar-chromium-") as profile:
         options = webdriver.ChromeOptions()
         options.binary_location = CHROMIUM
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console
         for flag in [*FLAGS, f"--user-data-dir={profile}"]:
             options.add_argument(flag)
         driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -355,6 +356,9 @@ def check_page(
         driver, lambda d: shown_record(d)["id"] if text_of("detail-json")(d) else "", "bad-json"
     )
     assert text_of("detail-note")(driver).startswith("Not in the list now")
+
+    # Nothing refused by the Content-Security-Policy or Trusted Types, no script error.
+    assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
 async def test_the_page_says_when_the_sidecar_is_gone(
