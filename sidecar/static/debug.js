@@ -125,6 +125,7 @@
       getJSON(limit ? `requests?limit=${encodeURIComponent(limit)}` : "requests"),
       getJSON("scheduler"),
     ]);
+    if (mine !== generation) return; // a newer refresh started meanwhile: its answers win
     const error = $("error");
     if (requests.status === "fulfilled") {
       const { body, response } = requests.value;
@@ -147,7 +148,7 @@
       setText($("scheduler-status"), `unavailable: ${scheduler.reason.message}`);
     }
     render();
-    if (!paused && mine === generation) timer = setTimeout(refresh, interval() * 1000);
+    if (!paused) timer = setTimeout(refresh, interval() * 1000);
   }
   const interval = () => Number($("interval").value) || 2;
 
