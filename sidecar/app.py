@@ -16,6 +16,7 @@ from sidecar.aftercare import Aftercare
 from sidecar.config import Settings
 from sidecar.connectors import Parts, make_connector
 from sidecar.debug import DebugViews
+from sidecar.debug_page import DebugPage
 from sidecar.decode import DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
@@ -108,7 +109,7 @@ def create_app(settings: Settings) -> web.Application:
     app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
     passthrough = Passthrough(settings, engines=engines, gateway=gateway, metrics=metrics)
-    debug = DebugViews(tracker)
+    debug = DebugViews(tracker, DebugPage())
 
     admin = app
     if settings.admin_port is not None:
@@ -128,6 +129,8 @@ def create_app(settings: Settings) -> web.Application:
     admin.router.add_get("/debug/scheduler", _debug_scheduler)
     admin.router.add_get("/debug/requests", debug.requests)
     admin.router.add_get("/debug/requests/{id}", debug.request)
+    admin.router.add_get("/debug/ui", debug.ui)
+    admin.router.add_get("/debug/ui/{name}", debug.ui_asset)
     admin.router.add_route("*", "/debug/{tail:.*}", debug.unknown)
     for path in ROUTES:
         app.router.add_post(path, pipeline.handle)

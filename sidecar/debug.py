@@ -1,40 +1,71 @@
-"""``/debug/*`` views: lifecycle records in flight and recently finished."""
+"""``/debug/*`` views: lifecycle records in flight and recently finished, as JSON or as the page
+of ``sidecar.debug_page``."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
 from aiohttp import web
 from multidict import MultiMapping
 
+from sidecar.debug_page import DebugPage, prefers_html
 from sidecar.errors import BadRequest, NotFound, error_response
 from sidecar.tracking import State, Tracker
 
 DEFAULT_LIMIT = 100
 QUERY = ("state", "limit")
+SERVER_TIME_HEADER = "x-sidecar-time"
+"""On the JSON of ``/debug/requests``: this sidecar's Unix time (seconds) when it answered, so
+the page draws requests in flight up to the sidecar's now, whatever the browser's clock says."""
 
 
 class DebugViews:
-    def __init__(self, tracker: Tracker) -> None:
+    def __init__(self, tracker: Tracker, page: DebugPage) -> None:
         self._tracker = tracker
+        self._page = page
 
     async def requests(self, request: web.Request) -> web.Response:
         """``{"inflight": [...], "recent": [...]}``, newest first; ``?state=`` and ``?limit=``
         (1 to the history size; larger values are clamped) filter both lists. Any other
-        parameter, or one given twice, is a 400: a typo never silently widens the answer."""
+        parameter, or one given twice, is a 400: a typo never silently widens the answer.
+
+        A client preferring ``text/html`` (a browser) gets the page instead, which reads the same
+        parameters (``state`` as its first filter, ``limit`` for what it fetches)."""
         try:
-            _known_once(request.query)
-            state = _state(request.query.get("state"))
-            limit = _limit(request.query.get("limit"), self._tracker.history_size)
+            state, limit = self._query(request)
         except BadRequest as exc:
             return error_response(exc, None)
-        return _json(
-            {
-                "inflight": _select(self._tracker.inflight(), state, limit),
-                "recent": _select(self._tracker.recent(), state, limit),
-            }
+        if prefers_html(request.headers.get("Accept")):
+            return _vary(self._page.document())
+        response = _vary(
+            _json(
+                {
+                    "inflight": _select(self._tracker.inflight(), state, limit),
+                    "recent": _select(self._tracker.recent(), state, limit),
+                }
+            )
         )
+        response.headers[SERVER_TIME_HEADER] = f"{time.time():.3f}"
+        return response
+
+    async def ui(self, request: web.Request) -> web.Response:
+        """The page, whatever the ``Accept`` header; the query is checked as for JSON."""
+        try:
+            self._query(request)
+        except BadRequest as exc:
+            return error_response(exc, None)
+        return self._page.document()
+
+    async def ui_asset(self, request: web.Request) -> web.Response:
+        response = self._page.asset(request.match_info["name"])
+        return response if response is not None else await self.unknown(request)
+
+    def _query(self, request: web.Request) -> tuple[State | None, int]:
+        _known_once(request.query)
+        state = _state(request.query.get("state"))
+        return state, _limit(request.query.get("limit"), self._tracker.history_size)
 
     async def request(self, request: web.Request) -> web.Response:
         record = self._tracker.find(request.match_info["id"])
@@ -82,6 +113,12 @@ def _limit(value: str | None, maximum: int) -> int:
     if not value.isdigit() or int(value) < 1:
         raise BadRequest("limit must be a positive integer")
     return min(int(value), maximum)
+
+
+def _vary(response: web.Response) -> web.Response:
+    """One URL, two representations: a cache must key on ``Accept``."""
+    response.headers["Vary"] = "Accept"
+    return response
 
 
 def _json(payload: Any) -> web.Response:
