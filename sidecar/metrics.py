@@ -25,6 +25,33 @@ from sidecar.tracking import RequestRecord
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 """Paths the pipeline serves, by their ``route`` label; everything else is ``other``."""
 
+# The fixed vocabularies of the labels below (docs/observability.md, "Label values"). Each series
+# of a vocabulary is exported at 0 from the start: rate() and increase() need a sample before the
+# first event to count it, so an alert on a counter that appears only at its first increment
+# misses that event.
+GENERATION_ROUTES = ("completions", "chat_completions")
+DECISIONS = ("remote", "local", "none")
+REQUEST_OUTCOMES = ("success", "client_error", "server_error", "cancelled")
+PHASES = ("prefill", "ttft", "decode", "total")
+PREFILL_OUTCOMES = (
+    "success",
+    "client_error",
+    "server_error",
+    "unreachable",
+    "timeout",
+    "bad_response",
+)
+FALLBACK_REASONS = (
+    "prefill_unreachable",
+    "prefill_timeout",
+    "prefill_error",
+    "prefill_bad_response",
+    "no_kv_params",
+)
+KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
+DISCONNECT_ACTIONS = ("abort", "finish")
+STATE_ERROR_KINDS = ("timeout", "connection")
+
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -148,6 +175,25 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+
+        self._zero_vocabularies()
+
+    def _zero_vocabularies(self) -> None:
+        for route in GENERATION_ROUTES:
+            for decision in DECISIONS:
+                for outcome in REQUEST_OUTCOMES:
+                    self.requests.labels(route, decision, outcome)
+        for phase in PHASES:
+            self.phase_duration.labels(phase)
+        for family, values in (
+            (self.prefill_requests, PREFILL_OUTCOMES),
+            (self.fallbacks, FALLBACK_REASONS),
+            (self.kv_releases, KV_RELEASE_OUTCOMES),
+            (self.prefill_disconnects, DISCONNECT_ACTIONS),
+            (self.state_backend_errors, STATE_ERROR_KINDS),
+        ):
+            for value in values:
+                family.labels(value)
 
     def forget_endpoint(self, endpoint: str) -> None:
         """Drop a removed endpoint's series (pool members only: bounded label values)."""

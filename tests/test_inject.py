@@ -104,6 +104,8 @@ def test_a_deployment_gets_the_packaged_sidecar_and_its_engine_moves() -> None:
     doc = only(out)
     spec = pod_spec(doc)
     assert spec["initContainers"] == [load()["container"]]
+    labels = doc["spec"]["template"]["metadata"]["labels"]
+    assert labels == {**labels, **load()["podLabels"]}, "the PodMonitor's label"
     sidecar = spec["initContainers"][0]
     assert sidecar["restartPolicy"] == "Always"
     assert "startupProbe" not in sidecar
@@ -230,6 +232,9 @@ template:
         spec = pod_spec(doc)
         assert engine_command(spec) == ["--port", "8200"]
         check_termination(spec)
+    # The labels go where the pod's metadata is: the Pod's own, the template's (created).
+    assert docs[0]["metadata"]["labels"] == load()["podLabels"]
+    assert docs[1]["template"]["metadata"]["labels"] == load()["podLabels"]
     validate(out)
 
 

@@ -139,6 +139,7 @@ def test_the_component_patch_is_the_packaged_definition() -> None:
     packaged = load()
     patch, json_patch = component_patches()
     spec = patch["spec"]["template"]["spec"]
+    assert patch["spec"]["template"]["metadata"]["labels"] == packaged["podLabels"]
     assert spec["initContainers"] == [packaged["container"]]
     assert spec["terminationGracePeriodSeconds"] == packaged["terminationGracePeriodSeconds"]
     assert json_patch == [

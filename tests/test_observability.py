@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from pathlib import Path
 
 import pytest
 
+import sidecar as sidecar_package
+from sidecar import metrics
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -226,3 +230,54 @@ async def test_not_ready_before_first_success(http, start_sidecar_with: StartSid
 async def _status(http, url: str, status: int) -> bool:
     async with http.get(url) as response:
         return response.status == status
+
+
+async def test_every_label_vocabulary_is_exported_at_zero_from_the_start(http, sidecar) -> None:
+    """Before any request, each series of a fixed vocabulary is already there at 0: an alert's
+    rate() or increase() then counts the first fallback, release failure or error too."""
+    async with http.get(sidecar.url + "/metrics") as response:
+        text = await response.text()
+    expected = [
+        f'pd_sidecar_requests_total{{decision="{decision}",outcome="{outcome}",route="{route}"}}'
+        for route in metrics.GENERATION_ROUTES
+        for decision in metrics.DECISIONS
+        for outcome in metrics.REQUEST_OUTCOMES
+    ]
+    expected += [f'pd_sidecar_phase_duration_seconds_count{{phase="{p}"}}' for p in metrics.PHASES]
+    for family, label, values in (
+        ("prefill_requests_total", "outcome", metrics.PREFILL_OUTCOMES),
+        ("fallbacks_total", "reason", metrics.FALLBACK_REASONS),
+        ("kv_releases_total", "outcome", metrics.KV_RELEASE_OUTCOMES),
+        ("prefill_disconnects_total", "action", metrics.DISCONNECT_ACTIONS),
+        ("state_backend_errors_total", "kind", metrics.STATE_ERROR_KINDS),
+    ):
+        expected += [f'pd_sidecar_{family}{{{label}="{value}"}}' for value in values]
+    for series in expected:
+        assert f"{series} 0.0\n" in text, series
+
+
+_LITERAL_LABELS = {
+    "fallbacks": metrics.FALLBACK_REASONS,
+    "kv_releases": metrics.KV_RELEASE_OUTCOMES,
+    "prefill_requests": metrics.PREFILL_OUTCOMES,
+    "prefill_disconnects": metrics.DISCONNECT_ACTIONS,
+}
+
+
+def test_the_code_uses_only_the_vocabularies() -> None:
+    """Every label value the sidecar's code writes as a literal is in its vocabulary (else a new
+    value would appear only at its first increment, and the docs would not list it)."""
+    source = "\n".join(p.read_text() for p in Path(sidecar_package.__file__).parent.rglob("*.py"))
+    seen = 0
+    for family, values in _LITERAL_LABELS.items():
+        for value in re.findall(rf"\.{family}\.labels\(\"(\w+)\"\)", source):
+            assert value in values, (family, value)
+            seen += 1
+    for reason, outcome in re.findall(r"_Failure\(\s*\"(\w+)\",\s*\"(\w+)\"", source):
+        assert reason in metrics.FALLBACK_REASONS, reason
+        assert outcome in metrics.PREFILL_OUTCOMES, outcome
+        seen += 1
+    for kind in re.findall(r"_record_error\(\"(\w+)\"", source):
+        assert kind in metrics.STATE_ERROR_KINDS, kind
+        seen += 1
+    assert seen >= 15, "the patterns above no longer find the code's label values"

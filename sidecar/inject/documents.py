@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from sidecar.inject.pod import InjectError, already_injected, inject_pod_spec
-from sidecar.inject.template import Options
+from sidecar.inject.template import Options, pod_labels
 
 POD_SPEC_PATHS: dict[str, tuple[str, ...]] = {
     "Deployment": ("spec", "template", "spec"),
@@ -26,6 +26,10 @@ POD_SPEC_PATHS: dict[str, tuple[str, ...]] = {
     "Pod": ("spec",),
 }
 """Where each supported kind keeps its pod spec."""
+POD_METADATA_PATHS: dict[str, tuple[str, ...]] = {
+    kind: (*path[:-1], "metadata") for kind, path in POD_SPEC_PATHS.items()
+}
+"""Where each supported kind keeps its pod's metadata (the labels the injection adds)."""
 _MARKER = re.compile(r"^---(?:[ \t].*)?$", re.M)
 
 
@@ -97,8 +101,24 @@ def _inject_object(
         inject_pod_spec(spec, options)
     except InjectError as exc:
         raise InjectError(f"{_describe(doc)}: {exc}") from None
+    _label_pod(doc)
     report.injected.append(_describe(doc))
     return True
+
+
+def _label_pod(doc: dict[str, Any]) -> None:
+    """The injected pod's labels (its template's, for a workload): a workload's selector is not
+    changed, so the new label only marks the pods for the PodMonitor."""
+    node = doc
+    for key in POD_METADATA_PATHS[str(doc["kind"])]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = node[key] = {}
+        node = child
+    labels = node.get("labels")
+    if not isinstance(labels, dict):
+        labels = node["labels"] = {}
+    labels.update(pod_labels())
 
 
 def _workloads(data: Any) -> Iterable[dict[str, Any]]:

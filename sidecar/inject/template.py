@@ -60,6 +60,13 @@ def load() -> dict[str, Any]:
     return data
 
 
+def pod_labels() -> dict[str, str]:
+    """The labels an injected pod gets (the PodMonitor of manifests/monitoring/ selects them)."""
+    labels = load()["podLabels"]
+    assert isinstance(labels, dict)
+    return {str(key): str(value) for key, value in labels.items()}
+
+
 def _env(container: Container, name: str) -> str:
     for item in container["env"]:
         if item["name"] == name:

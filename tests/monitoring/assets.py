@@ -21,7 +21,6 @@ MONITORING = ROOT / "manifests" / "monitoring"
 PODMONITOR = MONITORING / "podmonitor.yaml"
 PROMETHEUS_RULE = MONITORING / "prometheusrule.yaml"
 DASHBOARD = MONITORING / "dashboards" / "pd-sidecar.json"
-SCHEMAS = ROOT / "manifests" / "schemas" / "monitoring.coreos.com"
 RULE_TESTS = Path(__file__).with_name("alerts.test.yaml")
 OPERATIONS = ROOT / "docs" / "operations.md"
 
