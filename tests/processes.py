@@ -4,15 +4,13 @@ its output in a log file, killed with the test run whatever happens."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 
-import pytest
-
 from devkit.processes import Child, Launcher, environment, free_port, tcp_open
+from tests.tools import program
 
 START_TIMEOUT_S = 30.0
 """How long a sidecar or emulator may take to answer: seconds on an idle machine, over 15 on a
@@ -82,9 +80,7 @@ class RedisServer:
         self._launcher = Launcher(prefix="pd-sidecar-redis-")
 
     async def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.skip("redis-server is not installed (.ci/run installs it)")
+        binary = program("redis-server", "redis-server")
         argv = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no",

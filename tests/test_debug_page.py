@@ -3,8 +3,8 @@ has served requests of every kind: remote and local, completed, failed, cancelle
 flight, and one whose id and error carry HTML.
 
 The system's Chromium and chromedriver (Debian ``chromium``, ``chromium-driver``) are driven by
-selenium; the tests skip without them, like the Redis tests without ``redis-server`` (.ci/run
-installs both). Selenium blocks, so every browser step runs in a worker thread while the event
+selenium; without them the tests skip, or fail under CI, like every test that needs a system
+program (tests/tools.py; .ci/run installs both). Selenium blocks, so every browser step runs in a worker thread while the event
 loop keeps serving the sidecar and the engines. A screenshot of the page is saved under the
 test's ``tmp_path`` and, when ``PD_SIDECAR_ARTIFACTS`` names a directory, there too.
 """
@@ -43,6 +43,7 @@ from tests.conftest import (
     get_json,
     inject,
 )
+from tests.tools import missing
 
 CHROMIUM = next(
     (path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None
@@ -73,9 +74,8 @@ T = TypeVar("T")
 def browser() -> Iterator[WebDriver]:
     """One headless Chromium for the module, with a fresh empty profile."""
     if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip(
-            "chromium and chromedriver are not installed "
-            "(.ci/run installs them: apt-get install chromium chromium-driver)"
+        missing(
+            "chromium and chromedriver are not installed (apt-get install chromium chromium-driver)"
         )
     with tempfile.TemporaryDirectory(prefix="pd-sidecar-chromium-") as profile:
         options = webdriver.ChromeOptions()

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import re
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import orjson
 import pytest
 
 from tests.processes import free_port
+from tests.tools import program
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 RECIPE_PORTS = ("8100", "8200", "8000")
@@ -30,8 +30,7 @@ def recipe() -> str:
 
 @pytest.mark.timeout(60)
 async def test_the_readme_recipe_runs() -> None:
-    if shutil.which("curl") is None:
-        pytest.skip("curl is not installed (.ci/run installs it)")
+    program("curl", "curl")
     script = recipe()
     assert ". .venv/bin/activate" in script
     script = script.replace(". .venv/bin/activate", f'PATH="{Path(sys.executable).parent}:$PATH"')

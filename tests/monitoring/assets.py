@@ -5,16 +5,15 @@ selectors inside any expression (from PromQL's syntax tree), and the Prometheus 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import promql_parser
-import pytest
 import yaml
+
+from tests.tools import program
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "manifests" / "monitoring"
@@ -165,10 +164,4 @@ def metric_names(expr: str) -> set[str]:
 def binary(name: str) -> str:
     """The path of ``prometheus`` or ``promtool``. Missing: the test fails under CI (``.ci/run``
     installs the Debian package ``prometheus``), and is skipped on a developer's machine."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed (apt-get install prometheus; .ci/run does)"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+    return program(name, "prometheus")
