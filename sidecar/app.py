@@ -148,6 +148,7 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
         return RedisState(
             settings.redis_url.get_secret_value(),
             prefix=settings.redis_key_prefix,
+            cluster=settings.redis_cluster,
             lease_s=settings.state_lease_s,
             timeout_s=settings.state_timeout_ms / 1000,
             on_error=lambda kind: metrics.state_backend_errors.labels(kind).inc(),

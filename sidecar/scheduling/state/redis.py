@@ -13,8 +13,9 @@ local view, and a background worker keeps syncing (releases, heartbeats) and rec
 Four keys, all sharing one hash tag (``{prefix}``): ``sidecars`` (a sorted set, lease deadline per
 sidecar id), ``reservations`` (a hash, one field per sidecar: its reservations, one ``endpoint
 tokens requests`` line each), ``speeds`` and ``ejections`` (hashes, one field per endpoint). The
-script touches only the keys it is given as ``KEYS`` — nothing by a name built inside it — so on a
-Redis Cluster the four keys live in one slot, are redirected together and fail over together.
+script touches only the keys it is given as ``KEYS`` — nothing by a name built inside it — so it
+runs as it is on a standalone Redis and on a Redis Cluster (``cluster=True``: redis-py's cluster
+client), where the four keys live in one slot, are redirected together and fail over together.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
@@ -91,7 +95,9 @@ return {flat, redis.call('HGETALL', KEYS[2]), live}
 """KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
 reservations (lines), then speeds and ejections, each a count and that many pairs."""
 
-_ERRORS = (RedisError, OSError, TimeoutError)
+_ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
+"""What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
+covered" are not RedisErrors)."""
 
 
 class RedisState:
@@ -102,12 +108,14 @@ class RedisState:
         url: str,
         *,
         prefix: str,
+        cluster: bool = False,
         lease_s: float,
         timeout_s: float,
         on_error: Callable[[str], None] = lambda kind: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._url = url
+        self._cluster = cluster
         tag = "{" + prefix + "}"
         self.keys = (
             f"{tag}:sidecars",
@@ -127,7 +135,7 @@ class RedisState:
         self._ejected: dict[str, float] = {}
         self._pending_speeds: dict[str, Speed] = {}
         self._pending_ejections: dict[str, float] = {}
-        self._client: aioredis.Redis | None = None
+        self._client: aioredis.Redis | RedisCluster | None = None
         self._script: Any = None
         self._sync: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -140,9 +148,19 @@ class RedisState:
 
     async def start(self) -> None:
         # Socket timeouts bound the background worker; the request path has its own, shorter wait.
-        self._client = aioredis.Redis.from_url(
-            self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
-        )
+        if self._cluster:
+            # One attempt per sync, like the standalone client: a failed one backs off (below),
+            # and the next re-reads the slots from the nodes left (a promoted replica included).
+            self._client = RedisCluster.from_url(
+                self._url,
+                socket_connect_timeout=1.0,
+                socket_timeout=1.0,
+                retry=Retry(NoBackoff(), retries=0),
+            )
+        else:
+            self._client = aioredis.Redis.from_url(
+                self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
+            )
         self._script = self._client.register_script(_SYNC)
         self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
 
@@ -209,6 +227,7 @@ class RedisState:
             "last_sync_unix": self.last_sync_unix,
             "last_error": self.last_error,
             "lease_s": self._lease_s,
+            "cluster": self._cluster,
         }
 
     async def _work(self) -> None:
