@@ -56,7 +56,7 @@ class Readiness:
             ok = False
         if ok != rank.ready and len(self._ranks) > 1:
             logger.info("decode rank %d (%s) %s", rank.index, rank.url, _word(ok))
-        rank.ready = ok
+        self._ranks.mark(rank, ok)
         self._metrics.decode_rank_ready.labels(str(rank.index)).set(1 if ok else 0)
 
     async def run(self) -> None:

@@ -59,6 +59,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def clear(self) -> None:
+        self._blocks.clear()
+
     def hashes(self, text: str | bytes) -> list[bytes]:
         """The chained hashes of ``text``'s full blocks (computed once per request, then looked
         up in every rank's index)."""

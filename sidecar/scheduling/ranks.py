@@ -84,12 +84,14 @@ class DecodeRank:
 class RankClaim:
     """One request's hold on a rank: counted in its in-flight requests (and, while a local
     prefill runs there, its tokens ahead) from the choice until ``end()``. ``move`` carries the
-    count to another rank when the request's decode leg goes there instead."""
+    count — and the prompt, which the new rank will hold — to another rank when the request's
+    decode leg goes there instead."""
 
-    __slots__ = ("_ahead", "_ended", "rank")
+    __slots__ = ("_ahead", "_ended", "_text", "rank")
 
-    def __init__(self, rank: DecodeRank) -> None:
+    def __init__(self, rank: DecodeRank, text: str | bytes = "") -> None:
         self.rank = rank
+        self._text = text
         self._ahead = 0
         self._ended = False
         rank.inflight += 1
@@ -121,6 +123,8 @@ class RankClaim:
         to.inflight += 1
         to.ahead_tokens += self._ahead
         to.placed += 1
+        if self._text:
+            to.prefix.insert(to.prefix.hashes(self._text))
         self.rank = to
 
     def end(self) -> None:
@@ -170,6 +174,13 @@ class DecodeRanks:
         """At least one rank is ready: the pod is."""
         return any(rank.ready for rank in self._ranks)
 
+    def mark(self, rank: DecodeRank, ready: bool) -> None:
+        """A poll of ``rank``'s ``/health``. A rank that turns unready forgets its prefix index:
+        an engine whose health check fails (vLLM: its engine core died) comes back empty."""
+        if rank.ready and not ready:
+            rank.prefix.clear()
+        rank.ready = ready
+
     def candidates(self, exclude: Sequence[DecodeRank] = ()) -> list[DecodeRank]:
         """The ready ranks (every rank when none is ready), but those in ``exclude``."""
         pool = [rank for rank in self._ranks if rank.ready] or self._ranks
@@ -192,7 +203,7 @@ class DecodeRanks:
             chosen = choose_rank(views, prompt_tokens, self._rng)
             rank, cached = self._ranks[chosen.index], chosen.cached_tokens
         rank.prefix.insert(hashes)
-        return RankClaim(rank), cached
+        return RankClaim(rank, text), cached
 
     def claim_any(self) -> RankClaim:
         """Place a request without a prompt to match (passthrough): the least loaded rank."""

@@ -125,6 +125,36 @@ def test_a_claim_counts_until_it_ends_and_moves_with_its_request() -> None:
     assert rank.inflight == 0
 
 
+def test_a_request_passed_to_another_rank_leaves_its_history_there() -> None:
+    decode = ranks(2)
+    claim, _ = decode.claim(HISTORY, 1000)
+    first, other = claim.rank, decode[1 - claim.index]
+    claim.move(other)  # its rank refused the connection
+    claim.end()
+    follow_up = HISTORY + " And then?"
+    hashes = other.prefix.hashes(follow_up)
+    assert other.prefix.cached_tokens(hashes) == first.prefix.cached_tokens(hashes) > 0
+    _, cached = decode.claim(follow_up, 1000)
+    assert cached > 0
+
+
+def test_a_rank_that_turns_unready_forgets_its_history() -> None:
+    decode = ranks(2)
+    for rank in decode:
+        decode.mark(rank, True)
+    claim, _ = decode.claim(HISTORY, 1000)
+    claim.end()
+    rank = claim.rank
+    assert len(rank.prefix) > 0
+    decode.mark(rank, True)  # still ready: kept
+    assert len(rank.prefix) > 0
+    decode.mark(rank, False)  # its engine failed its health check: it comes back empty
+    assert len(rank.prefix) == 0
+    decode.mark(rank, True)
+    _, cached = decode.claim(HISTORY + " Again?", 1000)
+    assert cached == 0
+
+
 def test_a_scraped_queue_counts_while_fresh() -> None:
     now = [100.0]
     decode = ranks(2, clock=lambda: now[0])
