@@ -306,8 +306,11 @@ async def test_a_rank_refusing_connections_passes_its_requests_on(
     records.append(await _send(http, sidecar, completion(LONG), **header))  # pulls the KV
     assert {record["decode_rank"] for record in records} == {1}
     assert {record["state"] for record in records} == {"completed"}
-    assert await _status(http, sidecar.url + "/v1/models") == 200
+    for _ in range(6):  # passthrough too, wherever its least-loaded pick fell
+        assert await _status(http, sidecar.url + "/v1/models") == 200
     assert await _ready_ranks(http, sidecar) == [True, True]  # not polled since: moved on
+    tried = 'pd_sidecar_decode_rank_requests_total{rank="0"}'
+    assert await metric(http, sidecar.url, tried) > 0  # some were placed there, and passed on
     assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0]
     assert await staged_blocks(http, prefill) == 0
 
