@@ -387,11 +387,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = _items(value)
         if isinstance(value, list | tuple):
-            urls = tuple(_base_url(item) for item in value)
+            urls = []
+            for item in value:
+                try:
+                    urls.append(_base_url(item))
+                except ValueError as exc:
+                    raise ValueError(f"{item}: {exc}") from None
             repeated = sorted({url for url in urls if urls.count(url) > 1})
             if repeated:
                 raise ValueError(f"a rank is listed twice: {', '.join(repeated)}")
-            return urls
+            return tuple(urls)
         return value
 
     @model_validator(mode="after")
