@@ -95,7 +95,7 @@ async def _serve(settings: Settings) -> int:
         "listening on %s (event loop: %s), decode engine %s",
         sidecar.url,
         type(loop).__module__.split(".")[0],
-        settings.decode_url,
+        ", ".join(settings.decode_ranks),
     )
     if sidecar.admin_port is not None:
         logger.info("admin endpoints on %s", sidecar.admin_url)

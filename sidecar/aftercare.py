@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sidecar.errors import SidecarError
+from sidecar.errors import EngineNotConnected, SidecarError
 from sidecar.metrics import Metrics
 from sidecar.tracking import task_name
-from sidecar.upstream import Engines
+from sidecar.upstream import EngineAnswer, Engines
 
 logger = logging.getLogger("sidecar.aftercare")
 
@@ -52,9 +52,12 @@ class Aftercare:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def release(self, request_id: str, url: str, headers: Mapping[str, str], data: bytes) -> None:
-        """Send ``data`` to ``url`` in the background to free request ``request_id``'s staged KV;
-        its answer is dropped.
+    def release(
+        self, request_id: str, urls: Sequence[str], headers: Mapping[str, str], data: bytes
+    ) -> None:
+        """Send ``data`` to ``urls[0]`` in the background to free request ``request_id``'s
+        staged KV, its answer dropped; to the next URL when one cannot be connected to (any
+        decode rank can pull the KV).
 
         Does nothing when releases are off (``SIDECAR_RELEASE_ON_DISCONNECT=false``).
         """
@@ -64,18 +67,11 @@ class Aftercare:
             self._metrics.kv_releases.labels("skipped").inc()
             return
         name = task_name(request_id, "release")
-        self.watch(asyncio.create_task(self._send(url, headers, data), name=name))
+        self.watch(asyncio.create_task(self._send(urls, headers, data), name=name))
 
-    async def _send(self, url: str, headers: Mapping[str, str], data: bytes) -> None:
+    async def _send(self, urls: Sequence[str], headers: Mapping[str, str], data: bytes) -> None:
         try:
-            answer = await self._engines.send(
-                "POST",
-                url,
-                headers=headers,
-                data=data,
-                total_s=self._timeout_s,
-                role="the engine taking a KV release",
-            )
+            answer = await self._post(urls, headers, data)
             await answer.read()
         except SidecarError as exc:
             self._metrics.kv_releases.labels("failed").inc()
@@ -92,6 +88,26 @@ class Aftercare:
             )
             return
         self._metrics.kv_releases.labels("sent").inc()
+
+    async def _post(
+        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes
+    ) -> EngineAnswer:
+        for url in urls[:-1]:
+            try:
+                return await self._send_one(url, headers, data)
+            except EngineNotConnected as exc:
+                logger.info("KV release: %s; trying another decode rank", exc.message)
+        return await self._send_one(urls[-1], headers, data)
+
+    async def _send_one(self, url: str, headers: Mapping[str, str], data: bytes) -> EngineAnswer:
+        return await self._engines.send(
+            "POST",
+            url,
+            headers=headers,
+            data=data,
+            total_s=self._timeout_s,
+            role="the engine taking a KV release",
+        )
 
     async def close(self, timeout_s: float) -> None:
         """Let the work under way finish for up to ``timeout_s``, then cancel what is left (a

@@ -60,17 +60,17 @@ def create_app(settings: Settings) -> web.Application:
     engines = Engines(connect_timeout_s=settings.connect_timeout_s)
     tracker = Tracker(settings.debug_history)
     metrics = Metrics()
-    readiness = Readiness(
-        engines=engines,
-        decode_url=settings.decode_url,
-        interval_s=settings.ready_interval_s,
-        metrics=metrics,
-    )
     scheduler = Scheduler(
         settings,
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
         backend=_state_backend(settings, metrics),
         engines=engines,
+        metrics=metrics,
+    )
+    readiness = Readiness(
+        engines=engines,
+        ranks=scheduler.ranks,
+        interval_s=settings.ready_interval_s,
         metrics=metrics,
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
@@ -93,7 +93,7 @@ def create_app(settings: Settings) -> web.Application:
         prefill=PrefillCall(
             settings, engines=engines, scheduler=scheduler, metrics=metrics, aftercare=aftercare
         ),
-        decode=DecodeSend(settings, engines=engines),
+        decode=DecodeSend(settings, engines=engines, ranks=scheduler.ranks, metrics=metrics),
         aftercare=aftercare,
     )
     gateway = GatewayHeaders(settings.prefill_headers)
@@ -108,7 +108,9 @@ def create_app(settings: Settings) -> web.Application:
     )
     app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
-    passthrough = Passthrough(settings, engines=engines, gateway=gateway, metrics=metrics)
+    passthrough = Passthrough(
+        settings, engines=engines, ranks=scheduler.ranks, gateway=gateway, metrics=metrics
+    )
     debug = DebugViews(tracker, DebugPage())
 
     admin = app
@@ -149,6 +151,7 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
         return RedisState(
             settings.redis_url.get_secret_value(),
             prefix=settings.redis_key_prefix,
+            cluster=settings.redis_cluster,
             lease_s=settings.state_lease_s,
             timeout_s=settings.state_timeout_ms / 1000,
             on_error=lambda kind: metrics.state_backend_errors.labels(kind).inc(),

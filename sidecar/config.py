@@ -11,7 +11,14 @@ import re
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
@@ -35,6 +42,12 @@ class Settings(BaseSettings):
     decode_url: str = Field(
         "http://127.0.0.1:8200",
         description="Base URL of the local decode engine (http or https, no path).",
+    )
+    decode_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Base URLs of the local decode engine's data-parallel ranks, one HTTP "
+        "server per rank (comma list); each request goes to one ready rank. Empty: "
+        "SIDECAR_DECODE_URL alone. Setting both is refused.",
     )
     connector: Literal["nixl", "nixl-push", "sglang", "shared-storage"] = Field(
         "nixl",
@@ -92,7 +105,10 @@ class Settings(BaseSettings):
         16, ge=1, description="Block size, in tokens, of the local prefix-cache estimate."
     )
     prefix_cache_blocks: int = Field(
-        65536, ge=0, description="Blocks remembered by the local prefix-cache estimate (LRU)."
+        65536,
+        ge=0,
+        description="Blocks remembered by the local prefix-cache estimate (LRU); with "
+        "SIDECAR_DECODE_URLS, shared equally by the ranks' indexes.",
     )
     eject_after_failures: int = Field(
         3, ge=1, description="Consecutive failures that eject a prefill endpoint."
@@ -112,6 +128,11 @@ class Settings(BaseSettings):
         SecretStr("redis://127.0.0.1:6379/0"),
         description="Redis URL for SIDECAR_STATE_BACKEND=redis (may hold a password; "
         "never logged).",
+    )
+    redis_cluster: bool = Field(
+        False,
+        description="SIDECAR_REDIS_URL names a node of a Redis Cluster (redis:// or rediss://, "
+        "database 0): use the cluster client, which follows slots and failovers.",
     )
     redis_key_prefix: str = Field(
         "pd-sidecar",
@@ -327,6 +348,22 @@ class Settings(BaseSettings):
             raise ValueError("must be a redis://, rediss:// or unix:// URL")
         return value
 
+    @field_validator("redis_cluster")
+    @classmethod
+    def _cluster_url(cls, value: bool, info: ValidationInfo) -> bool:
+        url = info.data.get("redis_url")
+        if not value or url is None:
+            return value
+        parsed = URL(url.get_secret_value())
+        if parsed.scheme not in ("redis", "rediss"):
+            raise ValueError(
+                "a Redis Cluster is reached over TCP: SIDECAR_REDIS_URL must be a redis:// or "
+                "rediss:// URL"
+            )
+        if parsed.path.strip("/") not in ("", "0"):
+            raise ValueError("a Redis Cluster has database 0 only: SIDECAR_REDIS_URL names another")
+        return value
+
     @field_validator("scheduler_seed", "admin_port", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
@@ -342,12 +379,48 @@ class Settings(BaseSettings):
     @field_validator("decode_url")
     @classmethod
     def _base_url(cls, value: str) -> str:
-        url = URL(value.strip())
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if url.path not in ("", "/") or url.query_string or url.fragment:
-            raise ValueError("must be a base URL without path, query or fragment")
-        return str(url.with_path("")).rstrip("/")
+        return _base_url(value)
+
+    @field_validator("decode_urls", mode="before")
+    @classmethod
+    def _rank_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = _items(value)
+        if isinstance(value, list | tuple):
+            urls = []
+            for item in value:
+                try:
+                    urls.append(_base_url(item))
+                except ValueError as exc:
+                    raise ValueError(f"{item}: {exc}") from None
+            repeated = sorted({url for url in urls if urls.count(url) > 1})
+            if repeated:
+                raise ValueError(f"a rank is listed twice: {', '.join(repeated)}")
+            return tuple(urls)
+        return value
+
+    @model_validator(mode="after")
+    def _one_decode_setting(self) -> Settings:
+        if self.decode_urls and "decode_url" in self.model_fields_set:
+            raise ValueError(
+                "SIDECAR_DECODE_URL and SIDECAR_DECODE_URLS are both set: set "
+                "SIDECAR_DECODE_URLS alone for several ranks, SIDECAR_DECODE_URL alone for one"
+            )
+        return self
+
+    @property
+    def decode_ranks(self) -> tuple[str, ...]:
+        """The decode engine's base URLs, one per data-parallel rank (one without ranks)."""
+        return self.decode_urls or (self.decode_url,)
+
+
+def _base_url(value: str) -> str:
+    url = URL(value.strip())
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if url.path not in ("", "/") or url.query_string or url.fragment:
+        raise ValueError("must be a base URL without path, query or fragment")
+    return str(url.with_path("")).rstrip("/")
 
 
 def _items(value: str) -> list[str]:
@@ -377,10 +450,11 @@ def explain(error: ValidationError) -> str:
     """One line naming each invalid variable, for the exit-status-2 message."""
     parts = []
     for item in error.errors():
-        field = str(item["loc"][0]) if item["loc"] else "?"
-        variable = f"SIDECAR_{field.upper()}"
         message = str(item["msg"])
         if isinstance(item.get("ctx"), dict) and "error" in item["ctx"]:
             message = str(item["ctx"]["error"])
-        parts.append(f"{variable}: {message}")
+        if not item["loc"]:  # a contradiction between settings: the message names them
+            parts.append(message)
+            continue
+        parts.append(f"SIDECAR_{str(item['loc'][0]).upper()}: {message}")
     return "invalid configuration: " + "; ".join(parts)

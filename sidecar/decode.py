@@ -1,50 +1,106 @@
 """The decode send: a shared part of every connector.
 
-Sends one body to the local decode engine and returns once the engine's answer has started —
-status line, headers and the first body byte — so that a connector knows, when ``send`` returns,
-whether the engine took the request (and, for KV-pulling protocols, the KV) or refused it. The
-wait is bounded by ``SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S`` and the request's deadline (504).
+Sends one body to the local decode engine — the rank the request was placed on — and returns
+once the engine's answer has started — status line, headers and the first body byte — so that a
+connector knows, when ``send`` returns, whether the engine took the request (and, for KV-pulling
+protocols, the KV) or refused it. The wait is bounded by ``SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S``
+and the request's deadline (504).
+
+A rank that cannot even be connected to got nothing of the request: it goes to another ready rank
+instead (each at most once, under the same deadline), so a rank that just died costs no request
+before its next ``/health`` poll marks it unready. With one rank there is nowhere else: 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 
 from sidecar.config import Settings
-from sidecar.errors import EngineTimeout
+from sidecar.errors import EngineNotConnected, EngineTimeout
 from sidecar.exchange import Answer, Exchange, Patch
+from sidecar.metrics import Metrics
+from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.upstream import Body, EngineAnswer, Engines
+
+logger = logging.getLogger("sidecar.decode")
 
 
 class DecodeSend:
-    def __init__(self, settings: Settings, *, engines: Engines) -> None:
-        self._url = settings.decode_url
+    def __init__(
+        self, settings: Settings, *, engines: Engines, ranks: DecodeRanks, metrics: Metrics
+    ) -> None:
         self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
         self._engines = engines
+        self._ranks = ranks
+        self._metrics = metrics
 
-    @property
-    def url(self) -> str:
-        return self._url
+    def release_urls(self, ex: Exchange) -> list[str]:
+        """Where a release of ``ex``'s staged KV may go, in order: the rank its decode leg went
+        to, then the other ready ranks (any rank can pull the KV)."""
+        rank = ex.placement.rank.rank
+        others = self._ranks.candidates(exclude=[rank])
+        return [r.url + ex.path for r in (rank, *others)]
 
     async def send(self, ex: Exchange, data: bytes, patch: Patch | None = None) -> Answer:
-        ex.progress.decode_sent()
         loop = asyncio.get_running_loop()
         by = loop.time() + self._first_byte_timeout_s
         if ex.deadline is not None:
             by = min(by, ex.deadline)
-        upstream, first = await started(
+        upstream, first = await on_a_rank(
+            self._ranks,
+            ex.placement.rank,
             self._engines,
+            self._metrics,
             "POST",
-            self._url + ex.path,
+            ex.path,
             headers=ex.headers,
             data=data,
             by=by,
             limit=f"{self._first_byte_timeout_s:g}s "
             "(SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S or SIDECAR_REQUEST_TIMEOUT_S)",
+            sending=ex.progress.decode_sent,
         )
         ex.progress.first_byte()
         return Answer(upstream, first, patch)
+
+
+async def on_a_rank(
+    ranks: DecodeRanks,
+    claim: RankClaim,
+    engines: Engines,
+    metrics: Metrics,
+    method: str,
+    path: str,
+    *,
+    headers: Mapping[str, str],
+    data: Body,
+    by: float,
+    limit: str,
+    sending: Callable[[], None] | None = None,
+) -> tuple[EngineAnswer, bytes]:
+    """``started`` on the claimed rank; on another ready one (the claim moves there) when a rank
+    cannot be connected to. ``sending`` is called before each attempt."""
+    tried: list[DecodeRank] = []
+    while True:
+        rank = claim.rank
+        if sending is not None:
+            sending()
+        metrics.decode_rank_requests.labels(str(rank.index)).inc()
+        try:
+            return await started(
+                engines, method, rank.url + path, headers=headers, data=data, by=by, limit=limit
+            )
+        except EngineNotConnected as exc:
+            tried.append(rank)
+            other = ranks.least_loaded(exclude=tried)
+            if other is None:
+                raise
+            logger.warning(
+                "decode rank %d: %s; sent to rank %d instead", rank.index, exc.message, other.index
+            )
+            claim.move(other)
 
 
 async def started(

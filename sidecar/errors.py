@@ -11,6 +11,7 @@
     │   └── PayloadTooLarge           413 RequestEntityTooLargeError
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
+        │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
         │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
         ├── EngineTimeout             no answer in time -> 504
         ├── EngineBadResponse         an answer we cannot use -> 502
@@ -76,6 +77,11 @@ class EngineError(SidecarError):
 class EngineUnreachable(EngineError):
     status = 503
     type_name = "ServiceUnavailableError"
+
+
+class EngineNotConnected(EngineUnreachable):
+    """No connection could be opened (refused, unresolved, connect timeout): the engine got
+    nothing of the request, so another engine may take it."""
 
 
 class PrefillFailed(EngineUnreachable):

@@ -126,7 +126,27 @@ class Metrics:
         )
         self.decode_ready = Gauge(
             "pd_sidecar_decode_ready",
-            "1 when the last poll of the decode engine's /health succeeded, else 0.",
+            "1 when the last poll of the decode engine's /health succeeded (of at least one "
+            "rank's, with data-parallel ranks), else 0.",
+            registry=self.registry,
+        )
+        self.decode_rank_ready = Gauge(
+            "pd_sidecar_decode_rank_ready",
+            "1 when the last poll of a decode rank's /health succeeded, else 0 (it gets no "
+            "requests while another rank is ready).",
+            ["rank"],
+            registry=self.registry,
+        )
+        self.decode_rank_inflight = Gauge(
+            "pd_sidecar_decode_rank_inflight_requests",
+            "Requests (generation and passthrough) placed on a decode rank and not finished.",
+            ["rank"],
+            registry=self.registry,
+        )
+        self.decode_rank_requests = Counter(
+            "pd_sidecar_decode_rank_requests",
+            "Requests (generation and passthrough) sent to a decode rank.",
+            ["rank"],
             registry=self.registry,
         )
 

@@ -1,4 +1,8 @@
-"""Every path the sidecar does not own goes to the decode engine unchanged, streaming both ways."""
+"""Every path the sidecar does not own goes to the decode engine unchanged, streaming both ways.
+
+With data-parallel ranks, to the ready rank with the least load (no prompt to match); a rank that
+cannot be connected to passes it on to another, like a generation request's decode leg.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,28 @@ import asyncio
 from aiohttp import web
 
 from sidecar.config import Settings
-from sidecar.decode import started
+from sidecar.decode import on_a_rank
 from sidecar.errors import REQUEST_ID_HEADER, SidecarError, error_response
 from sidecar.exchange import Answer
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
 from sidecar.relay import relay
+from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.tracking import name_this_task
 from sidecar.upstream import Engines
 
 
 class Passthrough:
     def __init__(
-        self, settings: Settings, *, engines: Engines, gateway: GatewayHeaders, metrics: Metrics
+        self,
+        settings: Settings,
+        *,
+        engines: Engines,
+        ranks: DecodeRanks,
+        gateway: GatewayHeaders,
+        metrics: Metrics,
     ) -> None:
-        self._decode_url = settings.decode_url
+        self._ranks = ranks
         self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
         self._idle_timeout_s = settings.stream_idle_timeout_s
         self._engines = engines
@@ -37,11 +48,15 @@ class Passthrough:
         name_this_task(request_id, "passthrough")
         headers = self._gateway.passthrough(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
+        claim = self._ranks.claim_any()
         try:
-            upstream, first = await started(
+            upstream, first = await on_a_rank(
+                self._ranks,
+                claim,
                 self._engines,
+                self._metrics,
                 request.method,
-                self._decode_url + request.raw_path,
+                request.raw_path,
                 headers=headers,
                 data=request.content.iter_any() if request.body_exists else None,
                 by=asyncio.get_running_loop().time() + self._first_byte_timeout_s,
@@ -67,4 +82,5 @@ class Passthrough:
             cancelled = True
             raise
         finally:
+            claim.end()
             self._metrics.observe_passthrough(status, cancelled)

@@ -101,19 +101,28 @@ class Pipeline:
         placement = await self._scheduler.place(
             body, header, local_reason=self._connector.unsupported(body)
         )
-        _record_placement(record, placement)
-        progress = _Progress(record, self._scheduler, placement)
-        exchange = Exchange(
-            path=request.path,
-            body=body,
-            raw=None if sanitized else raw,
-            headers=self._gateway.engine_leg(request.headers, request_id),
-            placement=placement,
-            deadline=deadline,
-            progress=progress,
-        )
         try:
-            answer = await self._connector.run(exchange)
+            _record_placement(record, placement)
+            progress = _Progress(record, self._scheduler, placement)
+            exchange = Exchange(
+                path=request.path,
+                body=body,
+                raw=None if sanitized else raw,
+                headers=self._gateway.engine_leg(request.headers, request_id),
+                placement=placement,
+                deadline=deadline,
+                progress=progress,
+            )
+            return await self._run(request, record, exchange, progress)
+        finally:
+            placement.rank.end()  # the decode rank's slot, held from the placement on
+
+    async def _run(
+        self, request: web.Request, record: RequestRecord, ex: Exchange, progress: _Progress
+    ) -> web.StreamResponse:
+        request_id, deadline = ex.request_id, ex.deadline
+        try:
+            answer = await self._connector.run(ex)
         finally:
             progress.settle()
         if isinstance(answer, Refused):
@@ -128,7 +137,7 @@ class Pipeline:
                 request,
                 answer,
                 request_id=request_id,
-                idle_timeout_s=settings.stream_idle_timeout_s,
+                idle_timeout_s=self._settings.stream_idle_timeout_s,
                 deadline=deadline,
                 status_sent=progress.status_sent,
             )
@@ -175,6 +184,8 @@ class _Progress:
         if not self._prefilling:
             self._record.state = State.DECODING
         self._record.mark(Phase.DECODE_SENT)
+        # Sent again to another rank when its rank could not be connected to: the last one.
+        _record_rank(self._record, self._placement)
 
     def first_byte(self) -> None:
         self._record.state = State.DECODING
@@ -271,6 +282,7 @@ _TYPE_NAMES = {
 
 
 def _record_placement(record: RequestRecord, placement: Placement) -> None:
+    _record_rank(record, placement)
     record.reason = placement.decision.reason
     record.predicted_prefill_s = placement.decision.predicted_s
     if placement.endpoint is None:
@@ -278,6 +290,10 @@ def _record_placement(record: RequestRecord, placement: Placement) -> None:
     else:
         record.decision = Decision.REMOTE
         record.prefill_endpoint = str(placement.endpoint)
+
+
+def _record_rank(record: RequestRecord, placement: Placement) -> None:
+    record.decode_rank, record.decode_url = placement.rank.index, placement.rank.url
 
 
 def _fail(record: RequestRecord, exc: SidecarError) -> None:
@@ -289,12 +305,14 @@ def _fail(record: RequestRecord, exc: SidecarError) -> None:
 def _log_summary(record: RequestRecord) -> None:
     durations = record.durations()
     logger.info(
-        "%s %s decision=%s reason=%s prefill=%s fallback=%s status=%s state=%s ttft=%s total=%s",
+        "%s %s decision=%s reason=%s prefill=%s rank=%s fallback=%s status=%s state=%s ttft=%s "
+        "total=%s",
         record.id,
         record.path,
         record.decision,
         record.reason,
         record.prefill_endpoint,
+        record.decode_rank,
         record.fallback_reason,
         record.status,
         record.state,

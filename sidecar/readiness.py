@@ -1,5 +1,9 @@
-"""Readiness follows the decode engine: ``/ready`` is 200 only while its last ``/health`` poll
-succeeded (503 before the first success and after any failure)."""
+"""Readiness follows the decode engine: ``/ready`` is 200 only while the last ``/health`` poll of
+at least one of its ranks succeeded (503 before the first success and once every rank failed).
+
+Each rank (``SIDECAR_DECODE_URLS``; the one ``SIDECAR_DECODE_URL`` without ranks) is polled every
+interval, all at once; a rank whose last poll failed gets no requests while another is ready.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import logging
 
 from sidecar.errors import EngineError
 from sidecar.metrics import Metrics
+from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.readiness")
@@ -15,35 +20,51 @@ logger = logging.getLogger("sidecar.readiness")
 
 class Readiness:
     def __init__(
-        self, *, engines: Engines, decode_url: str, interval_s: float, metrics: Metrics
+        self, *, engines: Engines, ranks: DecodeRanks, interval_s: float, metrics: Metrics
     ) -> None:
         self._engines = engines
-        self._url = decode_url + "/health"
+        self._ranks = ranks
         self._interval_s = interval_s
         # A poll may take at most one interval (and never less than a second) before it fails.
         self._timeout_s = max(1.0, interval_s)
         self._metrics = metrics
-        self.ready = False
         self.draining = False
         """Set at SIGTERM: not ready any more, whatever the engine says."""
 
+    @property
+    def ready(self) -> bool:
+        return self._ranks.ready
+
     async def poll(self) -> bool:
+        """Poll every rank once; whether the engine (at least one rank) is ready."""
+        was = self.ready
+        await asyncio.gather(*(self._poll(rank) for rank in self._ranks))
+        ok = self.ready
+        if ok != was:
+            logger.info("decode engine %s", "ready" if ok else "not ready")
+        self._metrics.decode_ready.set(1 if ok else 0)
+        return ok
+
+    async def _poll(self, rank: DecodeRank) -> None:
         try:
             response = await self._engines.send(
-                "GET", self._url, headers={}, total_s=self._timeout_s, poll=True
+                "GET", rank.url + "/health", headers={}, total_s=self._timeout_s, poll=True
             )
             await response.read()
             ok = response.status == 200
         except EngineError:
             ok = False
-        if ok != self.ready:
-            logger.info("decode engine %s", "ready" if ok else "not ready")
-        self.ready = ok
-        self._metrics.decode_ready.set(1 if ok else 0)
-        return ok
+        if ok != rank.ready and len(self._ranks) > 1:
+            logger.info("decode rank %d (%s) %s", rank.index, rank.url, _word(ok))
+        self._ranks.mark(rank, ok)
+        self._metrics.decode_rank_ready.labels(str(rank.index)).set(1 if ok else 0)
 
     async def run(self) -> None:
         """Poll forever; cancelled at shutdown."""
         while True:
             await self.poll()
             await asyncio.sleep(self._interval_s)
+
+
+def _word(ready: bool) -> str:
+    return "ready" if ready else "not ready: it gets no requests while another rank is ready"

@@ -71,6 +71,9 @@ class RequestRecord:
     prefill_endpoint: str | None = None
     predicted_prefill_s: float | None = None
     prefill_attempts: int = 0
+    decode_rank: int | None = None
+    """Index (into SIDECAR_DECODE_URLS; 0 with one decode URL) of the rank the request went to."""
+    decode_url: str | None = None
     state: State = State.RECEIVED
     status: int | None = None
     error: str | None = None
@@ -109,6 +112,8 @@ class RequestRecord:
             "fallback_reason": self.fallback_reason,
             "prefill_endpoint": self.prefill_endpoint,
             "prefill_attempts": self.prefill_attempts,
+            "decode_rank": self.decode_rank,
+            "decode_url": self.decode_url,
             "state": self.state,
             "status": self.status,
             "error": self.error,

@@ -18,6 +18,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from sidecar.errors import (
     EngineBadResponse,
     EngineError,
+    EngineNotConnected,
     EngineStreamBroken,
     EngineTimeout,
     EngineUnreachable,
@@ -226,9 +227,12 @@ class Engines:
 
 
 def _translate(exc: BaseException, what: str) -> EngineError:
-    """A connect timeout means unreachable; any other timeout, too slow."""
+    """A connect timeout means unreachable; any other timeout, too slow. A connection that was
+    never opened means nothing was sent."""
     if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
         return EngineTimeout(f"{what}: timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return EngineNotConnected(f"{what}: {_describe(exc)}")
     return EngineUnreachable(f"{what}: {_describe(exc)}")
 
 

@@ -62,6 +62,7 @@ INVALID = [
     ("SIDECAR_PORT", "70000"),
     ("SIDECAR_DECODE_URL", "ftp://engine:1"),
     ("SIDECAR_DECODE_URL", "http://engine:1/v1"),
+    ("SIDECAR_DECODE_URLS", "http://rank0:8200,ftp://rank1:8201"),
     ("SIDECAR_CONNECTOR", "carrier-pigeon"),
     ("SIDECAR_PREFILL_ENDPOINTS", "p0:8000,p1"),
     ("SIDECAR_MAX_BODY_BYTES", "0"),
@@ -101,6 +102,7 @@ INVALID = [
     ("SIDECAR_PREFILL_ALLOWED_HOSTS", "good.host,bad host"),
     ("SIDECAR_DRAIN_TIMEOUT_S", "-1"),
     ("SIDECAR_REDIS_URL", "http://redis:6379"),
+    ("SIDECAR_REDIS_CLUSTER", "perhaps"),
     ("SIDECAR_EJECT_BASE_S", "0"),
     ("SIDECAR_EJECT_MAX_S", "0"),
     ("SIDECAR_PREFIX_CACHE_BLOCKS", "-1"),
@@ -161,11 +163,31 @@ CONTRADICTIONS = [
         "cannot prefill a prompt itself",
         "fail",
     ),
+    (
+        {
+            "SIDECAR_DECODE_URL": "http://127.0.0.1:8200",
+            "SIDECAR_DECODE_URLS": "http://127.0.0.1:8200,http://127.0.0.1:8201",
+        },
+        "are both set",
+        "",
+    ),
+    (
+        {"SIDECAR_REDIS_URL": "unix:///run/redis.sock", "SIDECAR_REDIS_CLUSTER": "true"},
+        "reached over TCP",
+        "false",
+    ),
+    (
+        {"SIDECAR_REDIS_URL": "redis://redis:6379/3", "SIDECAR_REDIS_CLUSTER": "true"},
+        "database 0 only",
+        "false",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("variables", "says", "agrees"), CONTRADICTIONS, ids=["eject", "ports", "sglang-local"]
+    ("variables", "says", "agrees"),
+    CONTRADICTIONS,
+    ids=["eject", "ports", "sglang-local", "decode-url-and-urls", "cluster-unix", "cluster-db"],
 )
 def test_contradictory_settings_exit_2_naming_both(
     variables: dict[str, str],
@@ -188,6 +210,21 @@ def test_contradictory_settings_exit_2_naming_both(
     assert says in lines[0]
     monkeypatch.setenv(list(variables)[1], agrees)
     assert isinstance(load_settings(), Settings)
+
+
+def test_decode_ranks_parse_in_order() -> None:
+    ranks = Settings(decode_urls=" http://127.0.0.1:8200/, https://rank1:8443 ,http://[::1]:9")
+    assert ranks.decode_urls == ("http://127.0.0.1:8200", "https://rank1:8443", "http://[::1]:9")
+    assert ranks.decode_ranks == ranks.decode_urls
+    # One decode URL, as before: a single rank.
+    assert Settings().decode_ranks == ("http://127.0.0.1:8200",)
+    assert Settings(decode_url="http://engine:9000/").decode_ranks == ("http://engine:9000",)
+    assert Settings(decode_urls="").decode_ranks == ("http://127.0.0.1:8200",)
+    for bad in ("http://a:1,http://a:1/", "http://a:1,http://b:2/v1", "http://a:1,b:2"):
+        with pytest.raises(ValidationError, match="decode_urls"):
+            Settings(decode_urls=bad)
+    assert Settings(redis_cluster=True, redis_url="rediss://:secret@redis:6380").redis_cluster
+    assert Settings(redis_cluster=True, redis_url="redis://redis:6379/0").redis_cluster
 
 
 def test_the_fallback_follows_the_connector() -> None:

@@ -29,6 +29,8 @@ RECORD_KEYS = {
     "fallback_reason",
     "prefill_endpoint",
     "prefill_attempts",
+    "decode_rank",
+    "decode_url",
     "prefill_predicted_ms",
     "prefill_observed_ms",
     "state",
@@ -40,7 +42,7 @@ RECORD_KEYS = {
 }
 
 
-async def test_remote_record(http, sidecar, prefill) -> None:
+async def test_remote_record(http, sidecar, prefill, decode) -> None:
     before = time.time()
     async with http.post(
         sidecar.url + "/v1/chat/completions",
@@ -53,6 +55,8 @@ async def test_remote_record(http, sidecar, prefill) -> None:
     assert record["path"] == "/v1/chat/completions"
     assert (record["decision"], record["reason"]) == ("remote", "header")
     assert record["prefill_endpoint"] == prefill.endpoint
+    # One decode URL: a single rank, index 0.
+    assert (record["decode_rank"], record["decode_url"]) == (0, decode.url)
     assert (record["state"], record["status"], record["error"]) == ("completed", 200, None)
     assert record["fallback_reason"] is None
     assert before <= record["started_at"] <= time.time()

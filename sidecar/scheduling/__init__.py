@@ -1,7 +1,9 @@
-"""Choosing the prefill partner when the gateway named none, and whether to disaggregate at all.
+"""Choosing the prefill partner when the gateway named none, whether to disaggregate at all, and
+which rank of the local decode engine takes the request.
 
 Pure and synchronous (the simulator runs them as they are): ``model`` (what is known at decision
 time), ``policies``, ``decider``, ``estimates`` (speed, health), ``prompts`` (token estimate,
-prefix index), ``scrape`` (engine load parsing). Live and async: ``scheduler`` (the pool and the
-request path), ``state`` (memory and Redis backends).
+prefix index), ``ranks`` (the decode ranks and the choice among them), ``scrape`` (engine load
+parsing). Live and async: ``scheduler`` (the pool and the request path), ``state`` (memory and
+Redis backends).
 """

@@ -2,7 +2,8 @@
 
 Tokens are estimated as characters / 4, as llm-d's decider does (chat: the JSON of the messages).
 The prefix index remembers chained hashes of fixed-size character blocks of prompts sent to the
-local decode engine, so a conversation continuing on this pod is recognized as cached.
+local decode engine (one index per data-parallel rank), so a conversation continuing on this pod
+is recognized as cached, on the rank that holds it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
 
 
 class PrefixIndex:
-    """A bounded LRU of block hashes: an estimate of what the local engine has cached.
+    """A bounded LRU of block hashes: an estimate of what one engine (rank) has cached.
 
     A block is ``block_tokens * 4`` characters; block *i*'s hash covers blocks 0..i, so a match
     is always a prefix. Only full blocks count, like an engine's prefix cache.
@@ -58,7 +59,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _hashes(self, text: str | bytes) -> list[bytes]:
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def hashes(self, text: str | bytes) -> list[bytes]:
+        """The chained hashes of ``text``'s full blocks (computed once per request, then looked
+        up in every rank's index)."""
         limit = MAX_HASHED_BLOCKS * self._block_chars
         data = text[:limit].encode() if isinstance(text, str) else text[:limit]
         hashes = []
@@ -72,18 +78,19 @@ class PrefixIndex:
             previous = digest
         return hashes
 
-    def cached_tokens(self, text: str | bytes) -> int:
-        """Tokens of the longest indexed prefix of ``text`` (refreshes those blocks' recency)."""
+    def cached_tokens(self, hashes: list[bytes]) -> int:
+        """Tokens of the longest indexed prefix of a prompt with these ``hashes``; a look-up
+        only (recency changes when the prompt is ``insert``ed where it goes)."""
         matched = 0
-        for digest in self._hashes(text):
+        for digest in hashes:
             if digest not in self._blocks:
                 break
-            self._blocks.move_to_end(digest)
             matched += 1
         return matched * self._block_tokens
 
-    def insert(self, text: str | bytes) -> None:
-        for digest in self._hashes(text):
+    def insert(self, hashes: list[bytes]) -> None:
+        """Remember a prompt sent to this engine: its blocks are the most recent ones."""
+        for digest in hashes:
             self._blocks[digest] = None
             self._blocks.move_to_end(digest)
         while len(self._blocks) > self._capacity:

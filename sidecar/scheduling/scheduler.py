@@ -2,8 +2,10 @@
 
 Around the pure decider and policy it keeps, per prefill endpoint: health (ejection with growing
 backoff, re-admission after a successful probe), observed speed, scraped engine load, draining;
-and it keeps reservations in the state backend. Background tasks re-resolve discovery and scrape
-every engine's /metrics (probing ejected endpoints' /health); the request path does no I/O but the
+and it keeps reservations in the state backend. Each request is first given a rank of the local
+decode engine (``ranks``: the prefix index per rank, then load); the decision to prefill locally
+weighs that rank. Background tasks re-resolve discovery and scrape every engine's /metrics (every
+decode rank's too; probing ejected endpoints' /health); the request path does no I/O but the
 backend's single bounded ``reserve``.
 """
 
@@ -27,8 +29,9 @@ from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
 from sidecar.scheduling.policies import make_policy
-from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
-from sidecar.scheduling.scrape import EngineLoad, parse_engine_load
+from sidecar.scheduling.prompts import estimate_tokens, prompt_text
+from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
+from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads, parse_engine_load
 from sidecar.scheduling.state import Reservation, StateBackend
 from sidecar.upstream import Engines
 
@@ -73,6 +76,9 @@ class Placement:
 
     decision: Decision
     endpoint: Endpoint | None
+    rank: RankClaim
+    """The decode rank the request holds (a prefill retry's placement shares it); the pipeline
+    ends the claim when the request ends."""
     reservation: Reservation | None = None
     local_tokens: int = 0
 
@@ -91,7 +97,6 @@ class Scheduler:
         self._discovery = discovery
         self.backend = backend
         self._engines = engines
-        self._decode_url = settings.decode_url
         self._metrics = metrics
         self._rng = random.Random(settings.scheduler_seed)
         self._decider = Decider(
@@ -101,14 +106,17 @@ class Scheduler:
             # A decode server that cannot prefill: nothing to weigh, every request goes remote.
             always=settings.connector in REMOTE_ONLY_CONNECTORS,
         )
-        self._prefix = PrefixIndex(
+        self.ranks = DecodeRanks(
+            settings.decode_ranks,
             block_tokens=settings.prefix_block_tokens,
             capacity_blocks=settings.prefix_cache_blocks,
+            stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
+            # Its own stream: placing on ranks never shifts the prefill policy's seeded choices.
+            rng=random.Random(settings.scheduler_seed),
         )
         self._pool: dict[str, EndpointState] = {}
-        self._local_ahead = 0
+        # One estimate for every rank: the same model on the same hardware.
         self._local_speed = SpeedEstimate(LOCAL_PRIOR)
-        self._local_load: EngineLoad | None = None
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_timeout_s = min(settings.scrape_interval_s, 2.0)
@@ -162,37 +170,52 @@ class Scheduler:
     async def place(
         self, body: dict[str, Any], header: Endpoint | None, *, local_reason: str | None = None
     ) -> Placement:
-        """Decide where ``body`` prefills; reserve its tokens there. ``header``: the gateway's
-        choice, used as is; ``local_reason``: why the request must prefill locally anyway."""
+        """Decide which decode rank takes ``body`` and where it prefills; claim the rank and
+        reserve the prompt's tokens on the prefill endpoint. ``header``: the gateway's choice of
+        prefill server, used as is; ``local_reason``: why the request must prefill locally
+        anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed."""
         tokens = estimate_tokens(body)
-        text = prompt_text(body)
-        cached = self._prefix.cached_tokens(text)
-        # The local engine will hold this prompt's KV either way (computed or pulled).
-        self._prefix.insert(text)
+        # The chosen rank will hold this prompt's KV either way (computed or pulled).
+        claim, cached = self.ranks.claim(prompt_text(body), tokens)
+        try:
+            return await self._place(claim, tokens, cached, header, local_reason)
+        except BaseException:
+            claim.end()
+            raise
+
+    async def _place(
+        self,
+        claim: RankClaim,
+        tokens: int,
+        cached: int,
+        header: Endpoint | None,
+        local_reason: str | None,
+    ) -> Placement:
         if local_reason is not None:
             uncached = max(0, tokens - cached)
             decision = Decision(None, local_reason, tokens, uncached)
             self._count(decision)
-            self._local_ahead += uncached
-            return Placement(decision, None, local_tokens=uncached)
+            claim.prefilling(uncached)
+            return Placement(decision, None, claim, local_tokens=uncached)
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
             predicted = self._decider.remote_seconds(self._candidate(str(header)), tokens)
             uncached = max(0, tokens - cached)
             decision = Decision(str(header), "header", tokens, uncached, predicted)
             self._count(decision)
-            return await self._reserve(decision, header)
+            return await self._reserve(decision, header, claim)
+        rank = claim.rank
         decision = self._decider.decide(
             self._candidates(),
-            LocalView(self._local_ahead, self._fresh(self._local_load, "waiting"), self._local()),
+            LocalView(rank.ahead_tokens, self.ranks.waiting(rank), self._local()),
             prompt_tokens=tokens,
             cached_tokens=cached,
         )
         self._count(decision)
         if decision.endpoint is None:
-            self._local_ahead += decision.uncached_tokens
-            return Placement(decision, None, local_tokens=decision.uncached_tokens)
-        return await self._reserve(decision, self._pool[decision.endpoint].endpoint)
+            claim.prefilling(decision.uncached_tokens)
+            return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
+        return await self._reserve(decision, self._pool[decision.endpoint].endpoint, claim)
 
     async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
@@ -201,7 +224,7 @@ class Scheduler:
         if failed.endpoint is None:
             return None
         if decision.reason == "header":
-            return await self._reserve(decision, failed.endpoint)
+            return await self._reserve(decision, failed.endpoint, failed.rank)
         candidates = [c for c in self._candidates() if c.key not in tried]
         chosen = self._decider.policy.choose(candidates, decision.uncached_tokens)
         if chosen is None:
@@ -213,23 +236,23 @@ class Scheduler:
             decision.uncached_tokens,
             decision.predicted_s,
         )
-        return await self._reserve(retried, self._pool[chosen.key].endpoint)
+        return await self._reserve(retried, self._pool[chosen.key].endpoint, failed.rank)
 
     def pool_endpoints(self) -> list[Endpoint]:
         """Every endpoint of the pool, draining ones included (for the header allowlist)."""
         return [state.endpoint for state in self._pool.values()]
 
-    async def _reserve(self, decision: Decision, endpoint: Endpoint) -> Placement:
+    async def _reserve(self, decision: Decision, endpoint: Endpoint, rank: RankClaim) -> Placement:
         state = self._pool.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
-            return Placement(decision, endpoint)
+            return Placement(decision, endpoint, rank)
         state.inflight += 1
         try:
             reservation = await self.backend.reserve(state.key, decision.uncached_tokens)
         except BaseException:
             state.inflight -= 1
             raise
-        return Placement(decision, endpoint, reservation)
+        return Placement(decision, endpoint, rank, reservation)
 
     def prefill_finished(
         self, placement: Placement, *, ok: bool | None, seconds: float | None = None
@@ -286,9 +309,10 @@ class Scheduler:
         or ended without one (None)."""
         if placement.endpoint is not None or placement.local_tokens == 0:
             return
-        self._local_ahead = max(0, self._local_ahead - placement.local_tokens)
+        placement.rank.prefilled()
         if seconds is not None:
-            self._local_speed.observe(self._local_ahead + placement.local_tokens, seconds)
+            ahead = placement.rank.rank.ahead_tokens
+            self._local_speed.observe(ahead + placement.local_tokens, seconds)
 
     def _failure(self, state: EndpointState) -> None:
         now = time.monotonic()
@@ -374,7 +398,10 @@ class Scheduler:
         )
 
     async def _scrape_decode(self) -> None:
-        self._local_load = await self._load(self._decode_url)
+        await asyncio.gather(*(self._scrape_rank(rank) for rank in self.ranks))
+
+    async def _scrape_rank(self, rank: DecodeRank) -> None:
+        rank.load = await self._load(rank.url)
 
     async def _scrape_endpoint(self, state: EndpointState) -> None:
         now = time.monotonic()
@@ -432,6 +459,8 @@ class Scheduler:
             self._metrics.endpoint_healthy.labels(key).set(1 if healthy else 0)
             # Present at 0 from the start: the first ejection then shows in increase().
             self._metrics.endpoint_ejections.labels(key)
+        for rank in self.ranks:
+            self._metrics.decode_rank_inflight.labels(str(rank.index)).set(rank.inflight)
 
     # --- /debug/scheduler ------------------------------------------------------------------
 
@@ -457,7 +486,7 @@ class Scheduler:
                     "reserved_tokens": load.tokens if load else 0,
                     "reserved_requests": load.requests if load else 0,
                     "inflight_here": state.inflight,
-                    "scraped": _load_dict(state.load, now),
+                    "scraped": describe_load(state.load, now),
                     "speed": _speed_dict(self._speed(state, view.speeds.get(key))),
                     "speed_samples": state.speed.samples,
                 }
@@ -471,24 +500,14 @@ class Scheduler:
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),
             "local": {
-                "ahead_tokens": self._local_ahead,
-                "scraped": _load_dict(self._local_load, now),
+                "ahead_tokens": sum(rank.ahead_tokens for rank in self.ranks),
+                "scraped": describe_load(merge_loads([rank.load for rank in self.ranks]), now),
                 "speed": _speed_dict(self._local_speed.value),
-                "prefix_index_blocks": len(self._prefix),
+                "prefix_index_blocks": sum(len(rank.prefix) for rank in self.ranks),
             },
+            "decode_ranks": self.ranks.describe(now),
             "endpoints": endpoints,
         }
-
-
-def _load_dict(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
-    if load is None:
-        return None
-    return {
-        "waiting": load.waiting,
-        "running": load.running,
-        "kv_usage": load.kv_usage,
-        "age_s": round(now - load.at, 3),
-    }
 
 
 def _speed_dict(speed: Speed) -> dict[str, float]:

@@ -8,6 +8,7 @@ A missing gauge is None: an engine without metrics is scheduled by reservations 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -46,3 +47,37 @@ def parse_engine_load(text: str, at: float) -> EngineLoad:
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=at,
     )
+
+
+def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
+    """Several data-parallel ranks' scrapes as one engine's: queues summed, KV usage averaged,
+    the oldest scrape's time; None while any rank has none (one rank's load is its own)."""
+    if len(loads) == 1:
+        return loads[0]
+    known = [load for load in loads if load is not None]
+    if len(known) < len(loads) or not known:
+        return None
+
+    def total(values: list[float | None]) -> float | None:
+        present = [value for value in values if value is not None]
+        return sum(present) if present else None
+
+    usage = [load.kv_usage for load in known if load.kv_usage is not None]
+    return EngineLoad(
+        waiting=total([load.waiting for load in known]),
+        running=total([load.running for load in known]),
+        kv_usage=sum(usage) / len(usage) if usage else None,
+        at=min(load.at for load in known),
+    )
+
+
+def describe_load(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
+    """For /debug/scheduler."""
+    if load is None:
+        return None
+    return {
+        "waiting": load.waiting,
+        "running": load.running,
+        "kv_usage": load.kv_usage,
+        "age_s": round(now - load.at, 3),
+    }

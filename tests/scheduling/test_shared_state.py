@@ -10,6 +10,9 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from sidecar.app import start_sidecar
+from sidecar.config import Settings
+from sidecar.scheduling.state.redis import RedisState
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
 from tests.processes import RedisServer, free_port, sidecar_process
 
@@ -245,3 +248,67 @@ async def _connected(http: aiohttp.ClientSession, url: str) -> bool:
     """The sidecar's Redis backend has synced at least once (script loaded, lease taken)."""
     snapshot = await get_json(http, url + "/debug/scheduler")
     return bool(snapshot["state_backend"]["connected"])
+
+
+@pytest.mark.timeout(30)
+async def test_the_script_touches_only_the_keys_it_is_given(
+    http, redis_server, prefill, decode
+) -> None:
+    """On a Redis Cluster a script may only use the keys it declares (``KEYS``), or slot
+    redirections and failovers cannot follow them: a Redis user allowed those keys alone runs
+    every step of it — registration, reservations, a dead sidecar dropped, speeds, the lease
+    given up at shutdown."""
+    keys = RedisState("redis://unused", prefix="test", lease_s=1, timeout_s=1).keys
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        patterns = [f"~{key}" for key in keys]
+        await admin.execute_command("ACL", "SETUSER", "sidecar", "on", ">pw", *patterns, "+@all")
+        # A sidecar that died holding a reservation: its lease ran out long ago.
+        await admin.zadd(keys[0], {"dead-sidecar": 1.0})
+        await admin.hset(keys[3], "dead-sidecar", f"{prefill.endpoint} 900 3")
+        sidecar = await start_sidecar(
+            Settings(
+                host="127.0.0.1",
+                port=0,
+                decode_url=decode.url,
+                state_backend="redis",
+                redis_url=f"redis://sidecar:pw@127.0.0.1:{redis_server.port}/0",
+                redis_key_prefix="test",
+                prefill_endpoints=prefill.endpoint,
+                disagg_ttft_ratio=1000,
+            )
+        )
+        try:
+            await _serve_once(http, sidecar.url)
+            # Its speed, published by the sync that follows the release.
+            await eventually(lambda: _stored(admin, keys[1], prefill.endpoint))
+            snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        finally:
+            await sidecar.close()  # gives its lease up: both of its entries go
+        assert snapshot["state_backend"]["last_error"] is None
+        assert snapshot["endpoints"][0]["reserved_requests"] == 0  # the dead one's dropped
+        assert await admin.hget(keys[3], "dead-sidecar") is None
+        assert {_text(key) for key in await admin.keys("*")} <= set(keys)
+        sidecar_id = snapshot["state_backend"]["sidecar_id"]
+        assert await admin.zscore(keys[0], sidecar_id) is None
+        assert await admin.hget(keys[3], sidecar_id) is None
+    finally:
+        await admin.aclose()
+
+
+async def _serve_once(http: aiohttp.ClientSession, url: str) -> None:
+    """Synced with Redis, then one request prefilled remotely: reserved and released there."""
+    await eventually(lambda: _connected(http, url))
+    async with http.post(url + "/v1/completions", json=completion(f"acl {LONG_PROMPT}")) as answer:
+        assert answer.status == 200
+        await answer.read()
+    records = (await get_json(http, url + "/debug/requests"))["recent"]
+    assert records[0]["decision"] == "remote"
+
+
+async def _stored(client: aioredis.Redis, key: str, field: str) -> bool:
+    return await client.hget(key, field) is not None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

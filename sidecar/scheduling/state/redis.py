@@ -1,16 +1,21 @@
 """The Redis backend: every sidecar's reservations, speed estimates and ejections, shared.
 
 One Lua script does everything in one round trip: it replaces this sidecar's reservations with
-their current absolute values (so Redis heals itself after a restart or a lost update), renews the
-sidecar's lease, drops sidecars whose lease ran out (a dead sidecar's reservations stop counting
-within ``lease_s``), stores published speeds and ejections, and returns the pool's totals.
+their current absolute values (so Redis heals itself after a restart, a failover or a lost
+update), renews the sidecar's lease, drops sidecars whose lease ran out (a dead sidecar's
+reservations stop counting within ``lease_s``), stores published speeds and ejections, and returns
+the pool's totals.
 
 On the request path only ``reserve`` talks to Redis, and only when no other sync is in flight; it
 waits at most ``timeout_s`` and never raises: a slow or absent Redis leaves the decision to the
 local view, and a background worker keeps syncing (releases, heartbeats) and reconnecting.
 
-Keys share one hash tag (``{prefix}``), so a Redis Cluster keeps them in one slot; the script
-reaches the per-sidecar hashes by name, which standalone Redis and single-slot clusters allow.
+Four keys, all sharing one hash tag (``{prefix}``): ``sidecars`` (a sorted set, lease deadline per
+sidecar id), ``reservations`` (a hash, one field per sidecar: its reservations, one ``endpoint
+tokens requests`` line each), ``speeds`` and ``ejections`` (hashes, one field per endpoint). The
+script touches only the keys it is given as ``KEYS`` — nothing by a name built inside it — so it
+runs as it is on a standalone Redis and on a Redis Cluster (``cluster=True``: redis-py's cluster
+client), where the four keys live in one slot, are redirected together and fail over together.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
@@ -32,20 +40,18 @@ from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedV
 logger = logging.getLogger("sidecar.scheduling.state")
 
 _SYNC = """
-local res_prefix, sid = ARGV[1], ARGV[2]
-local now, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
-local mine = res_prefix .. sid
-redis.call('DEL', mine)
+local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease_ms = math.ceil(lease * 1000)
+if ARGV[4] == '' then
+  redis.call('HDEL', KEYS[4], sid)
+else
+  redis.call('HSET', KEYS[4], sid, ARGV[4])
+end
+redis.call('ZADD', KEYS[1], now + lease, sid)
 local i = 5
 local n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do
-  redis.call('HSET', mine, ARGV[i], ARGV[i + 1] .. ' ' .. ARGV[i + 2]); i = i + 3
-end
-if n > 0 then redis.call('PEXPIRE', mine, math.ceil(lease * 1000)) end
-redis.call('ZADD', KEYS[1], now + lease, sid)
-n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
-if n > 0 then redis.call('PEXPIRE', KEYS[2], math.ceil(lease * 100000)) end
+if n > 0 then redis.call('PEXPIRE', KEYS[2], lease_ms * 100) end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   local current = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0')
@@ -53,16 +59,22 @@ for _ = 1, n do
   i = i + 2
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
-for _, d in ipairs(dead) do redis.call('DEL', res_prefix .. d) end
-if #dead > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now) end
+if #dead > 0 then
+  redis.call('HDEL', KEYS[4], unpack(dead))
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+end
+-- Gone with the lease when every sidecar is: nobody is left to read them.
+redis.call('PEXPIRE', KEYS[1], lease_ms)
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
 local totals, order = {}, {}
-for _, s in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-  local h = redis.call('HGETALL', res_prefix .. s)
-  for j = 1, #h, 2 do
-    local tok, req = string.match(h[j + 1], '(%-?%d+) (%-?%d+)')
-    if totals[h[j]] == nil then totals[h[j]] = {0, 0}; order[#order + 1] = h[j] end
-    totals[h[j]][1] = totals[h[j]][1] + tonumber(tok)
-    totals[h[j]][2] = totals[h[j]][2] + tonumber(req)
+local held = redis.call('HGETALL', KEYS[4])
+for j = 1, #held, 2 do
+  if redis.call('ZSCORE', KEYS[1], held[j]) then
+    for ep, tok, req in string.gmatch(held[j + 1], '(%S+) (%-?%d+) (%-?%d+)') do
+      if totals[ep] == nil then totals[ep] = {0, 0}; order[#order + 1] = ep end
+      totals[ep][1] = totals[ep][1] + tonumber(tok)
+      totals[ep][2] = totals[ep][2] + tonumber(req)
+    end
   end
 end
 local flat = {}
@@ -80,8 +92,12 @@ for j = 1, #ejections, 2 do
 end
 return {flat, redis.call('HGETALL', KEYS[2]), live}
 """
+"""KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
+reservations (lines), then speeds and ejections, each a count and that many pairs."""
 
-_ERRORS = (RedisError, OSError, TimeoutError)
+_ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
+"""What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
+covered" are not RedisErrors)."""
 
 
 class RedisState:
@@ -92,15 +108,22 @@ class RedisState:
         url: str,
         *,
         prefix: str,
+        cluster: bool = False,
         lease_s: float,
         timeout_s: float,
         on_error: Callable[[str], None] = lambda kind: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._url = url
+        self._cluster = cluster
         tag = "{" + prefix + "}"
-        self._keys = [f"{tag}:sidecars", f"{tag}:speeds", f"{tag}:ejections"]
-        self._res_prefix = f"{tag}:res:"
+        self.keys = (
+            f"{tag}:sidecars",
+            f"{tag}:speeds",
+            f"{tag}:ejections",
+            f"{tag}:reservations",
+        )
+        """Every key the backend touches, in the script's ``KEYS`` order."""
         self._id = uuid.uuid4().hex
         self._lease_s = lease_s
         self._timeout_s = timeout_s
@@ -112,7 +135,7 @@ class RedisState:
         self._ejected: dict[str, float] = {}
         self._pending_speeds: dict[str, Speed] = {}
         self._pending_ejections: dict[str, float] = {}
-        self._client: aioredis.Redis | None = None
+        self._client: aioredis.Redis | RedisCluster | None = None
         self._script: Any = None
         self._sync: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -125,9 +148,19 @@ class RedisState:
 
     async def start(self) -> None:
         # Socket timeouts bound the background worker; the request path has its own, shorter wait.
-        self._client = aioredis.Redis.from_url(
-            self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
-        )
+        if self._cluster:
+            # One attempt per sync, like the standalone client: a failed one backs off (below),
+            # and the next re-reads the slots from the nodes left (a promoted replica included).
+            self._client = RedisCluster.from_url(
+                self._url,
+                socket_connect_timeout=1.0,
+                socket_timeout=1.0,
+                retry=Retry(NoBackoff(), retries=0),
+            )
+        else:
+            self._client = aioredis.Redis.from_url(
+                self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
+            )
         self._script = self._client.register_script(_SYNC)
         self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
 
@@ -141,8 +174,8 @@ class RedisState:
             # Best effort: let the others stop counting us now rather than after the lease.
             with contextlib.suppress(*_ERRORS):
                 async with asyncio.timeout(0.5):
-                    await self._client.delete(self._res_prefix + self._id)
-                    await self._client.zrem(self._keys[0], self._id)
+                    await self._client.hdel(self.keys[3], self._id)
+                    await self._client.zrem(self.keys[0], self._id)
             await self._client.aclose()
             self._client = None
 
@@ -194,6 +227,7 @@ class RedisState:
             "last_sync_unix": self.last_sync_unix,
             "last_error": self.last_error,
             "lease_s": self._lease_s,
+            "cluster": self._cluster,
         }
 
     async def _work(self) -> None:
@@ -225,17 +259,15 @@ class RedisState:
         speeds, self._pending_speeds = self._pending_speeds, {}
         ejections, self._pending_ejections = self._pending_ejections, {}
         now = self._clock()
-        args: list[Any] = [self._res_prefix, self._id, repr(now), repr(self._lease_s), len(own)]
-        for endpoint, load in own.items():
-            args += [endpoint, load.tokens, load.requests]
-        args.append(len(speeds))
+        held = "\n".join(f"{e} {load.tokens} {load.requests}" for e, load in own.items())
+        args: list[Any] = [self._id, repr(now), repr(self._lease_s), held, len(speeds)]
         for endpoint, speed in speeds.items():
             args += [endpoint, f"{speed.s_per_token!r} {speed.overhead_s!r}"]
         args.append(len(ejections))
         for endpoint, until in ejections.items():
             args += [endpoint, repr(until)]
         try:
-            reply = await self._script(keys=self._keys, args=args)
+            reply = await self._script(keys=self.keys, args=args)
         except _ERRORS as exc:
             # Keep what was not published; the next sync carries it.
             self._pending_speeds = {**speeds, **self._pending_speeds}

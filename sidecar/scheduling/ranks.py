@@ -1,0 +1,246 @@
+"""The decode engine's data-parallel ranks: what is known of each, and which one takes a request.
+
+A decode pod may run vLLM with data parallelism and external load balancing: one HTTP server per
+rank (``SIDECAR_DECODE_URLS``), each with its own engine and KV cache. Every request goes to one
+rank, chosen here — pure and synchronous like the rest of the policy, no I/O:
+
+- **candidates**: the ready ranks (their last ``/health`` poll answered 200); all of them when
+  none is (the pod is unready then, and a request that comes anyway is placed as a single
+  engine's would be: sent, and answered by the engine or with a 503);
+- **prefix first, then load**: the lowest ``cost`` = the prompt's tokens not in the rank's prefix
+  index + its load (requests in flight there + its scraped waiting queue) × ``TOKENS_PER_REQUEST``;
+  ties at random. A continuation goes back to the rank holding its history unless that rank is
+  busier by more requests than the history has thousands of tokens; a prompt cached nowhere goes
+  to the least loaded rank.
+
+The sidecar is its ranks' only client, so its own in-flight count per rank is exact and fresh at
+the moment of choice: the global minimum is safe here (herding comes from stale views shared by
+many choosers, which is why the prefill side samples candidates instead).
+
+Each rank has its own prefix index; together they stay within ``SIDECAR_PREFIX_CACHE_BLOCKS``
+(each rank gets an equal share).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.scheduling.policies import TOKENS_PER_WAITING
+from sidecar.scheduling.prompts import PrefixIndex
+from sidecar.scheduling.scrape import EngineLoad, describe_load
+
+TOKENS_PER_REQUEST = TOKENS_PER_WAITING
+"""Prompt tokens one request in flight or waiting on a rank weighs against a prefix-cache hit
+(the same figure the prefill side assumes per waiting request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankView:
+    """One candidate rank as the choice sees it."""
+
+    index: int
+    cached_tokens: int = 0
+    """Tokens of the prompt's longest prefix in this rank's prefix index."""
+    inflight: int = 0
+    """This sidecar's requests on the rank now (placed and not finished)."""
+    waiting: float | None = None
+    """The rank's scraped ``vllm:num_requests_waiting``; None when unknown or stale."""
+
+    def cost(self, prompt_tokens: int) -> float:
+        uncached = max(0, prompt_tokens - self.cached_tokens)
+        return uncached + (self.inflight + (self.waiting or 0.0)) * TOKENS_PER_REQUEST
+
+
+def choose_rank(views: Sequence[RankView], prompt_tokens: int, rng: random.Random) -> RankView:
+    """The lowest-cost rank of ``views`` (not empty), ties at random."""
+    if len(views) == 1:
+        return views[0]
+    scored = [(view.cost(prompt_tokens), view) for view in views]
+    best = min(score for score, _ in scored)
+    return rng.choice([view for score, view in scored if score <= best])
+
+
+@dataclass(slots=True, eq=False)
+class DecodeRank:
+    """What the sidecar knows of one rank; written by the readiness poller (``ready``), the
+    scraper (``load``) and the claims of requests (``inflight``, ``ahead_tokens``)."""
+
+    index: int
+    url: str
+    prefix: PrefixIndex
+    ready: bool = False
+    inflight: int = 0
+    ahead_tokens: int = 0
+    """Prompt tokens of local prefills on this rank that have not produced a first byte yet."""
+    load: EngineLoad | None = None
+    placed: int = 0
+    """Requests placed on it since start (generation and passthrough)."""
+
+
+class RankClaim:
+    """One request's hold on a rank: counted in its in-flight requests (and, while a local
+    prefill runs there, its tokens ahead) from the choice until ``end()``. ``move`` carries the
+    count — and the prompt, which the new rank will hold — to another rank when the request's
+    decode leg goes there instead."""
+
+    __slots__ = ("_ahead", "_ended", "_text", "rank")
+
+    def __init__(self, rank: DecodeRank, text: str | bytes = "") -> None:
+        self.rank = rank
+        self._text = text
+        self._ahead = 0
+        self._ended = False
+        rank.inflight += 1
+        rank.placed += 1
+
+    @property
+    def index(self) -> int:
+        return self.rank.index
+
+    @property
+    def url(self) -> str:
+        return self.rank.url
+
+    def prefilling(self, tokens: int) -> None:
+        """A local prefill of ``tokens`` on this rank lies ahead of the request's first byte."""
+        self._ahead += tokens
+        self.rank.ahead_tokens += tokens
+
+    def prefilled(self) -> None:
+        """Its local prefill is over (a first byte came, or the exchange ended without one)."""
+        self.rank.ahead_tokens -= self._ahead
+        self._ahead = 0
+
+    def move(self, to: DecodeRank) -> None:
+        if self._ended or to is self.rank:
+            return
+        self.rank.inflight -= 1
+        self.rank.ahead_tokens -= self._ahead
+        to.inflight += 1
+        to.ahead_tokens += self._ahead
+        to.placed += 1
+        if self._text:
+            to.prefix.insert(to.prefix.hashes(self._text))
+        self.rank = to
+
+    def end(self) -> None:
+        """Idempotent."""
+        if not self._ended:
+            self._ended = True
+            self.prefilled()
+            self.rank.inflight -= 1
+
+
+class DecodeRanks:
+    """Every rank of the local decode engine, in ``SIDECAR_DECODE_URLS`` order (index 0 first)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        block_tokens: int,
+        capacity_blocks: int,
+        stale_after_s: float,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not urls:
+            raise ValueError("a decode engine has at least one rank")
+        share = capacity_blocks // len(urls)
+        self._ranks = [
+            DecodeRank(i, url, PrefixIndex(block_tokens=block_tokens, capacity_blocks=share))
+            for i, url in enumerate(urls)
+        ]
+        self._hasher = self._ranks[0].prefix
+        self._stale_after_s = stale_after_s
+        self._rng = rng
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __iter__(self) -> Iterator[DecodeRank]:
+        return iter(self._ranks)
+
+    def __getitem__(self, index: int) -> DecodeRank:
+        return self._ranks[index]
+
+    @property
+    def ready(self) -> bool:
+        """At least one rank is ready: the pod is."""
+        return any(rank.ready for rank in self._ranks)
+
+    def mark(self, rank: DecodeRank, ready: bool) -> None:
+        """A poll of ``rank``'s ``/health``. A rank that turns unready forgets its prefix index:
+        an engine whose health check fails (vLLM: its engine core died) comes back empty."""
+        if rank.ready and not ready:
+            rank.prefix.clear()
+        rank.ready = ready
+
+    def candidates(self, exclude: Sequence[DecodeRank] = ()) -> list[DecodeRank]:
+        """The ready ranks (every rank when none is ready), but those in ``exclude``."""
+        pool = [rank for rank in self._ranks if rank.ready] or self._ranks
+        return [rank for rank in pool if rank not in exclude]
+
+    def claim(self, text: str | bytes, prompt_tokens: int) -> tuple[RankClaim, int]:
+        """Place a generation request: its rank (claimed) and the tokens of its prompt that
+        rank has cached. The chosen rank's index remembers the prompt, which it will hold
+        whether it computes it or pulls its KV."""
+        hashes = self._hasher.hashes(text)
+        candidates = self.candidates()
+        if len(candidates) == 1:
+            rank = candidates[0]
+            cached = rank.prefix.cached_tokens(hashes)
+        else:
+            views = [
+                RankView(r.index, r.prefix.cached_tokens(hashes), r.inflight, self.waiting(r))
+                for r in candidates
+            ]
+            chosen = choose_rank(views, prompt_tokens, self._rng)
+            rank, cached = self._ranks[chosen.index], chosen.cached_tokens
+        rank.prefix.insert(hashes)
+        return RankClaim(rank, text), cached
+
+    def claim_any(self) -> RankClaim:
+        """Place a request without a prompt to match (passthrough): the least loaded rank."""
+        candidates = self.candidates()
+        views = [RankView(r.index, 0, r.inflight, self.waiting(r)) for r in candidates]
+        return RankClaim(self._ranks[choose_rank(views, 0, self._rng).index])
+
+    def least_loaded(self, exclude: Sequence[DecodeRank] = ()) -> DecodeRank | None:
+        """Where a request goes when its rank cannot be connected to: the candidate with the
+        least load but those in ``exclude``, ties at random; None when none is left."""
+        candidates = self.candidates(exclude)
+        if not candidates:
+            return None
+        views = [RankView(r.index, 0, r.inflight, self.waiting(r)) for r in candidates]
+        return self._ranks[choose_rank(views, 0, self._rng).index]
+
+    def waiting(self, rank: DecodeRank) -> float | None:
+        """The rank's scraped waiting queue, when fresh."""
+        load = rank.load
+        if load is None or load.waiting is None:
+            return None
+        if self._clock() - load.at > self._stale_after_s:
+            return None
+        return load.waiting
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """For /debug/scheduler: one entry per rank, in index order."""
+        return [
+            {
+                "decode_rank": rank.index,
+                "decode_url": rank.url,
+                "ready": rank.ready,
+                "inflight": rank.inflight,
+                "placed": rank.placed,
+                "ahead_tokens": rank.ahead_tokens,
+                "scraped": describe_load(rank.load, now),
+                "prefix_index_blocks": len(rank.prefix),
+            }
+            for rank in self._ranks
+        ]

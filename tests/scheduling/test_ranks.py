@@ -1,0 +1,186 @@
+"""Decode-rank choice: pure functions of what is known of each rank and a seeded random source."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from sidecar.scheduling.ranks import (
+    TOKENS_PER_REQUEST,
+    DecodeRanks,
+    RankView,
+    choose_rank,
+)
+from sidecar.scheduling.scrape import EngineLoad
+
+BLOCK_TOKENS = 16
+HISTORY = "A conversation's earlier turns, long enough to fill several blocks. " * 60
+
+
+def ranks(count: int = 3, *, capacity_blocks: int = 65536, clock=lambda: 0.0) -> DecodeRanks:
+    urls = [f"http://127.0.0.1:{8200 + i}" for i in range(count)]
+    return DecodeRanks(
+        urls,
+        block_tokens=BLOCK_TOKENS,
+        capacity_blocks=capacity_blocks,
+        stale_after_s=3.0,
+        rng=random.Random(5),
+        clock=clock,
+    )
+
+
+def test_the_rank_holding_the_history_wins_at_equal_load() -> None:
+    views = [RankView(0), RankView(1, cached_tokens=3000), RankView(2)]
+    picks = {choose_rank(views, 3200, random.Random(seed)).index for seed in range(20)}
+    assert picks == {1}
+
+
+def test_load_outweighs_a_short_history() -> None:
+    # 3000 cached tokens weigh less than four more requests (4 x 1000 tokens) on that rank.
+    holder, idle = RankView(0, cached_tokens=3000, inflight=4), RankView(1)
+    assert choose_rank([holder, idle], 3200, random.Random(1)).index == 1
+    # ... but more than two.
+    holder = RankView(0, cached_tokens=3000, inflight=2)
+    assert choose_rank([holder, idle], 3200, random.Random(1)).index == 0
+    assert holder.cost(3200) == 200 + 2 * TOKENS_PER_REQUEST
+
+
+def test_without_a_cached_prefix_the_least_loaded_rank_wins() -> None:
+    views = [RankView(0, inflight=2), RankView(1, inflight=1, waiting=2), RankView(2, inflight=1)]
+    picks = {choose_rank(views, 500, random.Random(seed)).index for seed in range(20)}
+    assert picks == {2}  # rank 1's scraped queue counts as load
+
+
+def test_ties_are_broken_at_random() -> None:
+    views = [RankView(0), RankView(1), RankView(2)]
+    picks = Counter(choose_rank(views, 100, random.Random(seed)).index for seed in range(60))
+    assert set(picks) == {0, 1, 2}
+
+
+def test_a_continuation_goes_back_to_the_rank_that_holds_its_history() -> None:
+    decode = ranks()
+    first, cached = decode.claim(HISTORY, len(HISTORY) // 4)
+    assert cached == 0
+    first.end()
+    for turn in range(5):
+        follow_up = HISTORY + f" Question {turn}?"
+        claim, cached = decode.claim(follow_up, len(follow_up) // 4)
+        assert claim.index == first.index
+        assert cached >= len(HISTORY) // 4 - BLOCK_TOKENS
+        claim.end()
+    # Another conversation is not cached anywhere: it goes where the load is lowest.
+    decode[0].inflight = decode[1].inflight = 1
+    other, cached = decode.claim("An unrelated question " * 40, 230)
+    assert (other.index, cached) == (2, 0)
+
+
+def test_unready_ranks_get_nothing_while_another_is_ready() -> None:
+    decode = ranks()
+    decode[0].ready, decode[1].ready, decode[2].ready = False, True, False
+    assert decode.ready  # the pod is ready: one rank is
+    history, _ = decode.claim(HISTORY, 1000)
+    assert history.index == 1
+    history.end()
+    decode[0].ready, decode[1].ready = True, False
+    # Rank 1 holds the history, but an unready rank is never a candidate.
+    claim, cached = decode.claim(HISTORY + " Next?", 1000)
+    assert (claim.index, cached) == (0, 0)
+    claim.end()
+    for i in range(10):
+        claim, _ = decode.claim(f"{i} {HISTORY}", 1000)
+        assert claim.index == 0
+        claim.end()
+    passthrough = decode.claim_any()
+    assert passthrough.index == 0
+    passthrough.end()
+    assert decode.least_loaded(exclude=[decode[0]]) is None  # nowhere else is ready
+    # None ready: the pod is unready; a request that comes anyway may go to any rank.
+    decode[0].ready = False
+    assert not decode.ready
+    placed = set()
+    for i in range(30):
+        claim, _ = decode.claim(f"{i} {HISTORY}", 1000)
+        placed.add(claim.index)
+        claim.end()
+    assert placed == {0, 1, 2}
+
+
+def test_a_claim_counts_until_it_ends_and_moves_with_its_request() -> None:
+    decode = ranks(2)
+    claim = decode.claim_any()
+    rank = claim.rank
+    other = decode[1 - rank.index]
+    assert (rank.inflight, rank.placed) == (1, 1)
+    claim.prefilling(700)
+    assert rank.ahead_tokens == 700
+    claim.move(other)  # its rank refused the connection: the request went to the other one
+    assert (rank.inflight, rank.ahead_tokens) == (0, 0)
+    assert (other.inflight, other.ahead_tokens, other.placed) == (1, 700, 1)
+    claim.prefilled()
+    assert other.ahead_tokens == 0
+    claim.end()
+    claim.end()  # idempotent
+    assert (other.inflight, rank.inflight) == (0, 0)
+    claim.move(rank)  # an ended claim holds nothing to move
+    assert rank.inflight == 0
+
+
+def test_a_request_passed_to_another_rank_leaves_its_history_there() -> None:
+    decode = ranks(2)
+    claim, _ = decode.claim(HISTORY, 1000)
+    first, other = claim.rank, decode[1 - claim.index]
+    claim.move(other)  # its rank refused the connection
+    claim.end()
+    follow_up = HISTORY + " And then?"
+    hashes = other.prefix.hashes(follow_up)
+    assert other.prefix.cached_tokens(hashes) == first.prefix.cached_tokens(hashes) > 0
+    _, cached = decode.claim(follow_up, 1000)
+    assert cached > 0
+
+
+def test_a_rank_that_turns_unready_forgets_its_history() -> None:
+    decode = ranks(2)
+    for rank in decode:
+        decode.mark(rank, True)
+    claim, _ = decode.claim(HISTORY, 1000)
+    claim.end()
+    rank = claim.rank
+    assert len(rank.prefix) > 0
+    decode.mark(rank, True)  # still ready: kept
+    assert len(rank.prefix) > 0
+    decode.mark(rank, False)  # its engine failed its health check: it comes back empty
+    assert len(rank.prefix) == 0
+    decode.mark(rank, True)
+    _, cached = decode.claim(HISTORY + " Again?", 1000)
+    assert cached == 0
+
+
+def test_a_scraped_queue_counts_while_fresh() -> None:
+    now = [100.0]
+    decode = ranks(2, clock=lambda: now[0])
+    decode[0].load = EngineLoad(waiting=5, running=1, kv_usage=0.1, at=99.0)
+    assert decode.waiting(decode[0]) == 5
+    assert decode.claim_any().index == 1
+    now[0] = 103.5  # older than three scrape intervals: unknown
+    assert decode.waiting(decode[0]) is None
+    assert decode.waiting(decode[1]) is None  # never scraped
+
+
+def test_the_ranks_share_the_prefix_memory_bound() -> None:
+    decode = ranks(4, capacity_blocks=40)
+    blocks = 0
+    for i in range(40):  # every prompt 10 blocks: far more than all the indexes hold
+        prompt = f"{i:04d}" + "x" * (10 * BLOCK_TOKENS * 4)
+        claim, _ = decode.claim(prompt, 160)
+        claim.end()
+        blocks = sum(len(rank.prefix) for rank in decode)
+        assert blocks <= 40
+        assert all(len(rank.prefix) <= 10 for rank in decode)
+    assert blocks == 40  # each index is full, none beyond its share
+
+
+def test_one_rank_holds_the_whole_index() -> None:
+    decode = ranks(1, capacity_blocks=40)
+    for i in range(8):
+        decode.claim(f"{i:04d}" + "x" * (10 * BLOCK_TOKENS * 4), 160)[0].end()
+    assert len(decode[0].prefix) == 40

@@ -1,0 +1,471 @@
+"""Data-parallel decode ranks (SIDECAR_DECODE_URLS) through real sockets: several decode emulators
+behind one sidecar — which rank takes a request, readiness, passthrough, a rank that refuses
+connections, one that goes down and comes back, and every connector's decode leg."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from sidecar.aftercare import Aftercare
+from sidecar.app import RunningSidecar, start_sidecar
+from sidecar.config import Settings
+from sidecar.emulator import RunningEmulator
+from sidecar.metrics import Metrics
+from sidecar.upstream import Engines
+from tests.conftest import (
+    StartEmulator,
+    chat,
+    completion,
+    engine_requests,
+    eventually,
+    get_json,
+    inject,
+    metric,
+    staged_blocks,
+)
+from tests.processes import EmulatorProcess
+from tests.test_contract import SPECS, Spec
+
+LONG = "A retrieved passage about prefill and decode disaggregation. " * 40  # ~600 tokens
+StartRanked = Callable[..., Awaitable[RunningSidecar]]
+
+
+class _Url:
+    """An engine seen only by its URL (an emulator process, or an address nothing listens on)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+@pytest.fixture
+async def start_ranked() -> AsyncIterator[StartRanked]:
+    """A sidecar in front of ``engines``, one rank each, in that order; keywords override
+    Settings."""
+    started: list[RunningSidecar] = []
+
+    async def start(engines: Sequence[Any], **overrides: Any) -> RunningSidecar:
+        values: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "decode_urls": ",".join(engine.url for engine in engines),
+            "ready_interval_s": 0.05,
+            "scrape_interval_s": 0.5,
+            "scheduler_seed": 1,
+        }
+        values.update(overrides)
+        sidecar = await start_sidecar(Settings(**values))
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        await sidecar.close()
+
+
+async def _ranks(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> list[dict[str, Any]]:
+    return list((await get_json(http, sidecar.url + "/debug/scheduler"))["decode_ranks"])
+
+
+async def _ready_ranks(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> list[bool]:
+    return [rank["ready"] for rank in await _ranks(http, sidecar)]
+
+
+async def _until_ready(
+    http: aiohttp.ClientSession, sidecar: RunningSidecar, ready: list[bool], within: float = 10
+) -> None:
+    async def check() -> bool:
+        return await _ready_ranks(http, sidecar) == ready
+
+    await eventually(check, within)
+
+
+async def _send(
+    http: aiohttp.ClientSession,
+    sidecar: RunningSidecar,
+    body: dict[str, Any],
+    path: str = "/v1/completions",
+    **headers: str,
+) -> dict[str, Any]:
+    """One request, answered 200; its record."""
+    async with http.post(sidecar.url + path, json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+        request_id = response.headers["x-request-id"]
+    return await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+
+
+async def _ids(http: aiohttp.ClientSession, engine: RunningEmulator) -> list[str]:
+    """The x-request-id of every /v1/* request the engine received, oldest first."""
+    return [r["headers"].get("x-request-id", "") for r in await engine_requests(http, engine)]
+
+
+async def _status(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.get(url) as response:
+        await response.read()
+        return response.status
+
+
+async def _received(http: aiohttp.ClientSession, engine: RunningEmulator, request_id: str) -> bool:
+    return request_id in await _ids(http, engine)
+
+
+async def _held(http: aiohttp.ClientSession, engine: RunningEmulator) -> int:
+    return int((await get_json(http, engine.url + "/emulator/faults"))["held"])
+
+
+async def test_a_continuation_goes_back_to_the_rank_holding_its_history(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(3)]
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True, True])
+    homes = []
+    for conversation in range(6):
+        history = f"Conversation {conversation}. {LONG}"
+        first = await _send(http, sidecar, completion(history, max_tokens=2))
+        home = first["decode_rank"]
+        assert first["decode_url"] == engines[home].url
+        homes.append(home)
+        for turn in range(2):
+            history += f" Follow-up question {turn} and its answer."
+            record = await _send(http, sidecar, completion(history, max_tokens=2))
+            assert (record["decode_rank"], record["decode_url"]) == (home, engines[home].url)
+            assert record["id"] in await _ids(http, engines[home])
+    # New conversations are cached nowhere: they went where the load was lowest, ties at random.
+    assert len(set(homes)) > 1, homes
+    ranks = await _ranks(http, sidecar)
+    assert [rank["placed"] for rank in ranks] == [3 * homes.count(i) for i in range(3)]
+    assert all(rank["prefix_index_blocks"] > 0 for i, rank in enumerate(ranks) if i in homes)
+
+
+async def test_a_chat_continuation_goes_back_too(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True])
+    messages = [{"role": "user", "content": LONG}]
+    home = (await _send(http, sidecar, chat(LONG), "/v1/chat/completions"))["decode_rank"]
+    for turn in range(4):
+        messages += [
+            {"role": "assistant", "content": f"answer {turn}"},
+            {"role": "user", "content": f"question {turn}"},
+        ]
+        body = {"model": "emulated-model", "messages": messages, "max_tokens": 2}
+        record = await _send(http, sidecar, body, "/v1/chat/completions")
+        assert record["decode_rank"] == home
+
+
+async def test_requests_in_flight_spread_over_the_ranks(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(3)]
+    for engine in engines:
+        await inject(http, engine, kind="hang", count=9)
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True, True])
+
+    async def post(index: int) -> int:
+        async with http.post(
+            sidecar.url + "/v1/completions", json=completion(f"{index} {LONG}")
+        ) as response:
+            await response.read()
+            return response.status
+
+    clients = [asyncio.create_task(post(i)) for i in range(9)]
+
+    async def all_held() -> bool:
+        return sum([await _held(http, engine) for engine in engines]) == 9
+
+    await eventually(all_held)
+    # Each was placed while the others were in flight: three on each rank, whatever the ties.
+    assert [await _held(http, engine) for engine in engines] == [3, 3, 3]
+    assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [3, 3, 3]
+    for rank in ("0", "1", "2"):
+        gauge = f'pd_sidecar_decode_rank_inflight_requests{{rank="{rank}"}}'
+        assert await metric(http, sidecar.url, gauge) == 3
+    for engine in engines:
+        async with http.post(engine.url + "/emulator/release") as response:
+            assert response.status == 200
+    assert await asyncio.gather(*clients) == [200] * 9
+    assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0, 0]
+    sent = [
+        await metric(http, sidecar.url, f'pd_sidecar_decode_rank_requests_total{{rank="{r}"}}')
+        for r in ("0", "1", "2")
+    ]
+    assert sent == [3, 3, 3]
+
+
+async def test_a_rank_with_a_scraped_queue_is_avoided(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    queued, idle = await start_engine(max_num_seqs=1), await start_engine()
+    sidecar = await start_ranked([queued, idle])
+    await _until_ready(http, sidecar, [True, True])
+    # Work the sidecar did not send: one request running on rank 0, one waiting behind it.
+    await inject(http, queued, kind="hang")
+    direct = [
+        asyncio.create_task(http.post(queued.url + "/v1/completions", json=completion(f"{i}")))
+        for i in range(2)
+    ]
+
+    async def scraped_waiting() -> bool:
+        scraped = (await _ranks(http, sidecar))[0]["scraped"]
+        return scraped is not None and scraped["waiting"] == 1
+
+    await eventually(scraped_waiting)
+    records = [await _send(http, sidecar, completion(f"{i} {LONG}")) for i in range(6)]
+    assert {record["decode_rank"] for record in records} == {1}
+    async with http.post(queued.url + "/emulator/release") as response:
+        assert response.status == 200
+    for response in await asyncio.gather(*direct):
+        assert response.status == 200
+        response.release()
+
+
+async def test_ready_while_one_rank_is_and_unready_ranks_get_nothing(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True])
+    await inject(http, engines[0], kind="health_down")  # up, but its /health says 503
+    await _until_ready(http, sidecar, [False, True])
+    assert await _status(http, sidecar.url + "/ready") == 200
+    before = len(await engine_requests(http, engines[0]))
+    records = [await _send(http, sidecar, completion(f"{i} {LONG}")) for i in range(4)]
+    records.append(await _send(http, sidecar, chat(), "/v1/chat/completions"))
+    assert {record["decode_rank"] for record in records} == {1}
+    for _ in range(3):  # passthrough: to a ready rank too
+        assert await _status(http, sidecar.url + "/v1/models") == 200
+    assert len(await engine_requests(http, engines[0])) == before
+    async with http.get(sidecar.url + "/metrics") as response:
+        text = await response.text()
+    assert 'pd_sidecar_decode_rank_ready{rank="0"} 0.0' in text
+    assert 'pd_sidecar_decode_rank_ready{rank="1"} 1.0' in text
+    assert "pd_sidecar_decode_ready 1.0" in text
+
+    await inject(http, engines[1], kind="health_down")  # no rank is ready: neither is the pod
+    await _until_ready(http, sidecar, [False, False])
+    assert await _status(http, sidecar.url + "/ready") == 503
+    assert await metric(http, sidecar.url, "pd_sidecar_decode_ready") == 0
+    for engine in engines:
+        async with http.delete(engine.url + "/emulator/faults") as response:
+            assert response.status in (200, 204)
+    await _until_ready(http, sidecar, [True, True])
+    assert await _status(http, sidecar.url + "/ready") == 200
+
+
+async def test_the_prefill_decision_weighs_the_chosen_rank(
+    http, start_engine: StartEmulator, start_ranked: StartRanked, prefill
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines, prefill_endpoints=prefill.endpoint)
+    await _until_ready(http, sidecar, [True, True])
+    first = await _send(http, sidecar, completion(LONG, max_tokens=2))
+    assert (first["decision"], first["reason"]) == ("remote", "scheduled")
+    home = first["decode_rank"]
+    # Its rank holds the history: prefilling there is cheap.
+    again = await _send(http, sidecar, completion(LONG + " A follow-up?", max_tokens=2))
+    assert (again["decode_rank"], again["decision"], again["reason"]) == (
+        home,
+        "local",
+        "prefix_cached",
+    )
+    # That rank is unready now: the continuation goes to the other, which has nothing cached.
+    await inject(http, engines[home], kind="health_down")
+    await _until_ready(http, sidecar, [home != 0, home != 1])
+    moved = await _send(http, sidecar, completion(LONG + " Another follow-up?", max_tokens=2))
+    assert (moved["decode_rank"], moved["decision"], moved["reason"]) == (
+        1 - home,
+        "remote",
+        "scheduled",
+    )
+    assert await staged_blocks(http, prefill) == 0
+
+
+async def test_a_rank_refusing_connections_passes_its_requests_on(
+    http, start_engine: StartEmulator, start_ranked: StartRanked, prefill
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    # One poll at start, the next a minute later: the sidecar keeps believing rank 0 is ready.
+    sidecar = await start_ranked(engines, ready_interval_s=60)
+    await _until_ready(http, sidecar, [True, True])
+    await engines[0].close()  # connections to rank 0 are refused from now on
+    records = [await _send(http, sidecar, completion(f"{i} {LONG}")) for i in range(4)]
+    header = {"x-prefiller-host-port": prefill.endpoint}
+    records.append(await _send(http, sidecar, completion(LONG), **header))  # pulls the KV
+    assert {record["decode_rank"] for record in records} == {1}
+    assert {record["state"] for record in records} == {"completed"}
+    for _ in range(6):  # passthrough too, wherever its least-loaded pick fell
+        assert await _status(http, sidecar.url + "/v1/models") == 200
+    assert await _ready_ranks(http, sidecar) == [True, True]  # not polled since: moved on
+    tried = 'pd_sidecar_decode_rank_requests_total{rank="0"}'
+    assert await metric(http, sidecar.url, tried) > 0  # some were placed there, and passed on
+    assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0]
+    assert await staged_blocks(http, prefill) == 0
+
+
+async def test_one_unreachable_rank_is_a_503_as_before(http, start_ranked: StartRanked) -> None:
+    sidecar = await start_ranked([_Url("http://127.0.0.9:1")])
+    async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:
+        assert response.status == 503
+        assert (await response.json())["error"]["type"] == "ServiceUnavailableError"
+    assert await _status(http, sidecar.url + "/ready") == 503
+
+
+@pytest.mark.timeout(120)
+async def test_a_rank_that_goes_down_and_comes_back(http, start_ranked: StartRanked) -> None:
+    ranks = [EmulatorProcess(), EmulatorProcess()]
+    try:
+        await asyncio.gather(*(rank.start() for rank in ranks))
+        sidecar = await start_ranked(ranks)
+        await _until_ready(http, sidecar, [True, True], within=30)
+        statuses: list[int] = []
+        placed: list[tuple[int, int]] = []  # (phase when sent, rank) per request
+        ready: list[int] = []
+        phase = 0
+        stop = asyncio.Event()
+        # Held by a request while it is in flight: the rank is killed between two requests (one
+        # it is serving when it dies fails as on a single engine: docs/behavior.md).
+        between = asyncio.Lock()
+
+        async def clients() -> None:
+            for index in itertools.count():
+                if stop.is_set():
+                    return
+                sent_at = phase
+                async with (
+                    between,
+                    http.post(
+                        sidecar.url + "/v1/completions",
+                        json=completion(f"{index} {LONG}", max_tokens=2),
+                    ) as response,
+                ):
+                    await response.read()
+                    statuses.append(response.status)
+                    request_id = response.headers["x-request-id"]
+                record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+                placed.append((sent_at, record["decode_rank"]))
+                ready.append(await _status(http, sidecar.url + "/ready"))
+
+        async def sent_in(wanted: int, rank: int | None = None) -> bool:
+            return any(p == wanted and (rank is None or r == rank) for p, r in placed)
+
+        running = asyncio.create_task(clients())
+        await eventually(lambda: sent_in(0, 0), within=30)  # both ranks take requests
+        await eventually(lambda: sent_in(0, 1), within=30)
+        async with between:
+            ranks[0].kill()
+            assert ranks[0].process is not None
+            await ranks[0].process.wait()
+        # Requests go on at once: until its next /health poll, the sidecar finds rank 0 refusing
+        # connections and sends them to rank 1.
+        await _until_ready(http, sidecar, [False, True])
+        phase = 1  # the sidecar knows rank 0 is down
+        await eventually(lambda: sent_in(1), within=30)
+        phase = 2  # coming back
+        await ranks[0].stop()
+        await ranks[0].start()  # on the same port
+        await _until_ready(http, sidecar, [True, True], within=30)
+        phase = 3
+        await eventually(lambda: sent_in(3, 0), within=30)  # rank 0 gets requests again
+        stop.set()
+        await running
+    finally:
+        for rank in ranks:
+            await rank.stop()
+    assert set(statuses) == {200}, statuses  # the requests in the gap included
+    assert set(ready) == {200}  # another rank was up all along
+    assert {r for p, r in placed if p == 1} == {1}
+
+
+async def test_a_release_goes_to_the_rank_the_request_was_placed_on(
+    http, start_engine: StartEmulator, start_ranked: StartRanked, prefill
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True])
+    for request in range(4):
+        for engine in engines:  # whichever rank is chosen refuses the decode leg
+            await inject(http, engine, kind="status", status=500, role="decode")
+        request_id = f"refused-{request}"
+        async with http.post(
+            sidecar.url + "/v1/completions",
+            json=completion(f"{request} {LONG}"),
+            headers={"x-prefiller-host-port": prefill.endpoint, "x-request-id": request_id},
+        ) as response:
+            assert response.status == 500
+            await response.read()
+        record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+        home, other = engines[record["decode_rank"]], engines[1 - record["decode_rank"]]
+        await eventually(functools.partial(_received, http, home, f"{request_id}-release"))
+        assert not any(i.startswith(request_id) for i in await _ids(http, other))
+        async with http.delete(other.url + "/emulator/faults") as response:
+            assert response.status in (200, 204)
+        assert await staged_blocks(http, prefill) == 0
+
+
+async def test_a_release_passes_to_the_next_rank_when_its_own_refuses_connections(
+    http, start_engine: StartEmulator, prefill
+) -> None:
+    decode = await start_engine()
+    metrics = Metrics()
+    engines = Engines(connect_timeout_s=1)
+    await engines.open()
+    aftercare = Aftercare(engines=engines, metrics=metrics, enabled=True, timeout_s=5)
+    try:
+        async with http.post(
+            prefill.url + "/v1/completions",
+            json=completion(LONG, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        ) as response:
+            params = (await response.json())["kv_transfer_params"]
+        assert await staged_blocks(http, prefill) > 0
+        body = completion(LONG, max_tokens=1, kv_transfer_params=params)
+        urls = ["http://127.0.0.9:1/v1/completions", decode.url + "/v1/completions"]
+        aftercare.release("r1", urls, {"x-request-id": "r1-release"}, orjson.dumps(body))
+        await aftercare.close(10)
+        assert "r1-release" in await _ids(http, decode)
+        assert await staged_blocks(http, prefill) == 0
+        assert 'pd_sidecar_kv_releases_total{outcome="sent"} 1.0' in metrics.render().decode()
+    finally:
+        await engines.close()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+async def test_every_connector_sends_its_decode_leg_to_the_chosen_rank(
+    http, spec: Spec, start_engine: StartEmulator, start_ranked: StartRanked, tmp_path: Path
+) -> None:
+    store = {"kv_store": str(tmp_path / "kv")} if spec.shared_store else {}
+    prefill = await start_engine(**spec.prefill, **store)
+    engines = [await start_engine(**spec.decode, **store) for _ in range(2)]
+    extra = {"sglang_bootstrap_port": prefill.bootstrap_port} if spec.name == "sglang" else {}
+    sidecar = await start_ranked(
+        engines, connector=spec.name, prefill_endpoints=prefill.endpoint, **extra
+    )
+    await _until_ready(http, sidecar, [True, True])
+    homes = set()
+    for request in range(6):
+        request_id = f"{spec.name}-{request}"
+        record = await _send(
+            http,
+            sidecar,
+            completion(f"{request} {LONG}", max_tokens=2),
+            **{"x-prefiller-host-port": prefill.endpoint, "x-request-id": request_id},
+        )
+        assert record["decision"] == "remote"
+        home = record["decode_rank"]
+        homes.add(home)
+        assert await _ids(http, engines[home]) != []
+        assert request_id in await _ids(http, engines[home])
+        assert request_id not in await _ids(http, engines[1 - home])
+    assert homes == {0, 1}
