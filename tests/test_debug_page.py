@@ -5,8 +5,9 @@ flight, and one whose id and error carry HTML.
 The system's Chromium and chromedriver (Debian ``chromium``, ``chromium-driver``) are driven by
 selenium; without them the tests skip, or fail under CI, like every test that needs a system
 program (tests/tools.py; .ci/run installs both). Selenium blocks, so every browser step runs in a
-worker thread while the event loop keeps serving the sidecar and the engines. A screenshot of the page is saved under the
-test's ``tmp_path`` and, when ``PD_SIDECAR_ARTIFACTS`` names a directory, there too.
+worker thread while the event loop keeps serving the sidecar and the engines. A screenshot of the
+page is saved under the test's ``tmp_path`` and, when ``PD_SIDECAR_ARTIFACTS`` names a directory,
+there too.
 """
 
 from __future__ import annotations
