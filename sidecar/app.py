@@ -67,6 +67,7 @@ def create_app(settings: Settings) -> web.Application:
         engines=engines,
         metrics=metrics,
     )
+    metrics.zero_ranks(len(scheduler.ranks))
     readiness = Readiness(
         engines=engines,
         ranks=scheduler.ranks,

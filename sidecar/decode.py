@@ -38,10 +38,12 @@ class DecodeSend:
 
     def release_urls(self, ex: Exchange) -> list[str]:
         """Where a release of ``ex``'s staged KV may go, in order: the rank its decode leg went
-        to, then the other ready ranks (any rank can pull the KV)."""
+        to while it is ready, the other ready ranks (any rank can pull the KV), and that rank
+        last when it is not ready."""
         rank = ex.placement.rank.rank
         others = self._ranks.candidates(exclude=[rank])
-        return [r.url + ex.path for r in (rank, *others)]
+        order = [rank, *others] if rank.ready or not self._ranks.ready else [*others, rank]
+        return [r.url + ex.path for r in order]
 
     async def send(self, ex: Exchange, data: bytes, patch: Patch | None = None) -> Answer:
         loop = asyncio.get_running_loop()
@@ -80,11 +82,20 @@ async def on_a_rank(
     limit: str,
     sending: Callable[[], None] | None = None,
 ) -> tuple[EngineAnswer, bytes]:
-    """``started`` on the claimed rank; on another ready one (the claim moves there) when a rank
+    """``started`` on the claimed rank; on another ready one (the claim moves there) when the
+    claimed rank turned unready since the request was placed (a remote prefill takes a while), or
     cannot be connected to. ``sending`` is called before each attempt."""
     tried: list[DecodeRank] = []
     while True:
         rank = claim.rank
+        if not rank.ready and ranks.ready:  # nothing was sent to it yet: another rank may take it
+            other = ranks.least_loaded(exclude=[*tried, rank])
+            if other is not None:
+                logger.info(
+                    "decode rank %d turned unready; sent to rank %d", rank.index, other.index
+                )
+                claim.move(other)
+                rank = other
         if sending is not None:
             sending()
         metrics.decode_rank_requests.labels(str(rank.index)).inc()
@@ -94,6 +105,7 @@ async def on_a_rank(
             )
         except EngineNotConnected as exc:
             tried.append(rank)
+            ranks.lost(rank)  # no process listens there: whatever it cached is gone
             other = ranks.least_loaded(exclude=tried)
             if other is None:
                 raise

@@ -215,6 +215,14 @@ class Metrics:
             for value in values:
                 family.labels(value)
 
+    def zero_ranks(self, count: int) -> None:
+        """Every decode rank's series at 0 from the start (unready until its first poll)."""
+        for index in range(count):
+            rank = str(index)
+            self.decode_rank_ready.labels(rank).set(0)
+            self.decode_rank_inflight.labels(rank).set(0)
+            self.decode_rank_requests.labels(rank)
+
     def forget_endpoint(self, endpoint: str) -> None:
         """Drop a removed endpoint's series (pool members only: bounded label values)."""
         for family in (

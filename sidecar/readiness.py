@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from sidecar.errors import EngineError
+from sidecar.errors import EngineError, EngineNotConnected
 from sidecar.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.upstream import Engines
@@ -46,17 +46,21 @@ class Readiness:
         return ok
 
     async def _poll(self, rank: DecodeRank) -> None:
+        lost = False  # evidence that the engine's cache is gone, not just a slow answer
         try:
             response = await self._engines.send(
                 "GET", rank.url + "/health", headers={}, total_s=self._timeout_s, poll=True
             )
             await response.read()
             ok = response.status == 200
-        except EngineError:
+            lost = not ok
+        except EngineNotConnected:
+            ok, lost = False, True
+        except EngineError:  # a timeout, a broken answer: unready, its cache presumably kept
             ok = False
         if ok != rank.ready and len(self._ranks) > 1:
             logger.info("decode rank %d (%s) %s", rank.index, rank.url, _word(ok))
-        self._ranks.mark(rank, ok)
+        self._ranks.mark(rank, ok, lost=lost)
         self._metrics.decode_rank_ready.labels(str(rank.index)).set(1 if ok else 0)
 
     async def run(self) -> None:

@@ -262,3 +262,31 @@ def test_deploy_md_states_the_numbers_the_yaml_has() -> None:
     assert f"{ENGINE_EXIT_S} s cover" in text
     for path in [COMPONENT, *BUILDS, MANIFESTS / "prefill"]:
         assert f"`{path.relative_to(ROOT)}/`" in text, path
+
+
+def test_an_overlay_may_give_the_sidecar_data_parallel_ranks(tmp_path: Path) -> None:
+    """The component sets no SIDECAR_DECODE_URL (its default is the engine on 8200), so an
+    overlay that adds SIDECAR_DECODE_URLS gives a sidecar that starts: the two together would
+    be refused (exit status 2)."""
+    (tmp_path / "decode.yaml").write_text((MANIFESTS / "base" / "decode.yaml").read_text())
+    (tmp_path / "ranks.yaml").write_text(
+        "apiVersion: apps/v1\n"
+        "kind: Deployment\n"
+        "metadata: {name: decode}\n"
+        "spec:\n"
+        "  template:\n"
+        "    spec:\n"
+        "      initContainers:\n"
+        "        - name: pd-sidecar\n"
+        "          env:\n"
+        "            - name: SIDECAR_DECODE_URLS\n"
+        '              value: "http://127.0.0.1:8200,http://127.0.0.1:8201"\n'
+    )
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: [decode.yaml]\n"
+        f"components: [{os.path.relpath(COMPONENT, tmp_path)}]\n"
+        "patches: [{path: ranks.yaml}]\n"
+    )
+    (decode,) = documents(kustomize(tmp_path))
+    settings = settings_of(decode["spec"]["template"]["spec"])
+    assert settings.decode_ranks == ("http://127.0.0.1:8200", "http://127.0.0.1:8201")

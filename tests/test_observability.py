@@ -256,6 +256,8 @@ async def test_every_label_vocabulary_is_exported_at_zero_from_the_start(http, s
         ("state_backend_errors_total", "kind", metrics.STATE_ERROR_KINDS),
     ):
         expected += [f'pd_sidecar_{family}{{{label}="{value}"}}' for value in values]
+    expected += ['pd_sidecar_decode_rank_requests_total{rank="0"}']
+    expected += ['pd_sidecar_decode_rank_inflight_requests{rank="0"}']
     for series in expected:
         assert f"{series} 0.0\n" in text, series
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,15 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from sidecar.aftercare import Aftercare
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
 from sidecar.metrics import Metrics
+from sidecar.readiness import Readiness
+from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.upstream import Engines
 from tests.conftest import (
     StartEmulator,
@@ -469,3 +473,97 @@ async def test_every_connector_sends_its_decode_leg_to_the_chosen_rank(
         assert request_id in await _ids(http, engines[home])
         assert request_id not in await _ids(http, engines[1 - home])
     assert homes == {0, 1}
+
+
+async def test_a_decode_leg_leaves_a_rank_that_turned_unready_during_its_prefill(
+    http, start_engine: StartEmulator, start_ranked: StartRanked, prefill
+) -> None:
+    """Placed on a rank, prefilled remotely, and by then that rank failed its health check: the
+    decode leg goes to the ready rank (nothing had been sent to the first), the KV with it."""
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines)
+    await _until_ready(http, sidecar, [True, True])
+    await inject(http, prefill, kind="hang", role="prefill")  # held until released below
+    request_id = "placed-then-unready"
+
+    async def post() -> tuple[int, bytes]:
+        headers = {"x-prefiller-host-port": prefill.endpoint, "x-request-id": request_id}
+        body = completion(LONG, max_tokens=2)
+        async with http.post(sidecar.url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status, await r.read()
+
+    client = asyncio.create_task(post())
+
+    async def prefilling() -> bool:
+        return await _held(http, prefill) == 1
+
+    await eventually(prefilling)
+    home = (await get_json(http, f"{sidecar.url}/debug/requests/{request_id}"))["decode_rank"]
+    await inject(http, engines[home], kind="health_down")
+    await _until_ready(http, sidecar, [home != 0, home != 1])
+    async with http.post(prefill.url + "/emulator/release") as response:
+        assert response.status == 200
+    status, body = await client
+    assert status == 200, body
+    record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+    assert (record["state"], record["decode_rank"]) == ("completed", 1 - home)
+    assert not await _received(http, engines[home], request_id)
+    assert await _received(http, engines[1 - home], request_id)
+    assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0]
+    assert await staged_blocks(http, prefill) == 0
+
+
+async def test_a_health_poll_that_times_out_keeps_the_ranks_history(
+    http, start_engine: StartEmulator
+) -> None:
+    """Readiness against real sockets: a /health that does not answer in time makes the rank
+    unready but keeps its prefix index (a busy engine keeps its KV); a 503 or a refused
+    connection means the engine lost it, and the index goes."""
+    answer = asyncio.Event()
+    status = [200]
+
+    async def health(request: web.Request) -> web.Response:
+        await answer.wait()
+        return web.Response(status=status[0])
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    decode = DecodeRanks(
+        [f"http://127.0.0.1:{port}"],
+        block_tokens=16,
+        capacity_blocks=1024,
+        stale_after_s=3.0,
+        rng=random.Random(1),
+    )
+    engines = Engines(connect_timeout_s=1.0)
+    await engines.open()
+    readiness = Readiness(engines=engines, ranks=decode, interval_s=0.2, metrics=Metrics())
+    rank = decode[0]
+    try:
+        answer.set()
+        assert await readiness.poll()
+        decode.claim(LONG, 600)[0].end()
+        remembered = len(rank.prefix)
+        assert remembered > 0
+        answer.clear()  # the next poll gets no answer within its timeout (1 s)
+        assert not await readiness.poll()
+        assert len(rank.prefix) == remembered
+        answer.set()
+        status[0] = 503  # its engine failed: vLLM answers 503
+        assert not await readiness.poll()
+        assert len(rank.prefix) == 0
+        status[0] = 200
+        assert await readiness.poll()
+        decode.claim(LONG, 600)[0].end()
+        await runner.cleanup()  # nothing listens any more
+        assert not await readiness.poll()
+        assert len(rank.prefix) == 0
+    finally:
+        answer.set()
+        await engines.close()
+        await runner.cleanup()

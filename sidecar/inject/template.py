@@ -17,6 +17,9 @@ from importlib.resources import files
 from typing import Any
 
 import yaml
+import yarl
+
+from sidecar.config import Settings
 
 SIDECAR_NAME = "pd-sidecar"
 """The container's name: how a second injection recognizes the first."""
@@ -24,6 +27,11 @@ ENGINE_EXIT_S = 5
 """What the grace period leaves the engine to exit after SIGTERM, before the sidecar is stopped."""
 
 Container = dict[str, Any]
+
+_DEFAULT_DECODE_URL = yarl.URL(str(Settings.model_fields["decode_url"].default))
+assert _DEFAULT_DECODE_URL.port is not None
+DEFAULT_ENGINE_PORT: int = _DEFAULT_DECODE_URL.port
+"""The engine's port that the sidecar reaches without a ``SIDECAR_DECODE_URL``: its default's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +88,7 @@ def defaults() -> Options:
     return Options(
         image=container["image"],
         sidecar_port=int(_env(container, "SIDECAR_PORT")),
-        engine_port=int(_env(container, "SIDECAR_DECODE_URL").rsplit(":", 1)[1]),
+        engine_port=DEFAULT_ENGINE_PORT,
         admin_port=int(_env(container, "SIDECAR_ADMIN_PORT")),
         drain_s=int(_env(container, "SIDECAR_DRAIN_TIMEOUT_S")),
     )
@@ -102,11 +110,14 @@ def render(options: Options, *, port_name: str | None = None) -> Rendered:
     values = {
         "SIDECAR_PORT": str(options.sidecar_port),
         "SIDECAR_ADMIN_PORT": str(options.admin_port),
-        "SIDECAR_DECODE_URL": f"http://127.0.0.1:{options.engine_port}",
         "SIDECAR_DRAIN_TIMEOUT_S": str(options.drain_s),
     }
     for item in container["env"]:
         item["value"] = values.get(item["name"], item["value"])
+    if options.engine_port != DEFAULT_ENGINE_PORT:
+        # Only then: the default reaches the engine, and leaves SIDECAR_DECODE_URLS settable.
+        url = f"http://127.0.0.1:{options.engine_port}"
+        container["env"].append({"name": "SIDECAR_DECODE_URL", "value": url})
     for probe in ("livenessProbe", "readinessProbe"):
         container[probe]["httpGet"]["port"] = options.sidecar_port
     pre_stop = copy.deepcopy(data["enginePreStop"])

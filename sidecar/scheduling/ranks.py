@@ -174,12 +174,18 @@ class DecodeRanks:
         """At least one rank is ready: the pod is."""
         return any(rank.ready for rank in self._ranks)
 
-    def mark(self, rank: DecodeRank, ready: bool) -> None:
-        """A poll of ``rank``'s ``/health``. A rank that turns unready forgets its prefix index:
-        an engine whose health check fails (vLLM: its engine core died) comes back empty."""
-        if rank.ready and not ready:
-            rank.prefix.clear()
+    def mark(self, rank: DecodeRank, ready: bool, *, lost: bool = False) -> None:
+        """A poll of ``rank``'s ``/health``. ``lost``: the poll says the engine's cache is gone
+        (nothing listens, or its health check failed: a vLLM whose engine core died comes back
+        empty), so its prefix index is forgotten. A poll that only timed out keeps the index:
+        a busy engine still holds its KV."""
+        if lost:
+            self.lost(rank)
         rank.ready = ready
+
+    def lost(self, rank: DecodeRank) -> None:
+        """``rank``'s engine lost its cache (its process is gone or its engine died)."""
+        rank.prefix.clear()
 
     def candidates(self, exclude: Sequence[DecodeRank] = ()) -> list[DecodeRank]:
         """The ready ranks (every rank when none is ready), but those in ``exclude``."""

@@ -138,7 +138,7 @@ def test_a_request_passed_to_another_rank_leaves_its_history_there() -> None:
     assert cached > 0
 
 
-def test_a_rank_that_turns_unready_forgets_its_history() -> None:
+def test_a_rank_forgets_its_history_only_when_its_engine_lost_it() -> None:
     decode = ranks(2)
     for rank in decode:
         decode.mark(rank, True)
@@ -148,11 +148,26 @@ def test_a_rank_that_turns_unready_forgets_its_history() -> None:
     assert len(rank.prefix) > 0
     decode.mark(rank, True)  # still ready: kept
     assert len(rank.prefix) > 0
-    decode.mark(rank, False)  # its engine failed its health check: it comes back empty
+    decode.mark(rank, False)  # a poll that timed out: unready, but a busy engine keeps its KV
+    assert not rank.ready
+    assert len(rank.prefix) > 0
+    decode.mark(rank, False, lost=True)  # its health check failed, or nothing listens
     assert len(rank.prefix) == 0
     decode.mark(rank, True)
     _, cached = decode.claim(HISTORY + " Again?", 1000)
     assert cached == 0
+
+
+def test_a_rank_refusing_connections_forgets_its_history() -> None:
+    decode = ranks(2)
+    claim, _ = decode.claim(HISTORY, 1000)
+    first = claim.rank
+    decode.lost(first)  # what the decode send does when the rank refuses the connection
+    claim.move(decode[1 - first.index])
+    claim.end()
+    hashes = first.prefix.hashes(HISTORY)
+    assert first.prefix.cached_tokens(hashes) == 0
+    assert decode[1 - first.index].prefix.cached_tokens(hashes) > 0
 
 
 def test_a_scraped_queue_counts_while_fresh() -> None:

@@ -312,3 +312,33 @@ async def _stored(client: aioredis.Redis, key: str, field: str) -> bool:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+async def test_an_answer_it_cannot_read_costs_a_sync_not_the_backend(redis_server) -> None:
+    """Another version of the sidecar (or a person) wrote a speed this one cannot parse: the
+    sync that reads it fails like a lost connection — reservations still answer, the error is
+    recorded — and once the entry is gone the next sync succeeds: the worker lived on."""
+    errors: list[str] = []
+    state = RedisState(
+        redis_server.url, prefix="odd", lease_s=3, timeout_s=1, on_error=errors.append
+    )
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await admin.hset(state.keys[1], "127.0.0.1:9", "not a speed")
+        await state.start()
+        reservation = await state.reserve("127.0.0.1:9", 100)
+        assert reservation.tokens == 100
+        await eventually(lambda: _true(bool(errors)))
+        assert errors[0] == "connection"
+        assert "ValueError" in (state.status()["last_error"] or "")
+        assert not state.connected
+        await admin.hdel(state.keys[1], "127.0.0.1:9")
+        state.release(reservation)  # a change: the worker syncs again (after its backoff)
+        await eventually(lambda: _true(state.connected), within=10)
+    finally:
+        await state.close()
+        await admin.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -268,15 +268,18 @@ class RedisState:
             args += [endpoint, repr(until)]
         try:
             reply = await self._script(keys=self.keys, args=args)
-        except _ERRORS as exc:
-            # Keep what was not published; the next sync carries it.
+            self._apply(reply, own)
+        except Exception as exc:
+            # Whatever failed — the connection, the cluster's routing, an answer of the wrong
+            # shape — the sync is lost, never the worker or a request: keep what was not
+            # published (the next sync carries it) and back off.
+            if not isinstance(exc, _ERRORS):
+                logger.exception("shared-state sync failed unexpectedly")
             self._pending_speeds = {**speeds, **self._pending_speeds}
             self._pending_ejections = {**ejections, **self._pending_ejections}
             self._down_until = self._clock() + self._backoff_s
             self._backoff_s = min(self._backoff_s * 2, 5.0)
             self._record_error("connection", f"{type(exc).__name__}: {exc}")
-            return
-        self._apply(reply, own)
 
     def _apply(self, reply: Any, own_sent: dict[str, Load]) -> None:
         totals, speeds, ejections = reply
