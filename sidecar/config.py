@@ -216,6 +216,55 @@ class Settings(BaseSettings):
         description="Serve /metrics and /debug/* on this port only (not on SIDECAR_PORT). "
         "Empty: on SIDECAR_PORT.",
     )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate (chain) of the sidecar's listener: with SIDECAR_TLS_KEY_FILE, "
+        "SIDECAR_PORT serves HTTPS (TLS 1.2 at least). Reloaded when the file changes. Empty: "
+        "plain HTTP.",
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of SIDECAR_TLS_CERT_FILE (set both or neither)."
+    )
+    admin_tls: bool = Field(
+        True,
+        description="With SIDECAR_TLS_CERT_FILE: SIDECAR_ADMIN_PORT serves HTTPS too (the same "
+        "certificate); false keeps it plain HTTP.",
+    )
+    tls_reload_interval_s: float = Field(
+        5,
+        gt=0,
+        description="Seconds between checks of the TLS files (listener certificate and key, CA "
+        "bundle, client certificate) for a change; a changed file is loaded for new connections.",
+    )
+    prefill_tls: bool = Field(
+        False,
+        description="Call the prefill engines over HTTPS (header targets and pool members "
+        "alike: https://host:port), verified with SIDECAR_TLS_CA_FILE.",
+    )
+    prefill_tls_server_name: str | None = Field(
+        None,
+        description="With SIDECAR_PREFILL_TLS: the name every prefill engine's certificate is "
+        "verified against (and sent as SNI), e.g. one Service name for all prefill pods. Empty: "
+        "the name the target was given (a header's host name, or its IP address).",
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle that the certificates of https:// engines (prefill, decode) "
+        "are verified with. Empty: the system's CAs.",
+    )
+    tls_client_cert_file: str | None = Field(
+        None,
+        description="PEM client certificate the sidecar presents to https:// engines (mTLS), "
+        "with SIDECAR_TLS_CLIENT_KEY_FILE. Empty: none.",
+    )
+    tls_client_key_file: str | None = Field(
+        None, description="PEM private key of SIDECAR_TLS_CLIENT_CERT_FILE (set both or neither)."
+    )
+    tls_insecure_skip_verify: bool = Field(
+        False,
+        description="Accept any certificate from https:// engines, unverified (a warning is "
+        "logged at start). Refused together with SIDECAR_TLS_CA_FILE.",
+    )
     drain_timeout_s: float = Field(
         30,
         ge=0,
@@ -340,6 +389,16 @@ class Settings(BaseSettings):
                 raise ValueError(f"not host names: {', '.join(bad)}")
         return value
 
+    @field_validator("prefill_tls_server_name")
+    @classmethod
+    def _server_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.strip().lower()
+        if not valid_host(name):
+            raise ValueError(f"not a host name: {value}")
+        return name
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: SecretStr) -> SecretStr:
@@ -364,7 +423,17 @@ class Settings(BaseSettings):
             raise ValueError("a Redis Cluster has database 0 only: SIDECAR_REDIS_URL names another")
         return value
 
-    @field_validator("scheduler_seed", "admin_port", mode="before")
+    @field_validator(
+        "scheduler_seed",
+        "admin_port",
+        "tls_cert_file",
+        "tls_key_file",
+        "prefill_tls_server_name",
+        "tls_ca_file",
+        "tls_client_cert_file",
+        "tls_client_key_file",
+        mode="before",
+    )
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -407,6 +476,47 @@ class Settings(BaseSettings):
                 "SIDECAR_DECODE_URLS alone for several ranks, SIDECAR_DECODE_URL alone for one"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> Settings:
+        for cert, key in (
+            ("tls_cert_file", "tls_key_file"),
+            ("tls_client_cert_file", "tls_client_key_file"),
+        ):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                given, missing = (cert, key) if getattr(self, key) is None else (key, cert)
+                raise ValueError(
+                    f"SIDECAR_{given.upper()} is set but SIDECAR_{missing.upper()} is not: "
+                    "a certificate needs its key"
+                )
+        if self.tls_insecure_skip_verify and self.tls_ca_file is not None:
+            raise ValueError(
+                "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true verifies no certificate, so "
+                "SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+            )
+        if self.prefill_tls_server_name is not None and not self.prefill_tls:
+            raise ValueError(
+                "SIDECAR_PREFILL_TLS_SERVER_NAME is set but SIDECAR_PREFILL_TLS is false: the "
+                "prefill engines are called over plain HTTP"
+            )
+        # Engine TLS settings with no engine over TLS are a forgotten switch, not a choice.
+        https = self.prefill_tls or any(url.startswith("https://") for url in self.decode_ranks)
+        used = [
+            f"SIDECAR_{name.upper()}"
+            for name in ("tls_ca_file", "tls_client_cert_file", "tls_insecure_skip_verify")
+            if getattr(self, name) not in (None, False)
+        ]
+        if used and not https:
+            raise ValueError(
+                f"{', '.join(used)} applies to engines called over HTTPS, and none is: set "
+                "SIDECAR_PREFILL_TLS=true, or an https:// SIDECAR_DECODE_URL"
+            )
+        return self
+
+    @property
+    def listener_tls(self) -> bool:
+        """SIDECAR_PORT serves HTTPS."""
+        return self.tls_cert_file is not None
 
     @property
     def decode_ranks(self) -> tuple[str, ...]:

@@ -51,6 +51,8 @@ FALLBACK_REASONS = (
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
 DISCONNECT_ACTIONS = ("abort", "finish")
 STATE_ERROR_KINDS = ("timeout", "connection")
+TLS_FILES = ("listener", "engines")
+TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -195,6 +197,14 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.tls_reloads = Counter(
+            "pd_sidecar_tls_reloads",
+            "Changes of TLS files seen, by whose files (listener: SIDECAR_TLS_CERT_FILE and "
+            "_KEY_FILE; engines: the CA bundle and client certificate) and outcome (reloaded, "
+            "or failed: the previous ones stay in use).",
+            ["files", "outcome"],
+            registry=self.registry,
+        )
 
         self._zero_vocabularies()
 
@@ -214,6 +224,9 @@ class Metrics:
         ):
             for value in values:
                 family.labels(value)
+        for files in TLS_FILES:
+            for outcome in TLS_RELOAD_OUTCOMES:
+                self.tls_reloads.labels(files, outcome)
 
     def forget_endpoint(self, endpoint: str) -> None:
         """Drop a removed endpoint's series (pool members only: bounded label values)."""

@@ -108,7 +108,7 @@ class PrefillGuard:
         addresses = await self._lookup(target.host, target.port)
         allowed = [a for a in addresses if self._address_allowed(a, target.port, members)]
         if addresses and len(allowed) == len(addresses):
-            return Endpoint(str(allowed[0]), target.port)
+            return Endpoint(str(allowed[0]), target.port, tls_name=target.host.rstrip("."))
         raise _forbidden(target)
 
     def _address_allowed(self, address: IPAddress, port: int, members: set[Endpoint]) -> bool:
