@@ -24,9 +24,11 @@ from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
+from sidecar.kube import KubeClient
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
 from sidecar.pipeline import Pipeline
+from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler
@@ -52,6 +54,8 @@ ADMIN_APP = web.AppKey("admin_app", web.Application)
 DRAIN = web.AppKey("drain", Drain)
 SERVER_TLS = web.AppKey("server_tls", ServerTls)
 TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
+POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
+KUBE = web.AppKey("kube", KubeClient)
 
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
@@ -100,11 +104,13 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
 
+    pool_watch = _pool_watch(app, settings, metrics)
     guard = PrefillGuard(
         cidrs=settings.prefill_allowed_cidrs,
         hosts=settings.prefill_allowed_hosts,
         pool=scheduler.pool_endpoints,
         pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
+        allowlist=pool_watch,
     )
     guard.warn_if_open()
     aftercare = Aftercare(
@@ -142,6 +148,8 @@ def create_app(settings: Settings) -> web.Application:
         admin = web.Application()
         admin[TRACKER], admin[METRICS], admin[SCHEDULER] = tracker, metrics, scheduler
         admin[READINESS] = readiness
+        if pool_watch is not None:
+            admin[POOL_WATCH] = pool_watch
         admin.router.add_get("/health", _health)
         admin.router.add_get("/ready", _ready)
         app.router.add_route("*", "/metrics", _admin_elsewhere)
@@ -168,6 +176,7 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
     app.cleanup_ctx.append(_readiness_ctx)
     app.cleanup_ctx.append(_tls_ctx)
+    app.cleanup_ctx.append(_pool_watch_ctx)
     return app
 
 
@@ -203,6 +212,32 @@ def _tls_watches(
             )
         )
     return watches
+
+
+def _pool_watch(
+    app: web.Application, settings: Settings, metrics: Metrics
+) -> InferencePoolWatch | None:
+    if settings.inference_pool is None:
+        return None
+    client = None
+    if settings.kube_api_url is not None:
+        client = KubeClient(
+            settings.kube_api_url,
+            token_file=settings.kube_token_file,
+            ca_file=settings.kube_ca_file,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
+        app[KUBE] = client
+    watch = InferencePoolWatch(
+        client,
+        settings.inference_pool,
+        retry_base_s=settings.kube_retry_base_s,
+        retry_max_s=settings.kube_retry_max_s,
+        on_error=lambda kind: metrics.inference_pool_errors.labels(kind).inc(),
+        on_change=metrics.inference_pool_addresses.set,
+    )
+    app[POOL_WATCH] = watch
+    return watch
 
 
 def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
@@ -250,6 +285,19 @@ async def _tls_ctx(app: web.Application) -> AsyncIterator[None]:
         await _stop(task)
 
 
+async def _pool_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    if POOL_WATCH not in app:
+        yield
+        return
+    if KUBE in app:
+        await app[KUBE].open()
+    task = asyncio.create_task(app[POOL_WATCH].run(), name="inference-pool-follower")
+    yield
+    await _stop(task)
+    if KUBE in app:
+        await app[KUBE].close()
+
+
 async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -271,6 +319,9 @@ async def _ready(request: web.Request) -> web.Response:
     readiness = request.app[READINESS]
     if readiness.draining:
         return error_response(EngineUnreachable("the sidecar is shutting down"), None)
+    pool = request.app.get(POOL_WATCH)
+    if pool is not None and not pool.synced:
+        return error_response(EngineUnreachable(pool.reason), None)
     if readiness.ready:
         return web.Response(body=b'{"status":"ready"}', content_type="application/json")
     return error_response(EngineUnreachable("the decode engine is not ready"), None)
@@ -281,9 +332,11 @@ async def _admin_elsewhere(request: web.Request) -> web.Response:
 
 
 async def _debug_scheduler(request: web.Request) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(request.app[SCHEDULER].snapshot()), content_type="application/json"
-    )
+    view = request.app[SCHEDULER].snapshot()
+    pool = request.app.get(POOL_WATCH)
+    # The allowlist that follows an InferencePool: a section of its own, beside the scheduler's.
+    view["inference_pool"] = pool.snapshot() if pool is not None else None
+    return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ keeps the two in step with this class.
 
 from __future__ import annotations
 
+import os
 import re
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
@@ -27,6 +28,12 @@ from sidecar.headers import DEFAULT_PREFILL_HEADERS
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A Kubernetes namespace (RFC 1123 label)."""
+_DNS_SUBDOMAIN = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+"""A Kubernetes object name (RFC 1123 subdomain)."""
 
 CONNECTOR_ALIASES = {"nixlv2": "nixl", "shared_storage": "shared-storage", "nixl_push": "nixl-push"}
 """llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
@@ -216,6 +223,41 @@ class Settings(BaseSettings):
         description="Serve /metrics and /debug/* on this port only (not on SIDECAR_PORT). "
         "Empty: on SIDECAR_PORT.",
     )
+    inference_pool: str | None = Field(
+        None,
+        description="namespace/name of an InferencePool (inference.networking.k8s.io/v1, or "
+        "the older inference.networking.x-k8s.io/v1alpha2): the IP addresses of the pods it "
+        "selects are allowed prefill targets too, followed through the Kubernetes API. Until "
+        "its first list, /ready is 503. Empty: none.",
+    )
+    kube_api_url: str | None = Field(
+        None,
+        validate_default=True,
+        description="Base URL of the Kubernetes API for SIDECAR_INFERENCE_POOL. Empty: in the "
+        "pod, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT.",
+    )
+    kube_token_file: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        min_length=1,
+        description="The service-account token the Kubernetes API is called with (read again "
+        "every minute, and after a 401: bound tokens rotate).",
+    )
+    kube_ca_file: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+        min_length=1,
+        description="The CA bundle the Kubernetes API's certificate is verified with.",
+    )
+    kube_retry_base_s: float = Field(
+        0.5,
+        gt=0,
+        description="First wait after a failed list or watch of the Kubernetes API, in seconds; "
+        "doubled after each failure in a row, up to SIDECAR_KUBE_RETRY_MAX_S.",
+    )
+    kube_retry_max_s: float = Field(
+        30,
+        gt=0,
+        description="Longest wait between two attempts to reach the Kubernetes API, in seconds.",
+    )
     tls_cert_file: str | None = Field(
         None,
         description="PEM certificate (chain) of the sidecar's listener: with SIDECAR_TLS_KEY_FILE, "
@@ -387,6 +429,45 @@ class Settings(BaseSettings):
             bad = [item for item in value if not valid_host(item)]
             if bad:
                 raise ValueError(f"not host names: {', '.join(bad)}")
+        return value
+
+    @field_validator("inference_pool", mode="before")
+    @classmethod
+    def _pool_name(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return None
+        namespace, sep, name = text.partition("/")
+        if not sep or not _DNS_LABEL.match(namespace) or not _DNS_SUBDOMAIN.match(name):
+            raise ValueError(
+                f"{value!r}: expected namespace/name (a namespace and an InferencePool name, "
+                "lower-case DNS names)"
+            )
+        return f"{namespace}/{name}"
+
+    @field_validator("kube_api_url", mode="before")
+    @classmethod
+    def _kube_api(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and value.strip():
+            return _base_url(value)
+        if info.data.get("inference_pool") is None:
+            return None
+        # In a pod: the API server's Service, from the variables the kubelet sets (the one
+        # place outside SIDECAR_* that the sidecar reads).
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            return None  # not in a pod: the watch reports it (and /ready stays 503)
+        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    @field_validator("kube_retry_max_s")
+    @classmethod
+    def _retry_max_above_base(cls, value: float, info: ValidationInfo) -> float:
+        base = info.data.get("kube_retry_base_s")
+        if base is not None and base > value:
+            raise ValueError(f"{value:g} is below SIDECAR_KUBE_RETRY_BASE_S ({base:g})")
         return value
 
     @field_validator("prefill_tls_server_name")

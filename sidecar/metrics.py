@@ -53,6 +53,7 @@ DISCONNECT_ACTIONS = ("abort", "finish")
 STATE_ERROR_KINDS = ("timeout", "connection")
 TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
+INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -205,6 +206,18 @@ class Metrics:
             ["files", "outcome"],
             registry=self.registry,
         )
+        self.inference_pool_addresses = Gauge(
+            "pd_sidecar_inference_pool_addresses",
+            "Addresses of the SIDECAR_INFERENCE_POOL's pods allowed as prefill targets now.",
+            registry=self.registry,
+        )
+        self.inference_pool_errors = Counter(
+            "pd_sidecar_inference_pool_errors",
+            "Failed lists and watches of the SIDECAR_INFERENCE_POOL and its pods, by kind "
+            "(unreachable, refused, expired: a 410, listed again; invalid).",
+            ["kind"],
+            registry=self.registry,
+        )
 
         self._zero_vocabularies()
 
@@ -221,6 +234,7 @@ class Metrics:
             (self.kv_releases, KV_RELEASE_OUTCOMES),
             (self.prefill_disconnects, DISCONNECT_ACTIONS),
             (self.state_backend_errors, STATE_ERROR_KINDS),
+            (self.inference_pool_errors, INFERENCE_POOL_ERROR_KINDS),
         ):
             for value in values:
                 family.labels(value)

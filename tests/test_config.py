@@ -118,6 +118,12 @@ INVALID = [
     ("SIDECAR_TLS_CLIENT_CERT_FILE", "/etc/client.crt"),  # without its key
     ("SIDECAR_TLS_CLIENT_KEY_FILE", "/etc/client.key"),  # without its certificate
     ("SIDECAR_TLS_INSECURE_SKIP_VERIFY", "true"),  # no engine over HTTPS
+    ("SIDECAR_INFERENCE_POOL", "pd-llm"),  # no namespace
+    ("SIDECAR_KUBE_API_URL", "kubernetes.default.svc"),
+    ("SIDECAR_KUBE_TOKEN_FILE", ""),
+    ("SIDECAR_KUBE_CA_FILE", ""),
+    ("SIDECAR_KUBE_RETRY_BASE_S", "0"),
+    ("SIDECAR_KUBE_RETRY_MAX_S", "0"),
 ]
 """One invalid value per setting (a test checks that none is missing)."""
 
@@ -201,6 +207,11 @@ CONTRADICTIONS = [
         "applies to engines called over HTTPS",
         "true",
     ),
+    (
+        {"SIDECAR_KUBE_RETRY_BASE_S": "60", "SIDECAR_KUBE_RETRY_MAX_S": "30"},
+        "below SIDECAR_KUBE_RETRY_BASE_S",
+        "60",
+    ),
 ]
 
 
@@ -216,6 +227,7 @@ CONTRADICTIONS = [
         "cluster-db",
         "tls-key",
         "tls-ca-unused",
+        "kube-retry",
     ],
 )
 def test_contradictory_settings_exit_2_naming_both(
