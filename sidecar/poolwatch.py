@@ -24,6 +24,7 @@ created again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import time
@@ -261,18 +262,19 @@ class InferencePoolWatch:
             while True:
                 params = {**self._pool_query(), "allowWatchBookmarks": "true"}
                 params["resourceVersion"] = self._pool_version or ""
-                events = client.watch(
+                watch = client.watch(
                     self._collection(self._api), params, timeout_s=self._watch_timeout_s
                 )
-                async for event in events:
-                    self._pool_version = _version_of(event.object) or self._pool_version
-                    self._ok()
-                    if event.type in ("ADDED", "MODIFIED"):
-                        self._pool_changed(event.object)
-                    elif event.type == "DELETED":
-                        self._pool_changed(None)
-                    if self._selector != selector:
-                        return  # the pods are listed again, with the new selector
+                async with contextlib.aclosing(watch) as events:  # closed when we return early
+                    async for event in events:
+                        self._pool_version = _version_of(event.object) or self._pool_version
+                        self._ok()
+                        if event.type in ("ADDED", "MODIFIED"):
+                            self._pool_changed(event.object)
+                        elif event.type == "DELETED":
+                            self._pool_changed(None)
+                        if self._selector != selector:
+                            return  # the pods are listed again, with the new selector
         except KubeGone as exc:
             self._error(exc)
             self._pool_version = None
@@ -287,8 +289,10 @@ class InferencePoolWatch:
                     "allowWatchBookmarks": "true",
                     "resourceVersion": self._pods_version or "",
                 }
-                async for event in client.watch(path, params, timeout_s=self._watch_timeout_s):
-                    self._pod_event(event)
+                watch = client.watch(path, params, timeout_s=self._watch_timeout_s)
+                async with contextlib.aclosing(watch) as events:
+                    async for event in events:
+                        self._pod_event(event)
         except KubeGone as exc:
             self._error(exc)
             self._pods_version = None
