@@ -41,6 +41,8 @@ class Endpoint:
 
     @property
     def url(self) -> str:
+        """Its plain-HTTP URL; engine calls take ``Engines.prefill_url``, which follows
+        ``SIDECAR_PREFILL_TLS``."""
         return f"http://{self}"
 
 
