@@ -263,6 +263,10 @@ class FakeKubernetes:
             _end(watch)
         self._watches.clear()
 
+    def watching(self, resource: str) -> int:
+        """Watches of ``resource`` (``pods``, ``inferencepools``) open now."""
+        return sum(1 for w in self._watches if w.resource.split(".", 1)[0] == resource)
+
     def bookmark(self) -> None:
         """A BOOKMARK with the current resource version to every watch that allows them."""
         for watch in self._watches:

@@ -50,8 +50,11 @@ def token_file(tmp_path: Path, kube: FakeKubernetes) -> Path:
 
 @pytest.fixture
 def start_pool_sidecar(
-    start_sidecar_with: StartSidecar, kube: FakeKubernetes, pki: Pki, token_file: Path
+    kube: FakeKubernetes, pki: Pki, token_file: Path, start_sidecar_with: StartSidecar
 ) -> StartPoolSidecar:
+    """Sidecars following the fake's pool; set up after the fake, so they are closed before it
+    (a server shut down under its clients' open TLS connections leaves them unclosed)."""
+
     async def start(**overrides: Any) -> RunningSidecar:
         values: dict[str, Any] = {
             "inference_pool": POOL,
@@ -213,6 +216,10 @@ async def test_a_dropped_watch_resumes_from_its_version_without_a_list(
     lists = dict(kube.lists)
     watched = kube.watches["pods"]
 
+    async def watching() -> bool:
+        return kube.watching("pods") == 1
+
+    await eventually(watching)  # (a bookmark goes to the watches open at that moment)
     # A change the pods' watch does not see moves the version on; a bookmark tells it so.
     kube.add_pod("other-app", "127.0.0.9", {"app": "other"})
     kube.bookmark()
