@@ -14,6 +14,7 @@ from sidecar import __version__
 from sidecar.app import DRAIN, CannotListen, RunningSidecar, start_sidecar
 from sidecar.config import Settings, describe_fields, explain
 from sidecar.drain import BUDGET_SLACK_S
+from sidecar.tls import TlsFilesError
 
 logger = logging.getLogger("sidecar")
 
@@ -81,14 +82,15 @@ def _warn_unknown_variables() -> None:
 
 
 async def _serve(settings: Settings) -> int:
-    """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound)."""
+    """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound, or TLS
+    files could not be loaded)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         sidecar = await start_sidecar(settings)
-    except CannotListen as exc:
+    except (CannotListen, TlsFilesError) as exc:
         logger.error("%s", exc)
         return 1
     logger.info(

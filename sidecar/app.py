@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+import ssl
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -22,17 +24,22 @@ from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
+from sidecar.kube import KubeClient
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
 from sidecar.pipeline import Pipeline
+from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
+from sidecar.tls import ClientTls, FileWatch, ServerTls
 from sidecar.tracking import Tracker
 from sidecar.trust import PrefillGuard
 from sidecar.upstream import Engines
+
+logger = logging.getLogger("sidecar.app")
 
 SETTINGS = web.AppKey("settings", Settings)
 ENGINES = web.AppKey("engines", Engines)
@@ -45,6 +52,10 @@ GUARD = web.AppKey("guard", PrefillGuard)
 AFTERCARE = web.AppKey("aftercare", Aftercare)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 DRAIN = web.AppKey("drain", Drain)
+SERVER_TLS = web.AppKey("server_tls", ServerTls)
+TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
+POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
+KUBE = web.AppKey("kube", KubeClient)
 
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
@@ -57,9 +68,26 @@ def create_app(settings: Settings) -> web.Application:
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[drain.middleware])
     app[DRAIN] = drain
-    engines = Engines(connect_timeout_s=settings.connect_timeout_s)
     tracker = Tracker(settings.debug_history)
     metrics = Metrics()
+    client_tls = ClientTls(
+        ca_file=settings.tls_ca_file,
+        cert_file=settings.tls_client_cert_file,
+        key_file=settings.tls_client_key_file,
+        insecure=settings.tls_insecure_skip_verify,
+    )
+    if client_tls.insecure:
+        logger.warning(
+            "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true: the certificates of https:// engines are "
+            "not verified; anyone on the network path can impersonate them"
+        )
+    engines = Engines(
+        connect_timeout_s=settings.connect_timeout_s,
+        tls=client_tls,
+        prefill_tls=settings.prefill_tls,
+        prefill_server_name=settings.prefill_tls_server_name,
+    )
+    app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(
         settings,
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
@@ -77,11 +105,13 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
 
+    pool_watch = _pool_watch(app, settings, metrics)
     guard = PrefillGuard(
         cidrs=settings.prefill_allowed_cidrs,
         hosts=settings.prefill_allowed_hosts,
         pool=scheduler.pool_endpoints,
         pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
+        allowlist=pool_watch,
     )
     guard.warn_if_open()
     aftercare = Aftercare(
@@ -119,6 +149,8 @@ def create_app(settings: Settings) -> web.Application:
         admin = web.Application()
         admin[TRACKER], admin[METRICS], admin[SCHEDULER] = tracker, metrics, scheduler
         admin[READINESS] = readiness
+        if pool_watch is not None:
+            admin[POOL_WATCH] = pool_watch
         admin.router.add_get("/health", _health)
         admin.router.add_get("/ready", _ready)
         app.router.add_route("*", "/metrics", _admin_elsewhere)
@@ -144,7 +176,69 @@ def create_app(settings: Settings) -> web.Application:
     app.cleanup_ctx.append(_scheduler_ctx)
     app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
     app.cleanup_ctx.append(_readiness_ctx)
+    app.cleanup_ctx.append(_tls_ctx)
+    app.cleanup_ctx.append(_pool_watch_ctx)
     return app
+
+
+def _tls_watches(
+    app: web.Application, settings: Settings, client_tls: ClientTls, metrics: Metrics
+) -> list[FileWatch]:
+    """The listener's context (when it serves HTTPS) and what watches the files of both."""
+    watches = []
+
+    def counter(files: str) -> Callable[[bool], None]:
+        return lambda ok: metrics.tls_reloads.labels(files, "reloaded" if ok else "failed").inc()
+
+    if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+        server_tls = ServerTls(settings.tls_cert_file, settings.tls_key_file)
+        app[SERVER_TLS] = server_tls
+        watches.append(
+            FileWatch(
+                "the listener's certificate",
+                server_tls.files,
+                server_tls.reload,
+                interval_s=settings.tls_reload_interval_s,
+                on_result=counter("listener"),
+            )
+        )
+    if client_tls.files:
+        watches.append(
+            FileWatch(
+                "the engines' TLS files",
+                client_tls.files,
+                client_tls.reload,
+                interval_s=settings.tls_reload_interval_s,
+                on_result=counter("engines"),
+            )
+        )
+    return watches
+
+
+def _pool_watch(
+    app: web.Application, settings: Settings, metrics: Metrics
+) -> InferencePoolWatch | None:
+    if settings.inference_pool is None:
+        return None
+    client = None
+    if settings.kube_api_url is not None:
+        client = KubeClient(
+            settings.kube_api_url,
+            token_file=settings.kube_token_file,
+            ca_file=settings.kube_ca_file,
+            connect_timeout_s=settings.connect_timeout_s,
+        )
+        app[KUBE] = client
+    watch = InferencePoolWatch(
+        client,
+        settings.inference_pool,
+        retry_base_s=settings.kube_retry_base_s,
+        retry_max_s=settings.kube_retry_max_s,
+        on_error=lambda kind: metrics.inference_pool_errors.labels(kind).inc(),
+        on_change=metrics.inference_pool_addresses.set,
+    )
+    app[POOL_WATCH] = watch
+    return watch
 
 
 def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
@@ -180,6 +274,32 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _readiness_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[READINESS].run(), name="readiness-poller")
     yield
+    await _stop(task)
+
+
+async def _tls_ctx(app: web.Application) -> AsyncIterator[None]:
+    for watch in app[TLS_WATCHES]:
+        await watch.start()
+    tasks = [asyncio.create_task(w.run(), name="tls-file-watch") for w in app[TLS_WATCHES]]
+    yield
+    for task in tasks:
+        await _stop(task)
+
+
+async def _pool_watch_ctx(app: web.Application) -> AsyncIterator[None]:
+    if POOL_WATCH not in app:
+        yield
+        return
+    if KUBE in app:
+        await app[KUBE].open()
+    task = asyncio.create_task(app[POOL_WATCH].run(), name="inference-pool-follower")
+    yield
+    await _stop(task)
+    if KUBE in app:
+        await app[KUBE].close()
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -200,6 +320,9 @@ async def _ready(request: web.Request) -> web.Response:
     readiness = request.app[READINESS]
     if readiness.draining:
         return error_response(EngineUnreachable("the sidecar is shutting down"), None)
+    pool = request.app.get(POOL_WATCH)
+    if pool is not None and not pool.synced:
+        return error_response(EngineUnreachable(pool.reason), None)
     if readiness.ready:
         return web.Response(body=b'{"status":"ready"}', content_type="application/json")
     return error_response(EngineUnreachable("the decode engine is not ready"), None)
@@ -210,9 +333,11 @@ async def _admin_elsewhere(request: web.Request) -> web.Response:
 
 
 async def _debug_scheduler(request: web.Request) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(request.app[SCHEDULER].snapshot()), content_type="application/json"
-    )
+    view = request.app[SCHEDULER].snapshot()
+    pool = request.app.get(POOL_WATCH)
+    # The allowlist that follows an InferencePool: a section of its own, beside the scheduler's.
+    view["inference_pool"] = pool.snapshot() if pool is not None else None
+    return web.Response(body=orjson.dumps(view), content_type="application/json")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -231,14 +356,19 @@ class RunningSidecar:
     host: str
     port: int
     admin_port: int | None
+    tls: bool = False
+    """SIDECAR_PORT serves HTTPS."""
+    admin_tls: bool = False
 
     @property
     def url(self) -> str:
-        return _url(self.host, self.port)
+        return _url(self.host, self.port, self.tls)
 
     @property
     def admin_url(self) -> str:
-        return _url(self.host, self.admin_port if self.admin_port is not None else self.port)
+        if self.admin_port is None:
+            return self.url
+        return _url(self.host, self.admin_port, self.admin_tls)
 
     def begin_drain(self) -> None:
         """SIGTERM's first step: /ready turns 503 at once, and the drain's clock starts."""
@@ -271,6 +401,8 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
     app = create_app(settings)
+    context = app[SERVER_TLS].context if SERVER_TLS in app else None
+    admin_context = context if settings.admin_tls else None
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that leaves cancels its request's work at once
@@ -280,7 +412,7 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
     runners = [runner]
     await runner.setup()
     try:
-        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT")
+        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT", context)
         host, port = runner.addresses[0][:2]
         app[GUARD].listening(port, **await _own_identity(settings.host))
         admin_port = None
@@ -290,18 +422,33 @@ async def start_sidecar(settings: Settings) -> RunningSidecar:
             )
             runners.append(admin_runner)
             await admin_runner.setup()
-            await _listen(admin_runner, settings.host, settings.admin_port, "SIDECAR_ADMIN_PORT")
+            await _listen(
+                admin_runner,
+                settings.host,
+                settings.admin_port,
+                "SIDECAR_ADMIN_PORT",
+                admin_context,
+            )
             admin_port = admin_runner.addresses[0][1]
     except BaseException:
         for started in reversed(runners):
             await started.cleanup()
         raise
-    return RunningSidecar(app, runners, host, port, admin_port)
+    return RunningSidecar(
+        app, runners, host, port, admin_port, context is not None, admin_context is not None
+    )
 
 
-async def _listen(runner: web.AppRunner, host: str, port: int | None, variable: str) -> None:
+async def _listen(
+    runner: web.AppRunner,
+    host: str,
+    port: int | None,
+    variable: str,
+    context: ssl.SSLContext | None,
+) -> None:
     try:
-        await web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG).start()
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=context)
+        await site.start()
     except OSError as exc:
         reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
         address = _url(host, port or 0).removeprefix("http://")
@@ -322,5 +469,6 @@ async def _own_identity(listen_host: str) -> dict[str, list[str]]:
     return {"names": [name, listen_host], "addresses": addresses}
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _url(host: str, port: int, tls: bool = False) -> str:
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

@@ -7,6 +7,7 @@ keeps the two in step with this class.
 
 from __future__ import annotations
 
+import os
 import re
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
@@ -27,6 +28,12 @@ from sidecar.headers import DEFAULT_PREFILL_HEADERS
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+"""A Kubernetes namespace (RFC 1123 label)."""
+_DNS_SUBDOMAIN = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
+"""A Kubernetes object name (RFC 1123 subdomain)."""
 
 CONNECTOR_ALIASES = {"nixlv2": "nixl", "shared_storage": "shared-storage", "nixl_push": "nixl-push"}
 """llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
@@ -216,6 +223,90 @@ class Settings(BaseSettings):
         description="Serve /metrics and /debug/* on this port only (not on SIDECAR_PORT). "
         "Empty: on SIDECAR_PORT.",
     )
+    inference_pool: str | None = Field(
+        None,
+        description="namespace/name of an InferencePool (inference.networking.k8s.io/v1, or "
+        "the older inference.networking.x-k8s.io/v1alpha2): the IP addresses of the pods it "
+        "selects are allowed prefill targets too, followed through the Kubernetes API. Until "
+        "its first list, /ready is 503. Empty: none.",
+    )
+    kube_api_url: str | None = Field(
+        None,
+        validate_default=True,
+        description="Base URL of the Kubernetes API for SIDECAR_INFERENCE_POOL. Empty: in the "
+        "pod, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT.",
+    )
+    kube_token_file: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount/token",
+        min_length=1,
+        description="The service-account token the Kubernetes API is called with (read again "
+        "every minute, and after a 401: bound tokens rotate).",
+    )
+    kube_ca_file: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+        min_length=1,
+        description="The CA bundle the Kubernetes API's certificate is verified with.",
+    )
+    kube_retry_base_s: float = Field(
+        0.5,
+        gt=0,
+        description="First wait after a failed list or watch of the Kubernetes API, in seconds; "
+        "doubled after each failure in a row, up to SIDECAR_KUBE_RETRY_MAX_S.",
+    )
+    kube_retry_max_s: float = Field(
+        30,
+        gt=0,
+        description="Longest wait between two attempts to reach the Kubernetes API, in seconds.",
+    )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate (chain) of the sidecar's listener: with SIDECAR_TLS_KEY_FILE, "
+        "SIDECAR_PORT serves HTTPS (TLS 1.2 at least). Reloaded when the file changes. Empty: "
+        "plain HTTP.",
+    )
+    tls_key_file: str | None = Field(
+        None, description="PEM private key of SIDECAR_TLS_CERT_FILE (set both or neither)."
+    )
+    admin_tls: bool = Field(
+        True,
+        description="With SIDECAR_TLS_CERT_FILE: SIDECAR_ADMIN_PORT serves HTTPS too (the same "
+        "certificate); false keeps it plain HTTP.",
+    )
+    tls_reload_interval_s: float = Field(
+        5,
+        gt=0,
+        description="Seconds between checks of the TLS files (listener certificate and key, CA "
+        "bundle, client certificate) for a change; a changed file is loaded for new connections.",
+    )
+    prefill_tls: bool = Field(
+        False,
+        description="Call the prefill engines over HTTPS (header targets and pool members "
+        "alike: https://host:port), verified with SIDECAR_TLS_CA_FILE.",
+    )
+    prefill_tls_server_name: str | None = Field(
+        None,
+        description="With SIDECAR_PREFILL_TLS: the name every prefill engine's certificate is "
+        "verified against (and sent as SNI), e.g. one Service name for all prefill pods. Empty: "
+        "the name the target was given (a header's host name, or its IP address).",
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle that the certificates of https:// engines (prefill, decode) "
+        "are verified with. Empty: the system's CAs.",
+    )
+    tls_client_cert_file: str | None = Field(
+        None,
+        description="PEM client certificate the sidecar presents to https:// engines (mTLS), "
+        "with SIDECAR_TLS_CLIENT_KEY_FILE. Empty: none.",
+    )
+    tls_client_key_file: str | None = Field(
+        None, description="PEM private key of SIDECAR_TLS_CLIENT_CERT_FILE (set both or neither)."
+    )
+    tls_insecure_skip_verify: bool = Field(
+        False,
+        description="Accept any certificate from https:// engines, unverified (a warning is "
+        "logged at start). Refused together with SIDECAR_TLS_CA_FILE.",
+    )
     drain_timeout_s: float = Field(
         30,
         ge=0,
@@ -340,6 +431,55 @@ class Settings(BaseSettings):
                 raise ValueError(f"not host names: {', '.join(bad)}")
         return value
 
+    @field_validator("inference_pool", mode="before")
+    @classmethod
+    def _pool_name(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return None
+        namespace, sep, name = text.partition("/")
+        if not sep or not _DNS_LABEL.match(namespace) or not _DNS_SUBDOMAIN.match(name):
+            raise ValueError(
+                f"{value!r}: expected namespace/name (a namespace and an InferencePool name, "
+                "lower-case DNS names)"
+            )
+        return f"{namespace}/{name}"
+
+    @field_validator("kube_api_url", mode="before")
+    @classmethod
+    def _kube_api(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and value.strip():
+            return _base_url(value)
+        if info.data.get("inference_pool") is None:
+            return None
+        # In a pod: the API server's Service, from the variables the kubelet sets (the one
+        # place outside SIDECAR_* that the sidecar reads).
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            return None  # not in a pod: the watch reports it (and /ready stays 503)
+        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    @field_validator("kube_retry_max_s")
+    @classmethod
+    def _retry_max_above_base(cls, value: float, info: ValidationInfo) -> float:
+        base = info.data.get("kube_retry_base_s")
+        if base is not None and base > value:
+            raise ValueError(f"{value:g} is below SIDECAR_KUBE_RETRY_BASE_S ({base:g})")
+        return value
+
+    @field_validator("prefill_tls_server_name")
+    @classmethod
+    def _server_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        name = value.strip().lower()
+        if not valid_host(name):
+            raise ValueError(f"not a host name: {value}")
+        return name
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: SecretStr) -> SecretStr:
@@ -364,7 +504,17 @@ class Settings(BaseSettings):
             raise ValueError("a Redis Cluster has database 0 only: SIDECAR_REDIS_URL names another")
         return value
 
-    @field_validator("scheduler_seed", "admin_port", mode="before")
+    @field_validator(
+        "scheduler_seed",
+        "admin_port",
+        "tls_cert_file",
+        "tls_key_file",
+        "prefill_tls_server_name",
+        "tls_ca_file",
+        "tls_client_cert_file",
+        "tls_client_key_file",
+        mode="before",
+    )
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if isinstance(value, str) and not value.strip() else value
@@ -407,6 +557,47 @@ class Settings(BaseSettings):
                 "SIDECAR_DECODE_URLS alone for several ranks, SIDECAR_DECODE_URL alone for one"
             )
         return self
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> Settings:
+        for cert, key in (
+            ("tls_cert_file", "tls_key_file"),
+            ("tls_client_cert_file", "tls_client_key_file"),
+        ):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                given, missing = (cert, key) if getattr(self, key) is None else (key, cert)
+                raise ValueError(
+                    f"SIDECAR_{given.upper()} is set but SIDECAR_{missing.upper()} is not: "
+                    "a certificate needs its key"
+                )
+        if self.tls_insecure_skip_verify and self.tls_ca_file is not None:
+            raise ValueError(
+                "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true verifies no certificate, so "
+                "SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+            )
+        if self.prefill_tls_server_name is not None and not self.prefill_tls:
+            raise ValueError(
+                "SIDECAR_PREFILL_TLS_SERVER_NAME is set but SIDECAR_PREFILL_TLS is false: the "
+                "prefill engines are called over plain HTTP"
+            )
+        # Engine TLS settings with no engine over TLS are a forgotten switch, not a choice.
+        https = self.prefill_tls or any(url.startswith("https://") for url in self.decode_ranks)
+        used = [
+            f"SIDECAR_{name.upper()}"
+            for name in ("tls_ca_file", "tls_client_cert_file", "tls_insecure_skip_verify")
+            if getattr(self, name) not in (None, False)
+        ]
+        if used and not https:
+            raise ValueError(
+                f"{', '.join(used)} applies to engines called over HTTPS, and none is: set "
+                "SIDECAR_PREFILL_TLS=true, or an https:// SIDECAR_DECODE_URL"
+            )
+        return self
+
+    @property
+    def listener_tls(self) -> bool:
+        """SIDECAR_PORT serves HTTPS."""
+        return self.tls_cert_file is not None
 
     @property
     def decode_ranks(self) -> tuple[str, ...]:

@@ -22,11 +22,15 @@ class Endpoint:
 
     ``bootstrap_port``: where an SGLang prefill server takes KV rendezvous, when a pool entry
     names it (``host:port#bootstrap_port``); not part of the address (equality, ``str``).
+    ``tls_name``: the host name a target was given before it was pinned to one of its
+    addresses (``sidecar.trust``), which its TLS certificate is verified against; not part of
+    the address either.
     """
 
     host: str
     port: int
     bootstrap_port: int | None = field(default=None, compare=False)
+    tls_name: str | None = field(default=None, compare=False)
 
     @property
     def is_ipv6(self) -> bool:
@@ -37,6 +41,8 @@ class Endpoint:
 
     @property
     def url(self) -> str:
+        """Its plain-HTTP URL; engine calls take ``Engines.prefill_url``, which follows
+        ``SIDECAR_PREFILL_TLS``."""
         return f"http://{self}"
 
 

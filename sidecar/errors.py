@@ -12,6 +12,7 @@
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
+        │   │   └── EngineUntrusted   its TLS certificate did not verify
         │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
         ├── EngineTimeout             no answer in time -> 504
         ├── EngineBadResponse         an answer we cannot use -> 502
@@ -82,6 +83,11 @@ class EngineUnreachable(EngineError):
 class EngineNotConnected(EngineUnreachable):
     """No connection could be opened (refused, unresolved, connect timeout): the engine got
     nothing of the request, so another engine may take it."""
+
+
+class EngineUntrusted(EngineNotConnected):
+    """The engine's TLS certificate did not verify (unknown CA, wrong name, expired): the
+    handshake was abandoned before anything was sent."""
 
 
 class PrefillFailed(EngineUnreachable):

@@ -51,6 +51,9 @@ FALLBACK_REASONS = (
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
 DISCONNECT_ACTIONS = ("abort", "finish")
 STATE_ERROR_KINDS = ("timeout", "connection")
+TLS_FILES = ("listener", "engines")
+TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
+INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -195,6 +198,26 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.tls_reloads = Counter(
+            "pd_sidecar_tls_reloads",
+            "Changes of TLS files seen, by whose files (listener: SIDECAR_TLS_CERT_FILE and "
+            "_KEY_FILE; engines: the CA bundle and client certificate) and outcome (reloaded, "
+            "or failed: the previous ones stay in use).",
+            ["files", "outcome"],
+            registry=self.registry,
+        )
+        self.inference_pool_addresses = Gauge(
+            "pd_sidecar_inference_pool_addresses",
+            "Addresses of the SIDECAR_INFERENCE_POOL's pods allowed as prefill targets now.",
+            registry=self.registry,
+        )
+        self.inference_pool_errors = Counter(
+            "pd_sidecar_inference_pool_errors",
+            "Failed lists and watches of the SIDECAR_INFERENCE_POOL and its pods, by kind "
+            "(unreachable, refused, expired: a 410, listed again; invalid).",
+            ["kind"],
+            registry=self.registry,
+        )
 
         self._zero_vocabularies()
 
@@ -211,9 +234,13 @@ class Metrics:
             (self.kv_releases, KV_RELEASE_OUTCOMES),
             (self.prefill_disconnects, DISCONNECT_ACTIONS),
             (self.state_backend_errors, STATE_ERROR_KINDS),
+            (self.inference_pool_errors, INFERENCE_POOL_ERROR_KINDS),
         ):
             for value in values:
                 family.labels(value)
+        for files in TLS_FILES:
+            for outcome in TLS_RELOAD_OUTCOMES:
+                self.tls_reloads.labels(files, outcome)
 
     def zero_ranks(self, count: int) -> None:
         """Every decode rank's series at 0 from the start (unready until its first poll)."""

@@ -255,11 +255,12 @@ class PrefillCall:
         try:
             upstream = await self._engines.send(
                 "POST",
-                endpoint.url + ex.path,
+                self._engines.prefill_url(endpoint) + ex.path,
                 headers=ex.headers,
                 data=data,
                 total_s=timeout_s,
                 role="the prefill engine",
+                server_name=self._engines.prefill_server_name(endpoint),
             )
             answering.set()
             answer = await upstream.read()

@@ -3,7 +3,9 @@
 A header any client can set must not make the sidecar call an arbitrary host. A target is allowed
 when it is a member of the known prefill pool (same host string and port, or a resolved address of
 a member), lies in ``SIDECAR_PREFILL_ALLOWED_CIDRS``, or has a name in
-``SIDECAR_PREFILL_ALLOWED_HOSTS``. A host name checked through its addresses is pinned to the
+``SIDECAR_PREFILL_ALLOWED_HOSTS``, or has an address of a pod the InferencePool of
+``SIDECAR_INFERENCE_POOL`` selects (``sidecar.poolwatch``; until that pool is first listed, it
+allows nothing). A host name checked through its addresses is pinned to the
 address that passed, so a DNS answer that changes between check and call (rebinding) cannot
 redirect the call. With no pool and no allowlist (pure gateway mode, llm-d's default) every target
 is allowed, and the start-up log says so once.
@@ -23,6 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from typing import Protocol
 
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.endpoints import Endpoint
@@ -35,6 +38,27 @@ _CACHE_SIZE = 1024
 _CACHE_TTL_S = 30.0
 
 
+class AddressAllowlist(Protocol):
+    """Addresses allowed from elsewhere (``sidecar.poolwatch.InferencePoolWatch``)."""
+
+    @property
+    def name(self) -> str:
+        """What it is, for messages."""
+        ...
+
+    @property
+    def synced(self) -> bool:
+        """Whether it knows its addresses yet: before, it allows nothing."""
+        ...
+
+    @property
+    def reason(self) -> str:
+        """Why it is not synced."""
+        ...
+
+    def allows(self, address: IPAddress) -> bool: ...
+
+
 class PrefillGuard:
     def __init__(
         self,
@@ -43,12 +67,14 @@ class PrefillGuard:
         hosts: tuple[str, ...],
         pool: Callable[[], Iterable[Endpoint]],
         pool_configured: bool,
+        allowlist: AddressAllowlist | None = None,
         resolver: Resolver = system_resolver,
     ) -> None:
         self._cidrs = cidrs
         self._hosts = frozenset(h.lower().rstrip(".") for h in hosts)
         self._pool = pool
-        self.enforced = bool(cidrs or hosts or pool_configured)
+        self._allowlist = allowlist
+        self.enforced = bool(cidrs or hosts or pool_configured or allowlist is not None)
         self._resolver = resolver
         self._cache: OrderedDict[str, tuple[float, tuple[IPAddress, ...]]] = OrderedDict()
         self._own_port: int | None = None
@@ -104,15 +130,35 @@ class PrefillGuard:
         if literal is not None:
             if self._address_allowed(literal, target.port, members):
                 return target
-            raise _forbidden(target)
+            raise self._forbidden(target)
         addresses = await self._lookup(target.host, target.port)
         allowed = [a for a in addresses if self._address_allowed(a, target.port, members)]
         if addresses and len(allowed) == len(addresses):
-            return Endpoint(str(allowed[0]), target.port)
-        raise _forbidden(target)
+            return Endpoint(str(allowed[0]), target.port, tls_name=target.host.rstrip("."))
+        raise self._forbidden(target)
+
+    def _forbidden(self, target: Endpoint) -> Forbidden:
+        if self._allowlist is None:
+            return Forbidden(
+                f"prefill target {target} is not allowed: not in the prefill pool, "
+                "SIDECAR_PREFILL_ALLOWED_CIDRS or SIDECAR_PREFILL_ALLOWED_HOSTS"
+            )
+        if not self._allowlist.synced:
+            return Forbidden(
+                f"prefill target {target} is not allowed: {self._allowlist.reason} (until "
+                "then it allows no target), and it is not in the prefill pool, "
+                "SIDECAR_PREFILL_ALLOWED_CIDRS or SIDECAR_PREFILL_ALLOWED_HOSTS"
+            )
+        return Forbidden(
+            f"prefill target {target} is not allowed: not a pod of {self._allowlist.name}, "
+            "nor in the prefill pool, SIDECAR_PREFILL_ALLOWED_CIDRS or "
+            "SIDECAR_PREFILL_ALLOWED_HOSTS"
+        )
 
     def _address_allowed(self, address: IPAddress, port: int, members: set[Endpoint]) -> bool:
         if any(address in network for network in self._cidrs):
+            return True
+        if self._allowlist is not None and self._allowlist.allows(_unmapped(address)):
             return True
         return Endpoint(str(address), port) in members or any(
             self._cached_member_address(member, address) for member in members
@@ -150,8 +196,7 @@ def _ip(host: str) -> IPAddress | None:
         return None
 
 
-def _forbidden(target: Endpoint) -> Forbidden:
-    return Forbidden(
-        f"prefill target {target} is not allowed: not in the prefill pool, "
-        "SIDECAR_PREFILL_ALLOWED_CIDRS or SIDECAR_PREFILL_ALLOWED_HOSTS"
-    )
+def _unmapped(address: IPAddress) -> IPAddress:
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address

@@ -10,11 +10,13 @@ import asyncio
 import io
 import os
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.endpoints import Endpoint
 from sidecar.errors import (
     EngineBadResponse,
     EngineError,
@@ -22,7 +24,9 @@ from sidecar.errors import (
     EngineStreamBroken,
     EngineTimeout,
     EngineUnreachable,
+    EngineUntrusted,
 )
+from sidecar.tls import ClientTls
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -159,12 +163,39 @@ class Engines:
     Health and metrics polls have a pool of their own: going through the request pool, a poll
     every second or two would reuse its idle connections in turn and keep every one of them
     alive, so the pool would never shrink back after a burst.
+
+    ``https://`` URLs are verified with ``tls`` (``sidecar.tls.ClientTls``; None: the system's
+    CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the scheme
+    ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
+    checked against.
     """
 
-    def __init__(self, *, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        tls: ClientTls | None = None,
+        prefill_tls: bool = False,
+        prefill_server_name: str | None = None,
+    ) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._tls = tls
+        self._prefill_scheme = "https" if prefill_tls else "http"
+        self._prefill_server_name = prefill_server_name
         self._session: aiohttp.ClientSession | None = None
         self._polls: aiohttp.ClientSession | None = None
+
+    def prefill_url(self, endpoint: Endpoint) -> str:
+        """The base URL of a prefill engine."""
+        return f"{self._prefill_scheme}://{endpoint}"
+
+    def prefill_server_name(self, endpoint: Endpoint) -> str | None:
+        """The name a prefill engine's certificate must carry (and its SNI): the configured one,
+        else the host name the endpoint was pinned from (``sidecar.trust``), else None — the
+        URL's host itself, a name or an IP address."""
+        if self._prefill_scheme != "https":
+            return None
+        return self._prefill_server_name or endpoint.tls_name
 
     async def open(self) -> None:
         self._session = self._new_session(
@@ -203,13 +234,15 @@ class Engines:
         total_s: float | None = None,
         role: str = "engine",
         poll: bool = False,
+        server_name: str | None = None,
     ) -> EngineAnswer:
         """Send a request and return once the status line and headers are in.
 
         ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
         bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
         ``role`` names the engine in error messages ("the decode engine"); ``poll`` sends a
-        health or metrics poll through the poll pool.
+        health or metrics poll through the poll pool. ``server_name``: for ``https://``, the
+        name the certificate is verified against and sent as SNI (None: the URL's host).
         """
         session = self._polls if poll else self._session
         if session is None:
@@ -217,13 +250,31 @@ class Engines:
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
         timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s)
+        tls: dict[str, Any] = {}
+        if url.startswith("https://"):
+            if self._tls is not None:
+                tls["ssl"] = self._tls.context
+            if server_name is not None:
+                tls["server_hostname"] = server_name
+        name = _engine_name(url)
         try:
             response = await session.request(
-                method, url, headers=headers, data=data, allow_redirects=False, timeout=timeout
+                method,
+                url,
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=timeout,
+                **tls,
             )
+        except aiohttp.ClientConnectorCertificateError as exc:
+            raise EngineUntrusted(
+                f"the certificate of {role} at {name} did not verify: "
+                f"{_certificate_problem(exc, server_name)}"
+            ) from exc
         except _TRANSPORT_ERRORS as exc:
-            raise _translate(exc, f"{role} at {_engine_name(url)} is unreachable") from exc
-        return EngineAnswer(response, _engine_name(url))
+            raise _translate(exc, f"{role} at {name} is unreachable") from exc
+        return EngineAnswer(response, name)
 
 
 def _translate(exc: BaseException, what: str) -> EngineError:
@@ -234,6 +285,17 @@ def _translate(exc: BaseException, what: str) -> EngineError:
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return EngineNotConnected(f"{what}: {_describe(exc)}")
     return EngineUnreachable(f"{what}: {_describe(exc)}")
+
+
+def _certificate_problem(
+    exc: aiohttp.ClientConnectorCertificateError, server_name: str | None
+) -> str:
+    error = exc.certificate_error
+    reason = getattr(error, "verify_message", None) or str(error)
+    reason = str(reason).rstrip(".")
+    if server_name and server_name not in reason:
+        return f"{reason} (verified as {server_name})"
+    return reason
 
 
 def parse_json(body: bytes, what: str) -> object:
@@ -257,6 +319,8 @@ def _describe(exc: BaseException) -> str:
         return f"the name {exc.host} did not resolve ({reason})"
     if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
         return os.strerror(exc.os_error.errno).lower()  # e.g. "connection refused"
+    if isinstance(exc, aiohttp.ClientConnectorSSLError):
+        return f"the TLS handshake failed ({exc.os_error.strerror or exc.os_error})"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the connection was closed without an answer"
     text = str(exc)

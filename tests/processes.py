@@ -15,7 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from devkit.processes import Child, Launcher, environment, free_port, tcp_open
+from devkit.processes import Child, Launcher, Ready, environment, free_port, tcp_open
 from tests.tools import program
 
 START_TIMEOUT_S = 30.0
@@ -55,13 +55,13 @@ async def sidecar_process(
     /,
     *,
     capture_log: bool = False,
-    until: str = "/health",
+    until: Ready = "/health",
     **more: str,
 ) -> AsyncIterator[SidecarProcess]:
     """A sidecar process configured by ``SIDECAR_*`` variables (names without the prefix, from
-    ``settings`` and ``more``), yielded once ``until`` answers 200; SIGTERM (then SIGKILL after
-    10 s) when the block ends. Its log is always kept, until then (``capture_log`` is accepted
-    for older callers)."""
+    ``settings`` and ``more``), yielded once ``until`` answers 200 (or, a check, holds);
+    SIGTERM (then SIGKILL after 10 s) when the block ends. Its log is always kept, until then
+    (``capture_log`` is accepted for older callers)."""
     del capture_log
     port = free_port()
     variables = {**(settings or {}), **more}

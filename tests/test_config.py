@@ -108,6 +108,22 @@ INVALID = [
     ("SIDECAR_PREFIX_CACHE_BLOCKS", "-1"),
     ("SIDECAR_PREFILL_ON_DISCONNECT", "later"),
     ("SIDECAR_PREFILL_HEADERS", "x-prefill-endpoint,bad header"),
+    ("SIDECAR_TLS_CERT_FILE", "/etc/tls/tls.crt"),  # without its key
+    ("SIDECAR_TLS_KEY_FILE", "/etc/tls/tls.key"),  # without its certificate
+    ("SIDECAR_ADMIN_TLS", "perhaps"),
+    ("SIDECAR_TLS_RELOAD_INTERVAL_S", "0"),
+    ("SIDECAR_PREFILL_TLS", "perhaps"),
+    ("SIDECAR_PREFILL_TLS_SERVER_NAME", "not a name"),
+    ("SIDECAR_TLS_CA_FILE", "/etc/ca.pem"),  # no engine over HTTPS
+    ("SIDECAR_TLS_CLIENT_CERT_FILE", "/etc/client.crt"),  # without its key
+    ("SIDECAR_TLS_CLIENT_KEY_FILE", "/etc/client.key"),  # without its certificate
+    ("SIDECAR_TLS_INSECURE_SKIP_VERIFY", "true"),  # no engine over HTTPS
+    ("SIDECAR_INFERENCE_POOL", "pd-llm"),  # no namespace
+    ("SIDECAR_KUBE_API_URL", "kubernetes.default.svc"),
+    ("SIDECAR_KUBE_TOKEN_FILE", ""),
+    ("SIDECAR_KUBE_CA_FILE", ""),
+    ("SIDECAR_KUBE_RETRY_BASE_S", "0"),
+    ("SIDECAR_KUBE_RETRY_MAX_S", "0"),
 ]
 """One invalid value per setting (a test checks that none is missing)."""
 
@@ -181,13 +197,38 @@ CONTRADICTIONS = [
         "database 0 only",
         "false",
     ),
+    (
+        {"SIDECAR_TLS_CERT_FILE": "/etc/tls/tls.crt", "SIDECAR_TLS_KEY_FILE": ""},
+        "a certificate needs its key",
+        "/etc/tls/tls.key",
+    ),
+    (
+        {"SIDECAR_TLS_CA_FILE": "/etc/ca.pem", "SIDECAR_PREFILL_TLS": "false"},
+        "applies to engines called over HTTPS",
+        "true",
+    ),
+    (
+        {"SIDECAR_KUBE_RETRY_BASE_S": "60", "SIDECAR_KUBE_RETRY_MAX_S": "30"},
+        "below SIDECAR_KUBE_RETRY_BASE_S",
+        "60",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     ("variables", "says", "agrees"),
     CONTRADICTIONS,
-    ids=["eject", "ports", "sglang-local", "decode-url-and-urls", "cluster-unix", "cluster-db"],
+    ids=[
+        "eject",
+        "ports",
+        "sglang-local",
+        "decode-url-and-urls",
+        "cluster-unix",
+        "cluster-db",
+        "tls-key",
+        "tls-ca-unused",
+        "kube-retry",
+    ],
 )
 def test_contradictory_settings_exit_2_naming_both(
     variables: dict[str, str],

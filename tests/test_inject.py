@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -502,6 +503,39 @@ def test_cli_options_reach_the_output() -> None:
     assert spec["initContainers"][0]["image"] == "registry.example/pd-sidecar:dev"
     assert settings_of(spec).drain_timeout_s == 12
     assert spec["terminationGracePeriodSeconds"] == 12 + 12 + ENGINE_EXIT_S
+
+
+def test_tls_secret_mounts_it_and_moves_the_probes_to_https() -> None:
+    options = dataclasses.replace(defaults(), tls_secret="decode-tls")
+    spec = pod_spec(only(inject(deployment(), options)))
+    settings = settings_of(spec)
+    assert settings.tls_cert_file == "/etc/pd-sidecar/tls/tls.crt"
+    assert settings.tls_key_file == "/etc/pd-sidecar/tls/tls.key"
+    (sidecar,) = spec["initContainers"]
+    assert sidecar["volumeMounts"] == [
+        {"name": "pd-sidecar-tls", "mountPath": "/etc/pd-sidecar/tls", "readOnly": True}
+    ]
+    assert spec["volumes"] == [{"name": "pd-sidecar-tls", "secret": {"secretName": "decode-tls"}}]
+    assert sidecar["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert sidecar["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    validate(inject(deployment(), options))
+    # A pod that has a volume of that name already is refused.
+    volume = "      volumes:\n        - name: pd-sidecar-tls\n          emptyDir: {}\n"
+    taken = deployment().replace("      containers:", volume + "      containers:")
+    with pytest.raises(InjectError, match="already has a volume named 'pd-sidecar-tls'"):
+        inject(taken, options)
+
+
+def test_cli_tls_secret(tmp_path: Path) -> None:
+    source = tmp_path / "decode.yaml"
+    source.write_text(deployment())
+    argv = [sys.executable, "-m", "sidecar.inject", "-f", str(source)]
+    done = subprocess.run([*argv, "--tls-secret", "decode-tls"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "secretName: decode-tls" in done.stdout
+    bad = subprocess.run([*argv, "--tls-secret", "Not_A_Name"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "--tls-secret" in bad.stderr
 
 
 def test_the_console_script_is_installed() -> None:

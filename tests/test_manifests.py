@@ -3,6 +3,7 @@ and the termination arithmetic holds in the YAML itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from tests.k8s import MANIFESTS, ROOT, crd_schemas, documents, kustomize, valida
 from tests.test_inject import check_termination, settings_of
 
 COMPONENT = MANIFESTS / "components" / "pd-sidecar"
+TLS_COMPONENT = MANIFESTS / "components" / "pd-sidecar-tls"
 OVERLAYS = sorted(p.parent for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
 BUILDS = [MANIFESTS / "base", *OVERLAYS]
 
@@ -88,21 +90,102 @@ def test_standalone_schedules_over_dns_with_redis(built: dict) -> None:
     assert redis["spec"]["ports"][0]["port"] == int(match.group(2))
 
 
-def test_gateway_allows_header_targets_by_network_and_pools_both_roles(built: dict) -> None:
+def test_gateway_allows_the_pods_of_its_inference_pool_and_pools_both_roles(built: dict) -> None:
     docs = built["gateway"]
     decode = by_kind(docs, "Deployment", "decode")
     settings = settings_of(decode["spec"]["template"]["spec"])
-    assert settings.prefill_allowed_cidrs
+    assert settings.inference_pool == f"{decode['metadata']['namespace']}/pd-llm"
+    assert not settings.prefill_allowed_cidrs  # the pool's pods, and nothing else
     assert settings.prefill_dns is None
     assert not settings.prefill_endpoints
     pool = by_kind(docs, "InferencePool", "pd-llm")
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["namespace"] == decode["metadata"]["namespace"]
     selector = pool["spec"]["selector"]["matchLabels"]
     for name, role in (("decode", "decode"), ("prefill", "prefill")):
         labels = by_kind(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
         assert selector.items() <= labels.items()
         assert labels["llm-d.ai/role"] == role
     assert pool["spec"]["targetPorts"] == [{"number": settings.port}]
+
+
+def test_gateway_grants_its_sidecars_what_following_the_pool_needs(built: dict) -> None:
+    """The decode pods' ServiceAccount is bound to a Role that may get, list and watch
+    InferencePools (both API groups) and pods, in the pool's namespace."""
+    docs = built["gateway"]
+    decode = by_kind(docs, "Deployment", "decode")
+    namespace = decode["metadata"]["namespace"]
+    account = decode["spec"]["template"]["spec"]["serviceAccountName"]
+    assert by_kind(docs, "ServiceAccount", account)["metadata"]["namespace"] == namespace
+    (binding,) = [
+        d
+        for d in docs
+        if d["kind"] == "RoleBinding"
+        and {"kind": "ServiceAccount", "name": account, "namespace": namespace} in d["subjects"]
+    ]
+    assert binding["metadata"]["namespace"] == namespace
+    assert binding["roleRef"]["kind"] == "Role"
+    role = by_kind(docs, "Role", binding["roleRef"]["name"])
+    assert role["metadata"]["namespace"] == namespace
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for group, resource in (
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("inference.networking.x-k8s.io", "inferencepools"),
+        ("", "pods"),
+    ):
+        for verb in ("get", "list", "watch"):
+            assert (group, resource, verb) in granted
+    assert len(granted) == 9, "nothing more than that"
+    # Only the decode pods run as it; the prefill pods need no API access.
+    prefill = by_kind(docs, "Deployment", "prefill")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in prefill
+
+
+def _with_tls(tmp_path: Path) -> dict[str, Any]:
+    """The base's decode Deployment with the TLS component after the sidecar's."""
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [{os.path.relpath(MANIFESTS / 'base', tmp_path)}]\n"
+        f"components: [{os.path.relpath(TLS_COMPONENT, tmp_path)}]\n"
+    )
+    text = kustomize(tmp_path)
+    validate(text)
+    return by_kind(documents(text), "Deployment", "decode")
+
+
+def test_the_tls_component_serves_https_from_a_mounted_secret(tmp_path: Path) -> None:
+    decode = _with_tls(tmp_path)
+    spec = decode["spec"]["template"]["spec"]
+    settings = settings_of(spec)
+    assert settings.listener_tls
+    assert settings.admin_tls
+    (sidecar,) = spec["initContainers"]
+    (mount,) = sidecar["volumeMounts"]
+    assert mount["readOnly"] is True
+    files = [Path(str(settings.tls_cert_file)), Path(str(settings.tls_key_file))]
+    assert [f.parent for f in files] == [Path(mount["mountPath"])] * 2
+    assert [f.name for f in files] == ["tls.crt", "tls.key"]  # a kubernetes.io/tls Secret's keys
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "pd-sidecar-tls"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert sidecar[probe]["httpGet"]["scheme"] == "HTTPS"
+        assert sidecar[probe]["httpGet"]["port"] == settings.port
+
+
+def test_the_tls_component_and_the_command_with_tls_secret_inject_the_same_pod(
+    tmp_path: Path,
+) -> None:
+    by_component = _with_tls(tmp_path)
+    source = (MANIFESTS / "base" / "decode.yaml").read_text()
+    before_move = source.replace("8200", "8000").replace("name: engine", "name: http")
+    options = dataclasses.replace(defaults(), tls_secret="pd-sidecar-tls")
+    by_command = yaml.safe_load(inject_text(before_move, options)[0])
+    assert by_command == by_component
 
 
 def test_emulated_runs_the_emulator_with_flags_it_accepts(built: dict) -> None:
@@ -260,7 +343,7 @@ def test_deploy_md_states_the_numbers_the_yaml_has() -> None:
     assert wait == int(packaged["enginePreStop"]["exec"]["command"][1])
     assert drain == int(env["SIDECAR_DRAIN_TIMEOUT_S"])
     assert f"{ENGINE_EXIT_S} s cover" in text
-    for path in [COMPONENT, *BUILDS, MANIFESTS / "prefill"]:
+    for path in [COMPONENT, TLS_COMPONENT, *BUILDS, MANIFESTS / "prefill"]:
         assert f"`{path.relative_to(ROOT)}/`" in text, path
 
 

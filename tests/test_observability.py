@@ -254,10 +254,16 @@ async def test_every_label_vocabulary_is_exported_at_zero_from_the_start(http, s
         ("kv_releases_total", "outcome", metrics.KV_RELEASE_OUTCOMES),
         ("prefill_disconnects_total", "action", metrics.DISCONNECT_ACTIONS),
         ("state_backend_errors_total", "kind", metrics.STATE_ERROR_KINDS),
+        ("inference_pool_errors_total", "kind", metrics.INFERENCE_POOL_ERROR_KINDS),
     ):
         expected += [f'pd_sidecar_{family}{{{label}="{value}"}}' for value in values]
     expected += ['pd_sidecar_decode_rank_requests_total{rank="0"}']
     expected += ['pd_sidecar_decode_rank_inflight_requests{rank="0"}']
+    expected += [
+        f'pd_sidecar_tls_reloads_total{{files="{files}",outcome="{outcome}"}}'
+        for files in metrics.TLS_FILES
+        for outcome in metrics.TLS_RELOAD_OUTCOMES
+    ]
     for series in expected:
         assert f"{series} 0.0\n" in text, series
 
@@ -268,6 +274,14 @@ _LITERAL_LABELS = {
     "prefill_requests": metrics.PREFILL_OUTCOMES,
     "prefill_disconnects": metrics.DISCONNECT_ACTIONS,
 }
+
+
+def test_the_kubernetes_error_kinds_are_the_metric_vocabulary() -> None:
+    from sidecar import kube
+
+    kinds = {cls.kind for cls in (kube.KubeUnreachable, kube.KubeRefused, kube.KubeGone,
+                                  kube.KubeBadResponse)}  # fmt: skip
+    assert kinds == set(metrics.INFERENCE_POOL_ERROR_KINDS) == set(kube.ERROR_KINDS)
 
 
 def test_the_code_uses_only_the_vocabularies() -> None:

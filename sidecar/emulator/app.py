@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -208,6 +209,20 @@ def create_api_app(
     return app
 
 
+def _tls(config: EmulatorConfig) -> ssl.SSLContext | None:
+    """The API's TLS context, when it serves HTTPS; with a client CA, a client certificate
+    signed by it is required."""
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    if config.tls_client_ca_file is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=config.tls_client_ca_file)
+    return context
+
+
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -231,7 +246,8 @@ class RunningEmulator:
         self.side_channel_port: int = side_runner.addresses[0][1]
         self.bootstrap_port: int = self.side_channel_port
         self.endpoint = f"{_host_for_url(config.host)}:{self.port}"
-        self.url = f"http://{self.endpoint}"
+        scheme = "https" if config.tls_cert_file else "http"
+        self.url = f"{scheme}://{self.endpoint}"
         self._closed = False
 
     @property
@@ -311,7 +327,8 @@ async def start_emulator(
         )
         await api_runner.setup()
         try:
-            await web.TCPSite(api_runner, config.host, config.port).start()
+            site = web.TCPSite(api_runner, config.host, config.port, ssl_context=_tls(config))
+            await site.start()
         except BaseException:
             await api_runner.cleanup()
             raise

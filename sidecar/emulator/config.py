@@ -119,6 +119,17 @@ class EmulatorConfig:
         default=0,
         metadata=_doc("shared-storage: blocks kept in the store, least recent evicted; 0 = no cap"),
     )
+    tls_cert_file: str | None = field(
+        default=None,
+        metadata=_doc("PEM certificate: the API serves HTTPS (with --tls-key-file)"),
+    )
+    tls_key_file: str | None = field(
+        default=None, metadata=_doc("PEM private key of --tls-cert-file")
+    )
+    tls_client_ca_file: str | None = field(
+        default=None,
+        metadata=_doc("HTTPS: require a client certificate signed by this PEM CA (mTLS)"),
+    )
     faults: tuple[FaultSpec, ...] = field(
         default=(), metadata=_doc("faults armed at start (CLI: --fault, repeatable)")
     )
@@ -174,6 +185,14 @@ class EmulatorConfig:
             raise ValueError("kv_protocol shared-storage needs kv_store (a directory)")
         if not shared and self.kv_store is not None:
             raise ValueError("kv_store applies to kv_protocol shared-storage only")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file (HTTPS)")
+
+
+_PATHS = frozenset({"kv_store", "tls_cert_file", "tls_key_file", "tls_client_ca_file"})
+"""Fields whose flag takes a path (default: none)."""
 
 
 def _fault(text: str) -> FaultSpec:
@@ -212,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         elif f.name in CHOICES:
             parser.add_argument(flag, choices=CHOICES[f.name], default=default, help=help_text)
-        elif f.name == "kv_store":
+        elif f.name in _PATHS:
             parser.add_argument(flag, type=str, default=None, metavar="PATH", help=help_text)
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +12,9 @@ from sidecar.inject.pod import InjectError
 from sidecar.inject.template import Options, defaults
 
 PROG = "pd-sidecar inject"
+_DNS_NAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 DESCRIPTION = """\
 Inject pd-sidecar into the decode workloads (Deployment, StatefulSet, DaemonSet, ReplicaSet,
 PodTemplate, Pod; also inside a List) of a YAML stream, and print the stream:
@@ -21,6 +25,7 @@ The engine is the container serving the pod's serving port (--sidecar-port, a co
 --port argument). It is moved to --engine-port; the sidecar, a native sidecar (an init container
 with restartPolicy Always, Kubernetes >= 1.29), takes the serving port. The engine gets a preStop
 wait of --drain-s seconds and the pod a grace period of twice that + 5 s (docs/deploy.md).
+With --tls-secret, the sidecar serves HTTPS with that Secret's certificate.
 Workloads injected already are left as they are; documents that are not changed are printed as
 they were read, comments included (a changed document loses its comments). On any workload it
 cannot inject, it prints nothing, says why on stderr and exits with status 2.
@@ -85,6 +90,12 @@ def parser() -> argparse.ArgumentParser:
         help="SIDECAR_DRAIN_TIMEOUT_S and the engine's preStop wait, in seconds "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--tls-secret",
+        metavar="NAME",
+        help="serve HTTPS with the certificate of this kubernetes.io/tls Secret, mounted "
+        "read-only; the probes follow (default: plain HTTP)",
+    )
     return p
 
 
@@ -97,12 +108,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--sidecar-port, --engine-port and --admin-port must differ: " + str(ports))
     if not args.image.strip():
         p.error("--image is empty")
+    if args.tls_secret is not None and not _DNS_NAME.match(args.tls_secret):
+        p.error(f"--tls-secret {args.tls_secret!r} is not a Secret name (a lower-case DNS name)")
     options = Options(
         image=args.image,
         sidecar_port=args.sidecar_port,
         engine_port=args.engine_port,
         admin_port=args.admin_port,
         drain_s=args.drain_s,
+        tls_secret=args.tls_secret,
     )
     texts: list[str] = []
     for name in args.filename or ["-"]:

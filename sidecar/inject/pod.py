@@ -107,10 +107,19 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
             )
     if not flags:
         _check_can_append_port(engine)
+    volumes: list[dict[str, Any]] = spec.get("volumes") or []
+    for volume in rendered.volumes:
+        if any(v.get("name") == volume["name"] for v in volumes):
+            raise InjectError(
+                f"the pod already has a volume named {volume['name']!r}, the name the "
+                "injection gives to the TLS Secret's (--tls-secret)"
+            )
     # Every refusal is above: from here on the spec changes.
     _move_engine(engine, port, options.engine_port)
     engine.setdefault("lifecycle", {})["preStop"] = rendered.engine_pre_stop
     spec["initContainers"] = [rendered.container, *init_containers]
+    if rendered.volumes:
+        spec["volumes"] = [*rendered.volumes, *volumes]  # first, as kustomize merges them
     grace = spec.get("terminationGracePeriodSeconds")
     if not isinstance(grace, int) or grace < rendered.grace_period_s:
         spec["terminationGracePeriodSeconds"] = rendered.grace_period_s

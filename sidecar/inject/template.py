@@ -45,6 +45,8 @@ class Options:
     admin_port: int
     drain_s: int
     """``SIDECAR_DRAIN_TIMEOUT_S``, and the engine's ``preStop`` wait."""
+    tls_secret: str | None = None
+    """A ``kubernetes.io/tls`` Secret: the sidecar serves HTTPS with its certificate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,8 @@ class Rendered:
     container: Container
     engine_pre_stop: dict[str, Any]
     grace_period_s: int
+    volumes: list[dict[str, Any]]
+    """Volumes the pod gets (the TLS Secret's)."""
 
 
 def grace_period_s(pre_stop_s: int, drain_s: int) -> int:
@@ -120,10 +124,22 @@ def render(options: Options, *, port_name: str | None = None) -> Rendered:
         container["env"].append({"name": "SIDECAR_DECODE_URL", "value": url})
     for probe in ("livenessProbe", "readinessProbe"):
         container[probe]["httpGet"]["port"] = options.sidecar_port
+    volumes = []
+    if options.tls_secret is not None:
+        tls = data["tls"]
+        # First, as the component's strategic merge puts them: both give the same pod.
+        container["env"] = [*copy.deepcopy(tls["env"]), *container["env"]]
+        container["volumeMounts"] = [
+            {"name": tls["volume"], "mountPath": tls["mountPath"], "readOnly": True}
+        ]
+        for probe in ("livenessProbe", "readinessProbe"):
+            container[probe]["httpGet"]["scheme"] = "HTTPS"
+        volumes.append({"name": tls["volume"], "secret": {"secretName": options.tls_secret}})
     pre_stop = copy.deepcopy(data["enginePreStop"])
     pre_stop["exec"]["command"][-1] = str(options.drain_s)
     return Rendered(
         container=container,
         engine_pre_stop=pre_stop,
         grace_period_s=grace_period_s(options.drain_s, options.drain_s),
+        volumes=volumes,
     )

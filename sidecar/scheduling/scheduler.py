@@ -408,23 +408,32 @@ class Scheduler:
         availability = state.health.refresh(now)
         if availability == Availability.EJECTED:
             return
+        base = self._engines.prefill_url(state.endpoint)
+        server_name = self._engines.prefill_server_name(state.endpoint)
         if availability == Availability.PROBING:
-            if await self._probe(state.endpoint.url + "/health"):
+            if await self._probe(base + "/health", server_name):
                 state.health.success()
                 logger.info("prefill endpoint %s passed its probe: re-admitted", state.key)
             else:
                 self._failure(state)
             return
         try:
-            state.load = await self._load(state.endpoint.url, raise_unreachable=True)
+            state.load = await self._load(base, raise_unreachable=True, server_name=server_name)
         except EngineUnreachable:  # refused or reset: a failure; merely slow is not
             state.load = None
             self._failure(state)
 
-    async def _load(self, base_url: str, *, raise_unreachable: bool = False) -> EngineLoad | None:
+    async def _load(
+        self, base_url: str, *, raise_unreachable: bool = False, server_name: str | None = None
+    ) -> EngineLoad | None:
         try:
             response = await self._engines.send(
-                "GET", base_url + "/metrics", headers={}, total_s=self._scrape_timeout_s, poll=True
+                "GET",
+                base_url + "/metrics",
+                headers={},
+                total_s=self._scrape_timeout_s,
+                poll=True,
+                server_name=server_name,
             )
             body = await response.read()
         except EngineError as exc:
@@ -435,10 +444,15 @@ class Scheduler:
             return None  # metrics disabled or not served: schedule by reservations alone
         return parse_engine_load(body.decode(errors="replace"), time.monotonic())
 
-    async def _probe(self, url: str) -> bool:
+    async def _probe(self, url: str, server_name: str | None) -> bool:
         try:
             response = await self._engines.send(
-                "GET", url, headers={}, total_s=self._scrape_timeout_s, poll=True
+                "GET",
+                url,
+                headers={},
+                total_s=self._scrape_timeout_s,
+                poll=True,
+                server_name=server_name,
             )
             await response.read()
         except EngineError:
