@@ -107,6 +107,8 @@ class Simulation:
             rtt_s=scenario.redis_rtt_s,
             timeout_s=scenario.state_timeout_s,
             lease_s=scenario.lease_s,
+            refresh_s=scenario.redis_refresh_s,
+            resync=float(scenario.redis_resync),
         )
         clock = self._clock
         self.sidecars = [

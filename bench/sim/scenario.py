@@ -67,6 +67,11 @@ class Scenario:
     state_timeout_s: float = 0.005
     lease_s: float = 10.0
     """``redis``: a round trip; ``SIDECAR_STATE_TIMEOUT_MS`` and ``SIDECAR_STATE_LEASE_S``."""
+    redis_refresh_s: float = 0.0
+    redis_resync: bool = False
+    """What-ifs, not production (``bench.sim.state.RedisClient``): the backend's worker also
+    syncs every ``redis_refresh_s`` (0: never), and syncs again after a sync during which its
+    reservations changed."""
     tokens: TokenMode = "estimated"
     """``estimated``: sidecars see production's estimate (characters / 4) of a prompt whose
     true count the engines work on; ``exact``: they see the true counts."""

@@ -103,8 +103,15 @@ class RedisClient:
         rtt_s: float,
         timeout_s: float,
         lease_s: float,
+        refresh_s: float = 0.0,
+        resync: bool = False,
     ) -> None:
+        """``refresh_s`` and ``resync`` are what-ifs, not production: the worker also syncs
+        every ``refresh_s`` (0: never); a change made while a sync it is not part of was in
+        flight is synced right after that one."""
         self._loop = loop
+        self._refresh_s = refresh_s
+        self._resync = resync
         self._server = server
         self._id = sidecar
         self._rtt_s = rtt_s
@@ -122,6 +129,12 @@ class RedisClient:
         self._heartbeat_version = 0
         self.syncs = 0
         self._arm_heartbeat()
+        if refresh_s > 0:
+            loop.at(loop.now + refresh_s * (1 + sidecar % 7) / 7, self._refresh)
+
+    def _refresh(self, _: object) -> None:
+        self._wake_worker()
+        self._loop.at(self._loop.now + self._refresh_s, self._refresh)
 
     def view(self) -> SharedView:
         loads = dict(self._others)
@@ -174,6 +187,8 @@ class RedisClient:
         self._others = others
         self._speeds = published
         self._syncing = False
+        if self._resync and self.own.loads != table:
+            self._wake = True
         if self._worker_awaits:
             self._worker_awaits = False
             self._worker_waiting = True
@@ -224,4 +239,6 @@ def state_factory(mode: str, loop: Loop, **redis: float) -> StateFactory:
         rtt_s=redis["rtt_s"],
         timeout_s=redis["timeout_s"],
         lease_s=redis["lease_s"],
+        refresh_s=redis.get("refresh_s", 0.0),
+        resync=bool(redis.get("resync", 0.0)),
     )

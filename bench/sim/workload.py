@@ -58,7 +58,8 @@ def shapes(scenario: Scenario, seed: int) -> Iterator[Shape]:
         else:
             gap = rng.expovariate(1.0)
         draw = rng.random()
-        ratio = text.lognormvariate(ratio_mu, scenario.chars_per_token_sigma)
+        # At least 2 (a one-letter word and a space): bench/calibrate.py writes such text.
+        ratio = max(2.0, text.lognormvariate(ratio_mu, scenario.chars_per_token_sigma))
         if draw < scenario.chat_share:
             tokens = round(rng.lognormvariate(mu, scenario.chat_sigma))
             tokens = max(1, min(scenario.chat_max_tokens, tokens))
