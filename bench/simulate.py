@@ -87,6 +87,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--linear-prefill", action="store_true", help="no attention term")
     model.add_argument("--reserve-prompt", action="store_true", help="reserve whole prompts")
     model.add_argument("--ttft-ratio", type=float, help="the decider's ttft_ratio")
+    model.add_argument("--choices", type=int, help="candidates qoe compares (default 2)")
+    model.add_argument(
+        "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
+    )
     model.add_argument("--bursty", action="store_true", help="gamma arrivals, CV 3")
     parser.add_argument(
         "--rate", type=float, help="reference rate for the latency table (default: qoe goodput)"
@@ -106,6 +110,10 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["bursty"] = True
     if args.ttft_ratio is not None:
         changes["ttft_ratio"] = args.ttft_ratio
+    if args.choices is not None:
+        changes["choices"] = args.choices
+    if args.redis_refresh is not None:
+        changes["redis_refresh_s"] = args.redis_refresh
     plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}
     for name, flag in (("state", args.state), ("stale_mode", args.stale_mode)):
         if flag:

@@ -83,6 +83,8 @@ class Scenario:
     does; ``prompt``: the whole prompt (the first simulator's choice)."""
     ttft_ratio: float | None = None
     """The decider's ``ttft_ratio``; None: the Decider's default."""
+    choices: int = 2
+    """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     bursty: bool = False
     burst_cv: float = 3.0
@@ -140,6 +142,12 @@ class Scenario:
             f"{self.staleness_s:g} s ({self.stale_mode}), tokens {self.tokens}, reserve "
             f"{self.reserve}, prefill {prefill}, {arrivals} arrivals"
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
+            + ("" if self.choices == 2 else f", qoe choices {self.choices}")
+            + (
+                ""
+                if not self.redis_refresh_s
+                else f", what-if Redis refresh {self.redis_refresh_s:g} s"
+            )
         )
 
     def plain(self) -> Scenario:

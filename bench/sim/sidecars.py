@@ -49,7 +49,7 @@ class Sidecar:
         rng = random.Random(f"sidecar-{seed}-{index}")
         self.index = index
         always = variant.mode == "always"
-        policy = make_policy(variant.policy, rng)
+        policy = make_policy(variant.policy, rng, choices=scenario.choices)
         decider = (
             Decider(policy, always=always)
             if scenario.ttft_ratio is None
