@@ -43,7 +43,7 @@ class Effort:
     precision: float
 
 
-FULL = Effort(measured=8000, warmup=1500, precision=0.02)
+FULL = Effort(measured=6000, warmup=1000, precision=0.02)
 QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 
 
