@@ -1,6 +1,6 @@
 """The scheduling simulator: goodput and latency of every policy on a modelled P/D cluster.
 
-    python -m bench.simulate                      # every scenario, seeds 1, 2, 3 (~8 minutes)
+    python -m bench.simulate                      # every scenario, seeds 1, 2, 3 (~6 minutes)
     python -m bench.simulate --quick              # smaller runs, coarser search
     python -m bench.simulate --scenario standard --policies qoe,round_robin:always,never
     python -m bench.simulate --plain              # issue 4's idealised model

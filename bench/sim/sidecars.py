@@ -59,7 +59,6 @@ class Sidecar:
         for key in keys:
             host, _, port = key.rpartition(":")
             self.planner.pool[key] = EndpointState(Endpoint(host, int(port)), Health())
-        self.disaggregates = variant.mode != "never"
         self.state = state
         self.ranks = DecodeRanks(
             [f"http://decode-{index}"],
