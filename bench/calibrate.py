@@ -271,7 +271,9 @@ async def send(http: aiohttp.ClientSession, url: str, body: bytes, start_at: flo
 
 async def real_run(
     cluster: RealCluster, http: aiohttp.ClientSession, policy: str, trace: list[Shape], tag: str
-) -> tuple[Measure, str]:
+) -> tuple[Measure, list[float], str]:
+    """One run through the real processes: the measure, the sidecars' scrape phases (for the
+    simulator), the contention seen."""
     sidecars = await cluster.sidecars(policy, tag)
     try:
         for child in sidecars:
@@ -285,6 +287,7 @@ async def real_run(
         contention.start()
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
+        phases = [await scrape_phase(http, child.url, start) for child in sidecars]
         offsets = []
         elapsed = 0.0
         for shape in trace:
@@ -312,12 +315,29 @@ async def real_run(
         requests=len(trace),
         failed=len(trace) - len(ttfts),
     )
-    return measure, contention.describe()
+    return measure, phases, contention.describe()
 
 
-def sim_run(policy: str, trace: list[Shape], seed: int) -> Measure:
+async def scrape_phase(http: aiohttp.ClientSession, url: str, start: float) -> float:
+    """When the sidecar at ``url`` scrapes, in seconds after ``start`` (loop time) modulo the
+    interval: from the age of its latest scrape (all its engines are scraped together)."""
+    async with http.get(url + "/debug/scheduler") as response:
+        snapshot = orjson.loads(await response.read())
+        now = asyncio.get_running_loop().time()
+    ages = [float(e["scraped"]["age_s"]) for e in snapshot["endpoints"] if e["scraped"]]
+    return (now - min(ages) - start) % CALIBRATION.staleness_s
+
+
+def sim_run(policy: str, trace: list[Shape], seed: int, phases: list[float]) -> Measure:
     stats = simulate(
-        CALIBRATION, Variant(policy), 1.0, measured=len(trace), warmup=0, seed=seed, trace=trace
+        CALIBRATION,
+        Variant(policy),
+        1.0,
+        measured=len(trace),
+        warmup=0,
+        seed=seed,
+        trace=trace,
+        scrape_phases=phases,
     )
     return Measure(stats.ttft_mean, stats.ttft_p90, stats.remote_share, stats.requests)
 
@@ -358,8 +378,8 @@ async def main(argv: Sequence[str] | None = None) -> int:
                 trace = make_trace(CALIBRATION, seed, rate, args.duration)
                 for policy in args.policies:
                     tag = f"c{os.getpid()}r{run_index}{policy}"
-                    real, contention = await real_run(cluster, http, policy, trace, tag)
-                    sim = sim_run(policy, trace, seed)
+                    real, phases, contention = await real_run(cluster, http, policy, trace, tag)
+                    sim = sim_run(policy, trace, seed, phases)
                     table[policy].append((real, sim))
                     print(
                         f"  run {run_index + 1} seed {seed} {policy:<13} {len(trace)} requests"
@@ -367,7 +387,9 @@ async def main(argv: Sequence[str] | None = None) -> int:
                         f"{sim.ttft_mean * 1000:.0f} ms, p90 {real.ttft_p90 * 1000:.0f} / "
                         f"{sim.ttft_p90 * 1000:.0f} ms, remote {real.remote_share * 100:.0f} / "
                         f"{sim.remote_share * 100:.0f} % (real / sim); load average "
-                        f"{load_average()}; {contention}",
+                        f"{load_average()}; {contention}; scrape phases "
+                        + ", ".join(f"{phase:.2f}" for phase in phases)
+                        + " s",
                         flush=True,
                     )
     finally:

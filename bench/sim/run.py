@@ -6,7 +6,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.engines import (
@@ -76,9 +76,12 @@ class Simulation:
         warmup: int,
         seed: int,
         trace: Iterable[Shape] | None = None,
+        scrape_phases: Sequence[float] | None = None,
     ) -> None:
         """``trace``: the requests to send (gaps in seconds at ``rate`` 1) instead of the
-        scenario's seeded stream; it must hold at least ``warmup + measured`` of them."""
+        scenario's seeded stream; it must hold at least ``warmup + measured`` of them.
+        ``scrape_phases``: when each sidecar scrapes (seconds after time 0, modulo the
+        interval), e.g. as measured on real sidecars; None: at random."""
         self.scenario = scenario
         self.variant = variant
         self.loop = Loop()
@@ -120,6 +123,7 @@ class Simulation:
                 backend(i),
                 seed,
                 clock,
+                None if scrape_phases is None else scrape_phases[i],
             )
             for i in range(scenario.decode_engines)
         ]
@@ -355,7 +359,15 @@ def simulate(
     warmup: int,
     seed: int,
     trace: Iterable[Shape] | None = None,
+    scrape_phases: Sequence[float] | None = None,
 ) -> RunStats:
     return Simulation(
-        scenario, variant, rate, measured=measured, warmup=warmup, seed=seed, trace=trace
+        scenario,
+        variant,
+        rate,
+        measured=measured,
+        warmup=warmup,
+        seed=seed,
+        trace=trace,
+        scrape_phases=scrape_phases,
     ).run()

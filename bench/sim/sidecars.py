@@ -45,7 +45,10 @@ class Sidecar:
         state: ModelledState,
         seed: int,
         clock: Callable[[], float],
+        phase: float | None = None,
     ) -> None:
+        """``phase``: when this sidecar scrapes, seconds into each interval (None: at random, as
+        sidecars started at different times do)."""
         rng = random.Random(f"sidecar-{seed}-{index}")
         self.index = index
         always = variant.mode == "always"
@@ -72,7 +75,8 @@ class Sidecar:
         self.rank.ready = True
         self._staleness = scenario.staleness_s
         self._scrape = scenario.stale_mode == "scrape"
-        self._phase = rng.random() * scenario.staleness_s
+        drawn = rng.random() * scenario.staleness_s
+        self._phase = drawn if phase is None else phase % scenario.staleness_s
         self.last_scrape = math.nan
 
     def scrape_time(self, now: float) -> float:

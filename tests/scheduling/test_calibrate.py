@@ -39,14 +39,28 @@ def test_the_rate_aims_at_the_load():
     assert rate_for(doubled, 0.7, 1) > 1.5 * rate_for(CALIBRATION, 0.7, 1)
 
 
-def test_the_simulator_runs_a_calibration_trace():
+def test_the_simulator_runs_a_calibration_trace_with_the_real_sidecars_scrape_phases():
     trace = make_trace(CALIBRATION, 1, rate=6.0, duration_s=5.0)
-    stats = simulate(
-        CALIBRATION, Variant("qoe"), 1.0, measured=len(trace), warmup=0, seed=1, trace=trace
-    )
+
+    def run(phases):
+        return simulate(
+            CALIBRATION,
+            Variant("least_loaded"),
+            1.0,
+            measured=len(trace),
+            warmup=0,
+            seed=1,
+            trace=trace,
+            scrape_phases=phases,
+        )
+
+    stats = run([0.1, 0.6])
     assert stats.requests == len(trace)
     assert stats.unfinished == 0
     assert 0 < stats.remote_share < 1
+    assert run([0.1, 0.6]).ttft_mean == stats.ttft_mean  # the phases given, not drawn
+    # ... and they matter: least_loaded reads the scrapes.
+    assert {run([p, p]).ttft_mean for p in (0.0, 0.3, 0.6, 0.9)} != {stats.ttft_mean}
 
 
 def test_agreement_is_within_a_quarter():
