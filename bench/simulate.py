@@ -1,12 +1,15 @@
 """The scheduling simulator: goodput and latency of every policy on a modelled P/D cluster.
 
-    python -m bench.simulate                      # standard and wide scenarios (~2 minutes)
+    python -m bench.simulate                      # every scenario, seeds 1, 2, 3 (~6 minutes)
     python -m bench.simulate --quick              # smaller runs, coarser search
     python -m bench.simulate --scenario standard --policies qoe,round_robin:always,never
+    python -m bench.simulate --plain              # issue 4's idealised model
 
 A variant is ``policy`` (conditional disaggregation, the production decider), ``policy:always``
-(disaggregate every request) or ``never`` (every prefill on the local decode engine). See
-docs/scheduling.md for the model and its assumptions.
+(disaggregate every request) or ``never`` (every prefill on the local decode engine). Each
+scenario runs its own variants (``--policies`` replaces them) and judges its own checks on every
+seed; the exit status is 0 exactly when every check passed. A check whose variants did not run
+fails (``--no-checks`` skips them all, and says so). See docs/scheduling.md for the model.
 """
 
 from __future__ import annotations
@@ -25,13 +28,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sim.checks import Outcome, Verdict
 from bench.sim.goodput import Goodput, find_goodput
 from bench.sim.run import RunStats, simulate
-from bench.sim.scenario import DEFAULT_VARIANTS, SCENARIOS, Scenario, Variant
+from bench.sim.scenario import LEAST_LOADED, QOE, ROUND_ROBIN, Scenario, Variant
+from bench.sim.scenarios import SCENARIOS
 from sidecar.scheduling.policies import POLICIES
-
-GUESS = {"standard": 12.0, "wide": 25.0}
-"""Where the goodput search starts (req/s); any value works, a close one saves runs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +43,8 @@ class Effort:
     precision: float
 
 
-FULL = Effort(measured=10_000, warmup=1500, precision=0.02)
-QUICK = Effort(measured=1500, warmup=300, precision=0.05)
+FULL = Effort(measured=6000, warmup=1000, precision=0.02)
+QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 
 
 def parse_variant(text: str) -> Variant:
@@ -64,17 +66,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--policies",
         type=lambda text: [parse_variant(part.strip()) for part in text.split(",") if part],
-        default=list(DEFAULT_VARIANTS),
-        help="comma-separated variants: qoe, round_robin:always, never, ...",
+        help="comma-separated variants (qoe, round_robin:always, never, ...) instead of each "
+        "scenario's own",
     )
     parser.add_argument("--quick", action="store_true", help="fewer requests, coarser search")
     parser.add_argument("--requests", type=int, help="measured requests per run")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--staleness", type=float, help="seconds (default 1)")
-    parser.add_argument("--stale-mode", choices=["delay", "scrape"])
-    parser.add_argument("--state", choices=["shared", "local"])
-    parser.add_argument("--ttft-ratio", type=float, help="the decider's ttft_ratio")
-    parser.add_argument("--bursty", action="store_true", help="gamma arrivals, CV 3")
+    parser.add_argument(
+        "--seeds",
+        type=lambda text: [int(part) for part in text.split(",") if part],
+        default=[1, 2, 3],
+        help="comma-separated workload seeds (default 1,2,3)",
+    )
+    parser.add_argument("--no-checks", action="store_true", help="judge no check (exit 0)")
+    model = parser.add_argument_group("the model (defaults: what production does)")
+    model.add_argument("--plain", action="store_true", help="issue 4's idealised model: all below")
+    model.add_argument("--state", choices=["redis", "shared", "local"])
+    model.add_argument("--stale-mode", choices=["scrape", "delay"])
+    model.add_argument("--staleness", type=float, help="scrape interval, seconds (default 1)")
+    model.add_argument("--exact-tokens", action="store_true", help="sidecars see true counts")
+    model.add_argument("--linear-prefill", action="store_true", help="no attention term")
+    model.add_argument("--reserve-prompt", action="store_true", help="reserve whole prompts")
+    model.add_argument("--ttft-ratio", type=float, help="the decider's ttft_ratio")
+    model.add_argument("--choices", type=int, help="candidates qoe compares (default 2)")
+    model.add_argument(
+        "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
+    )
+    model.add_argument("--bursty", action="store_true", help="gamma arrivals, CV 3")
     parser.add_argument(
         "--rate", type=float, help="reference rate for the latency table (default: qoe goodput)"
     )
@@ -85,17 +102,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     chosen = list(SCENARIOS.values()) if args.scenario == "all" else [SCENARIOS[args.scenario]]
     changes: dict[str, Any] = {}
+    if args.policies:
+        changes["variants"] = tuple(args.policies)
     if args.staleness is not None:
         changes["staleness_s"] = args.staleness
-    if args.stale_mode:
-        changes["stale_mode"] = args.stale_mode
-    if args.state:
-        changes["state"] = args.state
     if args.bursty:
         changes["bursty"] = True
     if args.ttft_ratio is not None:
         changes["ttft_ratio"] = args.ttft_ratio
-    return [replace(scenario, **changes) for scenario in chosen]
+    if args.choices is not None:
+        changes["choices"] = args.choices
+    if args.redis_refresh is not None:
+        changes["redis_refresh_s"] = args.redis_refresh
+    plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}
+    for name, flag in (("state", args.state), ("stale_mode", args.stale_mode)):
+        if flag:
+            plain[name] = flag
+    if args.exact_tokens or args.plain:
+        changes["tokens"] = "exact"
+    if args.linear_prefill or args.plain:
+        changes["crossover_tokens"] = 0
+    if args.reserve_prompt or args.plain:
+        changes["reserve"] = "prompt"
+    return [replace(scenario, **changes, **plain) for scenario in chosen]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,65 +133,91 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.requests:
         effort = replace(effort, measured=args.requests, warmup=max(100, args.requests // 6))
     started = time.perf_counter()
-    variants: list[Variant] = args.policies
     chosen = scenarios(args)
+    seeds: list[int] = args.seeds
+    keys = [
+        (scenario.name, seed, variant)
+        for scenario in chosen
+        for seed in seeds
+        for variant in scenario.variants
+    ]
+    by_name = {scenario.name: scenario for scenario in chosen}
     with _executor(args.jobs) as pool:
         searches = {
-            (scenario.name, variant): pool.submit(
+            key: pool.submit(
                 find_goodput,
-                scenario,
-                variant,
-                guess=GUESS.get(scenario.name, 10.0),
+                by_name[key[0]],
+                key[2],
+                guess=by_name[key[0]].guess,
                 measured=effort.measured,
                 warmup=effort.warmup,
-                seed=args.seed,
+                seed=key[1],
                 precision=effort.precision,
             )
-            for scenario in chosen
-            for variant in variants
+            for key in keys
         }
         goodputs = {key: future.result() for key, future in searches.items()}
-        references: dict[str, float] = {}
+        references: dict[tuple[str, int], float] = {}
         for scenario in chosen:
-            qoe = goodputs.get((scenario.name, Variant("qoe")))
-            best = max(goodputs[scenario.name, variant].rate for variant in variants)
-            references[scenario.name] = args.rate or (qoe.rate if qoe else best)
+            for seed in seeds:
+                qoe = goodputs.get((scenario.name, seed, QOE))
+                best = max(goodputs[scenario.name, seed, v].rate for v in scenario.variants)
+                references[scenario.name, seed] = args.rate or (qoe.rate if qoe else best)
         latency = {
-            (scenario.name, variant): pool.submit(
+            key: pool.submit(
                 simulate,
-                scenario,
-                variant,
-                references[scenario.name],
+                by_name[key[0]],
+                key[2],
+                references[key[0], key[1]],
                 measured=effort.measured,
                 warmup=effort.warmup,
-                seed=args.seed,
+                seed=key[1],
             )
-            for scenario in chosen
-            for variant in variants
+            for key in keys
         }
         at_reference = {key: future.result() for key, future in latency.items()}
     print(
-        f"pd-sidecar scheduling simulator (seed {args.seed}, {effort.measured} measured "
-        f"requests per run after {effort.warmup} warm-up)"
+        f"pd-sidecar scheduling simulator (seeds {', '.join(map(str, seeds))}; "
+        f"{effort.measured} measured requests per run after {effort.warmup} warm-up; goodput "
+        f"search precision {effort.precision * 100:g} %)"
     )
-    failed = 0
+    verdicts: list[Verdict] = []
     for scenario in chosen:
-        rows = [goodputs[scenario.name, variant] for variant in variants]
-        stats = [at_reference[scenario.name, variant] for variant in variants]
         print()
         print(f"== {scenario.describe()}")
-        print(_goodput_table(scenario, variants, rows))
+        print(_goodput_table(scenario, seeds, goodputs))
+        for seed in seeds:
+            print()
+            print(
+                f"seed {seed}, at {references[scenario.name, seed]:.1f} req/s (the qoe goodput) "
+                "- prefill queue = requests queued or running on a prefill engine; max/mean = "
+                "time-averaged longest queue / time-averaged mean queue:"
+            )
+            stats = [at_reference[scenario.name, seed, v] for v in scenario.variants]
+            print(_latency_table(scenario.variants, stats))
         print()
-        print(
-            f"At {references[scenario.name]:.1f} req/s (the qoe goodput) — prefill queue = "
-            "requests queued or running on a prefill engine; max/mean = time-averaged longest "
-            "queue / time-averaged mean queue:"
-        )
-        print(_latency_table(variants, stats))
-        failed += _checks(scenario, goodputs, at_reference)
+        if args.no_checks:
+            print("  checks not judged (--no-checks)")
+            continue
+        for seed in seeds:
+            outcome = Outcome(
+                {v: goodputs[scenario.name, seed, v].rate for v in scenario.variants},
+                {
+                    v: at_reference[scenario.name, seed, v].queue_max_over_mean
+                    for v in scenario.variants
+                },
+            )
+            for check in scenario.checks:
+                verdict = check.judge(outcome)
+                verdicts.append(verdict)
+                print(f"  [{verdict.tag}] {scenario.name} seed {seed}: {verdict.text}")
     runs = sum(len(g.runs) for g in goodputs.values()) + len(at_reference)
+    failed = sum(verdict.failed for verdict in verdicts)
+    judged = sum(verdict.ok is not None for verdict in verdicts)
     print()
     print(f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))")
+    if not args.no_checks:
+        print(f"checks: {judged - failed} of {judged} passed" + (" - FAIL" if failed else ""))
     return 1 if failed else 0
 
 
@@ -179,28 +234,31 @@ class _Inline(Executor):
         return future
 
 
-def _goodput_table(scenario: Scenario, variants: list[Variant], rows: list[Goodput]) -> str:
-    by_label = {row.variant: row.rate for row in rows}
-    rr = by_label.get(Variant("round_robin").label)
-    ll = by_label.get(Variant("least_loaded").label)
+def _goodput_table(
+    scenario: Scenario, seeds: list[int], goodputs: dict[tuple[str, int, Variant], Goodput]
+) -> str:
     target = round(scenario.target_attainment * 100)
     lines = [
-        f"Goodput: highest rate with >= {target} % of requests meeting TTFT <= "
+        f"Goodput (req/s): highest rate with >= {target} % of requests meeting TTFT <= "
         f"{scenario.ttft_slo_s:g} s ({scenario.long_ttft_slo_s:g} s over "
         f"{scenario.long_prompt_tokens} prompt tokens) and TPOT <= "
-        f"{scenario.tpot_slo_s * 1000:g} ms",
-        f"{'variant':<22}{'decider':<13}{'goodput req/s':>14}{'x round_robin':>15}"
-        f"{'x least_loaded':>16}",
+        f"{scenario.tpot_slo_s * 1000:g} ms; x = the ratio to round_robin / least_loaded "
+        "behind the same decider",
+        f"{'variant':<22}{'decider':<13}"
+        + "".join(f"{f'seed {seed}':>10}{'x rr':>7}{'x ll':>7}" for seed in seeds),
     ]
-    for variant, row in zip(variants, rows, strict=True):
-        lines.append(
-            f"{variant.label:<22}{variant.mode:<13}{row.rate:>14.2f}"
-            f"{_ratio(row.rate, rr):>15}{_ratio(row.rate, ll):>16}"
-        )
+    for variant in scenario.variants:
+        row = f"{variant.label:<22}{variant.mode:<13}"
+        for seed in seeds:
+            rate = goodputs[scenario.name, seed, variant].rate
+            rr = goodputs.get((scenario.name, seed, ROUND_ROBIN))
+            ll = goodputs.get((scenario.name, seed, LEAST_LOADED))
+            row += f"{rate:>10.2f}{_ratio(rate, rr)}{_ratio(rate, ll)}"
+        lines.append(row)
     return "\n".join(lines)
 
 
-def _latency_table(variants: list[Variant], stats: list[RunStats]) -> str:
+def _latency_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
     lines = [
         f"{'variant':<22}{'SLO %':>7}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
         f"{'remote %':>10}{'stall %':>9}{'queue mean':>12}{'max/mean':>10}"
@@ -217,64 +275,8 @@ def _latency_table(variants: list[Variant], stats: list[RunStats]) -> str:
     return "\n".join(lines)
 
 
-def _checks(
-    scenario: Scenario,
-    goodputs: dict[tuple[str, Variant], Goodput],
-    at_reference: dict[tuple[str, Variant], RunStats],
-) -> int:
-    def rate(variant: Variant) -> float | None:
-        found = goodputs.get((scenario.name, variant))
-        return found.rate if found else None
-
-    def ratio(variant: Variant) -> float | None:
-        found = at_reference.get((scenario.name, variant))
-        return found.queue_max_over_mean if found else None
-
-    def at_least(variant: Variant, factor: float, text: str) -> tuple[str, bool | None]:
-        """qoe's goodput >= factor x that of ``variant`` (strictly greater for factor 1)."""
-        base = rate(variant)
-        if qoe is None or base is None:
-            return (text, None)
-        ok = qoe > base if factor == 1 else qoe >= factor * base
-        relation = "> " if factor == 1 else f">= {factor:g}x "
-        shown = f" ({qoe / base:.2f}x)" if base else ""
-        return (f"qoe goodput {relation}{text}{shown}", ok)
-
-    qoe = rate(Variant("qoe"))
-    checks: list[tuple[str, bool | None]] = []
-    if scenario.name == "standard":
-        checks.append(at_least(Variant("round_robin"), 1.3, "round_robin, same decider"))
-        checks.append(
-            at_least(Variant("round_robin", "always"), 1.3, "round_robin always (vLLM's proxy)")
-        )
-        checks.append(at_least(Variant("least_loaded"), 1.1, "least_loaded, same decider"))
-        checks.append(at_least(Variant("qoe", "always"), 1, "qoe always"))
-        checks.append(at_least(Variant("qoe", "never"), 1, "never (all local)"))
-    if scenario.name == "wide":
-        qoe_ratio, ll_ratio = ratio(Variant("qoe")), ratio(Variant("least_loaded"))
-        checks.append(
-            (f"qoe prefill queue max/mean <= 1.5 ({qoe_ratio or 0:.2f})", _le(qoe_ratio, 1.5))
-        )
-        checks.append(
-            (f"least_loaded prefill queue max/mean >= 2 ({ll_ratio or 0:.2f})", _le(2.0, ll_ratio))
-        )
-    failed = 0
-    for text, ok in checks:
-        if ok is None:
-            continue
-        failed += not ok
-        print(f"  [{'PASS' if ok else 'FAIL'}] {text}")
-    return failed
-
-
-def _le(low: float | None, high: float | None) -> bool | None:
-    if low is None or high is None or math.isnan(low) or math.isnan(high):
-        return None
-    return low <= high
-
-
-def _ratio(value: float, base: float | None) -> str:
-    return f"{value / base:.2f}" if base else "-"
+def _ratio(value: float, base: Goodput | None) -> str:
+    return f"{value / base.rate:>7.2f}" if base and base.rate else f"{'-':>7}"
 
 
 def _ms(seconds: float) -> str:

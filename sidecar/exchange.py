@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from sidecar.endpoints import Endpoint
 from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.metrics import ROUTES
-from sidecar.scheduling.scheduler import Placement
+from sidecar.scheduling.placement import Placement
 from sidecar.upstream import EngineAnswer
 
 Body = dict[str, Any]

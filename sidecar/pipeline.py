@@ -30,7 +30,8 @@ from sidecar.exchange import Exchange, Refused
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
-from sidecar.scheduling.scheduler import Placement, Scheduler
+from sidecar.scheduling.placement import Placement
+from sidecar.scheduling.scheduler import Scheduler
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker, name_this_task
 from sidecar.trust import PrefillGuard
 

@@ -40,7 +40,8 @@ from sidecar.errors import (
 )
 from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
 from sidecar.metrics import Metrics
-from sidecar.scheduling.scheduler import Placement, Scheduler
+from sidecar.scheduling.placement import Placement
+from sidecar.scheduling.scheduler import Scheduler
 from sidecar.tracking import task_name
 from sidecar.upstream import Engines, parse_json
 

@@ -1,11 +1,19 @@
 """Modelled engines in virtual time: an event loop, prefill engines and decode engines.
 
-Prefill (on either kind of engine) works in iterations: first come first served, up to the batch
-budget of prompt tokens per iteration (longer prompts are chunked over several), an iteration of
-``n`` tokens taking ``n / tokens_per_s``. So a prefill's time grows with its tokens and with the
-batch it shares. A decode engine gives local prefills priority: while one runs, its decode batch
-stalls. Otherwise it runs decode steps, one token for every running request per step, a step
-taking longer the larger the batch.
+Prefill time is ``a·n + b·((c + n)² − c²)`` for ``n`` tokens computed after ``c`` already there
+(the emulator's latency model, ``sidecar.emulator.engine.prefill_seconds``): the weights cost
+every token the same, attention costs more the further into the prompt.
+
+Two engine models. ``batched`` (the scenarios): prefill works in iterations, first come first
+served, up to the batch budget of prompt tokens per iteration (longer prompts are chunked over
+several), an iteration costing the sum of its chunks; so a prefill's time grows with its tokens
+and with the batch it shares. A decode engine gives local prefills priority: while one runs,
+its decode batch stalls. Otherwise it runs decode steps, one token for every running request per
+step, a step taking longer the larger the batch. ``slots`` (the calibration against real
+emulators): exactly what ``sidecar.emulator`` does — ``max_num_seqs`` slots taken first come
+first served, and every admitted request sleeps on its own: its prefill (or KV transfer), then
+one decode delay per output token after the first, each delay × (1 + slowdown × (running − 1))
+with ``running`` read when the delay starts.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from typing import Any
 
 from bench.sim.scenario import Scenario
 from bench.sim.workload import Shape
+from sidecar.emulator.engine import prefill_seconds
 
 
 class Loop:
@@ -53,17 +62,26 @@ class Request:
     endpoint: str | None = None
     reason: str = ""
     prefill_tokens: int = 0
-    """Tokens the chosen engine prefills: the uncached ones locally, the whole prompt remotely."""
-    work_tokens: float = 0.0
-    """Tokens ahead at send (as the sidecar knew them) plus this prefill's: for SpeedEstimate."""
+    """True tokens the chosen engine prefills: the uncached ones locally, the whole prompt
+    remotely."""
     first_token: float = math.nan
     finish: float = math.nan
+    sent: float = math.nan
+    """When the prefill call left the sidecar (after ``reserve``)."""
+    local_tokens: int = 0
+    """A local prefill's uncached tokens as the sidecar estimated them."""
+    claim: Any = None
+    """The decode rank's ``RankClaim``."""
+    reservation: Any = None
 
 
 @dataclass(slots=True, eq=False)
 class Job:
     request: Request
     remaining: int
+    """Tokens still to compute."""
+    offset: int = 0
+    """Tokens before the next chunk (cached ones, then those computed): its attention span."""
     started: bool = False
 
 
@@ -94,6 +112,7 @@ class _PrefillQueue:
 
     budget: int
     tokens_per_s: float
+    crossover_tokens: int
     jobs: deque[Job] = field(default_factory=deque)
     waiting: int = 0
     running: int = 0
@@ -106,21 +125,25 @@ class _PrefillQueue:
         """The next iteration's chunks and its duration."""
         left = self.budget
         taken: list[tuple[Job, int]] = []
+        seconds = 0.0
+        a = 1.0 / self.tokens_per_s
         for job in self.jobs:
             if left <= 0:
                 break
             tokens = min(job.remaining, left)
             taken.append((job, tokens))
+            seconds += prefill_seconds(a, self.crossover_tokens, tokens, job.offset)
             left -= tokens
             if not job.started:
                 job.started = True
                 self.waiting -= 1
                 self.running += 1
-        return taken, (self.budget - left) / self.tokens_per_s
+        return taken, seconds
 
     def complete(self, taken: list[tuple[Job, int]]) -> list[Job]:
         for job, tokens in taken:
             job.remaining -= tokens
+            job.offset += tokens
         done: list[Job] = []
         jobs = self.jobs
         while jobs and jobs[0].remaining <= 0:  # chunks are taken in order: the done ones lead
@@ -131,12 +154,19 @@ class _PrefillQueue:
 
 class PrefillEngine:
     def __init__(
-        self, loop: Loop, key: str, scenario: Scenario, on_done: Callable[[Request], None]
+        self,
+        loop: Loop,
+        key: str,
+        scenario: Scenario,
+        tokens_per_s: float,
+        on_done: Callable[[Request], None],
     ) -> None:
         self.key = key
         self.gauge = Gauge()
         self._loop = loop
-        self._queue = _PrefillQueue(scenario.prefill_budget_tokens, scenario.prefill_tokens_per_s)
+        self._queue = _PrefillQueue(
+            scenario.prefill_budget_tokens, tokens_per_s, scenario.crossover_tokens
+        )
         self._on_done = on_done
         self._busy = False
 
@@ -186,7 +216,9 @@ class DecodeEngine:
         """Virtual seconds spent on local prefills (decode stalled)."""
         self._loop = loop
         self._scenario = scenario
-        self._local = _PrefillQueue(scenario.prefill_budget_tokens, scenario.prefill_tokens_per_s)
+        self._local = _PrefillQueue(
+            scenario.prefill_budget_tokens, scenario.prefill_tokens_per_s, scenario.crossover_tokens
+        )
         self._on_first_token = on_first_token
         self._on_finish = on_finish
         self._busy = False
@@ -270,3 +302,130 @@ class DecodeEngine:
 
     def _record(self) -> None:
         self.gauge.record(self._loop.now, self._local.waiting, self._local.running + self._batch)
+
+
+class SlotPrefillEngine:
+    """The emulator as a prefill engine: ``max_num_seqs`` slots, a prefill sleep each."""
+
+    def __init__(
+        self,
+        loop: Loop,
+        key: str,
+        scenario: Scenario,
+        tokens_per_s: float,
+        on_done: Callable[[Request], None],
+    ) -> None:
+        self.key = key
+        self.gauge = Gauge()
+        self._loop = loop
+        self._scenario = scenario
+        self._a = 1.0 / tokens_per_s
+        self._on_done = on_done
+        self._slots = scenario.prefill_max_num_seqs
+        self._waiting: deque[Job] = deque()
+        self._running = 0
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._waiting) + self._running
+
+    def submit(self, job: Job) -> None:
+        if self._slots and self._running >= self._slots:
+            self._waiting.append(job)
+        else:
+            self._start(job)
+        self._record()
+
+    def _start(self, job: Job) -> None:
+        self._running += 1
+        factor = 1 + self._scenario.concurrency_slowdown * (self._running - 1)
+        seconds = prefill_seconds(self._a, self._scenario.crossover_tokens, job.remaining)
+        self._loop.at(self._loop.now + seconds * factor, self._finish, job)
+
+    def _finish(self, job: Job) -> None:
+        self._running -= 1
+        if self._waiting:
+            self._start(self._waiting.popleft())
+        self._record()
+        self._on_done(job.request)
+
+    def _record(self) -> None:
+        self.gauge.record(self._loop.now, len(self._waiting), self._running)
+
+
+class SlotDecodeEngine:
+    """The emulator as a decode engine: a slot per request; a local prefill sleeps, a remote
+    one's KV transfer sleeps; then one decode delay per output token after the first. Nothing
+    stalls anything else (the emulator has no batch), but every delay grows with ``running``."""
+
+    def __init__(
+        self,
+        loop: Loop,
+        index: int,
+        scenario: Scenario,
+        on_first_token: Callable[[Request], None],
+        on_finish: Callable[[Request], None],
+    ) -> None:
+        self.index = index
+        self.gauge = Gauge()
+        self.outstanding = 0
+        self.prefill_s = 0.0
+        self._loop = loop
+        self._scenario = scenario
+        self._a = 1.0 / scenario.prefill_tokens_per_s
+        self._on_first_token = on_first_token
+        self._on_finish = on_finish
+        self._slots = scenario.decode_max_num_seqs
+        self._waiting: deque[tuple[Request, Job | None]] = deque()
+        self._running = 0
+
+    def submit_local(self, job: Job) -> None:
+        self._admit(job.request, job)
+
+    def arrive_remote(self, request: Request) -> None:
+        """The prefill answered: the decode leg comes in, pulls the KV, decodes."""
+        self._admit(request, None)
+
+    def _admit(self, request: Request, job: Job | None) -> None:
+        if self._slots and self._running >= self._slots:
+            self._waiting.append((request, job))
+        else:
+            self._start(request, job)
+        self._record()
+
+    def _factor(self) -> float:
+        return 1 + self._scenario.concurrency_slowdown * (self._running - 1)
+
+    def _start(self, request: Request, job: Job | None) -> None:
+        self._running += 1
+        scenario = self._scenario
+        if job is None:
+            blocks = -(-request.shape.prompt_tokens // scenario.block_size)
+            seconds = scenario.kv_transfer_s_per_block * blocks  # transfer: no slowdown factor
+        else:
+            seconds = (
+                prefill_seconds(self._a, scenario.crossover_tokens, job.remaining, job.offset)
+                * self._factor()
+            )
+            self.prefill_s += seconds
+        self._loop.at(self._loop.now + seconds, self._first, request)
+
+    def _first(self, request: Request) -> None:
+        request.first_token = self._loop.now
+        self._on_first_token(request)
+        self._step(request, request.shape.output_tokens - 1)
+
+    def _step(self, request: Request, left: int) -> None:
+        if left <= 0:
+            request.finish = self._loop.now
+            self._running -= 1
+            if self._waiting:
+                self._start(*self._waiting.popleft())
+            self._record()
+            self._on_finish(request)
+            return
+        delay = self._scenario.decode_s_per_token * self._factor()
+        self._loop.at(self._loop.now + delay, lambda _: self._step(request, left - 1))
+
+    def _record(self) -> None:
+        self.gauge.record(self._loop.now, len(self._waiting), self._running)

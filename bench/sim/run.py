@@ -6,14 +6,25 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bench.sim.engines import DecodeEngine, Job, Loop, PrefillEngine, Request
+from bench.sim.engines import (
+    DecodeEngine,
+    Job,
+    Loop,
+    PrefillEngine,
+    Request,
+    SlotDecodeEngine,
+    SlotPrefillEngine,
+)
 from bench.sim.scenario import Scenario, Variant
-from bench.sim.sidecars import Reservations, Sidecar
+from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key
+from bench.sim.state import state_factory
 from bench.sim.workload import Shape, shapes
 from devkit.stats import percentile
-from sidecar.scheduling.model import Candidate, LocalView
+from sidecar.scheduling.placement import reserved_tokens
+from sidecar.scheduling.prompts import CHARS_PER_TOKEN, tokens_of_text
 
 SAMPLE_S = 0.05
 """Virtual seconds between samples of the prefill queues."""
@@ -31,7 +42,9 @@ class RunStats:
     """Share of measured requests meeting both the TTFT and the TPOT SLO."""
     ttft_attainment: float
     tpot_attainment: float
+    ttft_mean: float
     ttft_p50: float
+    ttft_p90: float
     ttft_p99: float
     tpot_p50: float
     tpot_p99: float
@@ -62,32 +75,55 @@ class Simulation:
         measured: int,
         warmup: int,
         seed: int,
+        trace: Iterable[Shape] | None = None,
+        scrape_phases: Sequence[float] | None = None,
     ) -> None:
+        """``trace``: the requests to send (gaps in seconds at ``rate`` 1) instead of the
+        scenario's seeded stream; it must hold at least ``warmup + measured`` of them.
+        ``scrape_phases``: when each sidecar scrapes (seconds after time 0, modulo the
+        interval), e.g. as measured on real sidecars; None: at random."""
         self.scenario = scenario
         self.variant = variant
         self.loop = Loop()
         self._rate = rate
         self._warmup = warmup
         self._total = warmup + measured
-        self._shapes = shapes(scenario, seed)
+        self._shapes = iter(trace) if trace is not None else shapes(scenario, seed)
         self._gateway_rng = random.Random(f"gateway-{seed}")
-        keys = [f"prefill-{i}" for i in range(scenario.prefill_engines)]
-        self.prefill = {
-            key: PrefillEngine(self.loop, key, scenario, self._prefilled) for key in keys
+        self._exact = scenario.tokens == "exact"
+        keys = [endpoint_key(i) for i in range(scenario.prefill_engines)]
+        slots = scenario.engine_model == "slots"
+        prefill_kind = SlotPrefillEngine if slots else PrefillEngine
+        decode_kind = SlotDecodeEngine if slots else DecodeEngine
+        self._transfer = None if slots else scenario.transfer  # slots: the decode engine pulls
+        self.prefill: dict[str, PrefillEngine | SlotPrefillEngine] = {
+            key: prefill_kind(self.loop, key, scenario, speed, self._prefilled)
+            for key, speed in zip(keys, scenario.speeds(), strict=True)
         }
-        self.decode = [
-            DecodeEngine(self.loop, i, scenario, self._first_token, self._finished)
+        self.decode: list[DecodeEngine | SlotDecodeEngine] = [
+            decode_kind(self.loop, i, scenario, self._first_token, self._finished)
             for i in range(scenario.decode_engines)
         ]
-        shared = Reservations(keys)
+        backend = state_factory(
+            scenario.state,
+            self.loop,
+            rtt_s=scenario.redis_rtt_s,
+            timeout_s=scenario.state_timeout_s,
+            lease_s=scenario.lease_s,
+            refresh_s=scenario.redis_refresh_s,
+            resync=float(scenario.redis_resync),
+        )
+        clock = self._clock
         self.sidecars = [
             Sidecar(
                 i,
                 scenario,
                 variant,
-                keys,
-                shared if scenario.state == "shared" else Reservations(keys),
+                keys if variant.mode != "never" else [],
+                backend(i),
                 seed,
+                clock,
+                None if scrape_phases is None else scrape_phases[i],
             )
             for i in range(scenario.decode_engines)
         ]
@@ -101,6 +137,9 @@ class Simulation:
         self._sum_ratio = 0.0
         self._busy_samples = 0
 
+    def _clock(self) -> float:
+        return self.loop.now
+
     def run(self) -> RunStats:
         started = time.perf_counter()
         self._schedule_arrival()
@@ -110,55 +149,93 @@ class Simulation:
     # Arrivals and the scheduling decision.
 
     def _schedule_arrival(self) -> None:
-        shape = next(self._shapes)
-        self.loop.at(self.loop.now + shape.gap / self._rate, self._arrive, shape)
+        shape = next(self._shapes, None)
+        if shape is not None:
+            self.loop.at(self.loop.now + shape.gap / self._rate, self._arrive, shape)
 
     def _arrive(self, shape: Shape) -> None:
         loop = self.loop
+        now = loop.now
         index = self._arrived
         self._arrived += 1
         measured = self._warmup <= index < self._total
-        request = Request(index, shape, loop.now, measured)
+        request = Request(index, shape, now, measured)
         if measured:
             self.requests.append(request)
             if index == self._warmup:
                 self._measuring = True
-                loop.at(loop.now, self._sample)
+                loop.at(now, self._sample)
             if index == self._total - 1:
                 self._measuring = False
-                loop.at(loop.now + DRAIN_S, self._give_up)
+                loop.at(now + DRAIN_S, self._give_up)
         self._schedule_arrival()
 
         engine = shape.home if shape.home is not None else self._gateway()
         request.engine = engine
         self.decode[engine].outstanding += 1
         sidecar = self.sidecars[engine]
-        seen = sidecar.view_time(loop.now)
-        local = LocalView(
-            ahead_tokens=sidecar.ahead_tokens,
-            waiting=float(self.decode[engine].gauge.at(seen)[0]),
-            speed=sidecar.local_speed.value,
-        )
-        candidates = self._candidates(sidecar, seen) if sidecar.disaggregates else []
-        decision = sidecar.decider.decide(
-            candidates, local, prompt_tokens=shape.prompt_tokens, cached_tokens=shape.cached_tokens
+        seen = sidecar.scrape_time(now)
+        if seen != sidecar.last_scrape:
+            sidecar.scraped(
+                seen,
+                {key: prefill.gauge.at(seen) for key, prefill in self.prefill.items()},
+                self.decode[engine].gauge.at(seen),
+            )
+        tokens, blocks = self._estimate(sidecar, shape)
+        claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
+        request.claim = claim
+        planner = sidecar.planner
+        decision = planner.decide(
+            sidecar.rank,
+            sidecar.ranks.waiting(sidecar.rank),
+            prompt_tokens=tokens,
+            cached_tokens=cached,
+            view=sidecar.state.view(),
+            now=now,
+            wall=now,
         )
         request.reason = decision.reason
         if decision.endpoint is None:
-            tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
-            request.prefill_tokens = tokens
-            request.work_tokens = sidecar.ahead_tokens + tokens
-            sidecar.ahead_tokens += tokens
-            self.decode[engine].submit_local(Job(request, tokens))
+            claim.prefilling(decision.uncached_tokens)
+            request.local_tokens = decision.uncached_tokens
+            # The engine computes what its own cache lacks, true tokens.
+            true_tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
+            request.prefill_tokens = true_tokens
+            self.decode[engine].submit_local(
+                Job(request, true_tokens, offset=shape.prompt_tokens - true_tokens)
+            )
+            return
+        # A prefill engine does not hold the decode engine's cache: the whole prompt.
+        key = decision.endpoint
+        request.endpoint = key
+        request.prefill_tokens = shape.prompt_tokens
+        reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
+        request.reservation, wait = sidecar.state.reserve(key, reserve)
+        request.sent = now + wait
+        job = Job(request, shape.prompt_tokens)
+        if wait:
+            loop.at(request.sent, self.prefill[key].submit, job)
         else:
-            # The prefill engines do not hold the decode engine's cache: the whole prompt.
+            self.prefill[key].submit(job)
+
+    def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, list[bytes]]:
+        """What the sidecar knows of a prompt: its token estimate, and stand-ins for its block
+        hashes (the previous turn's blocks, inserted into the home rank's index as they were
+        when it was sent, then this prompt's). Chat and RAG prompts are unique and share no
+        block with any other, so their blocks are left out (docs/scheduling.md)."""
+        if self._exact:
             tokens = shape.prompt_tokens
-            key = decision.endpoint
-            request.endpoint = key
-            request.prefill_tokens = tokens
-            request.work_tokens = sidecar.reservations.tokens[key] + tokens
-            sidecar.reservations.add(key, tokens)
-            self.prefill[key].submit(Job(request, tokens))
+            indexed, total = shape.cached_tokens // BLOCK_TOKENS, tokens // BLOCK_TOKENS
+        else:
+            tokens = tokens_of_text(shape.prompt_chars)
+            width = BLOCK_TOKENS * CHARS_PER_TOKEN
+            indexed, total = shape.indexed_chars // width, shape.prompt_chars // width
+        if shape.conversation < 0:
+            return tokens, []
+        conversation = shape.conversation
+        history = [b"%d/%d" % (conversation, i) for i in range(indexed)]
+        sidecar.rank.prefix.insert(history)
+        return tokens, history + [b"%d+%d" % (conversation, i) for i in range(indexed, total)]
 
     def _gateway(self) -> int:
         """The decode engine with the fewest requests in flight, ties at random."""
@@ -166,42 +243,33 @@ class Simulation:
         least = min(loads)
         return self._gateway_rng.choice([i for i, load in enumerate(loads) if load == least])
 
-    def _candidates(self, sidecar: Sidecar, seen: float) -> list[Candidate]:
-        reservations = sidecar.reservations
-        candidates = []
-        for key, engine in self.prefill.items():
-            waiting, running = engine.gauge.at(seen)
-            candidates.append(
-                Candidate(
-                    key,
-                    reserved_tokens=reservations.tokens[key],
-                    reserved_requests=reservations.requests[key],
-                    waiting=float(waiting),
-                    running=float(running),
-                    speed=sidecar.speeds[key].value,
-                )
-            )
-        return candidates
-
-    # What the engines report back.
-
     def _prefilled(self, request: Request) -> None:
         loop = self.loop
         assert request.endpoint is not None
         sidecar = self.sidecars[request.engine]
-        sidecar.reservations.release(request.endpoint, request.prefill_tokens)
-        sidecar.speeds[request.endpoint].observe(request.work_tokens, loop.now - request.arrival)
-        transfer = self.scenario.transfer.seconds(request.prefill_tokens)
-        loop.at(loop.now + transfer, self.decode[request.engine].arrive_remote, request)
+        reservation = request.reservation
+        sidecar.state.release(reservation)
+        speed = sidecar.planner.prefill_observed(reservation, loop.now - request.sent)
+        if speed is not None:
+            sidecar.state.publish_speed(request.endpoint, speed)
+        decode = self.decode[request.engine]
+        if self._transfer is None:
+            decode.arrive_remote(request)
+        else:
+            transfer = self._transfer.seconds(request.prefill_tokens)
+            loop.at(loop.now + transfer, decode.arrive_remote, request)
 
     def _first_token(self, request: Request) -> None:
-        if request.endpoint is None:
+        if request.endpoint is None and request.local_tokens:
             sidecar = self.sidecars[request.engine]
-            sidecar.ahead_tokens -= request.prefill_tokens
-            sidecar.local_speed.observe(request.work_tokens, self.loop.now - request.arrival)
+            request.claim.prefilled()
+            sidecar.planner.local_observed(
+                sidecar.rank.ahead_tokens, request.local_tokens, self.loop.now - request.arrival
+            )
 
     def _finished(self, request: Request) -> None:
         self.decode[request.engine].outstanding -= 1
+        request.claim.end()
         if request.measured:
             self._done += 1
             if self._done == self._total - self._warmup:
@@ -261,7 +329,9 @@ class Simulation:
             attainment=met / n,
             ttft_attainment=met_ttft / n,
             tpot_attainment=met_tpot / n,
+            ttft_mean=sum(ttfts) / n,
             ttft_p50=percentile(ttfts, 50),
+            ttft_p90=percentile(ttfts, 90),
             ttft_p99=percentile(ttfts, 99),
             tpot_p50=percentile(tpots, 50),
             tpot_p99=percentile(tpots, 99),
@@ -288,5 +358,16 @@ def simulate(
     measured: int,
     warmup: int,
     seed: int,
+    trace: Iterable[Shape] | None = None,
+    scrape_phases: Sequence[float] | None = None,
 ) -> RunStats:
-    return Simulation(scenario, variant, rate, measured=measured, warmup=warmup, seed=seed).run()
+    return Simulation(
+        scenario,
+        variant,
+        rate,
+        measured=measured,
+        warmup=warmup,
+        seed=seed,
+        trace=trace,
+        scrape_phases=scrape_phases,
+    ).run()

@@ -1,14 +1,21 @@
-"""Scenario parameters: the modelled cluster, its sidecars, the workload and the SLOs."""
+"""Scenario parameters: the modelled cluster, its sidecars, the workload, the SLOs, the checks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
+from sidecar.emulator.config import ATTENTION_CROSSOVER_TOKENS
 from sidecar.scheduling.model import Transfer
 
-StateMode = Literal["shared", "local"]
+if TYPE_CHECKING:
+    from bench.sim.checks import Check
+
+StateMode = Literal["redis", "shared", "local"]
 StaleMode = Literal["delay", "scrape"]
+TokenMode = Literal["estimated", "exact"]
+ReserveMode = Literal["production", "prompt"]
+EngineModel = Literal["batched", "slots"]
 Mode = Literal["conditional", "always", "never"]
 
 
@@ -19,22 +26,65 @@ class Scenario:
     prefill_engines: int = 4
     decode_engines: int = 4
     prefill_tokens_per_s: float = 10_000.0
-    """Prefill speed of every engine, prefill and decode alike (a local prefill runs at it too)."""
+    """Linear prefill speed of every engine, prefill and decode alike (a local prefill runs at
+    it too), unless ``prefill_speeds`` says otherwise for the prefill engines."""
+    prefill_speeds: tuple[float, ...] = ()
+    """Linear prefill speed (tokens/s) of each prefill engine; empty: all at the default."""
+    crossover_tokens: int = ATTENTION_CROSSOVER_TOKENS
+    """Prefill time ``a·n + b·n²`` with ``b = a / crossover_tokens`` (the emulator's default,
+    docs/emulator.md); 0: linear."""
     prefill_budget_tokens: int = 8192
-    """Tokens per engine iteration; longer prompts are chunked over several iterations."""
+    """``batched``: tokens per engine iteration; longer prompts are chunked over several."""
     decode_step_s_at_1: float = 0.020
     decode_step_s_at_64: float = 0.040
-    """Decode step time at batch 1 and 64, linear in between and beyond."""
+    """``batched``: decode step time at batch 1 and 64, linear in between and beyond."""
     transfer: Transfer = Transfer(fixed_s=0.002, s_per_token=1e-7)
+    engine_model: EngineModel = "batched"
+    """``batched``: iteration-level batching, a local prefill stalls its decode batch (the
+    scenarios). ``slots``: the emulator's own model (``sidecar.emulator``, for the calibration):
+    ``max_num_seqs`` slots, each admitted request its own timers, delays × (1 + slowdown ×
+    (running − 1))."""
+    prefill_max_num_seqs: int = 1
+    decode_max_num_seqs: int = 16
+    concurrency_slowdown: float = 0.0
+    decode_s_per_token: float = 0.02
+    kv_transfer_s_per_block: float = 0.0
+    block_size: int = 16
+    """``slots``: the emulators' settings of the same names."""
     # Sidecars.
     staleness_s: float = 1.0
-    stale_mode: StaleMode = "delay"
-    """``delay``: scraped gauges show the engine as it was exactly ``staleness_s`` ago.
-    ``scrape``: each sidecar scrapes every ``staleness_s`` at its own phase (age 0..staleness)."""
-    state: StateMode = "shared"
-    """``shared``: every sidecar sees every reservation (Redis); ``local``: only its own."""
+    """The scrape interval (``SIDECAR_SCRAPE_INTERVAL_S``); with ``delay``, the gauges' age."""
+    stale_mode: StaleMode = "scrape"
+    """``scrape``: each sidecar scrapes every ``staleness_s`` at its own phase (age 0 to
+    ``staleness_s``, constant in between), as production does. ``delay``: every sidecar sees each
+    engine as it was exactly ``staleness_s`` ago (one snapshot for all: the herding worst case)."""
+    state: StateMode = "redis"
+    """``redis``: the Redis backend as production runs it: a sidecar sees the others'
+    reservations as of its own last sync, which its reservations, its releases (through the
+    background worker) and its heartbeat trigger. ``shared``: every reservation seen instantly
+    by every sidecar. ``local``: each sidecar sees its own only (the memory backend)."""
+    redis_rtt_s: float = 0.001
+    state_timeout_s: float = 0.005
+    lease_s: float = 10.0
+    """``redis``: a round trip; ``SIDECAR_STATE_TIMEOUT_MS`` and ``SIDECAR_STATE_LEASE_S``."""
+    redis_refresh_s: float = 0.0
+    redis_resync: bool = False
+    """What-ifs, not production (``bench.sim.state.RedisClient``): the backend's worker also
+    syncs every ``redis_refresh_s`` (0: never), and syncs again after a sync during which its
+    reservations changed."""
+    tokens: TokenMode = "estimated"
+    """``estimated``: sidecars see production's estimate (characters / 4) of a prompt whose
+    true count the engines work on; ``exact``: they see the true counts."""
+    chars_per_token_median: float = 4.0
+    chars_per_token_sigma: float = 0.25
+    """Characters per true token of each prompt: log-normal (docs/scheduling.md)."""
+    reserve: ReserveMode = "production"
+    """``production``: a placement reserves the estimated uncached tokens, as the scheduler
+    does; ``prompt``: the whole prompt (the first simulator's choice)."""
     ttft_ratio: float | None = None
     """The decider's ``ttft_ratio``; None: the Decider's default."""
+    choices: int = 2
+    """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     bursty: bool = False
     burst_cv: float = 3.0
@@ -56,6 +106,11 @@ class Scenario:
     long_prompt_tokens: int = 4000
     tpot_slo_s: float = 0.050
     target_attainment: float = 0.90
+    # What runs by default, and what is checked.
+    variants: tuple[Variant, ...] = ()
+    checks: tuple[Check, ...] = field(default=(), compare=False)
+    guess: float = 10.0
+    """Where the goodput search starts (req/s); any value works, a close one saves runs."""
 
     def decode_step_s(self, batch: int) -> float:
         slope = (self.decode_step_s_at_64 - self.decode_step_s_at_1) / 63.0
@@ -66,19 +121,47 @@ class Scenario:
             return self.long_ttft_slo_s
         return self.ttft_slo_s
 
+    def speeds(self) -> tuple[float, ...]:
+        """Each prefill engine's linear speed in tokens/s."""
+        if self.prefill_speeds:
+            return self.prefill_speeds
+        return (self.prefill_tokens_per_s,) * self.prefill_engines
+
     def describe(self) -> str:
         arrivals = f"bursty (gamma, CV {self.burst_cv:g})" if self.bursty else "Poisson"
+        speeds = self.speeds()
+        fleet = (
+            f"{self.prefill_engines} prefill"
+            if len(set(speeds)) == 1
+            else f"{self.prefill_engines} prefill ({', '.join(f'{s:,.0f}' for s in speeds)} tok/s)"
+        )
+        prefill = "linear" if not self.crossover_tokens else f"b = a / {self.crossover_tokens:,}"
         return (
-            f"{self.name}: {self.prefill_engines} prefill + {self.decode_engines} decode engines, "
-            f"{self.decode_engines} sidecars, state {self.state}, metrics {self.staleness_s:g} s "
-            f"stale ({self.stale_mode}), {arrivals} arrivals"
+            f"{self.name}: {fleet} + {self.decode_engines} decode engines, "
+            f"{self.decode_engines} sidecars, state {self.state}, metrics scraped every "
+            f"{self.staleness_s:g} s ({self.stale_mode}), tokens {self.tokens}, reserve "
+            f"{self.reserve}, prefill {prefill}, {arrivals} arrivals"
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
+            + ("" if self.choices == 2 else f", qoe choices {self.choices}")
+            + (
+                ""
+                if not self.redis_refresh_s
+                else f", what-if Redis refresh {self.redis_refresh_s:g} s"
+            )
         )
 
-
-STANDARD = Scenario()
-WIDE = replace(STANDARD, name="wide", decode_engines=16)
-SCENARIOS = {"standard": STANDARD, "wide": WIDE}
+    def plain(self) -> Scenario:
+        """The first simulator's idealisations (issue 4): instant shared reservations, exact
+        token counts, linear prefill, one stale snapshot for every sidecar, whole prompts
+        reserved."""
+        return replace(
+            self,
+            state="shared",
+            tokens="exact",
+            crossover_tokens=0,
+            stale_mode="delay",
+            reserve="prompt",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +178,20 @@ class Variant:
         return self.policy if self.mode == "conditional" else f"{self.policy} always"
 
 
-DEFAULT_VARIANTS = (
-    Variant("qoe"),
+QOE = Variant("qoe")
+ROUND_ROBIN = Variant("round_robin")
+LEAST_LOADED = Variant("least_loaded")
+QOE_ALWAYS = Variant("qoe", "always")
+ROUND_ROBIN_ALWAYS = Variant("round_robin", "always")
+NEVER = Variant("qoe", "never")
+
+ALL_VARIANTS = (
+    QOE,
     Variant("power_of_two"),
-    Variant("least_loaded"),
-    Variant("round_robin"),
+    LEAST_LOADED,
+    ROUND_ROBIN,
     Variant("random"),
-    Variant("qoe", "always"),
-    Variant("round_robin", "always"),
-    Variant("qoe", "never"),
+    QOE_ALWAYS,
+    ROUND_ROBIN_ALWAYS,
+    NEVER,
 )

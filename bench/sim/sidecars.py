@@ -1,35 +1,38 @@
-"""A modelled sidecar: the production decider, policy and estimates, fed from the model."""
+"""A modelled sidecar: production's placement code (``sidecar.scheduling``) fed from the model.
+
+Each one owns what a sidecar process owns — a ``Planner`` (the pool's ``EndpointState``s with
+real ``SpeedEstimate``s and ``Health``, the decider and its seeded policy, the local speed), the
+decode engine's ``DecodeRanks`` (one rank; its ``PrefixIndex`` is the prefix estimate) and a
+modelled state backend (``bench.sim.state``) — and decides with production's code: the token
+estimate (``prompts.tokens_of_text``), the rank claim (``DecodeRanks.claim_blocks``: the cached
+estimate), ``Planner.decide`` (candidates and the decider), ``placement.reserved_tokens``, and
+learns with ``Planner.prefill_observed`` / ``local_observed``.
+"""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 from bench.sim.scenario import Scenario, Variant
+from bench.sim.state import ModelledState
+from sidecar.endpoints import Endpoint
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.estimates import SpeedEstimate
-from sidecar.scheduling.model import Speed
+from sidecar.scheduling.estimates import Health
+from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, EndpointState, Planner
 from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.ranks import DecodeRanks
+from sidecar.scheduling.scrape import EngineLoad
 
-REMOTE_PRIOR = Speed(1e-4, 0.02)
-LOCAL_PRIOR = Speed(1e-4, 0.01)
+BLOCK_TOKENS = 16
+"""``SIDECAR_PREFIX_BLOCK_TOKENS``' default."""
+INDEX_BLOCKS = 65536
+"""``SIDECAR_PREFIX_CACHE_BLOCKS``' default."""
 
 
-class Reservations:
-    """Prefills chosen and not finished, per endpoint: one instance shared by every sidecar
-    (the Redis backend) or one per sidecar (the in-memory backend)."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self.tokens = dict.fromkeys(keys, 0)
-        self.requests = dict.fromkeys(keys, 0)
-
-    def add(self, key: str, tokens: int) -> None:
-        self.tokens[key] += tokens
-        self.requests[key] += 1
-
-    def release(self, key: str, tokens: int) -> None:
-        self.tokens[key] -= tokens
-        self.requests[key] -= 1
+def endpoint_key(index: int) -> str:
+    return str(Endpoint("10.0.0.1", 8000 + index))
 
 
 class Sidecar:
@@ -39,35 +42,55 @@ class Sidecar:
         scenario: Scenario,
         variant: Variant,
         keys: list[str],
-        reservations: Reservations,
+        state: ModelledState,
         seed: int,
+        clock: Callable[[], float],
+        phase: float | None = None,
     ) -> None:
+        """``phase``: when this sidecar scrapes, seconds into each interval (None: at random, as
+        sidecars started at different times do)."""
         rng = random.Random(f"sidecar-{seed}-{index}")
         self.index = index
-        self.policy = make_policy(variant.policy, rng, transfer=scenario.transfer)
         always = variant.mode == "always"
-        if scenario.ttft_ratio is None:
-            self.decider = Decider(self.policy, transfer=scenario.transfer, always=always)
-        else:
-            self.decider = Decider(
-                self.policy,
-                ttft_ratio=scenario.ttft_ratio,
-                transfer=scenario.transfer,
-                always=always,
-            )
-        self.disaggregates = variant.mode != "never"
-        self.reservations = reservations
-        self.speeds = {key: SpeedEstimate(REMOTE_PRIOR) for key in keys}
-        self.local_speed = SpeedEstimate(LOCAL_PRIOR)
-        self.ahead_tokens = 0
-        """Prompt tokens of this sidecar's local prefills that have not finished."""
+        policy = make_policy(variant.policy, rng, choices=scenario.choices)
+        decider = (
+            Decider(policy, always=always)
+            if scenario.ttft_ratio is None
+            else Decider(policy, ttft_ratio=scenario.ttft_ratio, always=always)
+        )
+        self.planner = Planner(decider, stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s)
+        for key in keys:
+            host, _, port = key.rpartition(":")
+            self.planner.pool[key] = EndpointState(Endpoint(host, int(port)), Health())
+        self.state = state
+        self.ranks = DecodeRanks(
+            [f"http://decode-{index}"],
+            block_tokens=BLOCK_TOKENS,
+            capacity_blocks=INDEX_BLOCKS,
+            stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s,
+            rng=random.Random(f"ranks-{seed}-{index}"),
+            clock=clock,
+        )
+        self.rank = self.ranks[0]
+        self.rank.ready = True
         self._staleness = scenario.staleness_s
         self._scrape = scenario.stale_mode == "scrape"
-        self._phase = rng.random() * scenario.staleness_s
+        drawn = rng.random() * scenario.staleness_s
+        self._phase = drawn if phase is None else phase % scenario.staleness_s
+        self.last_scrape = math.nan
 
-    def view_time(self, now: float) -> float:
+    def scrape_time(self, now: float) -> float:
         """The moment the scraped gauges this sidecar holds at ``now`` describe."""
         if not self._scrape or self._staleness <= 0:
             return now - self._staleness
         scrapes = math.floor((now - self._phase) / self._staleness)
         return self._phase + scrapes * self._staleness
+
+    def scraped(self, at: float, loads: dict[str, tuple[int, int]], local: tuple[int, int]) -> None:
+        """A scrape at ``at`` (monotonic, virtual): every engine's waiting and running."""
+        self.last_scrape = at
+        pool = self.planner.pool
+        for key, (waiting, running) in loads.items():
+            if key in pool:
+                pool[key].load = EngineLoad(float(waiting), float(running), None, at)
+        self.rank.load = EngineLoad(float(local[0]), float(local[1]), None, at)

@@ -20,11 +20,17 @@ KvProtocol = Literal["nixl", "nixl-push", "sglang", "shared-storage"]
 KV_PROTOCOLS: tuple[KvProtocol, ...] = ("nixl", "nixl-push", "sglang", "shared-storage")
 DisaggregationMode = Literal["null", "prefill", "decode"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
+Tokenizer = Literal["chars", "words"]
+TOKENIZERS: tuple[Tokenizer, ...] = ("chars", "words")
 CHOICES: dict[str, tuple[str, ...]] = {
     "mode": MODES,
     "kv_protocol": KV_PROTOCOLS,
     "disaggregation_mode": DISAGGREGATION_MODES,
+    "tokenizer": TOKENIZERS,
 }
+ATTENTION_CROSSOVER_TOKENS = 53_250
+"""Prompt length at which a prefill's attention FLOPs equal those of the rest of the model, for
+a Llama-3-8B-shaped model (docs/emulator.md, *Latency model*)."""
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -62,7 +68,18 @@ class EmulatorConfig:
         default=0, metadata=_doc("max concurrently running requests, others wait; 0 = unlimited")
     )
     prefill_s_per_token: float = field(
-        default=0.0, metadata=_doc("prefill seconds per uncached prompt token")
+        default=0.0, metadata=_doc("prefill seconds per uncached prompt token (the linear term)")
+    )
+    prefill_crossover_tokens: int = field(
+        default=ATTENTION_CROSSOVER_TOKENS,
+        metadata=_doc(
+            "prompt tokens at which prefill's quadratic (attention) term equals the linear one: "
+            "b = prefill_s_per_token / this; 0 = linear prefill"
+        ),
+    )
+    tokenizer: Tokenizer = field(
+        default="chars",
+        metadata=_doc("how a text prompt is counted: chars (ceil(characters / 4)) or words"),
     )
     kv_transfer_s_per_block: float = field(
         default=0.0, metadata=_doc("seconds per block pulled, spent on the decode side")
@@ -151,6 +168,7 @@ class EmulatorConfig:
             "port": self.port,
             "side_channel_port": self.side_channel_port,
             "max_num_seqs": self.max_num_seqs,
+            "prefill_crossover_tokens": self.prefill_crossover_tokens,
             "kv_expiry_s": self.kv_expiry_s,
             "prefill_s_per_token": self.prefill_s_per_token,
             "kv_transfer_s_per_block": self.kv_transfer_s_per_block,

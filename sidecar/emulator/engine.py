@@ -3,7 +3,9 @@ and staging a prefill's KV for a remote decode.
 
 Latency model (all delays asyncio sleeps, never blocking the loop)::
 
-    prefill  = prefill_s_per_token  * uncached_prompt_tokens * factor
+    prefill  = (a * n + b * ((c + n)**2 - c**2)) * factor
+               a = prefill_s_per_token, b = a / prefill_crossover_tokens (0: b = 0),
+               n = uncached prompt tokens, c = cached ones (attention over them is paid too)
     transfer = kv_transfer_s_per_block * pulled_blocks                 (decode side, per pull)
     decode   = decode_s_per_token   * factor, before each output token after the first
     factor   = 1 + concurrency_slowdown * (running - 1)
@@ -54,15 +56,35 @@ class LatencyModel:
     def _factor(self, running: int) -> float:
         return 1 + self._config.concurrency_slowdown * max(0, running - 1)
 
-    def prefill(self, uncached_tokens: int, running: int) -> float:
-        base = self._config.prefill_s_per_token * uncached_tokens
-        return self._jittered(base * self._factor(running))
+    def prefill(self, uncached_tokens: int, running: int, cached_tokens: int = 0) -> float:
+        return self._jittered(
+            prefill_seconds(
+                self._config.prefill_s_per_token,
+                self._config.prefill_crossover_tokens,
+                uncached_tokens,
+                cached_tokens,
+            )
+            * self._factor(running)
+        )
 
     def decode(self, running: int) -> float:
         return self._jittered(self._config.decode_s_per_token * self._factor(running))
 
     def transfer(self, blocks: int) -> float:
         return self._jittered(self._config.kv_transfer_s_per_block * blocks)
+
+
+def prefill_seconds(
+    s_per_token: float, crossover_tokens: int, uncached_tokens: int, cached_tokens: int = 0
+) -> float:
+    """``a·n + b·((c + n)² − c²)``: the linear part (weights: projections, MLP) for the ``n``
+    tokens computed, and attention, whose cost per token grows with its position, for the same
+    tokens after ``c`` cached ones. ``b = a / crossover_tokens``; a crossover of 0 is linear."""
+    linear = s_per_token * uncached_tokens
+    if crossover_tokens <= 0 or uncached_tokens <= 0:
+        return linear
+    end = cached_tokens + uncached_tokens
+    return linear + s_per_token / crossover_tokens * (end * end - cached_tokens * cached_tokens)
 
 
 async def _sleep(seconds: float) -> None:
@@ -201,7 +223,7 @@ class Engine:
             if stored > cached:
                 await _sleep(self.latency.transfer((stored - cached) // block_size))
                 cached = stored
-        await _sleep(self.latency.prefill(prompt.num_tokens - cached, self.running))
+        await _sleep(self.latency.prefill(prompt.num_tokens - cached, self.running, cached))
         self.prefix_cache.insert(hashes)
         if self.store is not None:
             await asyncio.to_thread(self.store.save, hashes)

@@ -99,11 +99,11 @@ def parse_generation(
         if endpoint is Endpoint.COMPLETIONS:
             if "prompt" not in body:
                 raise ValueError("prompt is required")
-            prompt = prompt_from_completion(body["prompt"])
+            prompt = prompt_from_completion(body["prompt"], config.tokenizer)
         else:
             if "messages" not in body:
                 raise ValueError("messages is required")
-            prompt = prompt_from_messages(body["messages"])
+            prompt = prompt_from_messages(body["messages"], config.tokenizer)
     except ValueError as exc:
         raise _bad(str(exc)) from exc
 

@@ -1,7 +1,9 @@
 """Prompts in, words out: prompt extraction, the token estimate, deterministic output text.
 
 There is no tokenizer. A text prompt counts ``ceil(characters / 4)`` tokens (at least 1) and
-token ``i`` is characters ``[4i, 4i + 4)``; a prompt given as token ids counts one token per id.
+token ``i`` is characters ``[4i, 4i + 4)``; with the ``words`` tokenizer it counts one token per
+whitespace-separated word (at least 1) and token ``i`` is word ``i``, so its count differs from a
+characters / 4 estimate as real text's does. A prompt given as token ids counts one token per id.
 Output token ``i`` of choice ``k`` is a word picked by BLAKE2b of (prompt text, k, i), so the answer
 depends on the prompt alone: identical whether prefilled here or remotely, streamed or not.
 """
@@ -12,6 +14,8 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from sidecar.emulator.config import Tokenizer
 
 CHARS_PER_TOKEN = 4
 
@@ -35,6 +39,8 @@ class Prompt:
     text: str
     num_tokens: int
     token_ids: tuple[int, ...] | None = None
+    words: bool = False
+    """Counted by the ``words`` tokenizer: a token is a whitespace-separated word."""
 
     def full_blocks(self, block_size: int, limit_tokens: int | None = None) -> list[bytes]:
         """Contents of the leading full KV blocks (within the first ``limit_tokens`` tokens)."""
@@ -46,12 +52,24 @@ class Prompt:
                 ",".join(map(str, ids[k * block_size : (k + 1) * block_size])).encode()
                 for k in range(count)
             ]
+        if self.words:
+            words = self.text.split()
+            return [
+                " ".join(words[k * block_size : (k + 1) * block_size]).encode()
+                for k in range(count)
+            ]
         width = block_size * CHARS_PER_TOKEN
         return [self.text[k * width : (k + 1) * width].encode() for k in range(count)]
 
 
 def estimate_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def text_prompt(text: str, tokenizer: Tokenizer = "chars") -> Prompt:
+    if tokenizer == "words":
+        return Prompt(text, max(1, len(text.split())), words=True)
+    return Prompt(text, estimate_tokens(text))
 
 
 def _token_id_prompt(ids: Sequence[object]) -> Prompt:
@@ -65,20 +83,20 @@ def _token_id_prompt(ids: Sequence[object]) -> Prompt:
     return Prompt(" ".join(map(str, token_ids)), len(token_ids), tuple(token_ids))
 
 
-def prompt_from_completion(value: object) -> Prompt:
+def prompt_from_completion(value: object, tokenizer: Tokenizer = "chars") -> Prompt:
     """The ``prompt`` of /v1/completions: str, [str, ...], [int, ...] or [[int, ...], ...].
 
     For a batch only the first prompt is served. Raises ValueError with a client-facing message.
     """
     if isinstance(value, str):
-        return Prompt(value, estimate_tokens(value))
+        return text_prompt(value, tokenizer)
     if not isinstance(value, list) or not value:
         raise ValueError("prompt must be a string, a list of strings or a list of token ids")
     first = value[0]
     if isinstance(first, str):
         if not all(isinstance(p, str) for p in value):
             raise ValueError("prompt list must contain only strings")
-        return Prompt(first, estimate_tokens(first))
+        return text_prompt(first, tokenizer)
     if isinstance(first, list):
         if not all(isinstance(p, list) for p in value):
             raise ValueError("prompt list must contain only token id lists")
@@ -105,7 +123,7 @@ def _content_text(content: object, index: int) -> str:
     raise ValueError(f"messages[{index}].content must be a string or a list of parts")
 
 
-def prompt_from_messages(value: object) -> Prompt:
+def prompt_from_messages(value: object, tokenizer: Tokenizer = "chars") -> Prompt:
     """The ``messages`` of /v1/chat/completions rendered as lines ``role: content``."""
     if not isinstance(value, list) or not value:
         raise ValueError("messages must be a non-empty list")
@@ -117,8 +135,7 @@ def prompt_from_messages(value: object) -> Prompt:
         if not isinstance(role, str):
             raise ValueError(f"messages[{index}].role must be a string")
         lines.append(f"{role}: {_content_text(message.get('content'), index)}")
-    text = "\n".join(lines)
-    return Prompt(text, estimate_tokens(text))
+    return text_prompt("\n".join(lines), tokenizer)
 
 
 class OutputText:

@@ -40,7 +40,12 @@ def estimate_tokens(body: dict[str, Any]) -> int:
         return len(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         return len(prompt[0])
-    return max(1, len(prompt_text(body)) // CHARS_PER_TOKEN)
+    return tokens_of_text(len(prompt_text(body)))
+
+
+def tokens_of_text(characters: int) -> int:
+    """The estimate for a text of ``characters``: characters / 4, at least 1."""
+    return max(1, characters // CHARS_PER_TOKEN)
 
 
 class PrefixIndex:

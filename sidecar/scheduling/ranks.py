@@ -196,7 +196,13 @@ class DecodeRanks:
         """Place a generation request: its rank (claimed) and the tokens of its prompt that
         rank has cached. The chosen rank's index remembers the prompt, which it will hold
         whether it computes it or pulls its KV."""
-        hashes = self._hasher.hashes(text)
+        return self.claim_blocks(self._hasher.hashes(text), prompt_tokens, text)
+
+    def claim_blocks(
+        self, hashes: list[bytes], prompt_tokens: int, text: str | bytes = ""
+    ) -> tuple[RankClaim, int]:
+        """``claim`` for a prompt given by its block hashes (``PrefixIndex.hashes``; the
+        simulator gives stand-ins). ``text``, when given, goes with a claim that ``move``s."""
         candidates = self.candidates()
         if len(candidates) == 1:
             rank = candidates[0]

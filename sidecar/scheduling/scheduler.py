@@ -1,23 +1,24 @@
 """The scheduler's live side: the pool, what it knows of each endpoint, and placing a request.
 
-Around the pure decider and policy it keeps, per prefill endpoint: health (ejection with growing
-backoff, re-admission after a successful probe), observed speed, scraped engine load, draining;
-and it keeps reservations in the state backend. Each request is first given a rank of the local
-decode engine (``ranks``: the prefix index per rank, then load); the decision to prefill locally
-weighs that rank. Background tasks re-resolve discovery and scrape every engine's /metrics (every
-decode rank's too; probing ejected endpoints' /health); the request path does no I/O but the
-backend's single bounded ``reserve``.
+The pure part (per-endpoint knowledge, candidates, the decision, what is reserved and learnt) is
+``placement.Planner``, which the simulator runs too. Around it this keeps the I/O: discovery,
+health transitions (ejection with growing backoff, re-admission after a successful probe, logged
+and published), reservations in the state backend, metrics. Each request is first given a rank
+of the local decode engine (``ranks``: the prefix index per rank, then load); the decision to
+prefill locally weighs that rank. Background tasks re-resolve discovery and scrape every
+engine's /metrics (every decode rank's too; probing ejected endpoints' /health); the request path
+does no I/O but the backend's single bounded ``reserve``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.config import REMOTE_ONLY_CONNECTORS, Settings
@@ -26,61 +27,25 @@ from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
 from sidecar.metrics import Metrics
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
-from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
+from sidecar.scheduling.estimates import Availability, Health
+from sidecar.scheduling.model import Candidate, Decision
+from sidecar.scheduling.placement import (
+    STALE_AFTER_SCRAPES,
+    EndpointState,
+    Placement,
+    Planner,
+    PrefillOutlook,
+    reserved_tokens,
+    speed_dict,
+)
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads, parse_engine_load
-from sidecar.scheduling.state import Reservation, StateBackend
+from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.scheduling")
-
-PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
-"""10,000 prompt tokens/s and 20 ms per call until the endpoint's own calls say otherwise."""
-LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
-STALE_AFTER_SCRAPES = 3
-"""A scrape older than this many intervals is ignored (treated as unknown)."""
-SPEED_SAMPLES_TRUSTED = 3
-"""Below this many own observations, a speed shared by other sidecars is preferred."""
-
-
-@dataclass(slots=True)
-class EndpointState:
-    endpoint: Endpoint
-    health: Health
-    speed: SpeedEstimate = field(default_factory=lambda: SpeedEstimate(PREFILL_PRIOR))
-    load: EngineLoad | None = None
-    draining: bool = False
-    inflight: int = 0
-
-    @property
-    def key(self) -> str:
-        return str(self.endpoint)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillOutlook:
-    queued: bool
-    """Probably still waiting in the engine's queue."""
-    compute_s: float
-    """The prompt's own predicted compute, without queue or fixed overhead."""
-    remaining_s: float
-    """Predicted seconds until it ends (negative: overdue)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one request prefills, and what to give back when it is done."""
-
-    decision: Decision
-    endpoint: Endpoint | None
-    rank: RankClaim
-    """The decode rank the request holds (a prefill retry's placement shares it); the pipeline
-    ends the claim when the request ends."""
-    reservation: Reservation | None = None
-    local_tokens: int = 0
 
 
 class Scheduler:
@@ -99,13 +64,19 @@ class Scheduler:
         self._engines = engines
         self._metrics = metrics
         self._rng = random.Random(settings.scheduler_seed)
-        self._decider = Decider(
-            make_policy(settings.scheduler_policy, self._rng, choices=settings.scheduler_choices),
-            min_tokens=settings.disagg_min_tokens,
-            ttft_ratio=settings.disagg_ttft_ratio,
-            # A decode server that cannot prefill: nothing to weigh, every request goes remote.
-            always=settings.connector in REMOTE_ONLY_CONNECTORS,
+        self._planner = Planner(
+            Decider(
+                make_policy(
+                    settings.scheduler_policy, self._rng, choices=settings.scheduler_choices
+                ),
+                min_tokens=settings.disagg_min_tokens,
+                ttft_ratio=settings.disagg_ttft_ratio,
+                # A decode server that cannot prefill: nothing to weigh, every request goes remote.
+                always=settings.connector in REMOTE_ONLY_CONNECTORS,
+            ),
+            stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
         )
+        self._decider = self._planner.decider
         self.ranks = DecodeRanks(
             settings.decode_ranks,
             block_tokens=settings.prefix_block_tokens,
@@ -114,9 +85,7 @@ class Scheduler:
             # Its own stream: placing on ranks never shifts the prefill policy's seeded choices.
             rng=random.Random(settings.scheduler_seed),
         )
-        self._pool: dict[str, EndpointState] = {}
-        # One estimate for every rank: the same model on the same hardware.
-        self._local_speed = SpeedEstimate(LOCAL_PRIOR)
+        self._pool = self._planner.pool
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
         self._scrape_timeout_s = min(settings.scrape_interval_s, 2.0)
@@ -199,17 +168,22 @@ class Scheduler:
             return Placement(decision, None, claim, local_tokens=uncached)
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
-            predicted = self._decider.remote_seconds(self._candidate(str(header)), tokens)
+            candidate = self._planner.candidate(str(header), *self._now())
+            predicted = self._decider.remote_seconds(candidate, tokens)
             uncached = max(0, tokens - cached)
             decision = Decision(str(header), "header", tokens, uncached, predicted)
             self._count(decision)
             return await self._reserve(decision, header, claim)
         rank = claim.rank
-        decision = self._decider.decide(
-            self._candidates(),
-            LocalView(rank.ahead_tokens, self.ranks.waiting(rank), self._local()),
+        view, now, wall = self._now()
+        decision = self._planner.decide(
+            rank,
+            self.ranks.waiting(rank),
             prompt_tokens=tokens,
             cached_tokens=cached,
+            view=view,
+            now=now,
+            wall=wall,
         )
         self._count(decision)
         if decision.endpoint is None:
@@ -229,13 +203,7 @@ class Scheduler:
         chosen = self._decider.policy.choose(candidates, decision.uncached_tokens)
         if chosen is None:
             return None
-        retried = Decision(
-            chosen.key,
-            decision.reason,
-            decision.prompt_tokens,
-            decision.uncached_tokens,
-            decision.predicted_s,
-        )
+        retried = dataclasses.replace(decision, endpoint=chosen.key)
         return await self._reserve(retried, self._pool[chosen.key].endpoint, failed.rank)
 
     def pool_endpoints(self) -> list[Endpoint]:
@@ -248,7 +216,7 @@ class Scheduler:
             return Placement(decision, endpoint, rank)
         state.inflight += 1
         try:
-            reservation = await self.backend.reserve(state.key, decision.uncached_tokens)
+            reservation = await self.backend.reserve(state.key, reserved_tokens(decision))
         except BaseException:
             state.inflight -= 1
             raise
@@ -270,8 +238,9 @@ class Scheduler:
         if ok is True:
             state.health.success()
             if seconds is not None:
-                speed = state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds)
-                self.backend.publish_speed(state.key, speed)
+                speed = self._planner.prefill_observed(reservation, seconds)
+                if speed is not None:
+                    self.backend.publish_speed(state.key, speed)
         elif ok is False:
             self._failure(state)
         if state.draining and state.inflight == 0:
@@ -279,29 +248,15 @@ class Scheduler:
             self._metrics.forget_endpoint(state.key)
 
     def prefill_outlook(self, placement: Placement, elapsed_s: float) -> PrefillOutlook:
-        """How a prefill stands ``elapsed_s`` after it was sent to ``placement``'s endpoint.
-
-        Queued means: the engine's last fresh scrape showed waiting requests, and the work
-        reserved ahead of this prefill when it was sent would not have drained yet. Without that
-        evidence the prefill counts as computing — the error a stale scrape can cause is then to
-        finish a prefill that was queued (compute spent), never to abort one that was done.
-        """
-        key = str(placement.endpoint)
-        state = self._pool.get(key)
-        speed = PREFILL_PRIOR
-        waiting: float | None = None
-        if state is not None:
-            speed = self._speed(state, self.backend.view().speeds.get(key))
-            waiting = self._fresh(state.load, "waiting")
-        queue_s = 0.0
-        if waiting and placement.reservation is not None:
-            queue_s = speed.s_per_token * placement.reservation.ahead_tokens
-        # The tokens its speed was learned on (prefill_finished): the uncached ones.
-        compute_s = speed.s_per_token * placement.decision.uncached_tokens
-        return PrefillOutlook(
-            queued=elapsed_s < queue_s,
-            compute_s=compute_s,
-            remaining_s=queue_s + speed.overhead_s + compute_s - elapsed_s,
+        """How a prefill stands ``elapsed_s`` after it was sent to ``placement``'s endpoint
+        (``Planner.outlook``)."""
+        return self._planner.outlook(
+            str(placement.endpoint),
+            placement.reservation,
+            placement.decision.uncached_tokens,
+            elapsed_s,
+            self.backend.view(),
+            time.monotonic(),
         )
 
     def local_first_byte(self, placement: Placement, seconds: float | None) -> None:
@@ -312,7 +267,7 @@ class Scheduler:
         placement.rank.prefilled()
         if seconds is not None:
             ahead = placement.rank.rank.ahead_tokens
-            self._local_speed.observe(ahead + placement.local_tokens, seconds)
+            self._planner.local_observed(ahead, placement.local_tokens, seconds)
 
     def _failure(self, state: EndpointState) -> None:
         now = time.monotonic()
@@ -329,50 +284,15 @@ class Scheduler:
             if was == Availability.HEALTHY:  # taken out of service; a failed probe is not new
                 self._metrics.endpoint_ejections.labels(state.key).inc()
 
-    def _candidate(self, key: str) -> Candidate:
-        """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
-        stranger: the prior speed, no load known."""
-        found = [c for c in self._candidates() if c.key == key] if key in self._pool else []
-        return found[0] if found else Candidate(key=key, speed=PREFILL_PRIOR)
+    def _now(self) -> tuple[SharedView, float, float]:
+        """The backend's view, the monotonic and the wall time: what a decision is made on."""
+        return self.backend.view(), time.monotonic(), time.time()
 
     def _candidates(self) -> list[Candidate]:
-        now, wall = time.monotonic(), time.time()
-        view = self.backend.view()
-        candidates = []
-        for key, state in self._pool.items():
-            if state.draining or not state.health.available(now):
-                continue
-            if view.ejected_until.get(key, 0.0) > wall:
-                continue
-            load = view.loads.get(key)
-            candidates.append(
-                Candidate(
-                    key=key,
-                    reserved_tokens=load.tokens if load else 0,
-                    reserved_requests=load.requests if load else 0,
-                    waiting=self._fresh(state.load, "waiting"),
-                    running=self._fresh(state.load, "running"),
-                    kv_usage=self._fresh(state.load, "kv_usage"),
-                    speed=self._speed(state, view.speeds.get(key)),
-                )
-            )
-        return candidates
-
-    def _speed(self, state: EndpointState, shared: Speed | None) -> Speed:
-        if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
-            return shared
-        return state.speed.value
-
-    def _local(self) -> Speed:
-        return self._local_speed.value
+        return self._planner.candidates(*self._now())
 
     def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
-        if load is None:
-            return None
-        if time.monotonic() - load.at > STALE_AFTER_SCRAPES * self._settings.scrape_interval_s:
-            return None
-        value: float | None = getattr(load, name)
-        return value
+        return self._planner.fresh(load, name, time.monotonic())
 
     def _count(self, decision: Decision) -> None:
         self._reasons[decision.reason] += 1
@@ -481,30 +401,6 @@ class Scheduler:
     def snapshot(self) -> dict[str, Any]:
         now, wall = time.monotonic(), time.time()
         view = self.backend.view()
-        endpoints = []
-        for key, state in sorted(self._pool.items()):
-            load = view.loads.get(key)
-            availability = state.health.refresh(now)
-            shared_until = view.ejected_until.get(key, 0.0)
-            endpoints.append(
-                {
-                    "endpoint": key,
-                    "state": "draining" if state.draining else availability.value,
-                    "ejected_for_s": round(max(0.0, state.health.ejected_until - now), 3)
-                    if availability == Availability.EJECTED
-                    else None,
-                    "ejected_elsewhere_for_s": round(shared_until - wall, 3)
-                    if shared_until > wall
-                    else None,
-                    "consecutive_failures": state.health.failures,
-                    "reserved_tokens": load.tokens if load else 0,
-                    "reserved_requests": load.requests if load else 0,
-                    "inflight_here": state.inflight,
-                    "scraped": describe_load(state.load, now),
-                    "speed": _speed_dict(self._speed(state, view.speeds.get(key))),
-                    "speed_samples": state.speed.samples,
-                }
-            )
         return {
             "policy": self._settings.scheduler_policy,
             "choices": self._settings.scheduler_choices,
@@ -516,13 +412,9 @@ class Scheduler:
             "local": {
                 "ahead_tokens": sum(rank.ahead_tokens for rank in self.ranks),
                 "scraped": describe_load(merge_loads([rank.load for rank in self.ranks]), now),
-                "speed": _speed_dict(self._local_speed.value),
+                "speed": speed_dict(self._planner.local_speed.value),
                 "prefix_index_blocks": sum(len(rank.prefix) for rank in self.ranks),
             },
             "decode_ranks": self.ranks.describe(now),
-            "endpoints": endpoints,
+            "endpoints": self._planner.describe(view, now, wall),
         }
-
-
-def _speed_dict(speed: Speed) -> dict[str, float]:
-    return {"s_per_token": speed.s_per_token, "overhead_s": speed.overhead_s}

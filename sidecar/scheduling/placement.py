@@ -1,0 +1,233 @@
+"""Placing one request on the pool: the scheduler's pure part, which the simulator runs as is.
+
+What is known of each prefill endpoint (``EndpointState``: health, observed speed, the last
+scrape, draining), how candidates are built from it and the state backend's view (available
+endpoints only; reservations; scraped gauges while fresh; the observed speed, or a speed another
+sidecar published while this sidecar has too few samples of its own), the decision for a request
+on its decode rank, what a placement reserves, and what is learnt from outcomes.
+
+No I/O and no clock of its own: the caller passes the monotonic time (``now``, scrapes and
+ejections) and the wall time (``wall``, ejections published by other sidecars) and the backend's
+``SharedView``. The live scheduler (``scheduler.py``) wraps it with discovery, scraping, the
+backend and metrics; the simulator (``bench/sim``) with a modelled cluster in virtual time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.endpoints import Endpoint
+from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
+from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
+from sidecar.scheduling.ranks import DecodeRank, RankClaim
+from sidecar.scheduling.scrape import EngineLoad, describe_load
+from sidecar.scheduling.state import Reservation, SharedView
+
+PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
+"""10,000 prompt tokens/s and 20 ms per call until the endpoint's own calls say otherwise."""
+LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
+STALE_AFTER_SCRAPES = 3
+"""A scrape older than this many intervals is ignored (treated as unknown)."""
+SPEED_SAMPLES_TRUSTED = 3
+"""Below this many own observations, a speed shared by other sidecars is preferred."""
+
+
+@dataclass(slots=True)
+class EndpointState:
+    endpoint: Endpoint
+    health: Health
+    speed: SpeedEstimate = field(default_factory=lambda: SpeedEstimate(PREFILL_PRIOR))
+    load: EngineLoad | None = None
+    draining: bool = False
+    inflight: int = 0
+
+    @property
+    def key(self) -> str:
+        return str(self.endpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutlook:
+    queued: bool
+    """Probably still waiting in the engine's queue."""
+    compute_s: float
+    """The prompt's own predicted compute, without queue or fixed overhead."""
+    remaining_s: float
+    """Predicted seconds until it ends (negative: overdue)."""
+
+
+def reserved_tokens(decision: Decision) -> int:
+    """What a placement reserves on its prefill endpoint: the prompt's tokens not in the local
+    decode rank's cache (the decider's ``uncached_tokens``), as estimated at decision time."""
+    return decision.uncached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one request prefills, and what to give back when it is done."""
+
+    decision: Decision
+    endpoint: Endpoint | None
+    rank: RankClaim
+    """The decode rank the request holds (a prefill retry's placement shares it); the pipeline
+    ends the claim when the request ends."""
+    reservation: Reservation | None = None
+    local_tokens: int = 0
+
+
+class Planner:
+    """The pool as one sidecar knows it, and the decisions made on it."""
+
+    def __init__(self, decider: Decider, *, stale_after_s: float) -> None:
+        """``stale_after_s``: a scrape older than this is ignored (three scrape intervals)."""
+        self.decider = decider
+        self.pool: dict[str, EndpointState] = {}
+        # One estimate for every decode rank: the same model on the same hardware.
+        self.local_speed = SpeedEstimate(LOCAL_PRIOR)
+        self._stale_after_s = stale_after_s
+
+    def fresh(self, load: EngineLoad | None, name: str, now: float) -> float | None:
+        """Gauge ``name`` of a scrape, None when unknown or older than the staleness bound."""
+        if load is None or now - load.at > self._stale_after_s:
+            return None
+        value: float | None = getattr(load, name)
+        return value
+
+    def speed(self, state: EndpointState, shared: Speed | None) -> Speed:
+        if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
+            return shared
+        return state.speed.value
+
+    def candidates(self, view: SharedView, now: float, wall: float) -> list[Candidate]:
+        """Every available endpoint as a policy sees it: not draining, not ejected here, not
+        ejected by another sidecar (``view.ejected_until``, Unix time)."""
+        candidates = []
+        for key, state in self.pool.items():
+            if state.draining or not state.health.available(now):
+                continue
+            if view.ejected_until.get(key, 0.0) > wall:
+                continue
+            load = view.loads.get(key)
+            candidates.append(
+                Candidate(
+                    key=key,
+                    reserved_tokens=load.tokens if load else 0,
+                    reserved_requests=load.requests if load else 0,
+                    waiting=self.fresh(state.load, "waiting", now),
+                    running=self.fresh(state.load, "running", now),
+                    kv_usage=self.fresh(state.load, "kv_usage", now),
+                    speed=self.speed(state, view.speeds.get(key)),
+                )
+            )
+        return candidates
+
+    def candidate(self, key: str, view: SharedView, now: float, wall: float) -> Candidate:
+        """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
+        stranger: the prior speed, no load known."""
+        if key in self.pool:
+            for found in self.candidates(view, now, wall):
+                if found.key == key:
+                    return found
+        return Candidate(key=key, speed=PREFILL_PRIOR)
+
+    def decide(
+        self,
+        rank: DecodeRank,
+        waiting: float | None,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        view: SharedView,
+        now: float,
+        wall: float,
+    ) -> Decision:
+        """Where a request placed on ``rank`` prefills: the decider on the pool's candidates and
+        the rank's local view (its local prefills not at their first byte yet, its scraped
+        ``waiting`` queue, the observed local speed)."""
+        return self.decider.decide(
+            self.candidates(view, now, wall),
+            LocalView(rank.ahead_tokens, waiting, self.local_speed.value),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+        )
+
+    def prefill_observed(self, reservation: Reservation, seconds: float) -> Speed | None:
+        """A prefill on ``reservation``'s endpoint answered after ``seconds`` (from the call):
+        fit its speed on the tokens reserved ahead at send plus its own. Returns the new speed
+        (to publish), None when the endpoint left the pool."""
+        state = self.pool.get(reservation.endpoint)
+        if state is None:
+            return None
+        return state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds)
+
+    def local_observed(self, ahead_tokens: int, local_tokens: int, seconds: float) -> None:
+        """A local prefill of ``local_tokens`` produced its first byte ``seconds`` after the
+        request arrived, with ``ahead_tokens`` of other local prefills still before theirs."""
+        self.local_speed.observe(ahead_tokens + local_tokens, seconds)
+
+    def outlook(
+        self,
+        key: str,
+        reservation: Reservation | None,
+        uncached_tokens: int,
+        elapsed_s: float,
+        view: SharedView,
+        now: float,
+    ) -> PrefillOutlook:
+        """How a prefill of ``uncached_tokens`` stands ``elapsed_s`` after it was sent to ``key``.
+
+        Queued means: the engine's last fresh scrape showed waiting requests, and the work
+        reserved ahead of this prefill when it was sent would not have drained yet. Without that
+        evidence the prefill counts as computing — the error a stale scrape can cause is then to
+        finish a prefill that was queued (compute spent), never to abort one that was done.
+        """
+        state = self.pool.get(key)
+        speed = PREFILL_PRIOR
+        waiting: float | None = None
+        if state is not None:
+            speed = self.speed(state, view.speeds.get(key))
+            waiting = self.fresh(state.load, "waiting", now)
+        queue_s = 0.0
+        if waiting and reservation is not None:
+            queue_s = speed.s_per_token * reservation.ahead_tokens
+        # The tokens its speed was learned on (prefill_observed): the uncached ones.
+        compute_s = speed.s_per_token * uncached_tokens
+        return PrefillOutlook(
+            queued=elapsed_s < queue_s,
+            compute_s=compute_s,
+            remaining_s=queue_s + speed.overhead_s + compute_s - elapsed_s,
+        )
+
+    def describe(self, view: SharedView, now: float, wall: float) -> list[dict[str, Any]]:
+        """For /debug/scheduler: every endpoint of the pool, by key."""
+        endpoints = []
+        for key, state in sorted(self.pool.items()):
+            load = view.loads.get(key)
+            availability = state.health.refresh(now)
+            shared_until = view.ejected_until.get(key, 0.0)
+            endpoints.append(
+                {
+                    "endpoint": key,
+                    "state": "draining" if state.draining else availability.value,
+                    "ejected_for_s": round(max(0.0, state.health.ejected_until - now), 3)
+                    if availability == Availability.EJECTED
+                    else None,
+                    "ejected_elsewhere_for_s": round(shared_until - wall, 3)
+                    if shared_until > wall
+                    else None,
+                    "consecutive_failures": state.health.failures,
+                    "reserved_tokens": load.tokens if load else 0,
+                    "reserved_requests": load.requests if load else 0,
+                    "inflight_here": state.inflight,
+                    "scraped": describe_load(state.load, now),
+                    "speed": speed_dict(self.speed(state, view.speeds.get(key))),
+                    "speed_samples": state.speed.samples,
+                }
+            )
+        return endpoints
+
+
+def speed_dict(speed: Speed) -> dict[str, float]:
+    return {"s_per_token": speed.s_per_token, "overhead_s": speed.overhead_s}

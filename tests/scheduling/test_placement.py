@@ -1,0 +1,131 @@
+"""The pure placement logic (sidecar.scheduling.placement), shared with the simulator."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sidecar.endpoints import Endpoint
+from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.estimates import Health
+from sidecar.scheduling.model import Decision, Speed
+from sidecar.scheduling.placement import (
+    PREFILL_PRIOR,
+    EndpointState,
+    Planner,
+    reserved_tokens,
+)
+from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.prompts import PrefixIndex, tokens_of_text
+from sidecar.scheduling.ranks import DecodeRanks
+from sidecar.scheduling.scrape import EngineLoad
+from sidecar.scheduling.state import Load, Reservation, SharedView
+
+EMPTY = SharedView({}, {}, {})
+
+
+def planner(*ports: int, policy: str = "qoe") -> Planner:
+    plan = Planner(
+        Decider(make_policy(policy, random.Random(1)), ttft_ratio=1000), stale_after_s=3.0
+    )
+    for port in ports:
+        state = EndpointState(Endpoint("127.0.0.1", port), Health())
+        plan.pool[state.key] = state
+    return plan
+
+
+def test_candidates_are_the_available_endpoints_with_their_reservations_and_fresh_scrapes():
+    plan = planner(1, 2, 3, 4)
+    plan.pool["127.0.0.1:2"].draining = True
+    plan.pool["127.0.0.1:3"].health.eject(now=100.0)
+    plan.pool["127.0.0.1:1"].load = EngineLoad(waiting=2, running=1, kv_usage=0.5, at=98.0)
+    plan.pool["127.0.0.1:4"].load = EngineLoad(waiting=7, running=1, kv_usage=None, at=96.0)
+    view = SharedView({"127.0.0.1:1": Load(900, 2)}, {}, {})
+    [one, four] = plan.candidates(view, now=100.0, wall=5000.0)
+    assert (one.key, one.reserved_tokens, one.reserved_requests) == ("127.0.0.1:1", 900, 2)
+    assert (one.waiting, one.running, one.kv_usage) == (2, 1, 0.5)
+    assert (four.key, four.waiting, four.running) == ("127.0.0.1:4", None, None)  # 4 s old
+    # Ejected by another sidecar until a wall time still ahead: not a candidate either.
+    ejected = SharedView({}, {}, {"127.0.0.1:4": 5001.0})
+    assert [c.key for c in plan.candidates(ejected, now=100.0, wall=5000.0)] == ["127.0.0.1:1"]
+
+
+def test_a_published_speed_counts_until_this_sidecar_has_its_own_samples():
+    plan = planner(1)
+    shared = Speed(5e-5, 0.01)
+    view = SharedView({}, {"127.0.0.1:1": shared}, {})
+    assert plan.candidates(view, 0.0, 0.0)[0].speed == shared
+    for _ in range(3):
+        plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 0.5)
+    assert plan.candidates(view, 0.0, 0.0)[0].speed == plan.pool["127.0.0.1:1"].speed.value
+    assert plan.candidates(view, 0.0, 0.0)[0].speed != shared
+
+
+def test_a_stranger_is_predicted_with_the_prior():
+    plan = planner(1)
+    assert plan.candidate("10.0.0.9:80", EMPTY, 0.0, 0.0).speed == PREFILL_PRIOR
+    assert plan.candidate("127.0.0.1:1", EMPTY, 0.0, 0.0).key == "127.0.0.1:1"
+
+
+def test_a_placement_reserves_the_uncached_tokens():
+    assert reserved_tokens(Decision("x", "scheduled", 5000, 1200)) == 1200
+
+
+def test_the_decision_weighs_the_rank_it_is_made_for():
+    plan = planner(1)
+    ranks = DecodeRanks(
+        ["http://d"], block_tokens=16, capacity_blocks=64, stale_after_s=3, rng=random.Random(1)
+    )
+    rank = ranks[0]
+    # Plenty of local work ahead: the remote endpoint wins.
+    rank.ahead_tokens = 50_000
+    decision = plan.decide(
+        rank, None, prompt_tokens=4000, cached_tokens=0, view=EMPTY, now=0.0, wall=0.0
+    )
+    assert (decision.endpoint, decision.reason) == ("127.0.0.1:1", "scheduled")
+    # The same prompt cached on the rank: local, whatever the pool.
+    decision = plan.decide(
+        rank, None, prompt_tokens=4000, cached_tokens=3900, view=EMPTY, now=0.0, wall=0.0
+    )
+    assert (decision.endpoint, decision.reason) == (None, "prefix_cached")
+
+
+def test_what_is_learnt_from_outcomes():
+    plan = planner(1)
+    before = plan.pool["127.0.0.1:1"].speed.samples
+    speed = plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 3000), 0.4)
+    assert speed == plan.pool["127.0.0.1:1"].speed.value
+    assert plan.pool["127.0.0.1:1"].speed.samples == before + 1
+    assert plan.prefill_observed(Reservation("127.0.0.1:9", 1000, 0), 0.4) is None  # gone
+    plan.local_observed(2000, 1000, 0.3)
+    assert plan.local_speed.samples == 1
+
+
+@pytest.mark.parametrize(("waiting", "queued"), [(3.0, True), (None, False), (0.0, False)])
+def test_the_outlook_counts_a_queue_only_when_the_scrape_shows_one(waiting, queued):
+    plan = planner(1)
+    plan.pool["127.0.0.1:1"].load = EngineLoad(waiting, 1, None, at=0.0)
+    reservation = Reservation("127.0.0.1:1", 1000, ahead_tokens=10_000)
+    outlook = plan.outlook("127.0.0.1:1", reservation, 1000, 0.2, EMPTY, now=0.5)
+    assert outlook.queued is queued
+    assert outlook.compute_s == pytest.approx(PREFILL_PRIOR.s_per_token * 1000)
+
+
+def test_claiming_by_block_hashes_is_claiming_by_text():
+    text = "x" * 64 * 10
+    by_text = DecodeRanks(
+        ["http://d"], block_tokens=16, capacity_blocks=64, stale_after_s=3, rng=random.Random(1)
+    )
+    by_blocks = DecodeRanks(
+        ["http://d"], block_tokens=16, capacity_blocks=64, stale_after_s=3, rng=random.Random(1)
+    )
+    hashes = PrefixIndex(block_tokens=16, capacity_blocks=1).hashes(text)
+    for _ in range(2):
+        claim_t, cached_t = by_text.claim(text, tokens_of_text(len(text)))
+        claim_b, cached_b = by_blocks.claim_blocks(hashes, tokens_of_text(len(text)))
+        assert cached_t == cached_b
+        assert claim_t.index == claim_b.index
+    assert cached_t == 160
+    assert tokens_of_text(3) == 1
+    assert tokens_of_text(4001) == 1000
