@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " at c=16 into DIR",
     )
     parser.add_argument("--profile-s", type=float, default=20.0, help="seconds per profile")
+    parser.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="profiles with C frames too (uvloop, the C HTTP parser, the garbage collector)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.requests, args.warmup = 1, 300, 50
@@ -274,8 +279,9 @@ async def main(args: argparse.Namespace) -> int:
         prefill, decode = await start_emulators(launcher, pinning)
         if args.profile is not None:
             return await profile(
-                launcher, pinning, prefill, decode, args.profile, args.profile_s, sidecar_env
-            )
+                launcher, pinning, prefill, decode, args.profile, args.profile_s, sidecar_env,
+                native=args.profile_native,
+            )  # fmt: skip
         next_index = [0]
         variants = [v for v in args.variants if v != "vllm-router" or router is not None]
         for run_index in range(1, args.runs + 1):

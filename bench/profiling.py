@@ -7,7 +7,10 @@ venv: ``pip install py-spy``; on the client's core, so it takes nothing from the
 ``DIR/<variant>-<mode>-c16.svg``, a flame graph, and ``.txt``, the same samples' heaviest
 frames, inclusive and self, as shares of the samples where the process was busy (py-spy drops
 idle samples). Each is a second recording of the same load, so the two agree in proportion, not
-sample for sample.
+sample for sample. With ``native`` (``--profile-native``) the stacks include C frames: uvloop's
+loop, aiohttp's C HTTP parser, orjson, and the garbage collector, which a Python-only profile
+charges to whatever Python frame allocated; the summary then also sums the samples in each of
+those (:data:`NATIVE_PARTS`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,23 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
+NATIVE_PARTS = {
+    "garbage collection": ("gc_collect", "collect_generations"),
+    "aiohttp's C HTTP parser": ("_http_parser", "llhttp"),
+    "uvloop's I/O polling (socket reads and their protocol callbacks)": ("uv__io_poll",),
+    "socket writes": ("uv__write", "uv_try_write"),
+    "orjson": ("orjson",),
+}
+"""Parts of a native profile, by substrings of their C frames' names."""
+
+
 def heaviest(raw: str, limit: int = 40) -> list[str]:
     """The frames of py-spy's raw (collapsed) output with the most samples: inclusive (a frame
-    anywhere in the stack, once per stack) and self (the innermost frame)."""
+    anywhere in the stack, once per stack) and self (the innermost frame); with C frames, the
+    share of :data:`NATIVE_PARTS` too."""
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
+    parts: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -48,19 +63,31 @@ def heaviest(raw: str, limit: int = 40) -> list[str]:
         own[frames[-1]] += count
         for frame in set(frames):
             inclusive[frame] += count
-    lines = [f"{total} samples while busy at {RATE_HZ} Hz", "", "inclusive:"]
+        for part, markers in NATIVE_PARTS.items():
+            if any(marker in frame for frame in frames for marker in markers):
+                parts[part] += count
+    lines = [f"{total} samples while busy at {RATE_HZ} Hz"]
+    if parts:
+        lines += ["", "native parts (inclusive):"]
+        lines += [f"  {100 * n / total:5.1f}%  {part}" for part, n in parts.most_common()]
+    lines += ["", "inclusive:"]
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in inclusive.most_common(limit)]
+    own_code = Counter({f: n for f, n in inclusive.items() if "(sidecar/" in f or "(bench/" in f})
+    if own_code:
+        lines += ["", "the proxy's own functions (inclusive):"]
+        lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in own_code.most_common(limit)]
     lines += ["", "self:"]
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(limit)]
     return lines
 
 
 async def _record(
-    spy: str, pinning: Pinning, child: Child, out: Path, fmt: str, seconds: float
+    spy: str, pinning: Pinning, child: Child, out: Path, fmt: str, seconds: float, native: bool
 ) -> int:
     argv = [
         spy, "record", "--pid", str(child.pid), "--rate", str(RATE_HZ), "--function",
         "--duration", str(int(seconds)), "--format", fmt, "--output", str(out),
+        *(["--native"] if native else []),
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         *pinning.argv(pinning.client, argv),
@@ -91,6 +118,7 @@ async def _profile_load(
     workload: Workload,
     out_dir: Path,
     seconds: float,
+    native: bool,
 ) -> int:
     """Warm up, then two recordings (flame graph, raw samples) of ``child`` under load."""
     slug = f"{child.name}-{'stream' if workload.stream else 'nonstream'}-c{CONCURRENCY}"
@@ -111,7 +139,7 @@ async def _profile_load(
             )  # fmt: skip
             load = asyncio.create_task(run)
             try:
-                status |= await _record(spy, pinning, child, out, fmt, seconds)
+                status |= await _record(spy, pinning, child, out, fmt, seconds, native)
             finally:
                 load.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -134,6 +162,7 @@ async def profile(
     out_dir: Path,
     seconds: float,
     sidecar_env: dict[str, str],
+    native: bool = False,
 ) -> int:
     """Profile the sidecar and the aiohttp floor, non-streaming and streaming, at c=16."""
     spy = py_spy()
@@ -151,7 +180,7 @@ async def profile(
         try:
             for workload in (Workload(False, 64, 64), Workload(True, 64, 64)):
                 status |= await _profile_load(
-                    spy, pinning, child, target, workload, out_dir, seconds
+                    spy, pinning, child, target, workload, out_dir, seconds, native
                 )
         finally:
             await child.stop(5)
