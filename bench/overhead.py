@@ -25,6 +25,7 @@ See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 import platform
@@ -41,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson
+from aiohttp import http_parser
 
 from bench import decision_cost
 from bench.cluster import raise_open_files_limit, run
@@ -241,12 +243,15 @@ def header_lines(pinning: Pinning, router_note: str) -> list[str]:
                 break
     except OSError:
         pass
+    c_parser = http_parser.HttpResponseParser.__module__ == "aiohttp._http_parser"
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return [
         f"pd-sidecar overhead benchmark, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, code {commit}",
         f"machine: {platform.node()}, {len(os.sched_getaffinity(0))} CPUs ({model}),"
         f" Linux {platform.release()}, load average {load_average()}",
         f"python {platform.python_version()}, aiohttp {version('aiohttp')},"
         f" uvloop {version('uvloop')}, orjson {version('orjson')}; {pinning.note}",
+        f"client: aiohttp C parser {'yes' if c_parser else 'NO'}, event loop {loop}",
         router_note,
     ]
 

@@ -56,10 +56,10 @@ class Workload:
     def body(self, index: int) -> dict[str, Any]:
         """Request ``index``'s body: a prompt of about ``prompt_tokens`` tokens (the emulator
         counts 4 characters each), distinct from every other request's."""
-        filler = "x" * max(0, self.prompt_tokens * 4 - 24)
+        head = f"request {index:>12} "
         return {
             "model": MODEL,
-            "prompt": f"request {index:>12} {filler}",
+            "prompt": head + "x" * max(0, self.prompt_tokens * 4 - len(head)),
             "max_tokens": self.output_tokens,
             "stream": self.stream,
         }
