@@ -12,10 +12,11 @@ for a completion whose prompt is 8,000 characters (2,000 estimated tokens), dist
 iteration like real traffic (so the prefix index hashes and inserts its 125 blocks every time);
 up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new one, so
 policies see non-trivial reservations. Reported: the median and p99 in microseconds, and the
-parts of a placement timed on their own (the prompt's size and text, the prefix-index lookup and
-insert, the decider and policy on 8 ready-made candidates). With Redis, the round trip of one
-``PING`` through the same client library is measured apart, so that the placement reads as one
-round trip plus the rest.
+parts of a placement timed on their own (the prompt's size and text, the prefix index: hashing
+once, lookup and insert; the decider and policy on 8 ready-made candidates). A placement also
+claims the decode rank (one, ``SIDECAR_DECODE_URL``), ended when its reservation is released.
+With Redis, the round trip of one ``PING`` through the same client library is measured apart,
+so that the placement reads as one round trip plus the rest.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ async def time_placements(
                     scheduler.local_first_byte(done, None)
                 else:
                     scheduler.prefill_finished(done, ok=None)
+                done.rank.end()  # the decode rank's slot, as the pipeline ends it
             if pause_s:
                 await asyncio.sleep(pause_s)
     finally:
@@ -140,8 +142,9 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
         tokens = estimate_tokens(request)
         text = prompt_text(request)
         t1 = time.perf_counter_ns()
-        cached = index.cached_tokens(text)
-        index.insert(text)
+        hashes = index.hashes(text)
+        cached = index.cached_tokens(hashes)
+        index.insert(hashes)
         t2 = time.perf_counter_ns()
         decider.decide(candidates, LocalView(), prompt_tokens=tokens, cached_tokens=cached)
         t3 = time.perf_counter_ns()
