@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup lint format types test check demo clean e2e-vllm-setup e2e-vllm demo-vllm
+.PHONY: setup lint format types test check demo clean e2e-vllm-setup e2e-vllm demo-vllm bench \
+	bench-smoke
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +33,14 @@ check: lint types test
 
 demo: setup
 	$(PY) -m sidecar.demo
+
+# Overhead against vllm-router and the floor (docs/benchmarks.md): the full matrix, 3 runs,
+# ~25 minutes; the smoke run (one concurrency, a few hundred requests, no figure judged) in CI.
+bench: setup
+	$(PY) bench/overhead.py
+
+bench-smoke: setup
+	$(PY) bench/overhead.py --quick
 
 # Real vLLM (CPU) prefill and decode engines: its own venv, reused once built (docs/e2e.md).
 e2e-vllm-setup:
