@@ -47,9 +47,10 @@ from sidecar.endpoints import Endpoint
 from sidecar.metrics import Metrics
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.model import Candidate, LocalView
+from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.policies import POLICIES, make_policy
 from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
-from sidecar.scheduling.scheduler import Placement, Scheduler
+from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.upstream import Engines
