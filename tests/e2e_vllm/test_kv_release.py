@@ -12,17 +12,21 @@ waits for the decode engine's next step: the result would depend on test order).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 import orjson
 import pytest
+import pytest_asyncio
 
-from e2e.engines import MAX_MODEL_LEN
+from devkit.slowlink import SlowLink
+from e2e.engines import MAX_MODEL_LEN, SidecarProcess
 from tests.e2e_vllm.conftest import (
     PATHS,
     Cluster,
@@ -51,6 +55,14 @@ RELEASES = "pd_sidecar_kv_releases_total"
 
 SEED = 20261201
 REQUESTS = 48
+DECODE_LINK_DELAY_S = 0.5
+"""The scenario's sidecar reaches the decode engine over a slow link (devkit/slowlink.py): every
+decode leg waits this long before the engine sees it, so the window between the legs is at least
+this wide on any machine (below the sidecar's 1 s health probe timeout, which goes
+over the same link). Without it the window is the decode engine's time to a first token after
+a KV pull, a few milliseconds for the tiny model: a client leaving "between the legs" (its clock
+started when the record shows ``prefill_done``, read over HTTP) found its answer already complete
+(CI, 12 of 12)."""
 Cancel = Literal["prefill", "between", "midstream", "never"]
 """When the client leaves: a random moment after the sidecar's record shows the request arrived
 (mostly during the prefill leg), a random moment after it shows the prefill done, after a random
@@ -186,12 +198,28 @@ def window(plan: Plan, entry: dict[str, Any] | None) -> Window:
     return "decode answer"
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def slow_decode(cluster: Cluster) -> AsyncIterator[Cluster]:
+    """The pair, with a sidecar of its own that reaches the decode engine over a slow link."""
+    async with SlowLink("127.0.0.1", cluster.decode.port, DECODE_LINK_DELAY_S) as link:
+        sidecar = SidecarProcess(link.url, cluster.log_dir)
+        sidecar.start()
+        try:
+            await sidecar.wait_ready()
+            yield dataclasses.replace(cluster, sidecar=sidecar)
+        finally:
+            await sidecar.stop()
+
+
 @pytest.mark.timeout(300)  # the first test also starts the engines
-async def test_random_client_disconnects_leave_no_kv_held(cluster: Cluster, http) -> None:
+async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, http) -> None:
     """48 concurrent P/D requests, streamed and not, both routes; each client leaves at its own
     random moment (seeded): during the prefill leg, between the legs, mid-stream, or never.
     Afterwards the prefill engine holds no more KV than before, within seconds (no waiting for
-    the 30 s lease), and no record is left in flight."""
+    the 30 s lease), and no record is left in flight. The sidecar reaches the decode engine over
+    a slow link (``DECODE_LINK_DELAY_S``), so that "between the legs" is a window a client can
+    leave in."""
+    cluster = slow_decode
     await warm_pair(http, cluster, "disconnects")
     held_before = await prefill_kv_blocks(http, cluster)
     released_before = await sidecar_metric(http, cluster, RELEASES, outcome="sent")

@@ -1,0 +1,79 @@
+"""devkit.slowlink: requests reach the target no sooner than the delay, answers come back at once,
+order and closes are kept."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from devkit.slowlink import SlowLink
+
+DELAY_S = 0.3
+
+
+async def _echo_server(arrivals: list[float]) -> asyncio.Server:
+    """Echoes every line, noting when each arrived; closes on EOF."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            arrivals.append(time.monotonic())
+            writer.write(line)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+@pytest.mark.asyncio
+async def test_bytes_towards_the_target_are_held_for_the_delay_answers_are_not() -> None:
+    arrivals: list[float] = []
+    server = await _echo_server(arrivals)
+    port = server.sockets[0].getsockname()[1]
+    async with server, SlowLink("127.0.0.1", port, DELAY_S) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        sent = time.monotonic()
+        writer.write(b"one\n")
+        writer.write(b"two\n")
+        await writer.drain()
+        assert await reader.readline() == b"one\n"
+        assert await reader.readline() == b"two\n"
+        # A second request on the same connection is held too.
+        again = time.monotonic()
+        writer.write(b"three\n")
+        assert await reader.readline() == b"three\n"
+        writer.close()
+        await writer.wait_closed()
+
+    assert len(arrivals) == 3
+    assert arrivals[0] - sent >= DELAY_S
+    assert arrivals[2] - again >= DELAY_S
+
+
+@pytest.mark.asyncio
+async def test_a_sender_that_closes_is_delivered_first_then_the_target_sees_the_close() -> None:
+    arrivals: list[float] = []
+    server = await _echo_server(arrivals)
+    port = server.sockets[0].getsockname()[1]
+    async with server, SlowLink("127.0.0.1", port, DELAY_S) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(b"last words\n")
+        writer.write_eof()
+        # The echo comes back, then the target's close reaches the client: the link ends both.
+        assert await reader.read() == b"last words\n"
+        writer.close()
+
+    assert len(arrivals) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_target_refusing_connections_closes_the_client() -> None:
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()  # nothing listens on the port any more
+    async with SlowLink("127.0.0.1", port, DELAY_S) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        assert await reader.read() == b""
+        writer.close()
