@@ -111,7 +111,6 @@ class Simulation:
             timeout_s=scenario.state_timeout_s,
             lease_s=scenario.lease_s,
             refresh_s=scenario.redis_refresh_s,
-            resync=float(scenario.redis_resync),
         )
         clock = self._clock
         self.sidecars = [
@@ -174,6 +173,15 @@ class Simulation:
         request.engine = engine
         self.decode[engine].outstanding += 1
         sidecar = self.sidecars[engine]
+        tokens, blocks = self._estimate(sidecar, shape)
+        claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
+        request.claim = claim
+        sidecar.state.refresh(lambda: self._place(request, sidecar, tokens, cached))
+
+    def _place(self, request: Request, sidecar: Sidecar, tokens: int, cached: int) -> None:
+        """The decision, once the state backend's view is fresh (``refresh``)."""
+        now, shape = self.loop.now, request.shape
+        engine = request.engine
         seen = sidecar.scrape_time(now)
         if seen != sidecar.last_scrape:
             sidecar.scraped(
@@ -181,9 +189,8 @@ class Simulation:
                 {key: prefill.gauge.at(seen) for key, prefill in self.prefill.items()},
                 self.decode[engine].gauge.at(seen),
             )
-        tokens, blocks = self._estimate(sidecar, shape)
-        claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
-        request.claim = claim
+        claim = request.claim
+        assert claim is not None
         planner = sidecar.planner
         decision = planner.decide(
             sidecar.rank,
@@ -210,13 +217,9 @@ class Simulation:
         request.endpoint = key
         request.prefill_tokens = shape.prompt_tokens
         reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
-        request.reservation, wait = sidecar.state.reserve(key, reserve)
-        request.sent = now + wait
-        job = Job(request, shape.prompt_tokens)
-        if wait:
-            loop.at(request.sent, self.prefill[key].submit, job)
-        else:
-            self.prefill[key].submit(job)
+        request.reservation = sidecar.state.reserve(key, reserve)
+        request.sent = now
+        self.prefill[key].submit(Job(request, shape.prompt_tokens))
 
     def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, list[bytes]]:
         """What the sidecar knows of a prompt: its token estimate, and stand-ins for its block

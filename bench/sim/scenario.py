@@ -59,19 +59,18 @@ class Scenario:
     ``staleness_s``, constant in between), as production does. ``delay``: every sidecar sees each
     engine as it was exactly ``staleness_s`` ago (one snapshot for all: the herding worst case)."""
     state: StateMode = "redis"
-    """``redis``: the Redis backend as production runs it: a sidecar sees the others'
-    reservations as of its own last sync, which its reservations, its releases (through the
-    background worker) and its heartbeat trigger. ``shared``: every reservation seen instantly
-    by every sidecar. ``local``: each sidecar sees its own only (the memory backend)."""
+    """``redis``: the Redis backend as production runs it: before each decision a sidecar
+    syncs (or joins the sync in flight) and decides on its answer, the others' reservations one
+    round trip old; its reservations, releases and heartbeats are synced by the background
+    worker. ``shared``: every reservation seen instantly by every sidecar. ``local``: each
+    sidecar sees its own only (the memory backend)."""
     redis_rtt_s: float = 0.001
     state_timeout_s: float = 0.005
     lease_s: float = 10.0
     """``redis``: a round trip; ``SIDECAR_STATE_TIMEOUT_MS`` and ``SIDECAR_STATE_LEASE_S``."""
     redis_refresh_s: float = 0.0
-    redis_resync: bool = False
-    """What-ifs, not production (``bench.sim.state.RedisClient``): the backend's worker also
-    syncs every ``redis_refresh_s`` (0: never), and syncs again after a sync during which its
-    reservations changed."""
+    """What-if, not production (``bench.sim.state.RedisClient``): the backend's worker also
+    syncs every ``redis_refresh_s`` (0: never)."""
     tokens: TokenMode = "estimated"
     """``estimated``: sidecars see production's estimate (characters / 4) of a prompt whose
     true count the engines work on; ``exact``: they see the true counts."""

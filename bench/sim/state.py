@@ -7,14 +7,14 @@
 - a sync sends this sidecar's whole table; the script runs half a round trip later (Redis then
   holds that table and answers the pool's totals and published speeds), and the reply is
   applied a whole round trip after the send;
-- ``reserve`` reads the view (the decision was made on it: the reply of the *previous* sync),
-  then starts a sync and waits for it up to the state timeout, unless one is in flight already
-  (then it only wakes the worker); the prefill is sent when ``reserve`` returns;
-- ``release`` and ``publish_speed`` change the local table and wake the background worker; the
-  worker, woken or after a heartbeat (a third of the lease) with nothing to do, starts a sync if
-  none is in flight, else waits for the one in flight and goes back to waiting: a release made
-  while a sync it is not part of is in flight therefore reaches Redis only with the next sync
-  something else triggers — as in production.
+- ``refresh``, before a decision, joins the sync in flight or starts one, and the decision is
+  made when its reply is applied (or at the state timeout, on the view there is);
+- ``reserve``, ``release`` and ``publish_speed`` change the local table at once; the first two
+  wake the background worker. The worker, woken or after a heartbeat (a third of the lease),
+  first waits for a sync in flight that is not its own (a decision's refresh, which may have
+  left before the change), then starts a sync unless one started since, waits for it and goes
+  back to waiting;
+- waiters of one reply run in the order they came, the decisions before the worker.
 
 ``shared`` is the idealisation (one table, every change seen at once by everyone); ``local`` is
 the memory backend (each sidecar's own reservations only).
@@ -33,9 +33,12 @@ from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedV
 class ModelledState(Protocol):
     def view(self) -> SharedView: ...
 
-    def reserve(self, endpoint: str, tokens: int) -> tuple[Reservation, float]:
-        """The reservation and how long ``reserve`` kept the request (seconds)."""
+    def refresh(self, then: Callable[[], None]) -> None:
+        """Call ``then`` once the view is as fresh as production's ``refresh`` makes it (at
+        once when there is nothing to wait for)."""
         ...
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation: ...
 
     def release(self, reservation: Reservation) -> None: ...
 
@@ -52,10 +55,13 @@ class SharedTable:
     def view(self) -> SharedView:
         return SharedView(self.own.loads, self.speeds, {})
 
-    def reserve(self, endpoint: str, tokens: int) -> tuple[Reservation, float]:
+    def refresh(self, then: Callable[[], None]) -> None:
+        then()
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
         ahead = self.own.loads.get(endpoint, Load()).tokens
         self.own.add(endpoint, tokens, 1)
-        return Reservation(endpoint, tokens, ahead), 0.0
+        return Reservation(endpoint, tokens, ahead)
 
     def release(self, reservation: Reservation) -> None:
         self.own.add(reservation.endpoint, -reservation.tokens, -1)
@@ -104,14 +110,11 @@ class RedisClient:
         timeout_s: float,
         lease_s: float,
         refresh_s: float = 0.0,
-        resync: bool = False,
     ) -> None:
-        """``refresh_s`` and ``resync`` are what-ifs, not production: the worker also syncs
-        every ``refresh_s`` (0: never); a change made while a sync it is not part of was in
-        flight is synced right after that one."""
+        """``refresh_s`` is a what-if, not production: the worker also syncs every
+        ``refresh_s`` (0: never)."""
         self._loop = loop
         self._refresh_s = refresh_s
-        self._resync = resync
         self._server = server
         self._id = sidecar
         self._rtt_s = rtt_s
@@ -122,10 +125,13 @@ class RedisClient:
         self._speeds: dict[str, Speed] = {}
         self._pending: dict[str, Speed] = {}
         self._syncing = False
+        self._decisions: list[_Waiter] = []
+        """Refreshes waiting for the sync in flight."""
         self._wake = False
         self._worker_waiting = True
         """The worker waits for a wake or its heartbeat; False while it awaits a sync."""
-        self._worker_awaits = False
+        self._worker_awaits: str | None = None
+        """The sync the worker awaits: ``other`` (in flight when it woke), ``own``, or None."""
         self._heartbeat_version = 0
         self.syncs = 0
         self._arm_heartbeat()
@@ -143,15 +149,18 @@ class RedisClient:
             loads[endpoint] = Load(other.tokens + own.tokens, other.requests + own.requests)
         return SharedView(loads, self._speeds, {})
 
-    def reserve(self, endpoint: str, tokens: int) -> tuple[Reservation, float]:
+    def refresh(self, then: Callable[[], None]) -> None:
+        if not self._syncing:
+            self._start_sync()
+        waiter = _Waiter(then)
+        self._decisions.append(waiter)
+        self._loop.at(self._loop.now + self._timeout_s, waiter.run)
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
         ahead = self.view().loads.get(endpoint, Load()).tokens
         self.own.add(endpoint, tokens, 1)
-        reservation = Reservation(endpoint, tokens, ahead)
-        if self._syncing:
-            self._wake_worker()
-            return reservation, 0.0
-        self._start_sync()
-        return reservation, min(self._rtt_s, self._timeout_s)
+        self._wake_worker()
+        return Reservation(endpoint, tokens, ahead)
 
     def release(self, reservation: Reservation) -> None:
         self.own.add(reservation.endpoint, -reservation.tokens, -1)
@@ -187,10 +196,16 @@ class RedisClient:
         self._others = others
         self._speeds = published
         self._syncing = False
-        if self._resync and self.own.loads != table:
-            self._wake = True
-        if self._worker_awaits:
-            self._worker_awaits = False
+        decisions, self._decisions = self._decisions, []
+        for waiter in decisions:
+            waiter.run(None)
+        if self._worker_awaits == "other":
+            # Its wait for the sync in flight is over: one of its own, unless one started since.
+            if not self._syncing:
+                self._start_sync()
+            self._worker_awaits = "own"
+        elif self._worker_awaits == "own":
+            self._worker_awaits = None
             self._worker_waiting = True
             if self._wake:
                 self._run_worker()
@@ -203,13 +218,15 @@ class RedisClient:
             self._run_worker()
 
     def _run_worker(self) -> None:
-        """One turn of ``RedisState._work`` after its wait: clear the wake, start a sync unless
-        one is in flight, and wait for that sync."""
+        """One turn of ``RedisState._work`` after its wait: clear the wake, then wait for the
+        sync in flight if there is one, else start one and wait for it."""
         self._wake = False
         self._worker_waiting = False
-        if not self._syncing:
+        if self._syncing:
+            self._worker_awaits = "other"
+        else:
             self._start_sync()
-        self._worker_awaits = True
+            self._worker_awaits = "own"
 
     def _arm_heartbeat(self) -> None:
         self._heartbeat_version += 1
@@ -240,5 +257,18 @@ def state_factory(mode: str, loop: Loop, **redis: float) -> StateFactory:
         timeout_s=redis["timeout_s"],
         lease_s=redis["lease_s"],
         refresh_s=redis.get("refresh_s", 0.0),
-        resync=bool(redis.get("resync", 0.0)),
     )
+
+
+class _Waiter:
+    """A decision waiting for a reply or the state timeout, whichever comes first."""
+
+    __slots__ = ("_then",)
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        self._then: Callable[[], None] | None = then
+
+    def run(self, _: object) -> None:
+        then, self._then = self._then, None
+        if then is not None:
+            then()

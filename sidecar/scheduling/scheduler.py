@@ -173,8 +173,9 @@ class Scheduler:
             uncached = max(0, tokens - cached)
             decision = Decision(str(header), "header", tokens, uncached, predicted)
             self._count(decision)
-            return await self._reserve(decision, header, claim)
+            return self._reserve(decision, header, claim)
         rank = claim.rank
+        await self.backend.refresh()  # the others' reservations as of now, not of our last sync
         view, now, wall = self._now()
         decision = self._planner.decide(
             rank,
@@ -189,7 +190,7 @@ class Scheduler:
         if decision.endpoint is None:
             claim.prefilling(decision.uncached_tokens)
             return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
-        return await self._reserve(decision, self._pool[decision.endpoint].endpoint, claim)
+        return self._reserve(decision, self._pool[decision.endpoint].endpoint, claim)
 
     async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
@@ -198,28 +199,25 @@ class Scheduler:
         if failed.endpoint is None:
             return None
         if decision.reason == "header":
-            return await self._reserve(decision, failed.endpoint, failed.rank)
+            return self._reserve(decision, failed.endpoint, failed.rank)
+        await self.backend.refresh()
         candidates = [c for c in self._candidates() if c.key not in tried]
         chosen = self._decider.policy.choose(candidates, decision.uncached_tokens)
         if chosen is None:
             return None
         retried = dataclasses.replace(decision, endpoint=chosen.key)
-        return await self._reserve(retried, self._pool[chosen.key].endpoint, failed.rank)
+        return self._reserve(retried, self._pool[chosen.key].endpoint, failed.rank)
 
     def pool_endpoints(self) -> list[Endpoint]:
         """Every endpoint of the pool, draining ones included (for the header allowlist)."""
         return [state.endpoint for state in self._pool.values()]
 
-    async def _reserve(self, decision: Decision, endpoint: Endpoint, rank: RankClaim) -> Placement:
+    def _reserve(self, decision: Decision, endpoint: Endpoint, rank: RankClaim) -> Placement:
         state = self._pool.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
         state.inflight += 1
-        try:
-            reservation = await self.backend.reserve(state.key, reserved_tokens(decision))
-        except BaseException:
-            state.inflight -= 1
-            raise
+        reservation = self.backend.reserve(state.key, reserved_tokens(decision))
         return Placement(decision, endpoint, rank, reservation)
 
     def prefill_finished(

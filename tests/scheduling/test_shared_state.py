@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -168,7 +169,9 @@ async def test_redis_down_costs_no_request_and_reconnects(
 
 
 @pytest.mark.timeout(30)
-async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefill, decode) -> None:
+async def test_one_round_trip_to_decide_the_reservation_published_off_the_path(
+    http, redis_server, prefill, decode
+) -> None:
     settings = _shared(
         redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_lease_s="600"
     )
@@ -178,6 +181,9 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
             await inject(http, prefill, kind="hang", role="prefill")
 
             await eventually(lambda: _connected(http, sidecar.url))
+            sidecar_id = (await get_json(http, sidecar.url + "/debug/scheduler"))["state_backend"][
+                "sidecar_id"
+            ]
             before = await _evalsha_calls(client)
             request = asyncio.create_task(
                 http.post(sidecar.url + "/v1/completions", json=completion(LONG_PROMPT))
@@ -187,9 +193,15 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
                 inflight = (await get_json(http, sidecar.url + "/debug/requests"))["inflight"]
                 return [r["state"] for r in inflight] == ["prefilling"]
 
+            async def published() -> bool:
+                held = await client.hget("{test}:reservations", sidecar_id)
+                return held is not None and _text(held).startswith(prefill.endpoint + " ")
+
             await eventually(prefilling)
-            # The prefill is hanging on the engine: exactly one script call was made for it.
-            assert await _evalsha_calls(client) - before == 1
+            await eventually(published)
+            # The prefill is hanging on the engine: two script calls were made for it, the
+            # decision's refresh and the worker's publication of the reservation.
+            assert await _evalsha_calls(client) - before == 2
             async with http.post(prefill.url + "/emulator/release") as response:
                 assert response.status in (200, 204)
             response = await request
@@ -197,6 +209,50 @@ async def test_one_redis_round_trip_before_the_prefill(http, redis_server, prefi
             await response.read()
     finally:
         await client.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_each_decision_reads_the_reservations_of_a_moment_ago(
+    http, redis_server, start_engine: StartEmulator, decode
+) -> None:
+    """Before each decision the sidecar syncs with Redis: a reservation another sidecar made just
+    before is seen, not the state of this sidecar's last sync. Another sidecar's heavy
+    reservation moves between the two endpoints before every request; each request goes to the
+    other one. (Deciding on the previous sync's view would pick exactly the wrong one: it would
+    still see the reservation where it was for the request before.)"""
+    engines = [await start_engine(), await start_engine()]
+    endpoints = [e.endpoint for e in engines]
+    settings = _shared(
+        redis_server,
+        decode.url,
+        prefill_endpoints=",".join(endpoints),
+        state_lease_s="600",  # heartbeats 200 s apart: only requests make this sidecar sync
+        state_timeout_ms="1000",  # a loaded machine's slow answer would leave the view stale
+        scheduler_choices="2",
+    )
+    client = aioredis.Redis.from_url(redis_server.url)
+    sidecars_key, reservations_key = "{test}:sidecars", "{test}:reservations"
+    try:
+        async with sidecar_process(settings) as sidecar:
+            await eventually(functools.partial(_scheduling, http, sidecar.url, 2), within=15)
+            await client.zadd(sidecars_key, {"other-sidecar": time.time() + 600})
+            chosen = []
+            for index in range(6):
+                busy = endpoints[index % 2]
+                await client.hset(reservations_key, "other-sidecar", f"{busy} 1000000 50")
+                async with http.post(
+                    sidecar.url + "/v1/completions",
+                    json=completion(f"{index} {LONG_PROMPT}", max_tokens=2),
+                    headers={"x-request-id": f"fresh-{index}"},
+                ) as response:
+                    assert response.status == 200
+                    await response.read()
+                entry = await get_json(http, f"{sidecar.url}/debug/requests/fresh-{index}")
+                assert entry["reason"] == "scheduled", entry
+                chosen.append((busy, entry["prefill_endpoint"]))
+    finally:
+        await client.aclose()
+    assert all(busy != endpoint for busy, endpoint in chosen), chosen
 
 
 @pytest.mark.timeout(30)
@@ -276,6 +332,8 @@ async def test_the_script_touches_only_the_keys_it_is_given(
                 redis_key_prefix="test",
                 prefill_endpoints=prefill.endpoint,
                 disagg_ttft_ratio=1000,
+                # What is judged is the keys; a loaded machine's slow answer is no error here.
+                state_timeout_ms=1000,
             )
         )
         try:
@@ -326,7 +384,7 @@ async def test_an_answer_it_cannot_read_costs_a_sync_not_the_backend(redis_serve
     try:
         await admin.hset(state.keys[1], "127.0.0.1:9", "not a speed")
         await state.start()
-        reservation = await state.reserve("127.0.0.1:9", 100)
+        reservation = state.reserve("127.0.0.1:9", 100)
         assert reservation.tokens == 100
         await eventually(lambda: _true(bool(errors)))
         assert errors[0] == "connection"

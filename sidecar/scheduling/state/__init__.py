@@ -3,8 +3,9 @@
 A backend keeps this sidecar's own reservations locally, always, and offers a ``view()`` of the
 whole pool's state that costs no I/O: the memory backend's view is its own state; the Redis
 backend's is the last state Redis returned (every sidecar's reservations) with this sidecar's
-newer changes applied. Only ``reserve`` may wait for the network, once and briefly; releases,
-speeds and ejections are published off the request path.
+newer changes applied. Only ``refresh`` may wait for the network, once and briefly, before a
+decision that reads the view; reservations, releases, speeds and ejections are published off the
+request path.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ class StateBackend(Protocol):
         """The pool's state as last known; no I/O."""
         ...
 
-    async def reserve(self, endpoint: str, tokens: int) -> Reservation:
-        """Count ``tokens`` against ``endpoint``; at most one bounded round trip, never raises."""
+    async def refresh(self) -> None:
+        """Bring ``view()`` up to date before a decision reads it: at most one bounded round
+        trip, never raises (a slow or absent store leaves the view as it was)."""
+        ...
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
+        """Count ``tokens`` against ``endpoint`` now; published off the request path."""
         ...
 
     def release(self, reservation: Reservation) -> None:
@@ -99,7 +105,10 @@ class MemoryState:
     def view(self) -> SharedView:
         return SharedView(dict(self._own.loads), dict(self._speeds), dict(self._ejected))
 
-    async def reserve(self, endpoint: str, tokens: int) -> Reservation:
+    async def refresh(self) -> None:
+        return None
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
         ahead = self._own.loads.get(endpoint, Load()).tokens
         self._own.add(endpoint, tokens, 1)
         return Reservation(endpoint, tokens, ahead)

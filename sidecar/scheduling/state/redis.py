@@ -6,9 +6,14 @@ update), renews the sidecar's lease, drops sidecars whose lease ran out (a dead 
 reservations stop counting within ``lease_s``), stores published speeds and ejections, and returns
 the pool's totals.
 
-On the request path only ``reserve`` talks to Redis, and only when no other sync is in flight; it
-waits at most ``timeout_s`` and never raises: a slow or absent Redis leaves the decision to the
-local view, and a background worker keeps syncing (releases, heartbeats) and reconnecting.
+On the request path only ``refresh`` talks to Redis, before the scheduler decides where a
+prompt prefills: it joins the sync in flight or starts one, waits for its answer at most
+``timeout_s`` and never raises, so the decision reads every sidecar's reservations one round trip
+old rather than as of this sidecar's last sync (with few prefills per sidecar, seconds old: the
+reservations of a wide pool of sidecars were then seen too late and the prefill queues
+unbalanced, docs/scheduling.md). A slow or absent Redis leaves the decision to the view it has.
+Reservations, releases, speeds and ejections change the local table at once and wake a background
+worker, which syncs them (and heartbeats, and reconnects) off the request path.
 
 Four keys, all sharing one hash tag (``{prefix}``): ``sidecars`` (a sorted set, lease deadline per
 sidecar id), ``reservations`` (a hash, one field per sidecar: its reservations, one ``endpoint
@@ -186,25 +191,22 @@ class RedisState:
             loads[endpoint] = Load(other.tokens + own.tokens, other.requests + own.requests)
         return SharedView(loads, dict(self._speeds), dict(self._ejected))
 
-    async def reserve(self, endpoint: str, tokens: int) -> Reservation:
-        ahead = self.view().loads.get(endpoint, Load()).tokens
-        self._own.add(endpoint, tokens, 1)
-        reservation = Reservation(endpoint, tokens, ahead)
-        if self._sync is not None or self._clock() < self._down_until:
-            # A sync is under way (it will be followed by one carrying this reservation) or
-            # Redis is down: decide on the local view rather than queue behind it.
-            self._wake.set()
-            return reservation
-        self._sync = asyncio.create_task(self._run_sync())
+    async def refresh(self) -> None:
+        if self._clock() < self._down_until:
+            return  # Redis is down: decide on the view there is rather than wait for nothing
+        if self._sync is None:
+            self._sync = asyncio.create_task(self._run_sync())
         try:
             async with asyncio.timeout(self._timeout_s):
                 await asyncio.shield(self._sync)
         except TimeoutError:
             self._record_error("timeout", "no answer within the decision budget")
-        except asyncio.CancelledError:
-            self.release(reservation)  # the request is gone before it could use its reservation
-            raise
-        return reservation
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
+        ahead = self.view().loads.get(endpoint, Load()).tokens
+        self._own.add(endpoint, tokens, 1)
+        self._wake.set()
+        return Reservation(endpoint, tokens, ahead)
 
     def release(self, reservation: Reservation) -> None:
         self._own.add(reservation.endpoint, -reservation.tokens, -1)
@@ -243,7 +245,11 @@ class RedisState:
             wait = self._down_until - self._clock()
             if wait > 0:
                 await asyncio.sleep(min(wait, heartbeat))
-            if self._sync is None:
+            if self._sync is not None:
+                # A decision's refresh, which may have left before the change that woke us.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(self._sync)
+            if self._sync is None:  # else one started since, with every change made so far
                 self._sync = asyncio.create_task(self._run_sync())
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(self._sync)
