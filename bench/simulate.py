@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--linear-prefill", action="store_true", help="no attention term")
     model.add_argument("--reserve-prompt", action="store_true", help="reserve whole prompts")
     model.add_argument("--ttft-ratio", type=float, help="the decider's ttft_ratio")
-    model.add_argument("--choices", type=int, help="candidates qoe compares (default 2)")
+    model.add_argument("--choices", type=int, help="candidates qoe compares (default 8)")
     model.add_argument(
         "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
     )

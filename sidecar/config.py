@@ -25,6 +25,7 @@ from yarl import URL
 
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 from sidecar.headers import DEFAULT_PREFILL_HEADERS
+from sidecar.scheduling.policies import QOE_CHOICES
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -91,7 +92,10 @@ class Settings(BaseSettings):
         Field("qoe", description="How the prefill endpoint is chosen when no header names one.")
     )
     scheduler_choices: int = Field(
-        2, ge=1, description="Random candidates the qoe policy compares (best of d)."
+        QOE_CHOICES,
+        ge=1,
+        description="Random candidates the qoe policy compares (best of d; every endpoint of a "
+        "pool no larger).",
     )
     scheduler_seed: int | None = Field(
         None, description="Seed of the scheduler's random choices (empty: unpredictable)."

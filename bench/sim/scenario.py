@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from sidecar.emulator.config import ATTENTION_CROSSOVER_TOKENS
 from sidecar.scheduling.model import Transfer
+from sidecar.scheduling.policies import QOE_CHOICES
 
 if TYPE_CHECKING:
     from bench.sim.checks import Check
@@ -82,7 +83,7 @@ class Scenario:
     does; ``prompt``: the whole prompt (the first simulator's choice)."""
     ttft_ratio: float | None = None
     """The decider's ``ttft_ratio``; None: the Decider's default."""
-    choices: int = 2
+    choices: int = QOE_CHOICES
     """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     bursty: bool = False
@@ -141,7 +142,7 @@ class Scenario:
             f"{self.staleness_s:g} s ({self.stale_mode}), tokens {self.tokens}, reserve "
             f"{self.reserve}, prefill {prefill}, {arrivals} arrivals"
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
-            + ("" if self.choices == 2 else f", qoe choices {self.choices}")
+            + ("" if self.choices == QOE_CHOICES else f", qoe choices {self.choices}")
             + (
                 ""
                 if not self.redis_refresh_s

@@ -16,6 +16,12 @@ from sidecar.scheduling.model import Candidate, Transfer
 
 TOKENS_PER_WAITING = 1000.0
 """Prompt tokens assumed per scraped waiting request when reservations say less."""
+QOE_CHOICES = 8
+"""Candidates ``qoe`` compares by default: every endpoint of a pool of up to 8, a random 8 of a
+larger one. Two (best of two random) kept sidecars that decided on the same stale view from all
+picking one endpoint; since each decision reads the others' reservations one round trip old, the
+full comparison is better in every simulated scenario, the memory backend's included
+(docs/scheduling.md, "Results")."""
 
 
 class Policy(Protocol):
@@ -93,12 +99,12 @@ class PowerOfTwo:
 
 
 class Qoe:
-    """Lowest predicted time to first token among ``choices`` random candidates.
+    """Lowest predicted time to first token among ``choices`` random candidates (all of them
+    when there are no more).
 
     Predicted TTFT = (tokens queued ahead + this prompt's uncached tokens) x the endpoint's
-    observed seconds per token + its overhead + the KV transfer estimate. Sampling ``choices``
-    candidates instead of taking the global minimum keeps sidecars with the same (stale) view
-    from all picking the same endpoint.
+    observed seconds per token + its overhead + the KV transfer estimate. A small ``choices``
+    (2) trades the best pick for less herding when sidecars decide on one stale view.
     """
 
     name = "qoe"
@@ -107,7 +113,7 @@ class Qoe:
         self,
         rng: random.Random,
         *,
-        choices: int = 2,
+        choices: int = QOE_CHOICES,
         transfer: Transfer = Transfer(),
         tokens_per_waiting: float = TOKENS_PER_WAITING,
     ) -> None:
@@ -129,7 +135,7 @@ POLICIES = ("qoe", "power_of_two", "least_loaded", "round_robin", "random")
 
 
 def make_policy(
-    name: str, rng: random.Random, *, choices: int = 2, transfer: Transfer = Transfer()
+    name: str, rng: random.Random, *, choices: int = QOE_CHOICES, transfer: Transfer = Transfer()
 ) -> Policy:
     if name == "qoe":
         return Qoe(rng, choices=choices, transfer=transfer)

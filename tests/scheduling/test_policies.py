@@ -7,9 +7,11 @@ from collections import Counter
 
 import pytest
 
+from sidecar.config import Settings
 from sidecar.scheduling.model import Candidate, Speed, Transfer
 from sidecar.scheduling.policies import (
     POLICIES,
+    QOE_CHOICES,
     TOKENS_PER_WAITING,
     Qoe,
     make_policy,
@@ -114,6 +116,14 @@ def test_qoe_with_all_choices_takes_the_best():
     candidates = [Candidate(str(i), reserved_tokens=1000 * (3 - i)) for i in range(4)]
     policy = make_policy("qoe", rng(), choices=4)
     assert {key(policy.choose(candidates, 1)) for _ in range(20)} == {"3"}
+
+
+def test_qoe_by_default_compares_every_endpoint_of_a_pool_of_eight():
+    """The default (SIDECAR_SCHEDULER_CHOICES too): the best of all 8, every time."""
+    candidates = [Candidate(str(i), reserved_tokens=1000 * (7 - i)) for i in range(8)]
+    policy = make_policy("qoe", rng())
+    assert {key(policy.choose(candidates, 1)) for _ in range(50)} == {"7"}
+    assert Settings(decode_url="http://127.0.0.1:1").scheduler_choices == QOE_CHOICES == 8
 
 
 def test_policies_are_reproducible_with_the_same_seed():
