@@ -68,7 +68,8 @@ class Pipeline:
         self._metrics.inflight.inc()
         trace = None
         if self._tracing is not None:
-            trace = self._tracing.request(request.headers, request.method, request.path, request_id)
+            headers, method, path = request.headers, request.method, request.path
+            trace = self._tracing.request(headers, method, path, request_id, route=path)
         try:
             return await self._serve(request, record, request_id, trace)
         except SidecarError as exc:  # raised before any byte of an answer went out

@@ -87,6 +87,8 @@ class Tracing:
         self.tracer: Tracer = provider.get_tracer("pd-sidecar", __version__)
         self.propagator = TraceContextTextMapPropagator()
         self.in_context = trace.set_span_in_context
+        self.nothing = trace.INVALID_SPAN
+        """Stands for a span not recorded: its methods do nothing."""
         self.kinds = trace.SpanKind
         self.status = trace.Status
         self.error = trace.StatusCode.ERROR
@@ -154,12 +156,19 @@ class Tracing:
         return cls(provider, exporter=exporter)
 
     def request(
-        self, headers: Mapping[str, str], method: str, path: str, request_id: str
+        self,
+        headers: Mapping[str, str],
+        method: str,
+        path: str,
+        request_id: str,
+        route: str | None = None,
     ) -> RequestTrace:
-        """The server span of a request arriving with ``headers`` (its trace context, if any)."""
+        """The server span of a request arriving with ``headers`` (its trace context, if any).
+        Named ``{method} {route}`` for a route of the sidecar's own, else ``{method}``: a
+        passthrough path is the client's, too many names for a span (HTTP convention)."""
         parent = self.propagator.extract(headers)
         span = self.tracer.start_span(
-            f"{method} {path}",
+            f"{method} {route}" if route is not None else method,
             context=parent,
             kind=self.kinds.SERVER,
             attributes={
@@ -199,27 +208,30 @@ def _settle(future: asyncio.Future[None]) -> None:
 
 class RequestTrace:
     """One request's spans. Every span it starts is ended by ``end`` at the latest (legs that
-    outlive the request, a prefill finishing or a release, end on their own)."""
+    outlive the request, a prefill finishing or a release, end on their own).
 
-    __slots__ = ("_context", "_open", "_tracing", "span")
+    A request the sampler dropped records nothing: it starts no child span, and its legs carry
+    the request span's own context (flagged not sampled), which is all an engine needs to
+    follow the decision. Most requests are such at a low sampling ratio: they cost the least.
+    """
+
+    __slots__ = ("_context", "_open", "_tracing", "recording", "span")
 
     def __init__(self, tracing: Tracing, span: Span) -> None:
         self._tracing = tracing
         self.span = span
+        self.recording = span.is_recording()
         self._context: Context = tracing.in_context(span)
         self._open: list[Span] = []
 
-    @property
-    def recording(self) -> bool:
-        """Sampled: attributes are worth computing."""
-        return self.span.is_recording()
-
-    def headers(self, base: CIMultiDict[str]) -> CIMultiDict[str]:
+    def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
         """``base`` carrying the request span itself (a passthrough: one span, one leg)."""
         return Leg(self._tracing, self.span).headers(base)
 
     def phase(self, name: str) -> Span:
         """An internal child span (placement, relay), ended by ``done`` or by ``end``."""
+        if not self.recording:
+            return self._tracing.nothing
         span = self._tracing.tracer.start_span(name, context=self._context)
         self._open.append(span)
         return span
@@ -233,6 +245,8 @@ class RequestTrace:
 
     def leg(self, name: str, url: str, attributes: Mapping[str, Any] | None = None) -> Leg:
         """A client span for one call to an engine at ``url`` (``scheme://host:port[/path]``)."""
+        if not self.recording:
+            return Leg(self._tracing, self._tracing.nothing, carried=self.span)
         span = self._tracing.tracer.start_span(
             name, context=self._context, kind=self._tracing.kinds.CLIENT
         )
@@ -316,18 +330,23 @@ class RequestTrace:
 class Leg:
     """The client span of one engine call, and the headers that carry it."""
 
-    __slots__ = ("_tracing", "span")
+    __slots__ = ("_carried", "_tracing", "span")
 
-    def __init__(self, tracing: Tracing, span: Span) -> None:
+    def __init__(self, tracing: Tracing, span: Span, *, carried: Span | None = None) -> None:
+        """``carried``: the span whose context the leg's headers carry (None: ``span``)."""
         self._tracing = tracing
         self.span = span
+        self._carried = span if carried is None else carried
 
     def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
-        """``base`` with this span's ``traceparent`` (and ``tracestate``) instead of any other."""
+        """``base`` with this leg's ``traceparent`` (and ``tracestate``) instead of any other."""
         headers = CIMultiDict(base)
+        carried = self._carried
+        if not carried.get_span_context().is_valid:  # OTEL_SDK_DISABLED: the client's, then
+            return headers
         headers.popall(TRACEPARENT, None)
         headers.popall(TRACESTATE, None)
-        self._tracing.propagator.inject(headers, context=self._tracing.in_context(self.span))
+        self._tracing.propagator.inject(headers, context=self._tracing.in_context(carried))
         return headers
 
     def responded(self, status: int) -> None:

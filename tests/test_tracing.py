@@ -155,7 +155,8 @@ async def test_an_unsampled_gateway_trace_is_followed(
     otlp: Receiver, http, start_sidecar_with, prefill, decode
 ) -> None:
     """The default sampler is parent-based: a gateway's "not sampled" exports nothing, and the
-    legs still carry the trace (not sampled) for the engines to follow."""
+    legs still carry the trace (not sampled) for the engines to follow: the request span's
+    context, since an unrecorded request starts no span per leg."""
     sidecar = await start_sidecar_with(tracing=traced(otlp))
     context = traceparent(TRACE_ID, CLIENT_SPAN, sampled=False)
     assert await _post(http, sidecar.url, prefill, "unsampled", traceparent=context) == 200
@@ -163,8 +164,11 @@ async def test_an_unsampled_gateway_trace_is_followed(
     await otlp.trace_of("sampled", spans=5)
     assert not [s for s in otlp.spans if s.trace_id == TRACE_ID]
     first_leg = _legs(await engine_requests(http, prefill))[0]
+    decode_leg = _legs(await engine_requests(http, decode))[0]
     assert (first_leg["trace_id"], first_leg["sampled"]) == (TRACE_ID, False)
-    assert first_leg["parent_id"] != CLIENT_SPAN  # a span of the sidecar's, though not recorded
+    assert (decode_leg["trace_id"], decode_leg["sampled"]) == (TRACE_ID, False)
+    # The sidecar's request span (not recorded), not the gateway's.
+    assert first_leg["parent_id"] == decode_leg["parent_id"] != CLIENT_SPAN
 
 
 async def test_a_retry_is_a_second_attempt_span(
@@ -280,7 +284,9 @@ async def test_the_passthrough_is_one_span_named_on_its_leg(
         assert response.status == 200
     trace = await otlp.trace_of("models-1", spans=1)
     span = trace.request
-    assert (span.name, span.kind, span.parent_id) == ("GET /v1/models", SERVER, CLIENT_SPAN)
+    # No route template for a path the sidecar does not own: named by the method alone.
+    assert (span.name, span.kind, span.parent_id) == ("GET", SERVER, CLIENT_SPAN)
+    assert span.attributes["url.path"] == "/v1/models"
     assert span.attributes["http.response.status_code"] == 200
     assert span.attributes["pd_sidecar.state"] == "completed"
     [leg] = _legs(await engine_requests(http, decode))
@@ -301,6 +307,18 @@ async def test_tracing_off_passes_the_trace_context_through_untouched(
     assert without is None  # nothing invented
     decode_legs = _legs(await engine_requests(http, decode))
     assert [leg and leg["traceparent"] for leg in decode_legs] == [context, None, context]
+
+
+async def test_a_disabled_sdk_passes_the_trace_context_through(
+    otlp: Receiver, http, start_sidecar_with, prefill, decode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")  # read by the SDK's provider
+    sidecar = await start_sidecar_with(tracing=traced(otlp))
+    context = traceparent(TRACE_ID, CLIENT_SPAN)
+    assert await _post(http, sidecar.url, prefill, "disabled", traceparent=context) == 200
+    [prefill_leg] = _legs(await engine_requests(http, prefill))
+    [decode_leg] = _legs(await engine_requests(http, decode))
+    assert prefill_leg["traceparent"] == decode_leg["traceparent"] == context
 
 
 # --- the process, configured by the OTEL_* variables ------------------------------------------
