@@ -15,6 +15,7 @@ from sidecar.app import DRAIN, CannotListen, RunningSidecar, start_sidecar
 from sidecar.config import Settings, describe_fields, explain
 from sidecar.drain import BUDGET_SLACK_S
 from sidecar.tls import TlsFilesError
+from sidecar.tracing import Tracing, TracingUnavailable
 
 logger = logging.getLogger("sidecar")
 
@@ -45,6 +46,18 @@ def load_settings() -> Settings:
         raise SystemExit(2) from None
 
 
+def load_tracing(settings: Settings) -> Tracing | None:
+    """The tracer provider SIDECAR_TRACING asks for, built from the ``OTEL_*`` variables; exit
+    status 2 with a one-line message when it cannot be (the extra or an exporter missing)."""
+    if not settings.tracing:
+        return None
+    try:
+        return Tracing.from_environment()
+    except TracingUnavailable as exc:
+        print(f"pd-sidecar: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] in ("-h", "--help"):
@@ -57,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pd-sidecar: unexpected argument {args[0]!r} (see --help)", file=sys.stderr)
         raise SystemExit(2)
     settings = load_settings()
+    tracing = load_tracing(settings)
     logging.basicConfig(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -64,12 +78,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     _warn_unknown_variables()
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
+    if tracing is not None:
+        logger.info("tracing on: %s", tracing.description)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        status = asyncio.run(_serve(settings))
+        status = asyncio.run(_serve(settings, tracing))
     else:
-        status = uvloop.run(_serve(settings))
+        status = uvloop.run(_serve(settings, tracing))
     if status:
         raise SystemExit(status)
 
@@ -81,7 +97,7 @@ def _warn_unknown_variables() -> None:
             logger.warning("ignoring unknown variable %s (see --help)", name)
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, tracing: Tracing | None) -> int:
     """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound, or TLS
     files could not be loaded)."""
     stop = asyncio.Event()
@@ -89,7 +105,7 @@ async def _serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        sidecar = await start_sidecar(settings)
+        sidecar = await start_sidecar(settings, tracing=tracing)
     except (CannotListen, TlsFilesError) as exc:
         logger.error("%s", exc)
         return 1

@@ -15,6 +15,7 @@ from typing import Any
 
 from sidecar.errors import EngineNotConnected, SidecarError
 from sidecar.metrics import Metrics
+from sidecar.tracing import Leg, RequestTrace
 from sidecar.tracking import task_name
 from sidecar.upstream import EngineAnswer, Engines
 
@@ -53,7 +54,12 @@ class Aftercare:
             task.add_done_callback(self._tasks.discard)
 
     def release(
-        self, request_id: str, urls: Sequence[str], headers: Mapping[str, str], data: bytes
+        self,
+        request_id: str,
+        urls: Sequence[str],
+        headers: Mapping[str, str],
+        data: bytes,
+        trace: RequestTrace | None = None,
     ) -> None:
         """Send ``data`` to ``urls[0]`` in the background to free request ``request_id``'s
         staged KV, its answer dropped; to the next URL when one cannot be connected to (any
@@ -66,27 +72,41 @@ class Aftercare:
         if len(self._tasks) >= MAX_PENDING:
             self._metrics.kv_releases.labels("skipped").inc()
             return
+        leg = trace.leg("kv_release", urls[0]) if trace is not None else None
+        if leg is not None:
+            headers = leg.headers(headers)
         name = task_name(request_id, "release")
-        self.watch(asyncio.create_task(self._send(urls, headers, data), name=name))
+        self.watch(asyncio.create_task(self._send(urls, headers, data, leg), name=name))
 
-    async def _send(self, urls: Sequence[str], headers: Mapping[str, str], data: bytes) -> None:
+    async def _send(
+        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes, leg: Leg | None
+    ) -> None:
         try:
             answer = await self._post(urls, headers, data)
             await answer.read()
-        except SidecarError as exc:
-            self._metrics.kv_releases.labels("failed").inc()
-            logger.warning("releasing staged KV failed: %s", exc.message)
-            return
-        except Exception:
-            self._metrics.kv_releases.labels("failed").inc()
-            logger.exception("releasing staged KV failed")
-            return
+        except BaseException as exc:
+            if leg is not None:
+                leg.ended_by(exc)
+            if isinstance(exc, SidecarError):
+                self._metrics.kv_releases.labels("failed").inc()
+                logger.warning("releasing staged KV failed: %s", exc.message)
+                return
+            if isinstance(exc, Exception):
+                self._metrics.kv_releases.labels("failed").inc()
+                logger.exception("releasing staged KV failed")
+                return
+            raise
         if answer.status >= 400:
+            if leg is not None:
+                error = f"{answer.engine} answered {answer.status}"
+                leg.end("failed", status=answer.status, error=error)
             self._metrics.kv_releases.labels("failed").inc()
             logger.warning(
                 "releasing staged KV failed: %s answered %d", answer.engine, answer.status
             )
             return
+        if leg is not None:
+            leg.end("sent", status=answer.status)
         self._metrics.kv_releases.labels("sent").inc()
 
     async def _post(

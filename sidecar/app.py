@@ -35,6 +35,7 @@ from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.tls import ClientTls, FileWatch, ServerTls
+from sidecar.tracing import Tracing
 from sidecar.tracking import Tracker
 from sidecar.trust import PrefillGuard
 from sidecar.upstream import Engines
@@ -56,18 +57,28 @@ SERVER_TLS = web.AppKey("server_tls", ServerTls)
 TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
 POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
+TRACING = web.AppKey("tracing", Tracing)
 
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
 thousand clients connect at once; vLLM's API server uses 2048 too)."""
 
 
-def create_app(settings: Settings) -> web.Application:
-    """A fresh application: nothing is shared between two apps in one process."""
+def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.Application:
+    """A fresh application: nothing is shared between two apps in one process.
+
+    ``tracing``: the spans' provider, which the app then shuts down (tests pass one exporting
+    where they read); None builds it from the ``OTEL_*`` variables when SIDECAR_TRACING=true
+    (raises ``TracingUnavailable`` when it cannot be).
+    """
+    if tracing is None and settings.tracing:
+        tracing = Tracing.from_environment()
     drain = Drain(settings.drain_timeout_s)
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[drain.middleware])
     app[DRAIN] = drain
+    if tracing is not None:
+        app[TRACING] = tracing
     tracker = Tracker(settings.debug_history)
     metrics = Metrics()
     client_tls = ClientTls(
@@ -136,11 +147,17 @@ def create_app(settings: Settings) -> web.Application:
         gateway=gateway,
         tracker=tracker,
         metrics=metrics,
+        tracing=tracing,
     )
     app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
-        settings, engines=engines, ranks=scheduler.ranks, gateway=gateway, metrics=metrics
+        settings,
+        engines=engines,
+        ranks=scheduler.ranks,
+        gateway=gateway,
+        metrics=metrics,
+        tracing=tracing,
     )
     debug = DebugViews(tracker, DebugPage())
 
@@ -172,6 +189,7 @@ def create_app(settings: Settings) -> web.Application:
     # Last: everything else, any method (GET /v1/completions included), goes to the engine.
     app.router.add_route("*", "/{tail:.*}", passthrough.handle)
 
+    app.cleanup_ctx.append(_tracing_ctx)  # closed last: the releases' spans end before it
     app.cleanup_ctx.append(_engines_ctx)
     app.cleanup_ctx.append(_scheduler_ctx)
     app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
@@ -263,6 +281,12 @@ async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _aftercare_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[AFTERCARE].close(app[DRAIN].background_s())
+
+
+async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    if TRACING in app:
+        await app[TRACING].close(app[DRAIN].background_s())
 
 
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -395,12 +419,13 @@ class CannotListen(Exception):
     """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
 
 
-async def start_sidecar(settings: Settings) -> RunningSidecar:
-    """Serve ``create_app(settings)`` on its port (0 = a free one) until ``close()``.
+async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -> RunningSidecar:
+    """Serve ``create_app(settings, tracing=tracing)`` on its port (0 = a free one) until
+    ``close()``.
 
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
-    app = create_app(settings)
+    app = create_app(settings, tracing=tracing)
     context = app[SERVER_TLS].context if SERVER_TLS in app else None
     admin_context = context if settings.admin_tls else None
     runner = web.AppRunner(

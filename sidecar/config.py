@@ -340,6 +340,13 @@ class Settings(BaseSettings):
     log_requests: bool = Field(
         False, description="Log one INFO summary line per generation request."
     )
+    tracing: bool = Field(
+        False,
+        description="Export OpenTelemetry spans of every request and propagate W3C trace "
+        "context on the engine legs; configured by the SDK's OTEL_* variables (endpoint, "
+        "protocol, sampler, service name). Needs the tracing extra (pip install "
+        "'pd-sidecar[tracing]'; the image has it).",
+    )
 
     @field_validator("connector", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from sidecar.endpoints import Endpoint
 from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.metrics import ROUTES
 from sidecar.scheduling.placement import Placement
+from sidecar.tracing import RequestTrace
 from sidecar.upstream import EngineAnswer
 
 Body = dict[str, Any]
@@ -60,6 +61,8 @@ class Exchange:
     deadline: float | None
     """Loop time by which the whole request must be done (None: no limit)."""
     progress: Progress
+    trace: RequestTrace | None = None
+    """The request's spans (None: tracing is off); each leg's span comes from it."""
 
     @property
     def route(self) -> str:

@@ -18,6 +18,7 @@ from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
 from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
+from sidecar.tracing import Tracing
 from sidecar.tracking import name_this_task
 from sidecar.upstream import Engines
 
@@ -31,8 +32,10 @@ class Passthrough:
         ranks: DecodeRanks,
         gateway: GatewayHeaders,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self._ranks = ranks
+        self._tracing = tracing
         self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
         self._idle_timeout_s = settings.stream_idle_timeout_s
         self._engines = engines
@@ -44,10 +47,15 @@ class Passthrough:
         The engine and the client see the same ``x-request-id`` (the client's, or a new one)."""
         status: int | None = None
         cancelled = False
+        error: str | None = None
         request_id = request_id_from(request.headers)
         name_this_task(request_id, "passthrough")
         headers = self._gateway.passthrough(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
+        trace = None
+        if self._tracing is not None:  # one span: the engine's traceparent names it
+            trace = self._tracing.request(request.headers, request.method, request.path, request_id)
+            headers = trace.headers(headers)
         claim = self._ranks.claim_any()
         try:
             upstream, first = await on_a_rank(
@@ -74,9 +82,11 @@ class Passthrough:
             cancelled = relayed.client_gone
             if relayed.error is None and not relayed.client_gone:
                 status = relayed.status
+            elif relayed.error is not None:
+                error = relayed.error.message
             return relayed.response
         except SidecarError as exc:
-            status = exc.status
+            status, error = exc.status, exc.message
             return error_response(exc, request_id)
         except asyncio.CancelledError:
             cancelled = True
@@ -84,3 +94,10 @@ class Passthrough:
         finally:
             claim.end()
             self._metrics.observe_passthrough(status, cancelled)
+            if trace is not None:
+                if error is None and status is not None and status >= 500:
+                    error = f"the engine answered {status}"
+                state = "cancelled" if cancelled else "failed" if error else "completed"
+                # A 4xx is the client's: not the span's error (HTTP server convention).
+                client_fault = status is not None and status < 500
+                trace.finish(status, state, None if cancelled or client_fault else error)

@@ -32,6 +32,7 @@ from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
+from sidecar.tracing import RequestTrace, Tracing
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker, name_this_task
 from sidecar.trust import PrefillGuard
 
@@ -49,8 +50,10 @@ class Pipeline:
         gateway: GatewayHeaders,
         tracker: Tracker,
         metrics: Metrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
+        self._tracing = tracing
         self._connector = connector
         self._scheduler = scheduler
         self._guard = guard
@@ -63,8 +66,12 @@ class Pipeline:
         name_this_task(request_id, "handler")
         key, record = self._tracker.start(request_id, request.path)
         self._metrics.inflight.inc()
+        trace = None
+        if self._tracing is not None:
+            headers, method, path = request.headers, request.method, request.path
+            trace = self._tracing.request(headers, method, path, request_id, route=path)
         try:
-            return await self._serve(request, record, request_id)
+            return await self._serve(request, record, request_id, trace)
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
@@ -86,15 +93,22 @@ class Pipeline:
             self._metrics.observe_request(ROUTES[request.path], record)
             if self._settings.log_requests:
                 _log_summary(record)
+            if trace is not None:
+                trace.end(record)
 
     async def _serve(
-        self, request: web.Request, record: RequestRecord, request_id: str
+        self,
+        request: web.Request,
+        record: RequestRecord,
+        request_id: str,
+        trace: RequestTrace | None,
     ) -> web.StreamResponse:
         settings = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.request_timeout_s if settings.request_timeout_s else None
         raw = await _read_limited(request, settings.max_body_bytes, settings.client_body_timeout_s)
         body = _parse_object(raw)
+        placing = trace.phase("placement") if trace is not None else None
         header = self._gateway.prefill_target(request.headers)
         if header is not None:
             header = await self._guard.check(header)
@@ -102,6 +116,8 @@ class Pipeline:
         placement = await self._scheduler.place(
             body, header, local_reason=self._connector.unsupported(body)
         )
+        if trace is not None and placing is not None:
+            trace.placed(placing, placement)
         try:
             _record_placement(record, placement)
             progress = _Progress(record, self._scheduler, placement)
@@ -113,6 +129,7 @@ class Pipeline:
                 placement=placement,
                 deadline=deadline,
                 progress=progress,
+                trace=trace,
             )
             return await self._run(request, record, exchange, progress)
         finally:
@@ -133,6 +150,8 @@ class Pipeline:
                 body=answer.body,
                 headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
             )
+        trace = ex.trace
+        relaying = trace.phase("relay") if trace is not None else None
         try:
             relayed = await relay(
                 request,
@@ -144,6 +163,8 @@ class Pipeline:
             )
         finally:
             answer.upstream.close()
+        if trace is not None and relaying is not None:
+            trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
         _record_relayed(record, relayed)
         return relayed.response
 

@@ -42,6 +42,7 @@ from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
 from sidecar.metrics import Metrics
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
+from sidecar.tracing import Leg
 from sidecar.tracking import task_name
 from sidecar.upstream import Engines, parse_json
 
@@ -134,7 +135,7 @@ class PrefillCall:
                 self._scheduler.prefill_finished(current, ok=None)  # no call will give it back
                 raise
             ex.progress.prefill_sent(current.endpoint, attempt)
-            result = await self._attempt(ex, data, current, spec)
+            result = await self._attempt(ex, data, current, spec, attempt)
             if not isinstance(result, _Failure):
                 return result
             failure = result
@@ -160,15 +161,27 @@ class PrefillCall:
         data: bytes,
         placement: Placement,
         spec: _CallSpec,
+        attempt: int,
     ) -> _Result:
-        assert placement.endpoint is not None
+        endpoint = placement.endpoint
+        assert endpoint is not None
         started = asyncio.get_running_loop().time()
         answering = asyncio.Event()
+        leg = None
+        if ex.trace is not None:
+            leg = ex.trace.leg(
+                "prefill",
+                self._engines.prefill_url(endpoint) + ex.path,
+                {
+                    "pd_sidecar.prefill.endpoint": str(endpoint),
+                    "pd_sidecar.prefill.attempt": attempt,
+                },
+            )
         call = asyncio.create_task(
-            self._call(ex, data, placement.endpoint, spec, answering),
+            self._call(ex, data, endpoint, spec, answering, leg),
             name=task_name(ex.request_id, "prefill"),
         )
-        call.add_done_callback(functools.partial(self._ended, placement, started))
+        call.add_done_callback(functools.partial(self._ended, placement, started, leg))
         try:
             return await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -177,22 +190,36 @@ class PrefillCall:
         finally:
             ex.progress.prefill_ended()
 
-    def _ended(self, placement: Placement, started: float, call: asyncio.Future[_Result]) -> None:
-        """The call is over, whoever waited for it: tell the scheduler and count it."""
+    def _ended(
+        self,
+        placement: Placement,
+        started: float,
+        leg: Leg | None,
+        call: asyncio.Future[_Result],
+    ) -> None:
+        """The call is over, whoever waited for it: tell the scheduler, count it, end its span."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
+        outcome, error, cached = "cancelled", None, None
         # (An exception is a bug, logged by whoever awaits the call: the request, or _salvage.)
         if not call.cancelled() and call.exception() is None:
             result = call.result()
             if isinstance(result, _Failure):
                 ok = False
+                outcome, error = result.outcome, result.detail
                 self._metrics.prefill_requests.labels(result.outcome).inc()
             elif isinstance(result, Prefilled):
                 ok = True
+                outcome, cached = "success", result.cached_tokens
                 self._metrics.prefill_requests.labels("success").inc()
             else:
+                outcome, error = "client_error", result.error
                 self._metrics.prefill_requests.labels("client_error").inc()
+        elif not call.cancelled():
+            outcome, error = "error", repr(call.exception())
         seconds = asyncio.get_running_loop().time() - started
         self._scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
+        if leg is not None:
+            leg.end(outcome, error=error, attributes={"pd_sidecar.cached_tokens": cached})
 
     def _client_left(
         self,
@@ -247,6 +274,7 @@ class PrefillCall:
         endpoint: Endpoint,
         spec: _CallSpec,
         answering: asyncio.Event,
+        leg: Leg | None,
     ) -> _Result:
         """One prefill call; sets ``answering`` once the engine's status line is in."""
         timeout_s = self._settings.prefill_timeout_s
@@ -257,13 +285,15 @@ class PrefillCall:
             upstream = await self._engines.send(
                 "POST",
                 self._engines.prefill_url(endpoint) + ex.path,
-                headers=ex.headers,
+                headers=ex.headers if leg is None else leg.headers(ex.headers),
                 data=data,
                 total_s=timeout_s,
                 role="the prefill engine",
                 server_name=self._engines.prefill_server_name(endpoint),
             )
             answering.set()
+            if leg is not None:
+                leg.responded(upstream.status)
             answer = await upstream.read()
         except EngineTimeout as exc:
             # A timeout after the status line: the engine finished (its KV is staged) and the

@@ -12,7 +12,9 @@ import pytest
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
+from sidecar.tracing import Tracing
 from sidecar.tracking import REQUEST_TASK_PREFIX
+from tests.otlp import Receiver
 
 StartSidecar = Callable[..., Awaitable[RunningSidecar]]
 StartEmulator = Callable[..., Awaitable[RunningEmulator]]
@@ -45,24 +47,37 @@ async def decode(start_engine: StartEmulator) -> RunningEmulator:
 
 @pytest.fixture
 async def start_sidecar_with(decode: RunningEmulator) -> AsyncIterator[StartSidecar]:
-    """Start a sidecar on a free port in front of ``decode``; keywords override Settings."""
+    """Start a sidecar on a free port in front of ``decode``; keywords override Settings
+    (``tracing``: the sidecar's tracer provider, ``tests.otlp.traced``)."""
     started: list[RunningSidecar] = []
 
-    async def start(**overrides: Any) -> RunningSidecar:
+    async def start(*, tracing: Tracing | None = None, **overrides: Any) -> RunningSidecar:
         values: dict[str, Any] = {
             "host": "127.0.0.1",
             "port": 0,
             "decode_url": decode.url,
             "ready_interval_s": 0.05,
         }
+        if tracing is not None:
+            values["tracing"] = True
         values.update(overrides)
-        sidecar = await start_sidecar(Settings(**values))
+        sidecar = await start_sidecar(Settings(**values), tracing=tracing)
         started.append(sidecar)
         return sidecar
 
     yield start
     for sidecar in started:
         await sidecar.close()
+
+
+@pytest.fixture
+async def otlp() -> AsyncIterator[Receiver]:
+    """A local OTLP/HTTP receiver (``tests.otlp``); closed after the sidecars, which flush to it
+    when they close."""
+    receiver = Receiver()
+    await receiver.start()
+    yield receiver
+    await receiver.close()
 
 
 @pytest.fixture

@@ -56,12 +56,14 @@ async def sidecar_process(
     *,
     capture_log: bool = False,
     until: Ready = "/health",
+    environ: Mapping[str, str] | None = None,
     **more: str,
 ) -> AsyncIterator[SidecarProcess]:
     """A sidecar process configured by ``SIDECAR_*`` variables (names without the prefix, from
     ``settings`` and ``more``), yielded once ``until`` answers 200 (or, a check, holds);
     SIGTERM (then SIGKILL after 10 s) when the block ends. Its log is always kept, until then
-    (``capture_log`` is accepted for older callers)."""
+    (``capture_log`` is accepted for older callers). ``environ``: other variables it gets
+    (``OTEL_*``); this process's ``OTEL_*`` never reach it."""
     del capture_log
     port = free_port()
     variables = {**(settings or {}), **more}
@@ -70,8 +72,9 @@ async def sidecar_process(
             "SIDECAR_HOST": "127.0.0.1",
             "SIDECAR_PORT": str(port),
             **{f"SIDECAR_{name.upper()}": value for name, value in variables.items()},
+            **(environ or {}),
         },
-        drop=["SIDECAR_"],
+        drop=["SIDECAR_", "OTEL_"],
     )
     async with Launcher(prefix="pd-sidecar-test-") as launcher:
         process = await launcher.start(

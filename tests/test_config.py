@@ -124,6 +124,7 @@ INVALID = [
     ("SIDECAR_KUBE_CA_FILE", ""),
     ("SIDECAR_KUBE_RETRY_BASE_S", "0"),
     ("SIDECAR_KUBE_RETRY_MAX_S", "0"),
+    ("SIDECAR_TRACING", "perhaps"),
 ]
 """One invalid value per setting (a test checks that none is missing)."""
 

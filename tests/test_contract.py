@@ -43,6 +43,7 @@ from tests.conftest import (
     staged_blocks,
     tasks_in_request_code,
 )
+from tests.otlp import Receiver, traced, traceparent
 
 SGLANG_FIELDS = (BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM)
 LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a while. " * 400
@@ -325,6 +326,32 @@ async def test_bodies_on_each_leg(rig: Rig, spec: Spec, route: str) -> None:
     [decode_leg] = await engine_requests(rig.http, rig.decode)
     assert prefill_leg["path"] == decode_leg["path"] == path
     spec.check_legs(body, route, prefill_leg["body"], decode_leg["body"])
+    await rig.settled()
+
+
+async def test_each_leg_carries_the_trace_context_of_its_own_span(
+    otlp: Receiver, rig_with: RigFactory, spec: Spec
+) -> None:
+    """With tracing on, the prefill leg names the prefill-attempt span and the decode leg the
+    decode span, both in the gateway's trace (sent at once or one after the other)."""
+    rig = await rig_with(tracing=traced(otlp))
+    trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    status, _ = await rig.post(
+        completion(),
+        **{"traceparent": traceparent(trace_id, client_span), "x-request-id": "traced"},
+    )
+    assert status == 200
+    trace = await otlp.trace_of("traced", spans=5)
+    assert (trace.request.trace_id, trace.request.parent_id) == (trace_id, client_span)
+    attempt, decode = trace.one("prefill"), trace.one("decode")
+    assert attempt.attributes["pd_sidecar.outcome"] == "success"
+    assert attempt.attributes["pd_sidecar.prefill.endpoint"] == rig.prefill.endpoint
+    assert attempt.parent_id == decode.parent_id == trace.request.span_id
+    [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+    [decode_leg] = await engine_requests(rig.http, rig.decode)
+    assert prefill_leg["trace"]["trace_id"] == decode_leg["trace"]["trace_id"] == trace_id
+    assert prefill_leg["trace"]["parent_id"] == attempt.span_id
+    assert decode_leg["trace"]["parent_id"] == decode.span_id
     await rig.settled()
 
 

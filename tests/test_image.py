@@ -384,6 +384,8 @@ async def test_the_installation_runs_the_sidecar_and_the_emulator(installed, htt
                 "python",
                 "-c",
                 "import json, os, sys, sidecar;"
+                # The tracing extra is installed: SIDECAR_TRACING=true works in the image.
+                "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http;"
                 "print(json.dumps([sidecar.__file__, sys.path, os.getuid()]))",
             ),
             installed.env,

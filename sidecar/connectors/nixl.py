@@ -128,7 +128,7 @@ class NixlConnector:
         # Its own id: the decode leg it stands in for may still be known to the engine.
         headers[REQUEST_ID_HEADER] = f"{ex.request_id}{RELEASE_ID_SUFFIX}"
         self._parts.aftercare.release(
-            ex.request_id, self._parts.decode.release_urls(ex), headers, data
+            ex.request_id, self._parts.decode.release_urls(ex), headers, data, ex.trace
         )
 
     # --- the wire ------------------------------------------------------------------------

@@ -27,5 +27,5 @@ class NixlPushConnector(NixlConnector):
         # The prefill leg's id (ex.headers carry it), on its path: the prefill engine hands its
         # KV only to a registration under the same id.
         self._parts.aftercare.release(
-            ex.request_id, self._parts.decode.release_urls(ex), ex.headers, data
+            ex.request_id, self._parts.decode.release_urls(ex), ex.headers, data, ex.trace
         )

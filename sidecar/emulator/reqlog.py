@@ -1,13 +1,18 @@
-"""A bounded log of the /v1/* requests the emulator received, for tests asserting exact bodies."""
+"""A bounded log of the /v1/* requests the emulator received, for tests asserting exact bodies
+and the W3C trace context each one carried."""
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+"""W3C Trace Context: version-trace_id-parent_id-flags, lower-case hex."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +28,24 @@ class LoggedRequest:
             "path": self.path,
             "headers": dict(self.headers),
             "body": self.body,
+            "trace": self.trace(),
+        }
+
+    def trace(self) -> dict[str, Any] | None:
+        """The trace context the request carried (None: no ``traceparent``): the headers as
+        received, and the trace id, the parent span id and the sampled flag when the
+        ``traceparent`` is well formed (else those are null)."""
+        traceparent = self.headers.get("traceparent")
+        if traceparent is None:
+            return None
+        match = _TRACEPARENT.match(traceparent.strip())
+        valid = match is not None and match.group(1) != "ff"
+        return {
+            "traceparent": traceparent,
+            "tracestate": self.headers.get("tracestate"),
+            "trace_id": match.group(2) if match and valid else None,
+            "parent_id": match.group(3) if match and valid else None,
+            "sampled": bool(int(match.group(4), 16) & 1) if match and valid else None,
         }
 
 
