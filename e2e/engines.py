@@ -113,6 +113,8 @@ class VllmEngine:
     """The one core for all of the engine's processes (see ``argv``), None: any core."""
     extra_env: dict[str, str] = field(default_factory=dict)
     """Overrides of the engine's environment (e.g. UCX_LOG_LEVEL when debugging a transfer)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More server arguments (e.g. ``--otlp-traces-endpoint``)."""
     process: Child | None = field(default=None, repr=False)
 
     @property
@@ -161,6 +163,7 @@ class VllmEngine:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(kv_config),
+            *self.extra_args,
         ]
 
     def kv_transfer_config(self) -> dict[str, object]:
@@ -221,6 +224,8 @@ class SidecarProcess:
     """``SIDECAR_CONNECTOR``: the protocol the sidecar speaks to the pair's engines."""
     port: int = field(default_factory=free_port)
     python: str = sys.executable
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More of the sidecar's environment (e.g. ``SIDECAR_TRACING`` and the ``OTEL_*`` it reads)."""
     process: Child | None = field(default=None, repr=False)
 
     @property
@@ -235,6 +240,7 @@ class SidecarProcess:
             "SIDECAR_READY_INTERVAL_S": "0.5",
             "SIDECAR_LOG_REQUESTS": "true",
             "SIDECAR_CONNECTOR": self.connector,
+            **self.extra_env,
         }
         self.process = Child(
             "sidecar",

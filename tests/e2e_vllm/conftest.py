@@ -69,6 +69,7 @@ MODULE_ORDER = (
     "test_real_engines.py",
     "test_nixl_push.py",
     "test_shared_storage.py",
+    "test_tracing.py",
 )
 """The order modules run in: the session's NixlConnector pair serves the first two; each later
 module starts a pair of its own, which stops the one before."""
@@ -127,6 +128,8 @@ class Cluster:
             port=self.decode.port,
             side_channel_port=self.decode.side_channel_port,
             cpu=self.decode.cpu,
+            extra_env=self.decode.extra_env,
+            extra_args=self.decode.extra_args,
         )
         self.decode.start()
         await self.decode.wait_ready()
@@ -146,10 +149,14 @@ async def start_cluster(
     kv_connector: KvConnector = "NixlConnector",
     sidecar_connector: str = "nixl",
     shared_storage_path: Path | None = None,
+    engine_args: list[str] | None = None,
+    engine_env: dict[str, str] | None = None,
+    sidecar_env: dict[str, str] | None = None,
 ) -> Cluster:
     """A prefill engine, a decode engine with ``kv_connector`` and a sidecar speaking
-    ``sidecar_connector`` to them, ready. Any other pair still running is stopped first: each
-    engine has a core of its own (docs/e2e.md), so two pairs on two cores would starve."""
+    ``sidecar_connector`` to them, ready; ``engine_args``/``engine_env`` go to both engines,
+    ``sidecar_env`` to the sidecar. Any other pair still running is stopped first: each engine
+    has a core of its own (docs/e2e.md), so two pairs on two cores would starve."""
     home = VllmHome.locate()
     if (problem := home.missing()) is not None:
         pytest.fail(problem, pytrace=False)
@@ -165,10 +172,14 @@ async def start_cluster(
             kv_connector=kv_connector,
             shared_storage_path=shared_storage_path,
             cpu=cpu,
+            extra_env=dict(engine_env or {}),
+            extra_args=list(engine_args or []),
         )
         for role, cpu in roles
     )
-    sidecar = SidecarProcess(decode.url, log_dir, connector=sidecar_connector)
+    sidecar = SidecarProcess(
+        decode.url, log_dir, connector=sidecar_connector, extra_env=dict(sidecar_env or {})
+    )
     running = Cluster(home, log_dir, prefill, decode, sidecar, shared_storage_path)
     _RUNNING.append(running)
     try:
