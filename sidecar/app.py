@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -34,6 +33,7 @@ from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
+from sidecar.tasks import stop_task
 from sidecar.tls import ClientTls, FileWatch, ServerTls
 from sidecar.tracing import Tracing
 from sidecar.tracking import Tracker
@@ -298,7 +298,7 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _readiness_ctx(app: web.Application) -> AsyncIterator[None]:
     task = asyncio.create_task(app[READINESS].run(), name="readiness-poller")
     yield
-    await _stop(task)
+    await stop_task(task)
 
 
 async def _tls_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -307,7 +307,7 @@ async def _tls_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(w.run(), name="tls-file-watch") for w in app[TLS_WATCHES]]
     yield
     for task in tasks:
-        await _stop(task)
+        await stop_task(task)
 
 
 async def _pool_watch_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -318,15 +318,9 @@ async def _pool_watch_ctx(app: web.Application) -> AsyncIterator[None]:
         await app[KUBE].open()
     task = asyncio.create_task(app[POOL_WATCH].run(), name="inference-pool-follower")
     yield
-    await _stop(task)
+    await stop_task(task)
     if KUBE in app:
         await app[KUBE].close()
-
-
-async def _stop(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:

@@ -13,7 +13,6 @@ does no I/O but the backend's single bounded ``reserve``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -43,6 +42,7 @@ from sidecar.scheduling.prompts import estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads, parse_engine_load
 from sidecar.scheduling.state import SharedView, StateBackend
+from sidecar.tasks import stop_task
 from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.scheduling")
@@ -101,10 +101,7 @@ class Scheduler:
 
     async def close(self) -> None:
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
         self._tasks.clear()
         await self.backend.close()
 

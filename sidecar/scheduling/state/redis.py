@@ -41,6 +41,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
+from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
 
@@ -172,9 +173,7 @@ class RedisState:
     async def close(self) -> None:
         for task in (self._worker, self._sync):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await stop_task(task)
         if self._client is not None:
             # Best effort: let the others stop counting us now rather than after the lease.
             with contextlib.suppress(*_ERRORS):
@@ -245,14 +244,25 @@ class RedisState:
             wait = self._down_until - self._clock()
             if wait > 0:
                 await asyncio.sleep(min(wait, heartbeat))
-            if self._sync is not None:
-                # A decision's refresh, which may have left before the change that woke us.
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(self._sync)
-            if self._sync is None:  # else one started since, with every change made so far
+            # A sync in flight is a decision's refresh, which may have left before the change
+            # that woke us: wait for it, then sync unless another one started since.
+            await self._join_sync()
+            if self._sync is None:
                 self._sync = asyncio.create_task(self._run_sync())
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._sync)
+            await self._join_sync()
+
+    async def _join_sync(self) -> None:
+        """Wait for the sync in flight, if any. Its cancellation (by ``close``) is not the
+        worker's: only the worker's own ends the worker."""
+        sync = self._sync
+        if sync is None:
+            return
+        try:
+            await asyncio.shield(sync)
+        except asyncio.CancelledError:
+            worker = asyncio.current_task()
+            if worker is not None and worker.cancelling():
+                raise
 
     async def _run_sync(self) -> None:
         try:

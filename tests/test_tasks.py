@@ -1,0 +1,50 @@
+"""sidecar.tasks.stop_task: the task's cancellation is dropped, the caller's is not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar.tasks import stop_task
+
+
+@pytest.mark.asyncio
+async def test_a_task_is_cancelled_and_waited_for() -> None:
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(forever())
+    await started.wait()
+    await stop_task(task)
+    assert task.cancelled()
+
+
+@pytest.mark.asyncio
+async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
+    """A task that will not stop, and a caller cancelled while it waits for it (a shutdown's
+    deadline): the caller ends cancelled instead of going on waiting."""
+    waiting, release = asyncio.Event(), asyncio.Event()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                waiting.set()
+                await release.wait()
+                return
+            except asyncio.CancelledError:
+                continue  # refuses to stop
+
+    task = asyncio.create_task(stubborn())
+    await waiting.wait()
+    waiting.clear()
+    stopper = asyncio.create_task(stop_task(task))
+    await waiting.wait()  # cancelled by stop_task, it refused and waits again
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopper
+    release.set()
+    await task
