@@ -336,6 +336,12 @@ class Settings(BaseSettings):
     log_requests: bool = Field(
         False, description="Log one INFO summary line per generation request."
     )
+    gc_gen0_threshold: int = Field(
+        10_000,
+        ge=1,
+        description="Allocations between two young-generation garbage collections (Python's "
+        "default: 700); set once the sidecar listens, after start-up's objects are frozen.",
+    )
 
     @field_validator("connector", mode="before")
     @classmethod
