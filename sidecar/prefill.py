@@ -185,12 +185,12 @@ class PrefillCall:
             result = call.result()
             if isinstance(result, _Failure):
                 ok = False
-                self._metrics.prefill_requests.labels(result.outcome).inc()
+                self._metrics.prefill_requests_by(result.outcome).inc()
             elif isinstance(result, Prefilled):
                 ok = True
-                self._metrics.prefill_requests.labels("success").inc()
+                self._metrics.prefill_requests_by("success").inc()
             else:
-                self._metrics.prefill_requests.labels("client_error").inc()
+                self._metrics.prefill_requests_by("client_error").inc()
         seconds = asyncio.get_running_loop().time() - started
         self._scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
 
