@@ -340,5 +340,23 @@ async def test_an_answer_it_cannot_read_costs_a_sync_not_the_backend(redis_serve
         await admin.aclose()
 
 
+async def test_close_while_a_sync_is_under_way_returns(redis_server) -> None:
+    """close() cancels the worker while it waits for a sync: the worker ends with it (it once
+    swallowed that cancellation and synced on, and close() never returned)."""
+    state = RedisState(redis_server.url, prefix="closing", lease_s=3, timeout_s=0.005)
+    syncing = asyncio.Event()
+
+    async def stuck(**_: object) -> None:
+        syncing.set()
+        await asyncio.sleep(3600)
+
+    await state.start()
+    await eventually(lambda: _true(state.connected))
+    state._script = stuck
+    state.release(await state.reserve("127.0.0.1:9", 100))  # a change: the worker syncs
+    await asyncio.wait_for(syncing.wait(), 5)
+    await asyncio.wait_for(state.close(), 5)
+
+
 async def _true(value: bool) -> bool:
     return value

@@ -253,8 +253,9 @@ class RedisState:
                 await asyncio.sleep(min(wait, heartbeat))
             if self._sync is None:
                 self._sync = asyncio.create_task(self._run_sync())
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._sync)
+            # Not suppressed: a CancelledError here is close() cancelling this worker (or the
+            # sync with it); swallowed, the worker lived on and close() waited for it forever.
+            await asyncio.shield(self._sync)
 
     async def _run_sync(self) -> None:
         try:
