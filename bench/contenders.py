@@ -36,6 +36,8 @@ ROUTER_VENV = Path.home() / ".cache" / "pd-sidecar" / "vllm-router"
 ROUTER_INSTALL_TIMEOUT_S = 300.0
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("floor", "sidecar", "aiohttp-floor", "vllm-router")
+BASELINE_VARIANT = "sidecar-base"
+"""The sidecar of another checkout (``--baseline``): not in the default matrix."""
 """Every variant, in the order they run and are reported."""
 
 
@@ -136,17 +138,27 @@ async def start_proxy(
     router: Path | None,
     sidecar_env: dict[str, str],
     router_policy: str = "round_robin",
+    baseline: Path | None = None,
 ) -> tuple[Child | None, Target]:
     """Start ``variant`` on the proxy's core; the process (None for the floor) and how the
     client reaches it. ``router_policy``: vllm-router's ``--policy`` (its default,
-    ``cache_aware``, renders every prompt on both engines first: two more calls per request)."""
+    ``cache_aware``, renders every prompt on both engines first: two more calls per request).
+    ``baseline``: the checkout whose sidecar the ``sidecar-base`` variant runs (started in that
+    directory, so ``-m sidecar`` imports its code; with its own ``.venv`` when it has one), to
+    compare two versions in one run."""
     if variant == "floor":
         return None, DirectTarget(prefill.url, decode.url)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env: dict[str, str] | None = None
-    if variant == "sidecar":
+    cwd: Path | None = None
+    if variant in ("sidecar", BASELINE_VARIANT):
         argv = [sys.executable, "-m", "sidecar"]
+        if variant == BASELINE_VARIANT:
+            if baseline is None:
+                raise ValueError(f"{BASELINE_VARIANT} needs a baseline checkout")
+            python = baseline / ".venv" / "bin" / "python"
+            argv[0], cwd = str(python) if python.exists() else sys.executable, baseline
         settings = {
             "SIDECAR_HOST": "127.0.0.1",
             "SIDECAR_PORT": str(port),
@@ -169,12 +181,18 @@ async def start_proxy(
     else:
         raise ValueError(f"unknown variant {variant!r}")
     child = await launcher.start(
-        variant, pinning.argv(pinning.proxy, argv), env=env, url=url, ready=ready, timeout_s=60
+        variant,
+        pinning.argv(pinning.proxy, argv),
+        env=env,
+        cwd=cwd,
+        url=url,
+        ready=ready,
+        timeout_s=60,
     )
     return child, ProxyTarget(variant, url, target)
 
 
-PYTHON_PROXIES = ("sidecar", "aiohttp-floor")
+PYTHON_PROXIES = ("sidecar", "aiohttp-floor", BASELINE_VARIANT)
 """The variants whose stack is aiohttp on uvloop, checked at run time."""
 
 

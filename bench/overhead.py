@@ -47,6 +47,7 @@ from aiohttp import http_parser
 from bench import decision_cost
 from bench.cluster import raise_open_files_limit, run
 from bench.contenders import (
+    BASELINE_VARIANT,
     PYTHON_PROXIES,
     REPO,
     VARIANTS,
@@ -108,6 +109,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="vllm-router's --policy (its default, cache_aware, adds a render call to each engine)",
     )
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"also measure the sidecar of the checkout DIR (e.g. a `git worktree` of main) as"
+        f" the variant {BASELINE_VARIANT}, right before the sidecar in every run: before and"
+        " after in one run",
+    )
+    parser.add_argument(
         "--sidecar-env",
         action="append",
         default=[],
@@ -135,7 +145,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
     args.modes = [m for m in args.modes.split(",") if m]
-    unknown = set(args.variants) - set(VARIANTS)
+    if args.baseline is not None:
+        if not (args.baseline / "sidecar" / "__main__.py").exists():
+            parser.error(f"--baseline: {args.baseline} is not a checkout of the sidecar")
+        at = args.variants.index("sidecar") if "sidecar" in args.variants else 0
+        args.variants.insert(at, BASELINE_VARIANT)
+    unknown = set(args.variants) - {*VARIANTS, BASELINE_VARIANT}
     if unknown or not set(args.modes) <= {"non-stream", "stream"}:
         parser.error(f"unknown variant or mode: {sorted(unknown) or args.modes}")
     if args.runs < 1 or args.requests < 1 or min(args.concurrency) < 1:
@@ -295,6 +310,7 @@ async def main(args: argparse.Namespace) -> int:
                     proxy, target = await start_proxy(
                         launcher, variant, pinning=pinning, prefill=prefill, decode=decode,
                         router=router, sidecar_env=sidecar_env, router_policy=args.router_policy,
+                        baseline=args.baseline,
                     )  # fmt: skip
                 except LaunchError as exc:
                     failures.append(f"{variant} could not start")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -109,6 +110,7 @@ async def _serve(settings: Settings, tracing: Tracing | None) -> int:
     except (CannotListen, TlsFilesError) as exc:
         logger.error("%s", exc)
         return 1
+    _settle_heap(settings.gc_gen0_threshold)
     logger.info(
         "listening on %s (event loop: %s), decode engine %s",
         sidecar.url,
@@ -120,6 +122,18 @@ async def _serve(settings: Settings, tracing: Tracing | None) -> int:
     await stop.wait()
     await _drain(sidecar, settings.drain_timeout_s)
     return 0
+
+
+def _settle_heap(gen0_threshold: int) -> None:
+    """Start-up's objects (modules, settings, the app, its sessions) will live as long as the
+    process: collect once, then freeze them so that no later collection walks them again. And
+    collect the young generation less often: the request path allocates a few hundred container
+    objects per request, nearly all gone by the end of it, so a collection every 700 allocations
+    (Python's default) mostly walks objects that are about to be freed anyway."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, older, oldest)
 
 
 async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:

@@ -347,6 +347,12 @@ class Settings(BaseSettings):
         "protocol, sampler, service name). Needs the tracing extra (pip install "
         "'pd-sidecar[tracing]'; the image has it).",
     )
+    gc_gen0_threshold: int = Field(
+        10_000,
+        ge=1,
+        description="Allocations between two young-generation garbage collections (Python's "
+        "default: 700); set once the sidecar listens, after start-up's objects are frozen.",
+    )
 
     @field_validator("connector", mode="before")
     @classmethod

@@ -114,7 +114,7 @@ async def on_a_rank(
                 rank = other
         if sending is not None:
             sending()
-        metrics.decode_rank_requests.labels(str(rank.index)).inc()
+        metrics.decode_rank_requests_by(str(rank.index)).inc()
         try:
             return await started(
                 engines, method, rank.url + path, headers=headers, data=data, by=by, limit=limit

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -12,6 +12,9 @@ from sidecar.endpoints import Endpoint, parse_endpoint
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest
 
 MAX_REQUEST_ID = 128
+PARSED_TARGETS_KEPT = 256
+"""Prefill-header values whose parse is remembered (gateways name a handful of prefill pods;
+beyond this many distinct values the oldest half is forgotten)."""
 _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 
 PREFILLER_HOST_PORT = "x-prefiller-host-port"
@@ -43,11 +46,11 @@ _NOT_ON_ENGINE_LEGS = frozenset({"accept-encoding", "content-type", REQUEST_ID_H
 
 
 def _without(headers: CIMultiDictProxy[str], dropped: frozenset[str]) -> CIMultiDict[str]:
-    named = _connection_tokens(headers.getall("connection", ()))
+    connection = headers.getall("connection", ())
+    if connection:
+        dropped = dropped | _connection_tokens(connection)
     return CIMultiDict(
-        (name, value)
-        for name, value in headers.items()
-        if name.lower() not in dropped and name.lower() not in named
+        [(name, value) for name, value in headers.items() if name.lower() not in dropped]
     )
 
 
@@ -70,6 +73,8 @@ class GatewayHeaders:
         prefill = {*self.names, *DEFAULT_PREFILL_HEADERS, PREFILLER_URL}
         self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
         self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS
+        self._parsed: dict[str, Endpoint | str] = {}
+        """Header value → its endpoint, or why it is invalid (bounded: ``_parse``)."""
 
     def prefill_target(self, client: CIMultiDictProxy[str]) -> Endpoint | None:
         """The prefill server a gateway named, or None when it named none.
@@ -80,12 +85,26 @@ class GatewayHeaders:
         for name in self.names:
             values = client.getall(name, ())
             if values:
-                first = ",".join(values).split(",", 1)[0]
-                try:
-                    return parse_endpoint(first)
-                except ValueError as exc:
-                    raise BadRequest(f"invalid {name} header: {exc}") from None
+                parsed = self._parse(values[0].split(",", 1)[0])
+                if isinstance(parsed, str):
+                    raise BadRequest(f"invalid {name} header: {parsed}")
+                return parsed
         return None
+
+    def _parse(self, value: str) -> Endpoint | str:
+        """``parse_endpoint`` of a header's first entry, or why it is invalid; remembered, since
+        every request repeats one of a few values."""
+        parsed = self._parsed.get(value)
+        if parsed is None:
+            try:
+                parsed = parse_endpoint(value)
+            except ValueError as exc:
+                parsed = str(exc)
+            if len(self._parsed) >= PARSED_TARGETS_KEPT:
+                for old in list(self._parsed)[: PARSED_TARGETS_KEPT // 2]:
+                    del self._parsed[old]
+            self._parsed[value] = parsed
+        return parsed
 
     def engine_leg(self, client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
         """Headers for a prefill or decode leg: the client's end-to-end ones, our request id,
@@ -106,8 +125,10 @@ def client_response_headers(engine: CIMultiDictProxy[str]) -> CIMultiDict[str]:
 
 
 def request_id_from(client: CIMultiDictProxy[str]) -> str:
-    """The client's ``x-request-id`` when it is 1–128 printable ASCII characters, else a new one."""
+    """The client's ``x-request-id`` when it is 1–128 printable ASCII characters, else a new one:
+    32 random hex digits (128 bits from ``os.urandom``, as many as a ``uuid4``'s 122 and
+    without building a ``UUID``)."""
     value = client.get(REQUEST_ID_HEADER)
     if value is not None and 0 < len(value) <= MAX_REQUEST_ID and _PRINTABLE.fullmatch(value):
         return value
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -57,6 +58,31 @@ INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+_Family = TypeVar("_Family", Counter, Gauge, Histogram)
+
+
+class Children(Generic[_Family]):
+    """A family's children by label values, each looked up in the family once: ``labels()``
+    checks and converts its values and takes a lock on every call, ~1 µs on the request path.
+
+    Only for families whose label values come from a fixed vocabulary (so this stays as small
+    as the family) and whose series are never ``remove``d (a removed child kept here would go on
+    counting, unexported).
+    """
+
+    __slots__ = ("_children", "_family")
+
+    def __init__(self, family: _Family) -> None:
+        self._family: _Family = family
+        self._children: dict[tuple[str, ...], _Family] = {}
+
+    def __call__(self, *values: str) -> _Family:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._family.labels(*values)
+        return child
 
 
 def route_label(path: str) -> str:
@@ -219,17 +245,24 @@ class Metrics:
             registry=self.registry,
         )
 
+        # The families counted on every request, by their label values (``Children``).
+        self.requests_by = Children(self.requests)
+        self.phase_by = Children(self.phase_duration)
+        self.prefill_requests_by = Children(self.prefill_requests)
+        self.scheduler_decisions_by = Children(self.scheduler_decisions)
+        self.decode_rank_requests_by = Children(self.decode_rank_requests)
         self._zero_vocabularies()
 
     def _zero_vocabularies(self) -> None:
         for route in GENERATION_ROUTES:
             for decision in DECISIONS:
                 for outcome in REQUEST_OUTCOMES:
-                    self.requests.labels(route, decision, outcome)
+                    self.requests_by(route, decision, outcome)
         for phase in PHASES:
-            self.phase_duration.labels(phase)
+            self.phase_by(phase)
+        for outcome in PREFILL_OUTCOMES:
+            self.prefill_requests_by(outcome)
         for family, values in (
-            (self.prefill_requests, PREFILL_OUTCOMES),
             (self.fallbacks, FALLBACK_REASONS),
             (self.kv_releases, KV_RELEASE_OUTCOMES),
             (self.prefill_disconnects, DISCONNECT_ACTIONS),
@@ -248,7 +281,7 @@ class Metrics:
             rank = str(index)
             self.decode_rank_ready.labels(rank).set(0)
             self.decode_rank_inflight.labels(rank).set(0)
-            self.decode_rank_requests.labels(rank)
+            self.decode_rank_requests_by(rank)
 
     def forget_endpoint(self, endpoint: str) -> None:
         """Drop a removed endpoint's series (pool members only: bounded label values)."""
@@ -263,10 +296,10 @@ class Metrics:
 
     def observe_request(self, route: str, record: RequestRecord) -> None:
         """Count a finished generation request and its phase durations."""
-        self.requests.labels(route, record.decision or "none", outcome_label(record)).inc()
+        self.requests_by(route, record.decision or "none", outcome_label(record)).inc()
         for phase, seconds in record.durations().items():
             if seconds is not None:
-                self.phase_duration.labels(phase).observe(seconds)
+                self.phase_by(phase).observe(seconds)
 
     def observe_passthrough(self, status: int | None, cancelled: bool) -> None:
         if cancelled:
@@ -277,7 +310,7 @@ class Metrics:
             outcome = "client_error"
         else:
             outcome = "success"
-        self.requests.labels("other", "none", outcome).inc()
+        self.requests_by("other", "none", outcome).inc()
 
     def render(self) -> bytes:
         self.asyncio_tasks.set(len(asyncio.all_tasks()))

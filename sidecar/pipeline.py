@@ -244,11 +244,17 @@ async def _read_limited(request: web.Request, limit: int, timeout_s: float) -> b
     """The request body, refused with 413 as soon as it is known to exceed ``limit``."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    content = request.content
+    if content.is_eof():  # all of it is in already (a small body): nothing to wait for
+        body = await content.read()
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        return body
     parts: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_any():
+            async for chunk in content.iter_any():
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes")

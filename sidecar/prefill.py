@@ -206,14 +206,14 @@ class PrefillCall:
             if isinstance(result, _Failure):
                 ok = False
                 outcome, error = result.outcome, result.detail
-                self._metrics.prefill_requests.labels(result.outcome).inc()
+                self._metrics.prefill_requests_by(result.outcome).inc()
             elif isinstance(result, Prefilled):
                 ok = True
                 outcome, cached = "success", result.cached_tokens
-                self._metrics.prefill_requests.labels("success").inc()
+                self._metrics.prefill_requests_by("success").inc()
             else:
                 outcome, error = "client_error", result.error
-                self._metrics.prefill_requests.labels("client_error").inc()
+                self._metrics.prefill_requests_by("client_error").inc()
         elif not call.cancelled():
             outcome, error = "error", repr(call.exception())
         seconds = asyncio.get_running_loop().time() - started

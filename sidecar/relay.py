@@ -75,6 +75,12 @@ async def relay(
             web.Response(status=upstream.status, headers=headers, body=body), upstream.status
         )
 
+    if patch is None and not is_sse and upstream.complete:
+        # The whole answer came with its first chunk (a non-streamed completion, typically):
+        # one response written at once, with no timers, no per-chunk loop.
+        response = web.Response(status=upstream.status, headers=headers, body=answer.first)
+        return Relayed(response, upstream.status)
+
     expired = False
 
     def expire() -> None:

@@ -71,6 +71,11 @@ class EngineAnswer:
     def content_length(self) -> int | None:
         return self._response.content_length
 
+    @property
+    def complete(self) -> bool:
+        """The whole body has been read (what ``first_chunk`` returned was all of it)."""
+        return self._response.content.at_eof()
+
     async def read(self) -> bytes:
         """The whole body of a (small, non-streamed) answer; the connection goes back to the
         pool."""
@@ -184,6 +189,9 @@ class Engines:
         self._prefill_server_name = prefill_server_name
         self._session: aiohttp.ClientSession | None = None
         self._polls: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
+        """One ``ClientTimeout`` per ``total_s`` asked for (immutable, so shared; bounded:
+        ``_timeout``)."""
 
     def prefill_url(self, endpoint: Endpoint) -> str:
         """The base URL of a prefill engine."""
@@ -249,7 +257,7 @@ class Engines:
             raise RuntimeError("Engines.open() was not awaited")
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = io.BytesIO(data)
-        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s)
+        timeout = self._timeout(total_s)
         tls: dict[str, Any] = {}
         if url.startswith("https://"):
             if self._tls is not None:
@@ -275,6 +283,19 @@ class Engines:
         except _TRANSPORT_ERRORS as exc:
             raise _translate(exc, f"{role} at {name} is unreachable") from exc
         return EngineAnswer(response, name)
+
+    def _timeout(self, total_s: float | None) -> aiohttp.ClientTimeout:
+        # The settings give a few values; a deadline-bounded prefill gives a new one per
+        # request, which is built each time once the small table is full.
+        timeout = self._timeouts.get(total_s)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s)
+            if len(self._timeouts) < _TIMEOUTS_KEPT:
+                self._timeouts[total_s] = timeout
+        return timeout
+
+
+_TIMEOUTS_KEPT = 16
 
 
 def _translate(exc: BaseException, what: str) -> EngineError:

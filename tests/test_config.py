@@ -72,6 +72,7 @@ INVALID = [
     ("SIDECAR_REWRITE_REMOTE_HOST", "perhaps"),
     ("SIDECAR_LOG_LEVEL", "LOUD"),
     ("SIDECAR_LOG_REQUESTS", "2"),
+    ("SIDECAR_GC_GEN0_THRESHOLD", "0"),
     ("SIDECAR_PREFILL_DNS", "service-without-port"),
     ("SIDECAR_SCHEDULER_POLICY", "fastest"),
     ("SIDECAR_SCHEDULER_CHOICES", "0"),

@@ -290,7 +290,7 @@ def test_the_code_uses_only_the_vocabularies() -> None:
     source = "\n".join(p.read_text() for p in Path(sidecar_package.__file__).parent.rglob("*.py"))
     seen = 0
     for family, values in _LITERAL_LABELS.items():
-        for value in re.findall(rf"\.{family}\.labels\(\"(\w+)\"\)", source):
+        for value in re.findall(rf"\.{family}(?:\.labels|_by)\(\"(\w+)\"\)", source):
             assert value in values, (family, value)
             seen += 1
     for reason, outcome in re.findall(r"_Failure\(\s*\"(\w+)\",\s*\"(\w+)\"", source):

@@ -7,7 +7,11 @@ import socket
 
 import orjson
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.endpoints import Endpoint
+from sidecar.errors import BadRequest
+from sidecar.headers import PARSED_TARGETS_KEPT, PREFILLER_HOST_PORT, GatewayHeaders
 from tests.conftest import StartSidecar, completion, engine_requests, get_json
 
 
@@ -221,3 +225,22 @@ async def test_a_prefill_target_that_is_the_sidecar_itself_is_400(http, sidecar,
             error = await _error(response)
         assert "this sidecar itself" in error["message"]
     assert await engine_requests(http, decode) == []
+
+
+def test_parsed_prefill_targets_are_remembered_within_a_bound() -> None:
+    """Every request names one of a few prefill pods: the parse is remembered, for at most
+    ``PARSED_TARGETS_KEPT`` distinct values (clients choose them), invalid ones included."""
+    gateway = GatewayHeaders()
+
+    def target(value: str) -> Endpoint | None:
+        return gateway.prefill_target(CIMultiDictProxy(CIMultiDict({PREFILLER_HOST_PORT: value})))
+
+    first = target("Prefill-0:8000, prefill-1:8000")
+    assert first == Endpoint("prefill-0", 8000)
+    assert target("Prefill-0:8000") is first  # remembered
+    for index in range(3 * PARSED_TARGETS_KEPT):
+        assert target(f"10.0.{index // 250}.{index % 250}:8000") is not None
+        with pytest.raises(BadRequest, match="invalid x-prefiller-host-port header"):
+            target(f"bad-{index}")
+    assert len(gateway._parsed) <= PARSED_TARGETS_KEPT
+    assert target("Prefill-0:8000") == first

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +199,7 @@ class DecodeRanks:
         return self.claim_blocks(self._hasher.hashes(text), prompt_tokens, text)
 
     def claim_blocks(
-        self, hashes: list[bytes], prompt_tokens: int, text: str | bytes = ""
+        self, hashes: Sequence[Hashable], prompt_tokens: int, text: str | bytes = ""
     ) -> tuple[RankClaim, int]:
         """``claim`` for a prompt given by its block hashes (``PrefixIndex.hashes``; the
         simulator gives stand-ins). ``text``, when given, goes with a claim that ``move``s."""

@@ -292,7 +292,7 @@ class Scheduler:
     def _count(self, decision: Decision) -> None:
         self._reasons[decision.reason] += 1
         kind = "local" if decision.endpoint is None else "remote"
-        self._metrics.scheduler_decisions.labels(kind, decision.reason).inc()
+        self._metrics.scheduler_decisions_by(kind, decision.reason).inc()
 
     # --- background: discovery and scraping ----------------------------------------------
 

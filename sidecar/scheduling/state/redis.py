@@ -83,9 +83,9 @@ for j = 1, #held, 2 do
     end
   end
 end
-local flat = {}
+local lines = {}
 for _, ep in ipairs(order) do
-  flat[#flat + 1] = ep; flat[#flat + 1] = totals[ep][1]; flat[#flat + 1] = totals[ep][2]
+  lines[#lines + 1] = string.format('%s %d %d', ep, totals[ep][1], totals[ep][2])
 end
 local ejections = redis.call('HGETALL', KEYS[3])
 local live = {}
@@ -96,10 +96,18 @@ for j = 1, #ejections, 2 do
     redis.call('HDEL', KEYS[3], ejections[j])
   end
 end
-return {flat, redis.call('HGETALL', KEYS[2]), live}
+return {
+  table.concat(lines, '\\n'),
+  table.concat(redis.call('HGETALL', KEYS[2]), '\\n'),
+  table.concat(live, '\\n'),
+}
 """
 """KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
-reservations (lines), then speeds and ejections, each a count and that many pairs."""
+reservations (lines), then speeds and ejections, each a count and that many pairs. The reply is
+three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds and the
+live ejections (an endpoint's line, then its value's): three bulk strings rather than arrays of
+every field, which redis-py's parser would read element by element (most of a sync's cost on
+the request path)."""
 
 _ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 """What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
@@ -298,22 +306,18 @@ class RedisState:
             self._record_error("connection", f"{type(exc).__name__}: {exc}")
 
     def _apply(self, reply: Any, own_sent: dict[str, Load]) -> None:
-        totals, speeds, ejections = reply
+        totals, speeds, ejections = (_lines(part) for part in reply)
         others: dict[str, Load] = {}
-        for index in range(0, len(totals), 3):
-            endpoint = _text(totals[index])
-            total = Load(int(totals[index + 1]), int(totals[index + 2]))
+        for line in totals:
+            endpoint, tokens, requests = line.split(" ")
             mine = own_sent.get(endpoint, Load())
-            if total.requests - mine.requests > 0:
-                others[endpoint] = Load(total.tokens - mine.tokens, total.requests - mine.requests)
+            if int(requests) - mine.requests > 0:
+                others[endpoint] = Load(int(tokens) - mine.tokens, int(requests) - mine.requests)
         self._others = others
         self._speeds = {
-            _text(speeds[i]): Speed(*map(float, _text(speeds[i + 1]).split()))
-            for i in range(0, len(speeds), 2)
+            speeds[i]: Speed(*map(float, speeds[i + 1].split())) for i in range(0, len(speeds), 2)
         }
-        self._ejected = {
-            _text(ejections[i]): float(ejections[i + 1]) for i in range(0, len(ejections), 2)
-        }
+        self._ejected = {ejections[i]: float(ejections[i + 1]) for i in range(0, len(ejections), 2)}
         if not self.connected:
             logger.info("redis state backend connected")
         self.connected = True
@@ -329,5 +333,6 @@ class RedisState:
         self._on_error(kind)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _lines(value: Any) -> list[str]:
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return text.split("\n") if text else []
