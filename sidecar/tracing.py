@@ -311,20 +311,8 @@ class RequestTrace:
         for span in self._open:
             span.end()
         self._open.clear()
-        span = self.span
-        if span.is_recording():
-            span.set_attributes(
-                _present(
-                    {
-                        "http.response.status_code": status,
-                        "pd_sidecar.state": state,
-                        **(attributes or {}),
-                    }
-                )
-            )
-            if error is not None:
-                span.set_status(self._tracing.status(self._tracing.error, error))
-        span.end()
+        fields = {"http.response.status_code": status, "pd_sidecar.state": state}
+        _end(self._tracing, self.span, {**fields, **(attributes or {})}, error)
 
 
 class Leg:
@@ -371,20 +359,17 @@ class Leg:
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
         """``error``: why the call failed, which marks the span ERROR."""
-        span = self.span
-        if span.is_recording():
-            span.set_attributes(
-                _present(
-                    {
-                        "pd_sidecar.outcome": outcome,
-                        "http.response.status_code": status,
-                        **(attributes or {}),
-                    }
-                )
-            )
-            if error is not None:
-                span.set_status(self._tracing.status(self._tracing.error, error))
-        span.end()
+        fields = {"pd_sidecar.outcome": outcome, "http.response.status_code": status}
+        _end(self._tracing, self.span, {**fields, **(attributes or {})}, error)
+
+
+def _end(tracing: Tracing, span: Span, attributes: Mapping[str, Any], error: str | None) -> None:
+    """End ``span`` with its ``attributes`` (those not None); ``error`` marks it ERROR."""
+    if span.is_recording():
+        span.set_attributes(_present(attributes))
+        if error is not None:
+            span.set_status(tracing.status(tracing.error, error))
+    span.end()
 
 
 def _present(attributes: Mapping[str, Any]) -> dict[str, Any]:
