@@ -43,12 +43,15 @@ async def test_bytes_towards_the_target_are_held_for_the_delay_answers_are_not()
         again = time.monotonic()
         writer.write(b"three\n")
         assert await reader.readline() == b"three\n"
+        answered = time.monotonic()
         writer.close()
         await writer.wait_closed()
 
     assert len(arrivals) == 3
     assert arrivals[0] - sent >= DELAY_S
     assert arrivals[2] - again >= DELAY_S
+    # The echo came straight back: not held for another delay on its way.
+    assert answered - arrivals[2] < DELAY_S
 
 
 @pytest.mark.asyncio
