@@ -24,7 +24,9 @@ from aiohttp import web
 
 PREFILL_HEADER = "x-prefiller-host-port"
 _JSON = {"content-type": "application/json"}
-_PREFILL_PARAMS: dict[str, Any] = {
+# What a P/D proxy asks of the prefill engine (sidecar/connectors/nixl.py); the load generator
+# sends the same when it plays the floor.
+PREFILL_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
@@ -39,7 +41,7 @@ DECODE_URL = web.AppKey("decode_url", str)
 async def generate(request: web.Request) -> web.StreamResponse:
     session, path = request.app[SESSION], request.path
     body = orjson.loads(await request.read())
-    leg = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": _PREFILL_PARAMS}
+    leg = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
     prefill_url = f"http://{request.headers[PREFILL_HEADER]}{path}"
     async with session.post(prefill_url, data=orjson.dumps(leg), headers=_JSON) as prefilled:
         answer = orjson.loads(await prefilled.read())

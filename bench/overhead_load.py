@@ -25,22 +25,14 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-PREFILL_HEADER = "x-prefiller-host-port"
+from bench.floor_proxy import PREFILL_HEADER, PREFILL_PARAMS
+
 MODEL = "emulated-model"
 PATH = "/v1/completions"
 REQUEST_TIMEOUT_S = 60.0
 _JSON = {"content-type": "application/json"}
 _DONE = b"data: [DONE]\n\n"
 _EVENT = b"data: "
-# What the floor asks of the prefill engine, as every P/D proxy does (sidecar/connectors/nixl.py).
-_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +151,7 @@ class DirectTarget:
         self, session: aiohttp.ClientSession, workload: Workload, index: int
     ) -> tuple[int, bytes, float]:
         body = workload.body(index)
-        leg = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": _PREFILL_PARAMS}
+        leg = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
         status, answer, _ = await call(session, self.prefill_url + PATH, orjson.dumps(leg), _JSON)
         if status != 200:
             return status, answer, time.perf_counter()
