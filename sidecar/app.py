@@ -93,6 +93,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         )
     engines = Engines(
         connect_timeout_s=settings.connect_timeout_s,
+        keepalive_s=settings.engine_keepalive_s,
         tls=client_tls,
         prefill_tls=settings.prefill_tls,
         prefill_server_name=settings.prefill_tls_server_name,

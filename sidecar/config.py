@@ -334,6 +334,13 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )
+    engine_keepalive_s: float = Field(
+        4,
+        gt=0,
+        description="Seconds a connection to an engine may sit idle and still be reused. Keep "
+        "it below the engines' own idle timeout (5 s in vLLM, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, and in "
+        "SGLang): a request sent as the engine closes the connection is lost.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="Log level of the sidecar's loggers."
     )

@@ -37,6 +37,14 @@ _LARGE_BODY = 1 << 20
 Body = bytes | io.BytesIO | AsyncIterable[bytes] | None
 
 
+KEEPALIVE_S = 4.0
+"""Default of ``SIDECAR_ENGINE_KEEPALIVE_S``: below the 5 s after which vLLM's and SGLang's
+servers (uvicorn) close an idle connection. Past the engine's timeout, a request can go out on a
+connection whose close is already on its way back: the engine never reads it, and the sidecar
+sees "closed without an answer" (a KV release lost, a decode leg failed). Under it, the sidecar
+drops an idle connection before the engine can (aiohttp checks the idle time when it hands a
+connection out)."""
+
 POLL_CONNECTIONS_PER_ENGINE = 2
 """Health and metrics polls have a pool of their own, capped at this many connections per engine:
 all an idle sidecar keeps open to its decode engine (bench/cluster.py checks it)."""
@@ -179,11 +187,13 @@ class Engines:
         self,
         *,
         connect_timeout_s: float,
+        keepalive_s: float = KEEPALIVE_S,
         tls: ClientTls | None = None,
         prefill_tls: bool = False,
         prefill_server_name: str | None = None,
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
+        self._keepalive_s = keepalive_s
         self._tls = tls
         self._prefill_scheme = "https" if prefill_tls else "http"
         self._prefill_server_name = prefill_server_name
@@ -208,12 +218,14 @@ class Engines:
     async def open(self) -> None:
         self._session = self._new_session(
             # In-flight requests bound the connections; a cap here would queue silently.
-            aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+            aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=self._keepalive_s, enable_cleanup_closed=True
+            )
         )
         self._polls = self._new_session(
             aiohttp.TCPConnector(
                 limit_per_host=POLL_CONNECTIONS_PER_ENGINE,
-                keepalive_timeout=30,
+                keepalive_timeout=self._keepalive_s,
                 enable_cleanup_closed=True,
             )
         )

@@ -323,6 +323,7 @@ async def start_emulator(
             app,
             access_log=None,
             handler_cancellation=True,  # a client that goes away aborts its request, as in vLLM
+            keepalive_timeout=config.keepalive_timeout_s,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
         await api_runner.setup()

@@ -136,6 +136,13 @@ class EmulatorConfig:
         default=0,
         metadata=_doc("shared-storage: blocks kept in the store, least recent evicted; 0 = no cap"),
     )
+    keepalive_timeout_s: float = field(
+        default=5.0,
+        metadata=_doc(
+            "seconds an idle API connection stays open, then the server closes it "
+            "(vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5)"
+        ),
+    )
     tls_cert_file: str | None = field(
         default=None,
         metadata=_doc("PEM certificate: the API serves HTTPS (with --tls-key-file)"),
@@ -188,7 +195,12 @@ class EmulatorConfig:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("push_registration_timeout_s", "bootstrap_timeout_s", "waiting_timeout_s"):
+        for name in (
+            "push_registration_timeout_s",
+            "bootstrap_timeout_s",
+            "waiting_timeout_s",
+            "keepalive_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.kv_store_max_blocks < 0:
