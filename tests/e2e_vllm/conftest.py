@@ -1,7 +1,8 @@
 """Real vLLM prefill and decode engines and the sidecar process.
 
-The NixlConnector pair (``cluster``) starts once per session; the pairs of the other connectors
-(``start_cluster``) once per module. One pair runs at a time: starting a pair stops any other
+The NixlConnector pair of test_real_engines.py (``cluster``) starts once per session; every other
+module starts a pair of its own (``start_cluster``). One pair runs at a time: starting a pair stops
+any other
 (two engines per core would starve each other), and the modules run in ``MODULE_ORDER``, the
 NixlConnector ones first.
 
@@ -71,8 +72,8 @@ MODULE_ORDER = (
     "test_shared_storage.py",
     "test_tracing.py",
 )
-"""The order modules run in: the session's NixlConnector pair serves the first two; each later
-module starts a pair of its own, which stops the one before."""
+"""The order modules run in. Each starts a pair of its own, which stops the one before; the
+session's NixlConnector pair (``cluster``) is test_real_engines.py's."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -195,7 +196,7 @@ async def start_cluster(
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    """The NixlConnector (pull) pair, for test_kv_release.py and test_real_engines.py."""
+    """The NixlConnector (pull) pair of test_real_engines.py."""
     running = await start_cluster(log_dir_for(tmp_path_factory))
     try:
         yield running
@@ -316,6 +317,21 @@ async def metric(http: aiohttp.ClientSession, engine: VllmEngine, name: str) -> 
     async with http.get(engine.url + "/metrics") as response:
         assert response.status == 200
         return metric_value(await response.text(), name)
+
+
+_EXPIRY = re.compile(
+    r"Releasing expired KV blocks for request (\S+) which were retrieved by (\d+) remote"
+)
+
+
+def expired_in_log(engine: VllmEngine) -> list[str]:
+    """The requests whose KV lease ran out on prefill ``engine``, read from its log: vLLM logs
+    each with a warning that names it and how many decode workers had read its KV."""
+    path = engine.log_path
+    if path is None or not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    return [f"{found[1]} (read by {found[2]})" for found in _EXPIRY.finditer(text)]
 
 
 async def settled_metric(

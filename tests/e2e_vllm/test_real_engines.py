@@ -23,6 +23,7 @@ from tests.e2e_vllm.conftest import (
     Cluster,
     Route,
     assert_pd_record,
+    expired_in_log,
     generate,
     kv_bytes,
     metric,
@@ -161,7 +162,8 @@ async def test_prefill_lease_expires_only_for_the_stranded_request(cluster: Clus
     assert cluster.stranded_since is not None, "run after test_decode_engine_stopped_..."
     await asyncio.sleep(max(0.0, cluster.stranded_since + LEASE_S + 3 - time.monotonic()))
     expected = cluster.expected_expiries
-    assert await settled_metric(http, cluster.prefill, EXPIRED, expected, within=10) == expected
+    expired = await settled_metric(http, cluster.prefill, EXPIRED, expected, within=10)
+    assert expired == expected, f"expired on the prefill engine: {expired_in_log(cluster.prefill)}"
 
     assert cluster.restarting is not None
     await asyncio.wait_for(asyncio.shield(cluster.restarting), 150)
