@@ -1,7 +1,8 @@
 """What one connector does that the shared contract suite (tests/test_contract.py) cannot say.
 
-SGLang: rooms, the bootstrap port, every request disaggregated, a retry restarting both legs, a
-refused prefill ending its decode at once, both legs' timings. Shared storage: the client's usage
+SGLang: rooms, the bootstrap port, every request disaggregated (no healthy prefill server: 503), a
+retry restarting both legs (on the same server or another), a refused prefill ending its decode
+at once, both legs' timings. Shared storage: the client's usage
 says what the prefill found cached, not what the decode found in the store the prefill just wrote.
 """
 
@@ -106,6 +107,40 @@ async def test_every_request_disaggregates_with_the_pool_entrys_bootstrap_port(
     assert [leg["body"] for leg in await engine_requests(http, prefill)] == legs
 
 
+async def test_dns_discovered_servers_use_the_bootstrap_port_setting(
+    http: aiohttp.ClientSession,
+    sglang_pair: tuple[RunningEmulator, RunningEmulator],
+    start_sidecar_with: StartSidecar,
+) -> None:
+    """Servers found by DNS (SIDECAR_PREFILL_DNS) have no entry of their own to carry a
+    ``#bootstrap_port``: the setting's port goes to both legs."""
+    prefill, decode = sglang_pair
+    sidecar = await start_sidecar_with(
+        connector="sglang",
+        decode_url=decode.url,
+        prefill_dns=f"localhost:{prefill.port}",
+        sglang_bootstrap_port=prefill.bootstrap_port,
+        scrape_interval_s=0.05,
+        eject_after_failures=1,
+    )
+    served = f"127.0.0.1:{prefill.port}"
+
+    async def only_the_emulator_is_healthy() -> bool:
+        endpoints = (await get_json(http, sidecar.url + "/debug/scheduler"))["endpoints"]
+        # localhost may resolve to ::1 too, where the emulator does not listen: ejected.
+        return served in {e["endpoint"] for e in endpoints} and all(
+            e["state"] in ("ejected", "probing") for e in endpoints if e["endpoint"] != served
+        )
+
+    await eventually(only_the_emulator_is_healthy)
+    status, answer = await _post(http, sidecar, completion(max_tokens=3))
+    assert status == 200, answer
+    assert (await _record(http, sidecar))["prefill_endpoint"] == served
+    [leg] = [leg["body"] for leg in await engine_requests(http, decode)]
+    assert leg[BOOTSTRAP_PORT] == prefill.bootstrap_port
+    assert [leg["body"] for leg in await engine_requests(http, prefill)] == [leg]
+
+
 async def test_no_prefill_endpoint_is_a_503(
     http: aiohttp.ClientSession,
     sglang_pair: tuple[RunningEmulator, RunningEmulator],
@@ -163,6 +198,69 @@ async def test_a_retry_restarts_both_legs_in_a_new_room(
     assert decode_rooms == [first, second]  # the first attempt's decode leg was aborted
     assert (await _record(http, sidecar))["prefill_attempts"] == 2
     await _nothing_waits(http, decode)
+
+
+async def test_a_retry_moves_both_legs_to_another_prefill_server_in_a_new_room(
+    http: aiohttp.ClientSession, start_engine: StartEmulator, start_sidecar_with: StartSidecar
+) -> None:
+    """A pool of two SGLang prefill servers, each with its own bootstrap port: the first one
+    tried answers 503, so the retry goes to the other one with a new room, and the decode leg
+    starts again towards that server's bootstrap port (the first decode leg was aborted)."""
+    pool = sorted(
+        [await start_engine(**SGLANG_PREFILL), await start_engine(**SGLANG_PREFILL)],
+        key=lambda engine: engine.endpoint,
+    )
+    decode = await start_engine(**SGLANG_DECODE)
+    sidecar = await start_sidecar_with(
+        connector="sglang",
+        decode_url=decode.url,
+        prefill_endpoints=",".join(f"{p.endpoint}#{p.bootstrap_port}" for p in pool),
+        scheduler_policy="round_robin",  # starts with the first endpoint by name
+        prefill_retries=1,
+    )
+    await inject(http, pool[0], kind="status", status=503, role="prefill")
+    status, answer = await _post(http, sidecar, completion(max_tokens=3))
+    assert status == 200, answer
+    [failed] = [leg["body"] for leg in await engine_requests(http, pool[0])]
+    [served] = [leg["body"] for leg in await engine_requests(http, pool[1])]
+    assert failed[BOOTSTRAP_ROOM] != served[BOOTSTRAP_ROOM]
+    decode_legs = [leg["body"] for leg in await engine_requests(http, decode)]
+    assert [(leg[BOOTSTRAP_PORT], leg[BOOTSTRAP_ROOM]) for leg in decode_legs] == [
+        (pool[0].bootstrap_port, failed[BOOTSTRAP_ROOM]),
+        (pool[1].bootstrap_port, served[BOOTSTRAP_ROOM]),
+    ]
+    record = await _record(http, sidecar)
+    assert (record["prefill_attempts"], record["prefill_endpoint"]) == (2, pool[1].endpoint)
+    await _nothing_waits(http, decode)
+
+
+async def test_every_prefill_server_ejected_is_a_503_without_a_decode_leg(
+    http: aiohttp.ClientSession, start_engine: StartEmulator, start_sidecar_with: StartSidecar
+) -> None:
+    """The pool's only prefill server refuses connections, and its scrapes eject it: a request
+    then finds no healthy prefill server and gets 503 before any leg (the decider's "local"
+    cannot apply: an SGLang decode server cannot prefill)."""
+    decode = await start_engine(**SGLANG_DECODE)
+    sidecar = await start_sidecar_with(
+        connector="sglang",
+        decode_url=decode.url,
+        prefill_endpoints="127.0.0.9:1#1",  # loopback, nothing listens
+        scrape_interval_s=0.05,
+        eject_after_failures=1,
+    )
+
+    async def ejected() -> bool:
+        snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+        return snapshot["endpoints"][0]["state"] in ("ejected", "probing")
+
+    await eventually(ejected)
+    status, answer = await _post(http, sidecar, completion(max_tokens=3))
+    assert status == 503, answer
+    assert answer["error"]["type"] == "ServiceUnavailableError"
+    assert "no healthy prefill endpoint" in answer["error"]["message"], answer
+    assert await engine_requests(http, decode) == []
+    record = await _record(http, sidecar)
+    assert (record["state"], record["reason"]) == ("failed", "pool_empty")
 
 
 async def test_a_refused_prefill_ends_its_decode_leg_at_once(
