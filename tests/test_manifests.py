@@ -57,6 +57,37 @@ def test_every_build_validates(path: Path) -> None:
     validate(kustomize(path))
 
 
+def _quantity_mib(value: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1.0, "Gi": 1024.0}
+    return float(value[:-2]) * units[value[-2:]]
+
+
+@pytest.mark.parametrize("name", ["base", "emulated", "gateway", "standalone"])
+def test_the_sidecar_runs_restricted_with_resources(built: dict, name: str) -> None:
+    """The container meets Pod Security's "restricted" profile on its own (non-root as the
+    image's user, no privilege escalation, every capability dropped, the runtime's seccomp
+    profile) with a read-only root filesystem, and asks for resources: requests for CPU and
+    memory, a memory limit above the request, no CPU limit (throttling would be latency)."""
+    spec = by_kind(built[name], "Deployment", "decode")["spec"]["template"]["spec"]
+    (container,) = [c for c in spec["initContainers"] if c["name"] == "pd-sidecar"]
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    image_user = re.search(r"^USER (\d+):(\d+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    assert image_user is not None
+    assert (security["runAsUser"], security["runAsGroup"]) == tuple(map(int, image_user.groups()))
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert "add" not in security["capabilities"]
+    assert security["seccompProfile"]["type"] == "RuntimeDefault"
+    assert not security.get("privileged", False)
+    resources = container["resources"]
+    assert set(resources["requests"]) == {"cpu", "memory"}
+    assert set(resources["limits"]) == {"memory"}
+    request, limit = resources["requests"]["memory"], resources["limits"]["memory"]
+    assert _quantity_mib(limit) > _quantity_mib(request) >= 128  # peak RSS measured ~100 MiB
+
+
 @pytest.mark.parametrize("name", ["base", "emulated", "gateway", "standalone"])
 def test_the_decode_pods_carry_the_sidecar_and_only_they(built: dict, name: str) -> None:
     docs = built[name]
