@@ -108,6 +108,12 @@ class Cluster:
     """Prefills the tests stranded on purpose: what the prefill engine must count as expired."""
     restarting: asyncio.Task[None] | None = None
 
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
         """Stop every process of the pair (idempotent)."""
         if self.restarting is not None:
@@ -197,11 +203,8 @@ async def start_cluster(
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     """The NixlConnector (pull) pair of test_real_engines.py."""
-    running = await start_cluster(log_dir_for(tmp_path_factory))
-    try:
+    async with await start_cluster(log_dir_for(tmp_path_factory)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

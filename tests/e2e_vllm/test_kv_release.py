@@ -213,11 +213,8 @@ def window(plan: Plan, entry: dict[str, Any] | None) -> Window:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     """This module's own NixlConnector pair (the module docstring says why)."""
-    running = await start_cluster(log_dir_for(tmp_path_factory))
-    try:
+    async with await start_cluster(log_dir_for(tmp_path_factory)) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest_asyncio.fixture(loop_scope="session")

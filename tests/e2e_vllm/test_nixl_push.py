@@ -78,15 +78,12 @@ CASES = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def push_pair(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    running = await start_cluster(
+    async with await start_cluster(
         log_dir_for(tmp_path_factory),
         kv_connector="NixlPushConnector",
         sidecar_connector="nixl-push",
-    )
-    try:
+    ) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest.mark.timeout(300)  # the first test also starts the pair

@@ -58,16 +58,15 @@ CASES = [
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def storage_pair(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     store = tmp_path_factory.mktemp("kv-store")
-    running = await start_cluster(
-        log_dir_for(tmp_path_factory),
-        kv_connector="ExampleConnector",
-        sidecar_connector="shared-storage",
-        shared_storage_path=store,
-    )
     try:
-        yield running
+        async with await start_cluster(
+            log_dir_for(tmp_path_factory),
+            kv_connector="ExampleConnector",
+            sidecar_connector="shared-storage",
+            shared_storage_path=store,
+        ) as running:
+            yield running
     finally:
-        await running.stop()
         shutil.rmtree(store, ignore_errors=True)
 
 

@@ -51,7 +51,7 @@ async def traced_pair(
     receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Cluster]:
     batches = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
-    running = await start_cluster(
+    async with await start_cluster(
         log_dir_for(tmp_path_factory),
         engine_args=["--otlp-traces-endpoint", receiver.url + "/v1/traces"],
         engine_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **batches},
@@ -61,11 +61,8 @@ async def traced_pair(
             "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
             **batches,
         },
-    )
-    try:
+    ) as running:
         yield running
-    finally:
-        await running.stop()
 
 
 @pytest.mark.timeout(300)  # starts the pair
