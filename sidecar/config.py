@@ -26,6 +26,7 @@ from yarl import URL
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 from sidecar.headers import DEFAULT_PREFILL_HEADERS
 from sidecar.scheduling.policies import QOE_CHOICES
+from sidecar.upstream import KEEPALIVE_S
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -335,7 +336,7 @@ class Settings(BaseSettings):
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )
     engine_keepalive_s: float = Field(
-        4,
+        KEEPALIVE_S,
         gt=0,
         description="Seconds a connection to an engine may sit idle and still be reused. Keep "
         "it below the engines' own idle timeout (5 s in vLLM, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, and in "

@@ -37,7 +37,7 @@ _LARGE_BODY = 1 << 20
 Body = bytes | io.BytesIO | AsyncIterable[bytes] | None
 
 
-KEEPALIVE_S = 4.0
+KEEPALIVE_S: float = 4
 """Default of ``SIDECAR_ENGINE_KEEPALIVE_S``: below the 5 s after which vLLM's and SGLang's
 servers (uvicorn) close an idle connection. Past the engine's timeout, a request can go out on a
 connection whose close is already on its way back: the engine never reads it, and the sidecar
