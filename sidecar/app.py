@@ -271,7 +271,9 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
             cluster=settings.redis_cluster,
             lease_s=settings.state_lease_s,
             timeout_s=settings.state_timeout_ms / 1000,
+            max_ejection_s=settings.eject_max_s,
             on_error=lambda kind: metrics.state_backend_errors.labels(kind).inc(),
+            on_skipped=lambda kind, count: metrics.state_entries_skipped.labels(kind).inc(count),
         )
     return MemoryState()
 

@@ -52,6 +52,7 @@ FALLBACK_REASONS = (
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
 DISCONNECT_ACTIONS = ("abort", "finish")
 STATE_ERROR_KINDS = ("timeout", "connection")
+STATE_SKIPPED_KINDS = ("load", "speed", "ejection", "over_limit")
 TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
 INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
@@ -224,6 +225,13 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.state_entries_skipped = Counter(
+            "pd_sidecar_state_entries_skipped",
+            "Entries read back from the shared state and left out, by kind: load, speed, "
+            "ejection (did not parse, or out of range), over_limit (beyond what one sync reads).",
+            ["kind"],
+            registry=self.registry,
+        )
         self.tls_reloads = Counter(
             "pd_sidecar_tls_reloads",
             "Changes of TLS files seen, by whose files (listener: SIDECAR_TLS_CERT_FILE and "
@@ -267,6 +275,7 @@ class Metrics:
             (self.kv_releases, KV_RELEASE_OUTCOMES),
             (self.prefill_disconnects, DISCONNECT_ACTIONS),
             (self.state_backend_errors, STATE_ERROR_KINDS),
+            (self.state_entries_skipped, STATE_SKIPPED_KINDS),
             (self.inference_pool_errors, INFERENCE_POOL_ERROR_KINDS),
         ):
             for value in values:

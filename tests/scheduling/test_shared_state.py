@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,8 @@ import redis.asyncio as aioredis
 
 from sidecar.app import start_sidecar
 from sidecar.config import Settings
-from sidecar.scheduling.state.redis import RedisState
+from sidecar.scheduling.state import Load
+from sidecar.scheduling.state.redis import MAX_ENTRIES, RedisState
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
 from tests.processes import RedisServer, free_port, sidecar_process
 
@@ -373,27 +375,81 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def test_an_answer_it_cannot_read_costs_a_sync_not_the_backend(redis_server) -> None:
-    """Another version of the sidecar (or a person) wrote a speed this one cannot parse: the
-    sync that reads it fails like a lost connection — reservations still answer, the error is
-    recorded — and once the entry is gone the next sync succeeds: the worker lived on."""
-    errors: list[str] = []
+async def test_what_does_not_parse_is_skipped_and_counted_not_the_sync(redis_server) -> None:
+    """Another version of the sidecar (or a person) wrote entries this one cannot believe: not
+    numbers, NaN, negative, absurdly large, an ejection that never ends. Each is skipped and
+    counted by kind; the sync succeeds and the valid entries beside them are read (a speed that
+    did not parse used to fail every sync, leaving the sidecar on its local view)."""
+    skipped: collections.Counter[str] = collections.Counter()
     state = RedisState(
-        redis_server.url, prefix="odd", lease_s=3, timeout_s=1, on_error=errors.append
+        redis_server.url,
+        prefix="odd",
+        lease_s=3,
+        timeout_s=1,
+        max_ejection_s=60,
+        on_skipped=lambda kind, count: skipped.update({kind: count}),
+    )
+    sidecars, speeds, ejections, reservations = state.keys
+    admin = aioredis.Redis.from_url(redis_server.url)
+    now = time.time()
+    try:
+        await admin.hset(
+            speeds,
+            mapping={
+                "127.0.0.1:9": "not a speed",
+                "127.0.0.1:10": "nan 0.1",
+                "127.0.0.1:11": "-1 0.5",
+                "127.0.0.1:12": "1e18 1e18",
+                "127.0.0.1:13": "0.0001 0.05",
+            },
+        )
+        await admin.hset(
+            ejections,
+            mapping={
+                "127.0.0.1:14": "1e18",
+                "127.0.0.1:15": "not a time",
+                "127.0.0.1:16": repr(now + 30),
+            },
+        )
+        await admin.zadd(sidecars, {"junk": now + 60})
+        await admin.hset(
+            reservations,
+            "junk",
+            "127.0.0.1:17 -5 1\n127.0.0.1:18 99999999999999999999 1\n127.0.0.1:19 100 2\nx",
+        )
+        await state.start()
+        await eventually(lambda: _true(state.connected))
+        view = state.view()
+        assert set(view.speeds) == {"127.0.0.1:13"}
+        assert view.speeds["127.0.0.1:13"].overhead_s == 0.05
+        assert set(view.ejected_until) == {"127.0.0.1:16"}
+        assert view.loads == {"127.0.0.1:19": Load(100, 2)}
+        assert skipped == {"speed": 4, "ejection": 2, "load": 1}
+        assert state.status()["last_error"] is None
+    finally:
+        await state.close()
+        await admin.aclose()
+
+
+async def test_one_sync_reads_a_bounded_number_of_entries(redis_server) -> None:
+    """Thousands of fields in the speeds hash (100,000 stalled /health for 0.75 s when each was
+    parsed on the loop): one sync reads at most MAX_ENTRIES of them; the rest are counted."""
+    skipped: collections.Counter[str] = collections.Counter()
+    state = RedisState(
+        redis_server.url,
+        prefix="many",
+        lease_s=3,
+        timeout_s=1,
+        on_skipped=lambda kind, count: skipped.update({kind: count}),
     )
     admin = aioredis.Redis.from_url(redis_server.url)
+    junk = MAX_ENTRIES + 4000
     try:
-        await admin.hset(state.keys[1], "127.0.0.1:9", "not a speed")
+        await admin.hset(state.keys[1], mapping={f"junk-{i}:1": "2e-4 0.01" for i in range(junk)})
         await state.start()
-        reservation = state.reserve("127.0.0.1:9", 100)
-        assert reservation.tokens == 100
-        await eventually(lambda: _true(bool(errors)))
-        assert errors[0] == "connection"
-        assert "ValueError" in (state.status()["last_error"] or "")
-        assert not state.connected
-        await admin.hdel(state.keys[1], "127.0.0.1:9")
-        state.release(reservation)  # a change: the worker syncs again (after its backoff)
-        await eventually(lambda: _true(state.connected), within=10)
+        await eventually(lambda: _true(state.connected))
+        assert len(state.view().speeds) == MAX_ENTRIES
+        assert skipped == {"over_limit": junk - MAX_ENTRIES}
     finally:
         await state.close()
         await admin.aclose()

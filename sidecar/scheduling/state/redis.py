@@ -47,6 +47,8 @@ logger = logging.getLogger("sidecar.scheduling.state")
 
 _SYNC = """
 local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
+local skipped = 0
 local lease_ms = math.ceil(lease * 1000)
 if ARGV[4] == '' then
   redis.call('HDEL', KEYS[4], sid)
@@ -60,7 +62,7 @@ for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
 if n > 0 then redis.call('PEXPIRE', KEYS[2], lease_ms * 100) end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  local current = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0')
+  local current = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0') or 0
   if tonumber(ARGV[i + 1]) > current then redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
   i = i + 2
 end
@@ -72,25 +74,47 @@ end
 -- Gone with the lease when every sidecar is: nobody is left to read them.
 redis.call('PEXPIRE', KEYS[1], lease_ms)
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
+-- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
+-- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
 local totals, order = {}, {}
 local held = redis.call('HGETALL', KEYS[4])
 for j = 1, #held, 2 do
   if redis.call('ZSCORE', KEYS[1], held[j]) then
-    for ep, tok, req in string.gmatch(held[j + 1], '(%S+) (%-?%d+) (%-?%d+)') do
-      if totals[ep] == nil then totals[ep] = {0, 0}; order[#order + 1] = ep end
-      totals[ep][1] = totals[ep][1] + tonumber(tok)
-      totals[ep][2] = totals[ep][2] + tonumber(req)
+    for ep, tok, req in string.gmatch(held[j + 1], '(%S+) (%d+) (%d+)') do
+      if totals[ep] == nil then
+        if #order < limit and #ep <= key_bytes then
+          totals[ep] = {0, 0}; order[#order + 1] = ep
+        else
+          skipped = skipped + 1
+        end
+      end
+      if totals[ep] ~= nil then
+        totals[ep][1] = totals[ep][1] + tonumber(tok)
+        totals[ep][2] = totals[ep][2] + tonumber(req)
+      end
     end
   end
 end
 local lines = {}
 for _, ep in ipairs(order) do
-  lines[#lines + 1] = string.format('%s %d %d', ep, totals[ep][1], totals[ep][2])
+  lines[#lines + 1] = string.format('%s %.0f %.0f', ep, totals[ep][1], totals[ep][2])
+end
+local function bounded(flat)
+  local kept = {}
+  for j = 1, #flat, 2 do
+    if #kept < 2 * limit and #flat[j] <= key_bytes and #flat[j + 1] <= value_bytes then
+      kept[#kept + 1] = flat[j]; kept[#kept + 1] = flat[j + 1]
+    else
+      skipped = skipped + 1
+    end
+  end
+  return kept
 end
 local ejections = redis.call('HGETALL', KEYS[3])
 local live = {}
 for j = 1, #ejections, 2 do
-  if tonumber(ejections[j + 1]) > now then
+  local until_unix = tonumber(ejections[j + 1])
+  if until_unix == nil or until_unix > now then  -- not a time: the reader skips it, counted
     live[#live + 1] = ejections[j]; live[#live + 1] = ejections[j + 1]
   else
     redis.call('HDEL', KEYS[3], ejections[j])
@@ -98,8 +122,9 @@ for j = 1, #ejections, 2 do
 end
 return {
   table.concat(lines, '\\n'),
-  table.concat(redis.call('HGETALL', KEYS[2]), '\\n'),
-  table.concat(live, '\\n'),
+  table.concat(bounded(redis.call('HGETALL', KEYS[2])), '\\n'),
+  table.concat(bounded(live), '\\n'),
+  skipped,
 }
 """
 """KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
@@ -107,7 +132,32 @@ reservations (lines), then speeds and ejections, each a count and that many pair
 three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds and the
 live ejections (an endpoint's line, then its value's): three bulk strings rather than arrays of
 every field, which redis-py's parser would read element by element (most of a sync's cost on
-the request path)."""
+the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a kind,
+or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
+
+MAX_ENTRIES = 1024
+"""Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
+pool holds, and few enough that a sync's reply stays small (tens of KiB) whatever the keys
+hold."""
+MAX_KEY_BYTES = 300
+"""An endpoint is ``host:port``: a DNS name is at most 253 bytes."""
+MAX_VALUE_BYTES = 64
+"""A speed (two floats' ``repr``) or an ejection's time; anything longer is not ours."""
+MAX_S_PER_TOKEN = 1.0
+"""Prefill speeds beyond a second per token, or an overhead beyond ``MAX_OVERHEAD_S``, are no
+engine's: read back, they are skipped."""
+MAX_OVERHEAD_S = 600.0
+MAX_LOAD = 10**12
+"""Reserved tokens (and requests) of one endpoint beyond which a total is not believed."""
+EJECTION_SKEW_S = 60.0
+"""Slack for the clocks of two pods when an ejection's end is checked against the longest
+ejection (an ejection is published as the Unix time it ends)."""
+
+_SCRIPT = (
+    _SYNC.replace("@LIMIT@", str(MAX_ENTRIES))
+    .replace("@KEY_BYTES@", str(MAX_KEY_BYTES))
+    .replace("@VALUE_BYTES@", str(MAX_VALUE_BYTES))
+)
 
 _ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 """What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
@@ -125,9 +175,15 @@ class RedisState:
         cluster: bool = False,
         lease_s: float,
         timeout_s: float,
+        max_ejection_s: float = 3600.0,
         on_error: Callable[[str], None] = lambda kind: None,
+        on_skipped: Callable[[str, int], None] = lambda kind, count: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``max_ejection_s``: the longest ejection a sidecar publishes (SIDECAR_EJECT_MAX_S);
+        one read back that ends later is not believed. ``on_skipped(kind, count)``: entries
+        read back and left out (kind ``load``, ``speed``, ``ejection``; ``over_limit`` for what
+        the script left out), since they do not parse, are out of range or beyond the bounds."""
         self._url = url
         self._cluster = cluster
         tag = "{" + prefix + "}"
@@ -141,7 +197,9 @@ class RedisState:
         self._id = uuid.uuid4().hex
         self._lease_s = lease_s
         self._timeout_s = timeout_s
+        self._max_ejection_s = max_ejection_s
         self._on_error = on_error
+        self._on_skipped = on_skipped
         self._clock = clock
         self._own = OwnReservations()
         self._others: dict[str, Load] = {}
@@ -175,7 +233,7 @@ class RedisState:
             self._client = aioredis.Redis.from_url(
                 self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
             )
-        self._script = self._client.register_script(_SYNC)
+        self._script = self._client.register_script(_SCRIPT)
         self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
 
     async def close(self) -> None:
@@ -306,23 +364,55 @@ class RedisState:
             self._record_error("connection", f"{type(exc).__name__}: {exc}")
 
     def _apply(self, reply: Any, own_sent: dict[str, Load]) -> None:
-        totals, speeds, ejections = (_lines(part) for part in reply)
+        """Take what a sync read back. Each entry is checked (types, finite numbers in range)
+        and one that fails is skipped and counted, never the whole sync: whoever can write the
+        keys (another version of the sidecar, a person) cannot stall or steer every sidecar."""
+        totals, speeds, ejections = (_lines(part) for part in reply[:3])
+        if reply[3]:
+            self._on_skipped("over_limit", int(reply[3]))
         others: dict[str, Load] = {}
+        bad = 0
         for line in totals:
-            endpoint, tokens, requests = line.split(" ")
+            load = _load(line)
+            if load is None:
+                bad += 1
+                continue
+            endpoint, total = load
             mine = own_sent.get(endpoint, Load())
-            if int(requests) - mine.requests > 0:
-                others[endpoint] = Load(int(tokens) - mine.tokens, int(requests) - mine.requests)
+            if total.requests - mine.requests > 0:
+                others[endpoint] = Load(total.tokens - mine.tokens, total.requests - mine.requests)
+        self._skipped("load", bad)
         self._others = others
-        self._speeds = {
-            speeds[i]: Speed(*map(float, speeds[i + 1].split())) for i in range(0, len(speeds), 2)
-        }
-        self._ejected = {ejections[i]: float(ejections[i + 1]) for i in range(0, len(ejections), 2)}
+        parsed_speeds = {}
+        bad = 0
+        for endpoint, text in zip(speeds[::2], speeds[1::2], strict=False):
+            speed = _speed(text)
+            if speed is None:
+                bad += 1
+            else:
+                parsed_speeds[endpoint] = speed
+        self._skipped("speed", bad)
+        self._speeds = parsed_speeds
+        latest = self._clock() + self._max_ejection_s + EJECTION_SKEW_S
+        ejected = {}
+        bad = 0
+        for endpoint, text in zip(ejections[::2], ejections[1::2], strict=False):
+            until = _number(text, 0.0, latest)
+            if until is None:
+                bad += 1
+            else:
+                ejected[endpoint] = until
+        self._skipped("ejection", bad)
+        self._ejected = ejected
         if not self.connected:
             logger.info("redis state backend connected")
         self.connected = True
         self._backoff_s = 0.5
         self.last_sync_unix = self._clock()
+
+    def _skipped(self, kind: str, count: int) -> None:
+        if count:
+            self._on_skipped(kind, count)
 
     def _record_error(self, kind: str, detail: str) -> None:
         if self.connected or self.last_error is None:
@@ -336,3 +426,35 @@ class RedisState:
 def _lines(value: Any) -> list[str]:
     text = value.decode() if isinstance(value, bytes) else str(value)
     return text.split("\n") if text else []
+
+
+def _number(text: str, low: float, high: float) -> float | None:
+    """``text`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if low <= value <= high else None
+
+
+def _speed(text: str) -> Speed | None:
+    parts = text.split(" ")
+    if len(parts) != 2:
+        return None
+    s_per_token = _number(parts[0], 0.0, MAX_S_PER_TOKEN)
+    overhead_s = _number(parts[1], 0.0, MAX_OVERHEAD_S)
+    if s_per_token is None or overhead_s is None or s_per_token == 0.0:
+        return None
+    return Speed(s_per_token, overhead_s)
+
+
+def _load(line: str) -> tuple[str, Load] | None:
+    parts = line.split(" ")
+    if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdigit()):
+        return None
+    if not (parts[2].isascii() and parts[2].isdigit()) or max(len(parts[1]), len(parts[2])) > 13:
+        return None
+    tokens, requests = int(parts[1]), int(parts[2])
+    if tokens > MAX_LOAD or requests > MAX_LOAD:
+        return None
+    return parts[0], Load(tokens, requests)
