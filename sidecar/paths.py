@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar.errors import BadRequest, error_response
@@ -164,7 +165,13 @@ async def canonical_paths(request: web.Request, handler: Handler) -> web.StreamR
         return error_response(exc, request_id_from(request.headers))
     if canonical == target:
         return await handler(request)
-    again = request.clone(rel_url=URL(canonical, encoded=True))
+    if hdrs.EXPECT in request.headers:
+        # aiohttp already answered it (100 Continue) when it routed the request the first time.
+        headers = CIMultiDict(request.headers)
+        del headers[hdrs.EXPECT]
+        again = request.clone(rel_url=URL(canonical, encoded=True), headers=headers)
+    else:
+        again = request.clone(rel_url=URL(canonical, encoded=True))
     again[_CANONICAL] = True
     # aiohttp has no public way to route a request again: Application._handle is the
     # dispatcher its server calls for every request.

@@ -301,3 +301,27 @@ async def test_a_guarded_route_refuses_a_body_it_cannot_read(http, sidecar, deco
         assert response.status == 400
         assert "not valid JSON" in (await _error(response))["message"]
     assert await engine_requests(http, decode) == []
+
+
+async def test_a_request_routed_again_gets_one_100_continue(http, sidecar, decode) -> None:
+    """aiohttp answers ``Expect: 100-continue`` when it routes a request: the canonical
+    re-dispatch must not answer it a second time."""
+    body = orjson.dumps(completion())
+    reader, writer = await asyncio.open_connection(sidecar.host, sidecar.port)
+    try:
+        writer.write(
+            b"POST /v1/./completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        await writer.drain()
+        answer = await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:100]
+    [seen] = await engine_requests(http, decode)
+    assert seen["target"] == "/v1/completions"
