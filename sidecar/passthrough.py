@@ -14,7 +14,6 @@ sent — and needs no re-serialization.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -32,7 +31,7 @@ from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.tracing import Tracing
 from sidecar.tracking import name_this_task
-from sidecar.upstream import Engines
+from sidecar.upstream import Body, Engines
 
 
 class Passthrough:
@@ -72,7 +71,7 @@ class Passthrough:
             headers = trace.headers(headers)
         claim = None
         try:
-            data: Any = request.content.iter_any() if request.body_exists else None
+            data: Body = request.content.iter_any() if request.body_exists else None
             if request.path in GUARDED_ROUTES and request.body_exists:
                 data = await self._checked_body(request)
             claim = self._ranks.claim_any()
