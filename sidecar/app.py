@@ -26,12 +26,14 @@ from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.kube import KubeClient
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
+from sidecar.paths import canonical_paths
 from sidecar.pipeline import Pipeline
 from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
+from sidecar.serverlog import ServerLog
 from sidecar.tasks import stop_task
 from sidecar.tls import ClientTls, FileWatch, ServerTls
 from sidecar.tracing import Tracing
@@ -74,7 +76,10 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         tracing = Tracing.from_environment()
     drain = Drain(settings.drain_timeout_s)
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[drain.middleware])
+    # Routed on the canonical path (sidecar.paths) before anything else sees the request.
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[canonical_paths, drain.middleware]
+    )
     app[DRAIN] = drain
     if tracing is not None:
         app[TRACING] = tracing
@@ -163,7 +168,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
 
     admin = app
     if settings.admin_port is not None:
-        admin = web.Application()
+        admin = web.Application(middlewares=[canonical_paths])
         admin[TRACKER], admin[METRICS], admin[SCHEDULER] = tracker, metrics, scheduler
         admin[READINESS] = readiness
         if pool_watch is not None:
@@ -433,6 +438,7 @@ async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -
         handler_cancellation=True,  # a client that leaves cancels its request's work at once
         access_log=None,
         shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
+        logger=ServerLog(),  # a malformed request: one rate-limited line, not a traceback
     )
     runners = [runner]
     await runner.setup()
@@ -443,7 +449,10 @@ async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -
         admin_port = None
         if ADMIN_APP in app:
             admin_runner = web.AppRunner(
-                app[ADMIN_APP], access_log=None, shutdown_timeout=CUT_GRACE_S
+                app[ADMIN_APP],
+                access_log=None,
+                shutdown_timeout=CUT_GRACE_S,
+                logger=ServerLog(),
             )
             runners.append(admin_runner)
             await admin_runner.setup()

@@ -15,6 +15,8 @@ from sidecar.errors import BadRequest, NotFound, error_response
 from sidecar.tracking import State, Tracker
 
 DEFAULT_LIMIT = 100
+MAX_LIMIT_DIGITS = 9
+"""``?limit=`` is at most this many ASCII digits (any history fits; the value is clamped to it)."""
 QUERY = ("state", "limit")
 SERVER_TIME_HEADER = "x-sidecar-time"
 """On the JSON of ``/debug/requests``: this sidecar's Unix time (seconds) when it answered, so
@@ -28,7 +30,8 @@ class DebugViews:
 
     async def requests(self, request: web.Request) -> web.Response:
         """``{"inflight": [...], "recent": [...]}``, newest first; ``?state=`` and ``?limit=``
-        (1 to the history size; larger values are clamped) filter both lists. Any other
+        (1 to the history size, in at most 9 ASCII digits; larger values are clamped) filter
+        both lists. Any other
         parameter, or one given twice, is a 400: a typo never silently widens the answer.
 
         A client preferring ``text/html`` (a browser) gets the page instead, which reads the same
@@ -110,7 +113,11 @@ def _state(value: str | None) -> State | None:
 def _limit(value: str | None, maximum: int) -> int:
     if value is None:
         return min(DEFAULT_LIMIT, maximum)
-    if not value.isdigit() or int(value) < 1:
+    # str.isdigit() is true of "²" and "①" too, which int() refuses; and int() of thousands of
+    # digits is refused (or slow): only a few ASCII digits are a limit.
+    if not (0 < len(value) <= MAX_LIMIT_DIGITS and value.isascii() and value.isdigit()):
+        raise BadRequest(f"limit must be a positive integer of at most {MAX_LIMIT_DIGITS} digits")
+    if int(value) < 1:
         raise BadRequest("limit must be a positive integer")
     return min(int(value), maximum)
 

@@ -2,25 +2,36 @@
 
 With data-parallel ranks, to the ready rank with the least load (no prompt to match); a rank that
 cannot be connected to passes it on to another, like a generation request's decode leg.
+
+The engines' other generation routes (``sidecar.paths.GUARDED_ROUTES``: ``/v1/responses``,
+``/generate``, ...) read the same KV fields the pipeline owns. Their bodies are read whole
+(under the pipeline's size and time limits) and refused with 400 when they carry a client's
+``kv_transfer_params`` or SGLang bootstrap field; otherwise the bytes go on unchanged. Refusing
+rather than stripping keeps passthrough's one rule — what reaches the engine is what the client
+sent — and needs no re-serialization.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import orjson
 from aiohttp import web
 
 from sidecar.config import Settings
+from sidecar.connectors.sglang import CLIENT_FIELDS
 from sidecar.decode import on_a_rank
-from sidecar.errors import REQUEST_ID_HEADER, SidecarError, error_response
+from sidecar.errors import REQUEST_ID_HEADER, BadRequest, SidecarError, error_response
 from sidecar.exchange import Answer
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
+from sidecar.paths import GUARDED_ROUTES
+from sidecar.pipeline import read_limited
 from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.tracing import Tracing
 from sidecar.tracking import name_this_task
-from sidecar.upstream import Engines
+from sidecar.upstream import Body, Engines
 
 
 class Passthrough:
@@ -36,6 +47,8 @@ class Passthrough:
     ) -> None:
         self._ranks = ranks
         self._tracing = tracing
+        self._max_body_bytes = settings.max_body_bytes
+        self._body_timeout_s = settings.client_body_timeout_s
         self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
         self._idle_timeout_s = settings.stream_idle_timeout_s
         self._engines = engines
@@ -56,8 +69,12 @@ class Passthrough:
         if self._tracing is not None:  # one span: the engine's traceparent names it
             trace = self._tracing.request(request.headers, request.method, request.path, request_id)
             headers = trace.headers(headers)
-        claim = self._ranks.claim_any()
+        claim = None
         try:
+            data: Body = request.content.iter_any() if request.body_exists else None
+            if request.path in GUARDED_ROUTES and request.body_exists:
+                data = await self._checked_body(request)
+            claim = self._ranks.claim_any()
             upstream, first = await on_a_rank(
                 self._ranks,
                 claim,
@@ -66,7 +83,7 @@ class Passthrough:
                 request.method,
                 request.raw_path,
                 headers=headers,
-                data=request.content.iter_any() if request.body_exists else None,
+                data=data,
                 by=asyncio.get_running_loop().time() + self._first_byte_timeout_s,
                 limit=f"{self._first_byte_timeout_s:g}s (SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S)",
             )
@@ -92,7 +109,8 @@ class Passthrough:
             cancelled = True
             raise
         finally:
-            claim.end()
+            if claim is not None:
+                claim.end()
             self._metrics.observe_passthrough(status, cancelled)
             if trace is not None:
                 if error is None and status is not None and status >= 500:
@@ -101,3 +119,46 @@ class Passthrough:
                 # A 4xx is the client's: not the span's error (HTTP server convention).
                 client_fault = status is not None and status < 500
                 trace.finish(status, state, None if cancelled or client_fault else error)
+
+    async def _checked_body(self, request: web.Request) -> bytes:
+        """The body of a request to a guarded generation route, as the client sent it; raises
+        ``BadRequest`` when it carries KV fields only the sidecar may set, or when it is not JSON
+        (the engine's parser accepts what orjson refuses, ``NaN`` say: unread is unchecked)."""
+        raw = await read_limited(request, self._max_body_bytes, self._body_timeout_s)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadRequest(f"the body of {request.path} is not valid JSON") from None
+        field = client_kv_field(body)
+        if field is not None:
+            raise BadRequest(
+                f"'{field}' is set by the sidecar only: a client may not send it "
+                f"(to {request.path} or any other generation route)"
+            )
+        return raw
+
+
+_CARRIERS: tuple[tuple[str, ...], ...] = (
+    (),
+    ("vllm_xargs",),
+    ("sampling_params", "extra_args"),
+    ("parameters",),
+)
+"""Where an engine reads KV fields from: the body itself; vLLM's ``vllm_xargs`` and a tokens-in
+request's ``sampling_params.extra_args`` (both become ``SamplingParams.extra_args``, which
+vLLM's request reads ``kv_transfer_params`` from); SGLang's ``/vertex_generate`` spreads
+``parameters`` into its request."""
+
+
+def client_kv_field(body: object) -> str | None:
+    """The first KV field (dotted, from the body's top) that ``body`` sets to anything but null,
+    or None."""
+    for where in _CARRIERS:
+        holder = body
+        for key in where:
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        if isinstance(holder, dict):
+            for name in CLIENT_FIELDS:
+                if holder.get(name) is not None:
+                    return ".".join((*where, name))
+    return None

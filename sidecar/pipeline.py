@@ -106,7 +106,7 @@ class Pipeline:
         settings = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.request_timeout_s if settings.request_timeout_s else None
-        raw = await _read_limited(request, settings.max_body_bytes, settings.client_body_timeout_s)
+        raw = await read_limited(request, settings.max_body_bytes, settings.client_body_timeout_s)
         body = _parse_object(raw)
         placing = trace.phase("placement") if trace is not None else None
         header = self._gateway.prefill_target(request.headers)
@@ -240,8 +240,9 @@ def _record_relayed(record: RequestRecord, relayed: Relayed) -> None:
         record.state = State.COMPLETED
 
 
-async def _read_limited(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed ``limit``."""
+async def read_limited(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` (408 when
+    it takes longer than ``timeout_s``)."""
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     content = request.content

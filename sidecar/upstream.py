@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
@@ -260,7 +261,10 @@ class Engines:
 
         ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
         bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
-        ``role`` names the engine in error messages ("the decode engine"); ``poll`` sends a
+        ``url`` is sent as written: its path is the canonical one the request was routed on
+        (``sidecar.paths``), which yarl would otherwise re-normalise (resolving dot segments,
+        decoding escapes such as ``%3B``). ``role`` names the engine in error messages ("the
+        decode engine"); ``poll`` sends a
         health or metrics poll through the poll pool. ``server_name``: for ``https://``, the
         name the certificate is verified against and sent as SNI (None: the URL's host).
         """
@@ -280,7 +284,7 @@ class Engines:
         try:
             response = await session.request(
                 method,
-                url,
+                URL(url, encoded=True),
                 headers=headers,
                 data=data,
                 allow_redirects=False,

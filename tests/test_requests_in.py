@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import socket
 
@@ -12,6 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest
 from sidecar.headers import PARSED_TARGETS_KEPT, PREFILLER_HOST_PORT, GatewayHeaders
+from sidecar.serverlog import LINES_PER_WINDOW, ServerLog
 from tests.conftest import StartSidecar, completion, engine_requests, get_json
 
 
@@ -244,3 +247,72 @@ def test_parsed_prefill_targets_are_remembered_within_a_bound() -> None:
             target(f"bad-{index}")
     assert len(gateway._parsed) <= PARSED_TARGETS_KEPT
     assert target("Prefill-0:8000") == first
+
+
+MALFORMED = b"GET /v1/models HTTP/1.1\r\nHost: xyz\r\nBad Header Line\r\nX: y\r\n\r\n"
+"""61 bytes aiohttp's parser refuses (a header line without a colon)."""
+
+
+async def _send_raw(host: str, port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def _server_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith(("aiohttp", "sidecar.http"))]
+
+
+async def test_a_malformed_request_is_one_warning_line(sidecar, caplog) -> None:
+    """aiohttp logged each with a traceback: 11 ERROR lines, 578 bytes, per 61-byte request."""
+    assert len(MALFORMED) == 61
+    caplog.set_level(logging.DEBUG)
+    answer = await _send_raw(sidecar.host, sidecar.port, MALFORMED)
+    assert answer.split(b" ", 2)[1] == b"400"  # aiohttp's own answer
+    [line] = _server_lines(caplog)
+    assert line.levelno == logging.WARNING
+    assert line.exc_info is None
+    text = line.getMessage()
+    assert "\n" not in text
+    assert text.startswith("malformed HTTP request from 127.0.0.1: 400 ")
+    assert len(text) < 300
+
+
+async def test_a_flood_of_malformed_requests_is_rate_limited(sidecar, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3 * LINES_PER_WINDOW):
+        await _send_raw(sidecar.host, sidecar.port, MALFORMED)
+    lines = _server_lines(caplog)
+    assert len(lines) == LINES_PER_WINDOW
+    assert all(line.levelno == logging.WARNING for line in lines)
+
+
+def test_the_next_window_says_how_many_lines_were_left_out(caplog) -> None:
+    from aiohttp.http_exceptions import BadHttpMessage
+
+    now = [0.0]
+    log = ServerLog(logging.getLogger("sidecar.http"), clock=lambda: now[0], lines_per_window=2)
+    caplog.set_level(logging.DEBUG, logger="sidecar.http")
+    for _ in range(5):
+        log.exception("Error handling request from %s", "10.0.0.1", exc_info=BadHttpMessage("x"))
+    now[0] = 61.0
+    log.exception("Error handling request from %s", "10.0.0.2", exc_info=BadHttpMessage("y"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "malformed HTTP request from 10.0.0.1: 400 x",
+        "malformed HTTP request from 10.0.0.1: 400 x",
+        "malformed HTTP request from 10.0.0.2: 400 y (3 more not logged)",
+    ]
+    caplog.clear()
+    try:
+        raise RuntimeError("a handler's bug")
+    except RuntimeError as exc:
+        log.exception("Unhandled exception", exc_info=exc)  # not a client's: logged as it was
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR
+    assert record.exc_info is not None

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import ssl
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.control import add_control_routes
@@ -38,6 +40,7 @@ from sidecar.emulator.keys import (
     KV,
     METRICS,
     PUSH,
+    RAW_TARGET,
     REQUEST_ID,
     REQUEST_LOG,
     ROOMS,
@@ -60,13 +63,60 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 SHUTDOWN_TIMEOUT_S = 1.0  # in-flight handlers are already cancelled when aiohttp shuts down
 
 
+GENERATION_PATHS = frozenset(
+    {"/generate", "/inference/v1/generate", "/invocations", "/vertex_generate"}
+)
+"""Generation routes of vLLM and SGLang outside ``/v1/``: logged like ``/v1/*`` requests."""
+
+
+@web.middleware
+async def _decode_before_routing(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Route as vLLM's and SGLang's server does: uvicorn decodes every percent-escape of the path
+    (``%2F`` included) before Starlette routes it, so ``/v1%2Fcompletions`` is
+    ``/v1/completions``. aiohttp routes on the path with ``%2F`` kept: a request whose decoded
+    path differs is dispatched again on the decoded one, its target remembered for the log."""
+    if RAW_TARGET in request:
+        return await handler(request)
+    target = request.raw_path
+    path, _, query = target.partition("?")
+    if not path.startswith("/"):  # absolute-form: its path
+        path = request.rel_url.raw_path
+    if "%" not in path:
+        request[RAW_TARGET] = target
+        return await handler(request)
+    again = request.clone(rel_url=URL.build(path=urllib.parse.unquote(path), query_string=query))
+    again[RAW_TARGET] = target
+    return await request.app._handle(again)
+
+
+@web.middleware
+async def _redirect_slashes(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Starlette's ``redirect_slashes``: a path no route matches, but which one does with its
+    trailing slash toggled, answers 307 to that spelling, at the host the request named (what
+    a proxy that does not forward ``Host`` shows its client is the engine's own address)."""
+    path = request.path
+    if request.match_info.http_exception is None or path == "/":
+        return await handler(request)
+    other = path[:-1] if path.endswith("/") else path + "/"
+    match = await request.app.router.resolve(request.clone(rel_url=URL.build(path=other)))
+    if match.http_exception is not None and match.http_exception.status == 404:
+        return await handler(request)
+    location = str(request.url.with_path(other).with_query(request.rel_url.query))
+    return web.Response(status=307, headers={"Location": location})
+
+
 @web.middleware
 async def _track_and_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Register the handler task for close(), and log /v1/* requests before they are served."""
-    if request.path.startswith("/v1/"):
+    """Register the handler task for close(), and log generation requests (``/v1/*`` and
+    ``GENERATION_PATHS``) before they are served."""
+    if request.path.startswith("/v1/") or request.path in GENERATION_PATHS:
         raw = await request.read()  # aiohttp caches the body, so the handler can read it again
         request.app[REQUEST_LOG].record(
-            request.method, request.path, list(request.headers.items()), raw
+            request.method,
+            request.path,
+            list(request.headers.items()),
+            raw,
+            target=request.get(RAW_TARGET),
         )
     task = asyncio.current_task()
     inflight = request.app[INFLIGHT]
@@ -185,7 +235,10 @@ def create_api_app(
     rooms: RoomBoard | None = None,
 ) -> web.Application:
     # Long prompts are the point of P/D disaggregation: allow bodies far beyond aiohttp's 1 MiB.
-    app = web.Application(middlewares=[_errors, _track_and_log], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[_decode_before_routing, _errors, _redirect_slashes, _track_and_log],
+        client_max_size=MAX_BODY_BYTES,
+    )
     app[CONFIG] = config
     app[KV] = kv
     app[METRICS] = EmulatorMetrics(config.model)

@@ -30,3 +30,4 @@ ROOMS = web.AppKey("rooms", RoomBoard)  # sglang prefill servers only
 ENGINE = web.AppKey("engine", Engine)  # set by a cleanup_ctx once the pull session exists
 
 REQUEST_ID = web.RequestKey("request_id", str)
+RAW_TARGET = web.RequestKey("raw_target", str)  # the request line's target, before decoding

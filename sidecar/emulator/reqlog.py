@@ -1,5 +1,6 @@
-"""A bounded log of the /v1/* requests the emulator received, for tests asserting exact bodies
-and the W3C trace context each one carried."""
+"""A bounded log of the generation requests the emulator received (every ``/v1/*`` path and the
+engines' other generation routes), for tests asserting exact bodies, the request target as it
+came on the request line, and the W3C trace context each one carried."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ _TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-
 class LoggedRequest:
     method: str
     path: str
+    """The path the emulator routed on (percent-escapes decoded, as vLLM's server does)."""
+    target: str
+    """The request target exactly as the request line carried it (path and query)."""
     headers: Mapping[str, str]  # lower-case names; repeated headers joined with ", "
     body: Any  # parsed JSON, or None when the body is empty or not JSON
 
@@ -26,6 +30,7 @@ class LoggedRequest:
         return {
             "method": self.method,
             "path": self.path,
+            "target": self.target,
             "headers": dict(self.headers),
             "body": self.body,
             "trace": self.trace(),
@@ -63,13 +68,19 @@ class RequestLog:
         self._entries: deque[LoggedRequest] = deque(maxlen=size)
 
     def record(
-        self, method: str, path: str, headers: list[tuple[str, str]], raw_body: bytes
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        raw_body: bytes,
+        target: str | None = None,
     ) -> None:
         merged: dict[str, str] = {}
         for name, value in headers:
             key = name.lower()
             merged[key] = f"{merged[key]}, {value}" if key in merged else value
-        self._entries.append(LoggedRequest(method, path, merged, parse_body(raw_body)))
+        entry = LoggedRequest(method, path, target or path, merged, parse_body(raw_body))
+        self._entries.append(entry)
 
     def entries(self) -> list[LoggedRequest]:
         return list(self._entries)
