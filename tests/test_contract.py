@@ -463,8 +463,10 @@ async def test_decode_refusal_releases_the_kv_at_once(
     # freed and reused the blocks) can never serve another request. NIXL pull: an id of its
     # own too; push: the prefill leg's id, the only one its engine hands the KV to.
     decode_leg, release = await engine_requests(rig.http, rig.decode)
-    assert decode_leg["headers"]["x-request-id"] == "refused"
-    own_id = "refused-release" if spec.release == "own_id" else "refused"
+    engine_id = (await rig.record())["engine_id"]  # the client's id and a suffix of its own
+    assert engine_id.startswith("refused-")
+    assert decode_leg["headers"]["x-request-id"] == engine_id
+    own_id = f"{engine_id}-release" if spec.release == "own_id" else engine_id
     assert release["headers"]["x-request-id"] == own_id
     assert release["path"] == decode_leg["path"]
     assert release["body"]["max_tokens"] == 1
@@ -687,3 +689,44 @@ async def _releases_are(rig: Rig, outcome: str, count: int) -> bool:
 async def _disconnects_are(rig: Rig, action: str, count: int) -> bool:
     sample = f'pd_sidecar_prefill_disconnects_total{{action="{action}"}}'
     return await metric(rig.http, rig.sidecar.url, sample) == count
+
+
+# --- request ids ------------------------------------------------------------------------------
+
+
+async def test_requests_sharing_a_client_id_have_ids_of_their_own_on_the_engines(
+    rig: Rig,
+) -> None:
+    """Engines key a request's KV by its id: concurrent requests that reuse one ``x-request-id``
+    each carry an engine id of their own (the client's and a random suffix) on their legs, and
+    all succeed; the answers and the records keep the client's id, the records the engine's."""
+    count = 24
+
+    async def one(index: int) -> tuple[int, str]:
+        body = completion(f"Request {index} of a batch that shares one id. " * 8, max_tokens=3)
+        async with rig.http.post(
+            rig.sidecar.url + "/v1/completions",
+            json=body,
+            headers={"x-prefiller-host-port": rig.prefill.endpoint, "x-request-id": "shared"},
+        ) as response:
+            await response.read()
+            return response.status, response.headers["x-request-id"]
+
+    answers = await asyncio.gather(*(one(index) for index in range(count)))
+    assert answers == [(200, "shared")] * count
+    prefill_ids = [
+        leg["headers"]["x-request-id"] for leg in await engine_requests(rig.http, rig.prefill)
+    ]
+    decode_ids = [
+        leg["headers"]["x-request-id"] for leg in await engine_requests(rig.http, rig.decode)
+    ]
+    assert len(set(prefill_ids)) == len(prefill_ids) == count
+    assert set(decode_ids) == set(prefill_ids)  # each request's legs share its engine id
+    assert all(engine_id.startswith("shared-") for engine_id in prefill_ids)
+    recent = (await get_json(rig.http, rig.sidecar.url + "/debug/requests"))["recent"]
+    assert [record["id"] for record in recent] == ["shared"] * count
+    assert {record["engine_id"] for record in recent} == set(prefill_ids)
+    # /debug/requests/<engine id> finds its record (a vLLM log line names the engine id)
+    found = await get_json(rig.http, f"{rig.sidecar.url}/debug/requests/{prefill_ids[0]}")
+    assert (found["id"], found["engine_id"]) == ("shared", prefill_ids[0])
+    await rig.settled()

@@ -125,8 +125,9 @@ class NixlConnector:
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
         data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
         headers = ex.headers.copy()
-        # Its own id: the decode leg it stands in for may still be known to the engine.
-        headers[REQUEST_ID_HEADER] = f"{ex.request_id}{RELEASE_ID_SUFFIX}"
+        # Its own id, from the engine id: the decode leg it stands in for may still be known to
+        # the engine.
+        headers[REQUEST_ID_HEADER] = f"{ex.engine_id}{RELEASE_ID_SUFFIX}"
         self._parts.aftercare.release(
             ex.request_id, self._parts.decode.release_urls(ex), headers, data, ex.trace
         )
