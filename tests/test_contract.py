@@ -46,6 +46,17 @@ from tests.conftest import (
 from tests.otlp import Receiver, traced, traceparent
 
 SGLANG_FIELDS = (BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM)
+PREFILL_DROPPED = (
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    # only the decode leg's answer reports these (docs/protocol.md, "Prefill leg")
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "return_token_ids",
+)
 LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a while. " * 400
 """About 7,000 tokens: at the scheduler's prior speed, predicted past ``auto``'s finish window."""
 
@@ -53,8 +64,7 @@ LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a
 def _nixl_legs(
     client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
 ) -> None:
-    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
-    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected = {k: v for k, v in client.items() if k not in PREFILL_DROPPED}
     expected.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
     if route == "chat_completions":
         expected["max_completion_tokens"] = 1
@@ -91,8 +101,7 @@ def _sglang_legs(
 def _storage_legs(
     client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
 ) -> None:
-    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
-    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected = {k: v for k, v in client.items() if k not in PREFILL_DROPPED}
     expected.update(stream=False, max_tokens=1)
     if route == "chat_completions":
         expected["max_completion_tokens"] = 1
@@ -729,4 +738,71 @@ async def test_requests_sharing_a_client_id_have_ids_of_their_own_on_the_engines
     # /debug/requests/<engine id> finds its record (a vLLM log line names the engine id)
     found = await get_json(rig.http, f"{rig.sidecar.url}/debug/requests/{prefill_ids[0]}")
     assert (found["id"], found["engine_id"]) == ("shared", prefill_ids[0])
+    await rig.settled()
+
+
+# --- fields only the decode leg's answer reports ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", completion(max_tokens=3, logprobs=2)),
+        ("/v1/completions", completion(max_tokens=3, echo=True, return_token_ids=True)),
+        ("/v1/chat/completions", chat(max_tokens=3, logprobs=True, top_logprobs=2)),
+        ("/v1/chat/completions", chat(max_tokens=3, echo=True, top_logprobs=None)),
+    ],
+    ids=["logprobs", "echo", "chat-top-logprobs", "chat-echo-without-logprobs"],
+)
+async def test_answer_fields_stay_off_the_prefill_leg(
+    rig: Rig, spec: Spec, path: str, body: dict[str, Any]
+) -> None:
+    """``echo``, ``logprobs``, ``top_logprobs``, ``return_token_ids``: the decode leg's answer
+    reports them; on a one-token prefill leg they only grow the answer (echo: the prompt again).
+    SGLang hands the prefill's first token with its logprobs to the decode: the same body."""
+    status, _ = await rig.post(body, path)
+    assert status == 200
+    [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+    [decode_leg] = await engine_requests(rig.http, rig.decode)
+    route = "chat_completions" if "messages" in body else "completions"
+    spec.check_legs(body, route, prefill_leg["body"], decode_leg["body"])
+    if spec.name != "sglang":
+        assert not {"echo", "logprobs", "top_logprobs", "return_token_ids"} & set(
+            prefill_leg["body"]
+        )
+    assert (await rig.record())["decision"] == "remote"
+    await rig.settled()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", completion(max_tokens=3, prompt_logprobs=1)),
+        ("/v1/completions", completion(max_tokens=3, echo=True, logprobs=0)),
+        ("/v1/chat/completions", chat(max_tokens=3, echo=True)),
+        ("/v1/chat/completions", chat(max_tokens=3, prompt_logprobs=0)),
+    ],
+    ids=["prompt-logprobs", "echo-with-logprobs", "chat-echo", "chat-prompt-logprobs"],
+)
+async def test_prompt_logprobs_are_served_where_the_prompt_is_computed(
+    rig: Rig, spec: Spec, path: str, body: dict[str, Any]
+) -> None:
+    """A decode engine that loads the prompt's KV computes only its last token, so it cannot
+    report the prompt's logprobs (vLLM: ``prompt_logprobs``, or ``echo`` with ``logprobs`` /
+    chat's ``top_logprobs``, 0 by default). NIXL and shared storage serve such a request on the
+    decode engine alone, the client's body unchanged; SGLang cannot (its decode server never
+    prefills): both legs get the client's fields."""
+    status, _ = await rig.post(body, path)
+    assert status == 200
+    record = await rig.record()
+    decode_legs = await engine_requests(rig.http, rig.decode)
+    if spec.name == "sglang":
+        assert record["decision"] == "remote"
+        [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+        route = "chat_completions" if "messages" in body else "completions"
+        spec.check_legs(body, route, prefill_leg["body"], decode_legs[0]["body"])
+    else:
+        assert (record["decision"], record["reason"]) == ("local", "prompt_logprobs")
+        assert await engine_requests(rig.http, rig.prefill) == []
+        assert [leg["body"] for leg in decode_legs] == [body]
     await rig.settled()
