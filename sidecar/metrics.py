@@ -47,6 +47,7 @@ FALLBACK_REASONS = (
     "prefill_timeout",
     "prefill_error",
     "prefill_bad_response",
+    "prefill_too_large",
     "no_kv_params",
 )
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")

@@ -806,3 +806,53 @@ async def test_prompt_logprobs_are_served_where_the_prompt_is_computed(
         assert await engine_requests(rig.http, rig.prefill) == []
         assert [leg["body"] for leg in decode_legs] == [body]
     await rig.settled()
+
+
+# --- the prefill's answer -----------------------------------------------------------------------
+
+PADDING = 64 * 1024 * 1024
+ANSWER_LIMIT = 4 * 1024 * 1024
+"""SIDECAR_MAX_PREFILL_ANSWER_BYTES's default."""
+
+
+async def _padding_sent(rig: Rig) -> int:
+    return int((await get_json(rig.http, rig.prefill.url + "/emulator/faults"))["padding_sent"])
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+async def test_a_prefill_answer_too_long_is_dropped_unread(
+    rig_with: RigFactory, spec: Spec, fallback: str
+) -> None:
+    """A prefill target that answers 64 MiB (chunked: no Content-Length says so) is read up to
+    SIDECAR_MAX_PREFILL_ANSWER_BYTES and no further: a failed prefill, not a transient one, which
+    the fallback policy handles. SGLang needs nothing of its prefill's 2xx answer: read to its
+    end, never kept."""
+    if spec.name == "sglang" and fallback == "local":
+        pytest.skip("an SGLang decode server cannot prefill: refused at start (test_config)")
+    rig = await rig_with(prefill={"kv_expiry_s": 0.5}, prefill_fallback=fallback)
+    await rig.inject(rig.prefill, kind="bloat", size=PADDING, role="prefill")
+    status, raw = await rig.post(completion(max_tokens=3))
+    if spec.name == "sglang":
+        assert status == 200
+        await eventually(lambda: _padding_is(rig, PADDING), within=30)
+        await rig.settled()
+        return
+    record = await rig.record()
+    assert record["fallback_reason"] == "prefill_too_large"
+    # What the emulator could write: the limit, plus what the sockets' buffers took.
+    assert await _padding_sent(rig) < ANSWER_LIMIT + 16 * 1024 * 1024
+    if fallback == "local":
+        assert (status, record["decision"]) == (200, "local")
+    else:
+        error = orjson.loads(raw)["error"]
+        assert (status, error["type"]) == (503, "ServiceUnavailableError")
+        assert f"answered more than {ANSWER_LIMIT} bytes" in error["message"]
+        assert "SIDECAR_MAX_PREFILL_ANSWER_BYTES" in error["message"]
+    sample = 'pd_sidecar_fallbacks_total{reason="prefill_too_large"}'
+    assert await metric(rig.http, rig.sidecar.url, sample) == 1
+    # KV the target staged (its parameters unread) is left to its expiry: 0.5 s here.
+    await rig.settled()
+
+
+async def _padding_is(rig: Rig, size: int) -> bool:
+    return await _padding_sent(rig) == size
