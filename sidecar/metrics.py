@@ -136,6 +136,11 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.kv_release_waits = Counter(
+            "pd_sidecar_kv_release_waits",
+            "KV releases that waited for a place to be sent (more than 256 under way).",
+            registry=self.registry,
+        )
         self.prefill_disconnects = Counter(
             "pd_sidecar_prefill_disconnects",
             "Prefill calls whose client left while they ran, by what was done: abort (the "
