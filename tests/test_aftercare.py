@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import Any
 
 import aiohttp
@@ -29,13 +30,16 @@ from tests.conftest import (
 ABANDONED = 1024
 """Prefills adopted at once at most (sidecar.aftercare.MAX_ADOPTED; before it, the one bound on
 all background work, releases included)."""
+BATCH = 64
+"""Clients that connect at once: well under a listener's backlog (128), so that no connection
+waits for a SYN to be sent again."""
 
 
 async def _held(http: aiohttp.ClientSession, engine: RunningEmulator) -> int:
     return int((await get_json(http, engine.url + "/emulator/faults"))["held"])
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 async def test_adopted_prefills_cannot_crowd_out_another_clients_release(
     http: aiohttp.ClientSession,
     start_engine: StartEmulator,
@@ -47,7 +51,8 @@ async def test_adopted_prefills_cannot_crowd_out_another_clients_release(
     adopted prefills' place. Another client's decode is refused: its KV release still goes out,
     and nothing stays staged."""
     dripping, healthy = await start_engine(), await start_engine()
-    sidecar = await start_sidecar_with()
+    # Nothing here may time out while the drip lasts, on a machine as slow as it may be.
+    sidecar = await start_sidecar_with(prefill_timeout_s=600, connect_timeout_s=10)
     await inject(http, dripping, kind="stall", role="prefill", after_chunks=1, count=ABANDONED)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as clients:
@@ -60,8 +65,11 @@ async def test_adopted_prefills_cannot_crowd_out_another_clients_release(
             ) as response:
                 await response.read()
 
-        leaving = [asyncio.create_task(abandoned(index)) for index in range(ABANDONED)]
-        await eventually(lambda: _all_held(http, dripping, ABANDONED), within=120)
+        leaving: list[asyncio.Task[None]] = []
+        for start in range(0, ABANDONED, BATCH):
+            leaving += [asyncio.create_task(abandoned(i)) for i in range(start, start + BATCH)]
+            sent = start + BATCH
+            await eventually(functools.partial(_all_held, http, dripping, sent), within=60)
         for client in leaving:
             client.cancel()
         for client in leaving:
@@ -88,7 +96,7 @@ async def test_adopted_prefills_cannot_crowd_out_another_clients_release(
     # The drip ends: every abandoned prefill's KV is released too.
     async with http.post(dripping.url + "/emulator/release") as response:
         assert response.status == 200
-    await eventually(lambda: _metric_is(http, sidecar.url, released, ABANDONED + 1), within=60)
+    await eventually(lambda: _metric_is(http, sidecar.url, released, ABANDONED + 1), within=120)
     assert await metric(http, sidecar.url, skipped) == 0
     assert await staged_blocks(http, dripping) == 0
 
