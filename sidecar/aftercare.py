@@ -1,9 +1,18 @@
 """Work that outlives its request: KV releases, and prefill calls whose client left.
 
-Both run in the background, off the request path, in one bounded set that shutdown waits for
-(each piece is bounded by its own timeout). A full set makes a release be skipped (the engine's
-own expiry frees that KV later; counted as ``skipped``) and a prefill be aborted rather than
-finished.
+Both run in the background, off the request path, each kind in a bounded set of its own that
+shutdown waits for (each piece is bounded by its own timeout), so that one kind cannot take the
+other's place: prefills adopted for clients who left — which a client's own load can make many,
+e.g. abandoned requests to a prefill that drips its answer — never crowd out another client's
+KV release.
+
+- Adopted prefills: at most ``MAX_ADOPTED``; beyond it a prefill is aborted rather than finished.
+- Releases: at most ``RELEASES_AT_ONCE`` sent at once; more wait for a place, in order (each
+  wait counted in ``pd_sidecar_kv_release_waits_total``), up to ``MAX_RELEASES`` sent or
+  waiting; beyond that a release is skipped (the engine's own expiry frees that KV later;
+  counted as ``skipped``).
+- Cancelled tasks held until they end (``watch``): not bounded here — each is already cancelled
+  and ends at its next step, and each belongs to a request that ended.
 """
 
 from __future__ import annotations
@@ -21,8 +30,13 @@ from sidecar.upstream import EngineAnswer, Engines
 
 logger = logging.getLogger("sidecar.aftercare")
 
-MAX_PENDING = 1024
-"""Releases and finishing prefills at once; beyond it the engine's own expiry has to do."""
+MAX_ADOPTED = 1024
+"""Prefill calls finishing for clients who left at once; beyond it a prefill is aborted."""
+RELEASES_AT_ONCE = 256
+"""KV releases sent at once (each a one-token decode on the decode engine); more wait."""
+MAX_RELEASES = 1024
+"""KV releases sent or waiting; beyond it the engine's own expiry has to do. A release holds
+its body (the client's prompt) while it waits: this bounds that memory as before."""
 
 
 class Aftercare:
@@ -38,20 +52,22 @@ class Aftercare:
         self._metrics = metrics
         self._enabled = enabled
         self._timeout_s = timeout_s
-        self._tasks: set[asyncio.Future[Any]] = set()
+        self._adopted: set[asyncio.Future[Any]] = set()
+        self._releases: set[asyncio.Future[Any]] = set()
+        self._watched: set[asyncio.Future[Any]] = set()
+        self._sending = asyncio.Semaphore(RELEASES_AT_ONCE)
+        """A release's place to be sent; FIFO among the waiting ones."""
 
     def adopt(self, task: asyncio.Future[Any]) -> bool:
-        """Keep ``task`` running after its request ended; False when the set is full."""
-        if len(self._tasks) >= MAX_PENDING:
+        """Keep ``task`` running after its request ended; False when ``MAX_ADOPTED`` are."""
+        if len(self._adopted) >= MAX_ADOPTED:
             return False
-        self.watch(task)
+        _hold(self._adopted, task)
         return True
 
     def watch(self, task: asyncio.Future[Any]) -> None:
         """Hold a reference to ``task`` (already cancelled, say) until it ends."""
-        if not task.done():
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        _hold(self._watched, task)
 
     def release(
         self,
@@ -69,16 +85,24 @@ class Aftercare:
         """
         if not self._enabled:
             return
-        if len(self._tasks) >= MAX_PENDING:
+        if len(self._releases) >= MAX_RELEASES:
             self._metrics.kv_releases.labels("skipped").inc()
             return
         leg = trace.leg("kv_release", urls[0]) if trace is not None else None
         if leg is not None:
             headers = leg.headers(headers)
         name = task_name(request_id, "release")
-        self.watch(asyncio.create_task(self._send(urls, headers, data, leg), name=name))
+        _hold(self._releases, asyncio.create_task(self._send(urls, headers, data, leg), name=name))
 
     async def _send(
+        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes, leg: Leg | None
+    ) -> None:
+        if self._sending.locked():
+            self._metrics.kv_release_waits.inc()
+        async with self._sending:
+            await self._send_now(urls, headers, data, leg)
+
+    async def _send_now(
         self, urls: Sequence[str], headers: Mapping[str, str], data: bytes, leg: Leg | None
     ) -> None:
         try:
@@ -134,11 +158,21 @@ class Aftercare:
         finishing prefill cancelled then may keep its KV until the engine's expiry)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout_s
-        while self._tasks and loop.time() < until:
-            await asyncio.wait(list(self._tasks), timeout=until - loop.time())
-        left = list(self._tasks)
+        while (tasks := self._tasks()) and loop.time() < until:
+            await asyncio.wait(tasks, timeout=until - loop.time())
+        left = self._tasks()
         for task in left:
             task.cancel()
         if left:
             await asyncio.gather(*left, return_exceptions=True)
             logger.warning("shutdown: %d KV release(s) or finishing prefill(s) cut", len(left))
+
+    def _tasks(self) -> list[asyncio.Future[Any]]:
+        return [*self._adopted, *self._releases, *self._watched]
+
+
+def _hold(tasks: set[asyncio.Future[Any]], task: asyncio.Future[Any]) -> None:
+    """Keep ``task`` in ``tasks`` until it ends."""
+    if not task.done():
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)

@@ -326,6 +326,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         33_554_432, gt=0, description="Largest request body accepted, in bytes (over it: 413)."
     )
+    max_prefill_answer_bytes: int = Field(
+        4_194_304,
+        gt=0,
+        description="Longest prefill answer read, in bytes; a longer one is a failed prefill "
+        "(fallback reason prefill_too_large), dropped unread. A one-token answer with its KV "
+        "parameters stays far below it: ~0.5 MB per KV-cache group at 1M prompt tokens.",
+    )
     debug_history: int = Field(
         1000, ge=1, description="Completed requests kept for /debug/requests."
     )

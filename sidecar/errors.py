@@ -16,6 +16,7 @@
         │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
         ├── EngineTimeout             no answer in time -> 504
         ├── EngineBadResponse         an answer we cannot use -> 502
+        │   └── EngineAnswerTooLarge  an answer over the size the sidecar reads
         └── EngineStreamBroken        the answer broke after it started -> 502
 
 Foreign exceptions (aiohttp, asyncio) become these in ``sidecar.upstream`` only. Every body the
@@ -101,6 +102,11 @@ class EngineTimeout(EngineError):
 
 class EngineBadResponse(EngineError):
     pass
+
+
+class EngineAnswerTooLarge(EngineBadResponse):
+    """An answer longer than the caller would read (its ``Content-Length``, or what arrived):
+    dropped unread, its connection closed."""
 
 
 class EngineStreamBroken(EngineError):

@@ -49,6 +49,9 @@ class Progress(Protocol):
 class Exchange:
     """One generation request as the connector sees it."""
 
+    request_id: str
+    """The client's id (``x-request-id``, or the one the sidecar made): its answer, logs, record
+    and task names carry it."""
     path: str
     body: Body
     """The client's body, parsed and sanitized; never mutated."""
@@ -56,7 +59,7 @@ class Exchange:
     """The client's bytes when they equal ``body`` (nothing was removed): sent as they are on
     an unchanged leg, no re-serialization."""
     headers: CIMultiDict[str]
-    """Headers for every engine leg (request id included)."""
+    """Headers for every engine leg, ``x-request-id`` the request's engine id."""
     placement: Placement
     deadline: float | None
     """Loop time by which the whole request must be done (None: no limit)."""
@@ -70,7 +73,9 @@ class Exchange:
         return ROUTES[self.path]
 
     @property
-    def request_id(self) -> str:
+    def engine_id(self) -> str:
+        """The id the engines see (``sidecar.headers.engine_request_id``): unique per request,
+        beginning with the client's."""
         return self.headers[REQUEST_ID_HEADER]
 
 

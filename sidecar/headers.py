@@ -106,11 +106,11 @@ class GatewayHeaders:
             self._parsed[value] = parsed
         return parsed
 
-    def engine_leg(self, client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-        """Headers for a prefill or decode leg: the client's end-to-end ones, our request id,
-        JSON."""
+    def engine_leg(self, client: CIMultiDictProxy[str], engine_id: str) -> CIMultiDict[str]:
+        """Headers for a prefill or decode leg: the client's end-to-end ones, the request's
+        engine id (``engine_request_id``) as ``x-request-id``, JSON."""
         headers = _without(client, self._leg_dropped)
-        headers[REQUEST_ID_HEADER] = request_id
+        headers[REQUEST_ID_HEADER] = engine_id
         headers["content-type"] = "application/json"
         return headers
 
@@ -122,6 +122,18 @@ class GatewayHeaders:
 def client_response_headers(engine: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """Engine answer headers a client may see (the relay sets framing itself)."""
     return _without(engine, HOP_BY_HOP | {"content-length"})
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id the engines get for one generation request: the client's id, a dash and 16 random
+    hex digits (64 bits from ``os.urandom``).
+
+    Engines key a request's KV by its id (vLLM's NIXL push mode matches a decode's registration
+    to the prefill staged under the same id; vLLM before its internal random suffix refused a
+    second request under an id still running), so requests that share a client's
+    ``x-request-id`` must not share it on the engine legs. It begins with the client's id: a
+    search of the engines' logs for that id still finds it (docs/protocol.md)."""
+    return f"{request_id}-{os.urandom(8).hex()}"
 
 
 def request_id_from(client: CIMultiDictProxy[str]) -> str:

@@ -47,6 +47,7 @@ FALLBACK_REASONS = (
     "prefill_timeout",
     "prefill_error",
     "prefill_bad_response",
+    "prefill_too_large",
     "no_kv_params",
 )
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
@@ -134,6 +135,11 @@ class Metrics:
             "Releases of staged KV no decode leg took (client gone, decode failed or refused), "
             "by outcome: sent, failed (the engine refused or was unreachable), skipped.",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.kv_release_waits = Counter(
+            "pd_sidecar_kv_release_waits",
+            "KV releases that waited for a place to be sent (more than 256 under way).",
             registry=self.registry,
         )
         self.prefill_disconnects = Counter(

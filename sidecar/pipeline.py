@@ -27,7 +27,7 @@ from sidecar.errors import (
     error_response,
 )
 from sidecar.exchange import Exchange, Refused
-from sidecar.headers import GatewayHeaders, request_id_from
+from sidecar.headers import GatewayHeaders, engine_request_id, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
 from sidecar.scheduling.placement import Placement
@@ -64,7 +64,7 @@ class Pipeline:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         request_id = request_id_from(request.headers)
         name_this_task(request_id, "handler")
-        key, record = self._tracker.start(request_id, request.path)
+        key, record = self._tracker.start(request_id, request.path, engine_request_id(request_id))
         self._metrics.inflight.inc()
         trace = None
         if self._tracing is not None:
@@ -122,10 +122,11 @@ class Pipeline:
             _record_placement(record, placement)
             progress = _Progress(record, self._scheduler, placement)
             exchange = Exchange(
+                request_id=request_id,
                 path=request.path,
                 body=body,
                 raw=None if sanitized else raw,
-                headers=self._gateway.engine_leg(request.headers, request_id),
+                headers=self._gateway.engine_leg(request.headers, record.engine_id),
                 placement=placement,
                 deadline=deadline,
                 progress=progress,
@@ -335,7 +336,7 @@ def _log_summary(record: RequestRecord) -> None:
     durations = record.durations()
     logger.info(
         "%s %s decision=%s reason=%s prefill=%s rank=%s fallback=%s status=%s state=%s ttft=%s "
-        "total=%s",
+        "total=%s engine_id=%s",
         record.id,
         record.path,
         record.decision,
@@ -347,6 +348,7 @@ def _log_summary(record: RequestRecord) -> None:
         record.state,
         _ms(durations["ttft"]),
         _ms(durations["total"]),
+        record.engine_id,
         extra={"request_id": record.id},
     )
 

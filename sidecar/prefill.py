@@ -31,6 +31,7 @@ from sidecar.aftercare import Aftercare
 from sidecar.config import Settings
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
+    EngineAnswerTooLarge,
     EngineError,
     EngineTimeout,
     EngineUnreachable,
@@ -58,8 +59,8 @@ Outcome = Prefilled | Refused | Fallback
 BodyFor = Callable[[Endpoint], bytes]
 """The prefill leg's bytes for an endpoint (a protocol may name the endpoint in the body)."""
 Accept = Callable[[object, Endpoint], Prefilled | None]
-"""A 2xx prefill answer (parsed JSON, or its raw bytes when the call is not ``json``) →
-``Prefilled``, or None when it is unusable."""
+"""A 2xx prefill answer (parsed JSON; ``b""`` when the call is not ``json``: its body was read
+to its end and dropped) → ``Prefilled``, or None when it is unusable."""
 Orphaned = Callable[[Prefilled], None]
 """Gets the KV of a prefill whose client left."""
 
@@ -115,10 +116,12 @@ class PrefillCall:
     ) -> Outcome:
         """Prefill ``ex`` where it was placed, retrying and falling back as configured.
 
-        ``json``: the answer is parsed before ``accept`` sees it (else its raw bytes, which may
-        be a stream). ``abort_on_disconnect``: a cancelled call is aborted, even one whose answer
-        has started, whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill
-        waits for its decode, which is gone then, and stages nothing to release).
+        ``json``: the answer is read (at most ``SIDECAR_MAX_PREFILL_ANSWER_BYTES``; a longer one
+        is a failed prefill) and parsed before ``accept`` sees it; else a 2xx answer, which may
+        be a stream, is read to its end without keeping any of it, and ``accept`` gets ``b""``.
+        ``abort_on_disconnect``: a cancelled call is aborted, even one whose answer has started,
+        whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill waits for its
+        decode, which is gone then, and stages nothing to release).
         """
         spec = _CallSpec(accept, orphaned, json, abort_on_disconnect)
         tried: set[str] = set()
@@ -294,7 +297,17 @@ class PrefillCall:
             answering.set()
             if leg is not None:
                 leg.responded(upstream.status)
-            answer = await upstream.read()
+            answer = b""
+            if spec.json or not 200 <= upstream.status < 300:
+                answer = await upstream.read(self._settings.max_prefill_answer_bytes)
+            else:  # a protocol that needs nothing of a 2xx answer but its end
+                await upstream.drain()
+        except EngineAnswerTooLarge as exc:
+            # Not a transient fault: the answer of a vLLM prefill leg is one token and its KV
+            # parameters. KV such an engine staged cannot be released (its parameters were not
+            # read): it stays until the engine's expiry.
+            detail = f"{exc.message} (SIDECAR_MAX_PREFILL_ANSWER_BYTES)"
+            return _Failure("prefill_too_large", "bad_response", detail, transient=False)
         except EngineTimeout as exc:
             # A timeout after the status line: the engine finished (its KV is staged) and the
             # body stalled. Another endpoint would compute the prompt again; fall back instead.

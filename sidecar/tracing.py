@@ -290,6 +290,7 @@ class RequestTrace:
         attributes: dict[str, Any] = {}
         if self.span.is_recording():
             attributes = {
+                "pd_sidecar.engine_request_id": record.engine_id,
                 "pd_sidecar.decision": record.decision and str(record.decision),
                 "pd_sidecar.reason": record.reason,
                 "pd_sidecar.fallback_reason": record.fallback_reason,

@@ -63,7 +63,10 @@ class Phase(StrEnum):
 @dataclass(slots=True, eq=False)
 class RequestRecord:
     id: str
+    """The client's ``x-request-id`` (or the one the sidecar made), as its answer carries it."""
     path: str
+    engine_id: str
+    """The ``x-request-id`` its engine legs carried (``sidecar.headers.engine_request_id``)."""
     started_at: float = field(default_factory=time.time)
     decision: Decision | None = None
     reason: str | None = None
@@ -106,6 +109,7 @@ class RequestRecord:
     def as_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
+            "engine_id": self.engine_id,
             "path": self.path,
             "decision": self.decision,
             "reason": self.reason,
@@ -148,9 +152,9 @@ class Tracker:
     def history_size(self) -> int:
         return self._recent.maxlen or 0
 
-    def start(self, request_id: str, path: str) -> tuple[int, RequestRecord]:
+    def start(self, request_id: str, path: str, engine_id: str) -> tuple[int, RequestRecord]:
         key = next(self._keys)
-        record = RequestRecord(id=request_id, path=path)
+        record = RequestRecord(id=request_id, path=path, engine_id=engine_id)
         self._inflight[key] = record
         return key, record
 
@@ -171,8 +175,9 @@ class Tracker:
         return reversed(self._recent)
 
     def find(self, request_id: str) -> RequestRecord | None:
-        """The most recent record with this id, in flight or finished."""
+        """The most recent record with this id — the client's, or the engines' (a vLLM log line
+        names that one) — in flight or finished."""
         for record in itertools.chain(self.inflight(), self.recent()):
-            if record.id == request_id:
+            if request_id in (record.id, record.engine_id):
                 return record
         return None

@@ -19,6 +19,7 @@ from yarl import URL
 
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
+    EngineAnswerTooLarge,
     EngineBadResponse,
     EngineError,
     EngineNotConnected,
@@ -85,15 +86,46 @@ class EngineAnswer:
         """The whole body has been read (what ``first_chunk`` returned was all of it)."""
         return self._response.content.at_eof()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
         """The whole body of a (small, non-streamed) answer; the connection goes back to the
-        pool."""
+        pool. Over ``limit`` bytes (None: no limit) it raises ``EngineAnswerTooLarge`` as soon
+        as that is known — by ``Content-Length`` before a byte of the body, else once what
+        arrived passes it — having kept at most ``limit`` bytes, and drops the connection."""
         try:
-            return await self._response.read()
+            if limit is None:
+                return await self._response.read()
+            length = self._response.content_length
+            if length is not None and length > limit:
+                raise self._too_large(limit)
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in self._response.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise self._too_large(limit)
+                parts.append(chunk)
+            return b"".join(parts)
         except _TRANSPORT_ERRORS as exc:
             raise _translate(exc, f"{self.engine} broke its answer") from exc
         finally:
             self._response.release()
+
+    async def drain(self) -> int:
+        """Read the body to its end, keeping none of it (an answer whose content nobody needs,
+        but whose end does); returns its size. The connection goes back to the pool."""
+        size = 0
+        try:
+            async for chunk in self._response.content.iter_any():
+                size += len(chunk)
+        except _TRANSPORT_ERRORS as exc:
+            raise _translate(exc, f"{self.engine} broke its answer") from exc
+        finally:
+            self._response.release()
+        return size
+
+    def _too_large(self, limit: int) -> EngineAnswerTooLarge:
+        self._response.close()  # the rest is never read: the connection cannot be reused
+        return EngineAnswerTooLarge(f"{self.engine} answered more than {limit} bytes")
 
     async def first_chunk(self) -> bytes:
         """The first piece of the body as soon as it arrives; ``b""`` for an empty body."""

@@ -46,6 +46,17 @@ from tests.conftest import (
 from tests.otlp import Receiver, traced, traceparent
 
 SGLANG_FIELDS = (BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM)
+PREFILL_DROPPED = (
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    # only the decode leg's answer reports these (docs/protocol.md, "Prefill leg")
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "return_token_ids",
+)
 LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a while. " * 400
 """About 7,000 tokens: at the scheduler's prior speed, predicted past ``auto``'s finish window."""
 
@@ -53,8 +64,7 @@ LONG_PROMPT = "A passage long enough that a prefill of it is predicted to take a
 def _nixl_legs(
     client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
 ) -> None:
-    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
-    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected = {k: v for k, v in client.items() if k not in PREFILL_DROPPED}
     expected.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_REQUEST_PARAMS)
     if route == "chat_completions":
         expected["max_completion_tokens"] = 1
@@ -91,8 +101,7 @@ def _sglang_legs(
 def _storage_legs(
     client: dict[str, Any], route: str, prefill_leg: dict[str, Any], decode_leg: dict[str, Any]
 ) -> None:
-    dropped = ("stream_options", "min_tokens", "min_completion_tokens")
-    expected = {k: v for k, v in client.items() if k not in dropped}
+    expected = {k: v for k, v in client.items() if k not in PREFILL_DROPPED}
     expected.update(stream=False, max_tokens=1)
     if route == "chat_completions":
         expected["max_completion_tokens"] = 1
@@ -463,8 +472,10 @@ async def test_decode_refusal_releases_the_kv_at_once(
     # freed and reused the blocks) can never serve another request. NIXL pull: an id of its
     # own too; push: the prefill leg's id, the only one its engine hands the KV to.
     decode_leg, release = await engine_requests(rig.http, rig.decode)
-    assert decode_leg["headers"]["x-request-id"] == "refused"
-    own_id = "refused-release" if spec.release == "own_id" else "refused"
+    engine_id = (await rig.record())["engine_id"]  # the client's id and a suffix of its own
+    assert engine_id.startswith("refused-")
+    assert decode_leg["headers"]["x-request-id"] == engine_id
+    own_id = f"{engine_id}-release" if spec.release == "own_id" else engine_id
     assert release["headers"]["x-request-id"] == own_id
     assert release["path"] == decode_leg["path"]
     assert release["body"]["max_tokens"] == 1
@@ -687,3 +698,161 @@ async def _releases_are(rig: Rig, outcome: str, count: int) -> bool:
 async def _disconnects_are(rig: Rig, action: str, count: int) -> bool:
     sample = f'pd_sidecar_prefill_disconnects_total{{action="{action}"}}'
     return await metric(rig.http, rig.sidecar.url, sample) == count
+
+
+# --- request ids ------------------------------------------------------------------------------
+
+
+async def test_requests_sharing_a_client_id_have_ids_of_their_own_on_the_engines(
+    rig: Rig,
+) -> None:
+    """Engines key a request's KV by its id: concurrent requests that reuse one ``x-request-id``
+    each carry an engine id of their own (the client's and a random suffix) on their legs, and
+    all succeed; the answers and the records keep the client's id, the records the engine's."""
+    count = 24
+
+    async def one(index: int) -> tuple[int, str]:
+        body = completion(f"Request {index} of a batch that shares one id. " * 8, max_tokens=3)
+        async with rig.http.post(
+            rig.sidecar.url + "/v1/completions",
+            json=body,
+            headers={"x-prefiller-host-port": rig.prefill.endpoint, "x-request-id": "shared"},
+        ) as response:
+            await response.read()
+            return response.status, response.headers["x-request-id"]
+
+    answers = await asyncio.gather(*(one(index) for index in range(count)))
+    assert answers == [(200, "shared")] * count
+    prefill_ids = [
+        leg["headers"]["x-request-id"] for leg in await engine_requests(rig.http, rig.prefill)
+    ]
+    decode_ids = [
+        leg["headers"]["x-request-id"] for leg in await engine_requests(rig.http, rig.decode)
+    ]
+    assert len(set(prefill_ids)) == len(prefill_ids) == count
+    assert set(decode_ids) == set(prefill_ids)  # each request's legs share its engine id
+    assert all(engine_id.startswith("shared-") for engine_id in prefill_ids)
+    recent = (await get_json(rig.http, rig.sidecar.url + "/debug/requests"))["recent"]
+    assert [record["id"] for record in recent] == ["shared"] * count
+    assert {record["engine_id"] for record in recent} == set(prefill_ids)
+    # /debug/requests/<engine id> finds its record (a vLLM log line names the engine id)
+    found = await get_json(rig.http, f"{rig.sidecar.url}/debug/requests/{prefill_ids[0]}")
+    assert (found["id"], found["engine_id"]) == ("shared", prefill_ids[0])
+    await rig.settled()
+
+
+# --- fields only the decode leg's answer reports ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", completion(max_tokens=3, logprobs=2)),
+        ("/v1/completions", completion(max_tokens=3, echo=True, return_token_ids=True)),
+        ("/v1/chat/completions", chat(max_tokens=3, logprobs=True, top_logprobs=2)),
+        ("/v1/chat/completions", chat(max_tokens=3, echo=True, top_logprobs=None)),
+    ],
+    ids=["logprobs", "echo", "chat-top-logprobs", "chat-echo-without-logprobs"],
+)
+async def test_answer_fields_stay_off_the_prefill_leg(
+    rig: Rig, spec: Spec, path: str, body: dict[str, Any]
+) -> None:
+    """``echo``, ``logprobs``, ``top_logprobs``, ``return_token_ids``: the decode leg's answer
+    reports them; on a one-token prefill leg they only grow the answer (echo: the prompt again).
+    SGLang hands the prefill's first token with its logprobs to the decode: the same body."""
+    status, _ = await rig.post(body, path)
+    assert status == 200
+    [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+    [decode_leg] = await engine_requests(rig.http, rig.decode)
+    route = "chat_completions" if "messages" in body else "completions"
+    spec.check_legs(body, route, prefill_leg["body"], decode_leg["body"])
+    if spec.name != "sglang":
+        assert not {"echo", "logprobs", "top_logprobs", "return_token_ids"} & set(
+            prefill_leg["body"]
+        )
+    assert (await rig.record())["decision"] == "remote"
+    await rig.settled()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", completion(max_tokens=3, prompt_logprobs=1)),
+        ("/v1/completions", completion(max_tokens=3, echo=True, logprobs=0)),
+        ("/v1/chat/completions", chat(max_tokens=3, echo=True)),
+        ("/v1/chat/completions", chat(max_tokens=3, prompt_logprobs=0)),
+    ],
+    ids=["prompt-logprobs", "echo-with-logprobs", "chat-echo", "chat-prompt-logprobs"],
+)
+async def test_prompt_logprobs_are_served_where_the_prompt_is_computed(
+    rig: Rig, spec: Spec, path: str, body: dict[str, Any]
+) -> None:
+    """A decode engine that loads the prompt's KV computes only its last token, so it cannot
+    report the prompt's logprobs (vLLM: ``prompt_logprobs``, or ``echo`` with ``logprobs`` /
+    chat's ``top_logprobs``, 0 by default). NIXL and shared storage serve such a request on the
+    decode engine alone, the client's body unchanged; SGLang cannot (its decode server never
+    prefills): both legs get the client's fields."""
+    status, _ = await rig.post(body, path)
+    assert status == 200
+    record = await rig.record()
+    decode_legs = await engine_requests(rig.http, rig.decode)
+    if spec.name == "sglang":
+        assert record["decision"] == "remote"
+        [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+        route = "chat_completions" if "messages" in body else "completions"
+        spec.check_legs(body, route, prefill_leg["body"], decode_legs[0]["body"])
+    else:
+        assert (record["decision"], record["reason"]) == ("local", "prompt_logprobs")
+        assert await engine_requests(rig.http, rig.prefill) == []
+        assert [leg["body"] for leg in decode_legs] == [body]
+    await rig.settled()
+
+
+# --- the prefill's answer -----------------------------------------------------------------------
+
+PADDING = 64 * 1024 * 1024
+ANSWER_LIMIT = 4 * 1024 * 1024
+"""SIDECAR_MAX_PREFILL_ANSWER_BYTES's default."""
+
+
+async def _padding_sent(rig: Rig) -> int:
+    return int((await get_json(rig.http, rig.prefill.url + "/emulator/faults"))["padding_sent"])
+
+
+@pytest.mark.parametrize("fallback", ["local", "fail"])
+async def test_a_prefill_answer_too_long_is_dropped_unread(
+    rig_with: RigFactory, spec: Spec, fallback: str
+) -> None:
+    """A prefill target that answers 64 MiB (chunked: no Content-Length says so) is read up to
+    SIDECAR_MAX_PREFILL_ANSWER_BYTES and no further: a failed prefill, not a transient one, which
+    the fallback policy handles. SGLang needs nothing of its prefill's 2xx answer: read to its
+    end, never kept."""
+    if spec.name == "sglang" and fallback == "local":
+        pytest.skip("an SGLang decode server cannot prefill: refused at start (test_config)")
+    rig = await rig_with(prefill={"kv_expiry_s": 0.5}, prefill_fallback=fallback)
+    await rig.inject(rig.prefill, kind="bloat", size=PADDING, role="prefill")
+    status, raw = await rig.post(completion(max_tokens=3))
+    if spec.name == "sglang":
+        assert status == 200
+        await eventually(lambda: _padding_is(rig, PADDING), within=30)
+        await rig.settled()
+        return
+    record = await rig.record()
+    assert record["fallback_reason"] == "prefill_too_large"
+    # What the emulator could write: the limit, plus what the sockets' buffers took.
+    assert await _padding_sent(rig) < ANSWER_LIMIT + 16 * 1024 * 1024
+    if fallback == "local":
+        assert (status, record["decision"]) == (200, "local")
+    else:
+        error = orjson.loads(raw)["error"]
+        assert (status, error["type"]) == (503, "ServiceUnavailableError")
+        assert f"answered more than {ANSWER_LIMIT} bytes" in error["message"]
+        assert "SIDECAR_MAX_PREFILL_ANSWER_BYTES" in error["message"]
+    sample = 'pd_sidecar_fallbacks_total{reason="prefill_too_large"}'
+    assert await metric(rig.http, rig.sidecar.url, sample) == 1
+    # KV the target staged (its parameters unread) is left to its expiry: 0.5 s here.
+    await rig.settled()
+
+
+async def _padding_is(rig: Rig, size: int) -> bool:
+    return await _padding_sent(rig) == size

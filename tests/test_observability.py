@@ -23,6 +23,7 @@ from tests.conftest import (
 
 RECORD_KEYS = {
     "id",
+    "engine_id",
     "path",
     "decision",
     "reason",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import socket
 from typing import Any
 
@@ -138,10 +139,13 @@ async def test_same_request_id_on_both_legs_and_answer(http, sidecar, prefill, d
     assert response_headers["x-request-id"] == "req-42"
     [prefill_leg] = await engine_requests(http, prefill)
     [decode_leg] = await engine_requests(http, decode)
+    # Both legs carry the request's engine id: the client's and a suffix of its own.
+    record = await get_json(http, sidecar.url + "/debug/requests/req-42")
+    assert re.fullmatch(r"req-42-[0-9a-f]{16}", record["engine_id"])
     assert (
         prefill_leg["headers"]["x-request-id"]
         == decode_leg["headers"]["x-request-id"]
-        == ("req-42")
+        == record["engine_id"]
     )
 
 

@@ -143,7 +143,7 @@ async def test_a_continuation_goes_back_to_the_rank_holding_its_history(
             history += f" Follow-up question {turn} and its answer."
             record = await _send(http, sidecar, completion(history, max_tokens=2))
             assert (record["decode_rank"], record["decode_url"]) == (home, engines[home].url)
-            assert record["id"] in await _ids(http, engines[home])
+            assert record["engine_id"] in await _ids(http, engines[home])
     # New conversations are cached nowhere: they went where the load was lowest, ties at random.
     assert len(set(homes)) > 1, homes
     ranks = await _ranks(http, sidecar)
@@ -412,7 +412,8 @@ async def test_a_release_goes_to_the_rank_the_request_was_placed_on(
             await response.read()
         record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
         home, other = engines[record["decode_rank"]], engines[1 - record["decode_rank"]]
-        await eventually(functools.partial(_received, http, home, f"{request_id}-release"))
+        release_id = f"{record['engine_id']}-release"  # from the engine id (protocol.md)
+        await eventually(functools.partial(_received, http, home, release_id))
         assert not any(i.startswith(request_id) for i in await _ids(http, other))
         async with http.delete(other.url + "/emulator/faults") as response:
             assert response.status in (200, 204)
@@ -470,8 +471,8 @@ async def test_every_connector_sends_its_decode_leg_to_the_chosen_rank(
         home = record["decode_rank"]
         homes.add(home)
         assert await _ids(http, engines[home]) != []
-        assert request_id in await _ids(http, engines[home])
-        assert request_id not in await _ids(http, engines[1 - home])
+        assert record["engine_id"] in await _ids(http, engines[home])
+        assert record["engine_id"] not in await _ids(http, engines[1 - home])
     assert homes == {0, 1}
 
 
@@ -507,8 +508,8 @@ async def test_a_decode_leg_leaves_a_rank_that_turned_unready_during_its_prefill
     assert status == 200, body
     record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
     assert (record["state"], record["decode_rank"]) == ("completed", 1 - home)
-    assert not await _received(http, engines[home], request_id)
-    assert await _received(http, engines[1 - home], request_id)
+    assert not await _received(http, engines[home], record["engine_id"])
+    assert await _received(http, engines[1 - home], record["engine_id"])
     assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0]
     assert await staged_blocks(http, prefill) == 0
 

@@ -83,6 +83,7 @@ async def test_the_span_tree_of_a_request_joins_the_gateway_trace(
     assert (request.name, request.kind, request.error) == ("POST /v1/completions", SERVER, None)
     assert request.resource["service.name"] == "pd-sidecar"
     assert request.attributes["pd_sidecar.request_id"] == "traced-1"
+    assert request.attributes["pd_sidecar.engine_request_id"].startswith("traced-1-")
     assert request.attributes["http.request.method"] == "POST"
     assert request.attributes["url.path"] == "/v1/completions"
     assert request.attributes["http.response.status_code"] == 200

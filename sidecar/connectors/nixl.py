@@ -39,6 +39,8 @@ REMOTE_HOST = "remote_host"
 CACHE_SALT = "cache_salt"
 """vLLM's per-request prefix-cache salt (at most 128 characters, no '@', '/', '\\')."""
 RELEASE_ID_SUFFIX = "-release"
+PROMPT_LOGPROBS = "prompt_logprobs"
+"""The placement reason of a request served locally because it asks for prompt logprobs."""
 
 PREFILL_REQUEST_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -59,8 +61,38 @@ REQUIRED_DECODE_PARAMS = (
 )
 """vLLM's decode side ignores (recomputes) params missing any of these."""
 
-# Fields that would make the prefill engine stream, or decode more than the one token it must.
-_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+_PREFILL_DROPPED = (
+    # Would make the prefill engine stream, or decode more than the one token it must.
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+    # What only the decode leg's answer reports (docs/protocol.md, "Prefill leg"): on the prefill
+    # leg they change nothing of the KV and only grow its dropped answer — echo by the prompt,
+    # prompt_logprobs by top-k per prompt token, return_token_ids by the prompt's token ids. Chat
+    # refuses top_logprobs without logprobs: both go.
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "return_token_ids",
+)
+
+
+def needs_prompt_logprobs(body: dict[str, Any]) -> bool:
+    """Whether the answer reports the prompt's log-probabilities, which only an engine that
+    computes the prompt itself has: vLLM's decode engine loads pulled KV and computes only the
+    last prompt token (docs/protocol.md has the sources).
+
+    vLLM sets prompt_logprobs from ``prompt_logprobs``, else, with ``echo``, from ``logprobs``
+    (completions) or ``top_logprobs`` (chat, where it defaults to 0: echo alone asks for them).
+    """
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if not body.get("echo"):
+        return False
+    if "messages" in body:  # chat
+        return body.get("top_logprobs", 0) is not None
+    return body.get("logprobs") is not None
 
 
 def one_token_leg(body: dict[str, Any], route: str) -> dict[str, Any]:
@@ -125,8 +157,9 @@ class NixlConnector:
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
         data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
         headers = ex.headers.copy()
-        # Its own id: the decode leg it stands in for may still be known to the engine.
-        headers[REQUEST_ID_HEADER] = f"{ex.request_id}{RELEASE_ID_SUFFIX}"
+        # Its own id, from the engine id: the decode leg it stands in for may still be known to
+        # the engine.
+        headers[REQUEST_ID_HEADER] = f"{ex.engine_id}{RELEASE_ID_SUFFIX}"
         self._parts.aftercare.release(
             ex.request_id, self._parts.decode.release_urls(ex), headers, data, ex.trace
         )
@@ -139,6 +172,8 @@ class NixlConnector:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
             return "batched_prompt"
+        if needs_prompt_logprobs(body):
+            return PROMPT_LOGPROBS
         return None
 
     def sanitize(self, body: dict[str, Any]) -> bool:

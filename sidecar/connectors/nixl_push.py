@@ -24,8 +24,8 @@ class NixlPushConnector(NixlConnector):
 
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
         data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
-        # The prefill leg's id (ex.headers carry it), on its path: the prefill engine hands its
-        # KV only to a registration under the same id.
+        # The prefill leg's engine id (ex.headers carry it), on its path: the prefill engine
+        # hands its KV only to a registration under the same id.
         self._parts.aftercare.release(
             ex.request_id, self._parts.decode.release_urls(ex), ex.headers, data, ex.trace
         )

@@ -15,7 +15,12 @@ from typing import Any
 
 import orjson
 
-from sidecar.connectors.nixl import KV_TRANSFER_PARAMS, one_token_leg
+from sidecar.connectors.nixl import (
+    KV_TRANSFER_PARAMS,
+    PROMPT_LOGPROBS,
+    needs_prompt_logprobs,
+    one_token_leg,
+)
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
 from sidecar.endpoints import Endpoint
@@ -46,7 +51,11 @@ class SharedStorageConnector:
         return await self._parts.decode.send(ex, data, patch)
 
     def unsupported(self, body: dict[str, Any]) -> str | None:
-        return None  # the store is keyed by prompt: every prompt of a batch is found
+        # The store is keyed by prompt: every prompt of a batch is found. But a decode engine
+        # that loads the prompt from the store does not compute its logprobs (vLLM's
+        # ExampleConnector loads whatever prefix it holds, prompt_logprobs or not): such a
+        # request is not prefilled first.
+        return PROMPT_LOGPROBS if needs_prompt_logprobs(body) else None
 
     def sanitize(self, body: dict[str, Any]) -> bool:
         # Meaningless to these engines, and a NIXL engine would act on them.

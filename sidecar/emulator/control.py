@@ -69,7 +69,9 @@ async def delete_requests(request: web.Request) -> web.Response:
 
 async def get_faults(request: web.Request) -> web.Response:
     board = request.app[FAULTS]
-    return web.json_response({"faults": board.pending(), "held": board.held})
+    return web.json_response(
+        {"faults": board.pending(), "held": board.held, "padding_sent": board.padding_sent}
+    )
 
 
 async def post_fault(request: web.Request) -> web.Response:

@@ -25,6 +25,7 @@ class FaultKind(StrEnum):
     RESET = "reset"
     DISCONNECT = "disconnect"
     STALL = "stall"
+    BLOAT = "bloat"
     HEALTH_DOWN = "health_down"
 
 
@@ -39,7 +40,8 @@ class FaultRole(StrEnum):
 class FaultSpec:
     """One fault as requested by a test or the CLI.
 
-    ``status`` is used by ``status`` faults only, ``after_chunks`` by ``disconnect`` and ``stall``.
+    ``status`` is used by ``status`` faults only, ``after_chunks`` by ``disconnect`` and ``stall``,
+    ``size`` by ``bloat``.
     """
 
     kind: FaultKind
@@ -47,6 +49,8 @@ class FaultSpec:
     role: FaultRole = FaultRole.ANY
     status: int = 500
     after_chunks: int = 1
+    size: int = 64 * 1024 * 1024
+    """``bloat``: bytes of padding put before the answer's own fields."""
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -55,6 +59,8 @@ class FaultSpec:
             raise ValueError("fault status must be an HTTP error status (400-599)")
         if self.after_chunks < 0:
             raise ValueError("fault after_chunks must be >= 0")
+        if self.size < 0:
+            raise ValueError("fault size must be >= 0")
 
     def matches(self, *, is_prefill: bool, is_decode: bool) -> bool:
         if self.role is FaultRole.ANY:
@@ -73,11 +79,11 @@ class FaultSpec:
         """Build from the body of ``POST /emulator/faults``; raises ValueError when invalid."""
         if not isinstance(obj, Mapping):
             raise ValueError("fault body must be a JSON object")
-        unknown = set(obj) - {"kind", "count", "role", "status", "after_chunks"}
+        unknown = set(obj) - {"kind", "count", "role", "status", "after_chunks", "size"}
         if unknown:
             raise ValueError(f"unknown fault fields: {sorted(unknown)}")
         ints: dict[str, int] = {}
-        for name in ("count", "status", "after_chunks"):
+        for name in ("count", "status", "after_chunks", "size"):
             value = obj.get(name)
             if value is None:
                 continue
@@ -96,9 +102,10 @@ class FaultSpec:
     def parse_cli(cls, text: str) -> FaultSpec:
         """Parse ``KIND[:ARG[:COUNT]][@ROLE]``.
 
-        ARG is the status for ``status`` and ``after_chunks`` for ``disconnect``/``stall``; the
-        other kinds take only ``KIND[:COUNT]``. Examples: ``status:503:2``, ``hang``,
-        ``disconnect:3@decode``, ``health_down``.
+        ARG is the status for ``status``, ``after_chunks`` for ``disconnect``/``stall`` and the
+        padding's size in bytes for ``bloat``; the other kinds take only ``KIND[:COUNT]``.
+        Examples: ``status:503:2``, ``hang``, ``disconnect:3@decode``, ``bloat:1000000@prefill``,
+        ``health_down``.
         """
         spec, _, role = text.partition("@")
         kind, *args = spec.split(":")
@@ -114,6 +121,8 @@ class FaultSpec:
             names: tuple[str, ...] = ("status", "count")
         elif fault_kind in (FaultKind.DISCONNECT, FaultKind.STALL):
             names = ("after_chunks", "count")
+        elif fault_kind is FaultKind.BLOAT:
+            names = ("size", "count")
         else:
             names = ("count",)
         if len(numbers) > len(names):
@@ -138,6 +147,9 @@ class FaultBoard:
         self._health_down = False
         self._released = asyncio.Event()
         self._held = 0
+        self.padding_sent = 0
+        """Bytes of ``bloat`` padding written to clients so far (what a client that stops
+        reading a bloated answer let through)."""
         for spec in initial:
             self.add(spec)
 

@@ -105,6 +105,8 @@ async def _respond(
     output = OutputText(req.prompt.text)
     texts = [output.text(k, req.output_tokens) for k in range(req.n)]
     body = orjson.dumps(envelope.full_body(texts, engine.usage(req, cached), kv_transfer_params))
+    if fault is not None and fault.kind is FaultKind.BLOAT:
+        return await _bloated(request, body, fault.size, faults)
     if fault is not None and fault.kind is FaultKind.STALL:
         if fault.after_chunks == 0:
             await faults.wait_released()  # finished, staged, not a byte sent yet
@@ -122,6 +124,34 @@ async def _respond(
         drop_connection(request)
         return response
     return web.Response(body=body, content_type="application/json")
+
+
+BLOAT_PIECE = 64 * 1024
+
+
+async def _bloated(
+    request: web.Request, body: bytes, size: int, faults: FaultBoard
+) -> web.StreamResponse:
+    """The answer with a ``padding`` field of ``size`` bytes before its own fields, chunked (no
+    ``Content-Length``), written piece by piece as the client reads it; every piece written is
+    counted in ``faults.padding_sent``. A client that stops reading stops it."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    response.enable_chunked_encoding()
+    piece = b"x" * BLOAT_PIECE
+    try:
+        await response.prepare(request)
+        await response.write(b'{"padding": "')
+        left = size
+        while left > 0:
+            chunk = piece[: min(left, BLOAT_PIECE)]
+            await response.write(chunk)
+            faults.padding_sent += len(chunk)
+            left -= len(chunk)
+        await response.write(b'", ' + body[1:])
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away
+    return response
 
 
 async def _stall_after_status(

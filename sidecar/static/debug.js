@@ -295,6 +295,7 @@
     definitions($("detail-summary"), [
       ["decision", [decisionOf(record), record.reason, record.fallback_reason].filter(Boolean).join(" · ")],
       ["state", [record.state, record.status].filter((v) => v !== null).join(" · ")],
+      ["engine id", record.engine_id],
       ["prefill", record.prefill_endpoint && `${record.prefill_endpoint} · ${record.prefill_attempts} attempt(s)`],
       ["predicted", record.prefill_predicted_ms !== null ? duration(record.prefill_predicted_ms / 1000) : null],
       ["observed", record.prefill_observed_ms !== null ? duration(record.prefill_observed_ms / 1000) : null],

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.emulator import FaultKind, FaultSpec, RunningEmulator
+from sidecar.emulator import FaultKind, FaultRole, FaultSpec, RunningEmulator
 
 from .conftest import MakeEmulator
 from .helpers import eventually, get_json, metric_value, metrics_text, post_json
@@ -221,3 +221,20 @@ async def test_faults_from_config(
     emu = await make_emulator(faults=(FaultSpec.parse_cli("status:503:1"),))
     assert await completion(session, emu) == 503
     assert await completion(session, emu) == 200
+
+
+async def test_bloat_fault_pads_the_answer_and_counts_what_it_wrote(
+    emulator: RunningEmulator, session: aiohttp.ClientSession
+) -> None:
+    await arm(session, emulator, kind="bloat", size=200_000)
+    async with session.post(f"{emulator.url}/v1/completions", json=BODY) as resp:
+        assert resp.status == 200
+        assert resp.content_length is None  # chunked: nothing says how long it is
+        answer = await resp.json()
+    assert answer["padding"] == "x" * 200_000
+    assert answer["choices"][0]["text"]  # the answer's own fields follow
+    state = await get_json(session, f"{emulator.url}/emulator/faults")
+    assert state["padding_sent"] == 200_000
+    assert FaultSpec.parse_cli("bloat:1000@prefill") == FaultSpec(
+        FaultKind.BLOAT, size=1000, role=FaultRole.PREFILL
+    )
