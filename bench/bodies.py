@@ -33,12 +33,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import http.client
+import multiprocessing
 import os
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,8 +148,8 @@ def with_max_tokens(data: bytes, tokens: int) -> bytes:
 class Probes:
     """Two threads: the sidecar's RSS every ``sample_s``, and ``GET /health`` timed back to back.
 
-    Threads rather than tasks: this process's own event loop is busy sending 31 MB bodies, and
-    a probe must not wait for it. Sockets and ``/proc`` reads release the interpreter lock.
+    Run in a process of their own (``probing``): this process's event loop is busy sending
+    31 MB bodies, and a probe must wait neither for it nor for its interpreter lock.
     """
 
     pid: int
@@ -195,6 +198,37 @@ class Probes:
                 self._stop.wait(self.probe_s)
         finally:
             connection.close()
+
+
+def _probe_child(target: tuple[int, str, int, float, float], stop: Any, results: Any) -> None:
+    """In the probing process: probe until ``stop`` is set, then send what was seen."""
+    probes = Probes(*target)
+    probes.start()
+    results.send("started")
+    stop.wait()
+    probes.stop()
+    results.send((probes.rss_max, probes.health_s, dict(probes.health_failures)))
+
+
+@contextlib.contextmanager
+def probing(probes: Probes) -> Iterator[Probes]:
+    """``probes`` run in a child process for the ``with`` block; their readings are in
+    ``probes`` when it ends."""
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    receive, send = context.Pipe(duplex=False)
+    target = (probes.pid, probes.host, probes.port, probes.sample_s, probes.probe_s)
+    child = context.Process(target=_probe_child, args=(target, stop, send), daemon=True)
+    child.start()
+    try:
+        receive.recv()  # probing already
+        yield probes
+    finally:
+        stop.set()
+        rss_max, health_s, failures = receive.recv()
+        child.join()
+    probes.rss_max, probes.health_s = rss_max, health_s
+    probes.health_failures.update(failures)
 
 
 # --- one shape -----------------------------------------------------------------------------
@@ -304,8 +338,7 @@ async def run_shape(args: argparse.Namespace, shape: str) -> ShapeResult:
         statuses: Counter[str] = Counter()
         examples: dict[str, str] = {}
         started = time.monotonic()
-        probes.start()
-        try:
+        with probing(probes):
             for _ in range(args.rounds):
                 outcomes = await asyncio.gather(
                     *(send(http, url, data, prefill, args.timeout_s) for _ in range(args.in_flight))
@@ -313,8 +346,6 @@ async def run_shape(args: argparse.Namespace, shape: str) -> ShapeResult:
                 for status, detail in outcomes:
                     statuses[status] += 1
                     examples.setdefault(status, detail)
-        finally:
-            probes.stop()
         elapsed = time.monotonic() - started
         after = read_proc(cluster.sidecar.pid)
     return ShapeResult(
