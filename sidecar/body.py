@@ -17,17 +17,23 @@ body of a few base64 images is 31 MB of strings, but each re-serialization of it
   large one is, with a turn of the event loop between the parse and the encoding that follows,
   and its big members (``messages``, tools, images...) are kept as their JSON text
   (``orjson.Fragment``): every leg is then written by copying bytes, and the parsed objects are
-  freed before the next large body is parsed.
+  freed before the next large body is parsed. Its strings of ``LONG_STRING_BYTES`` or more
+  (base64 images) are not parsed at all (``set_aside``): their bytes are replaced by placeholders
+  before the parse and put back, as the client sent them, in the members' JSON text.
 
-A member kept as a fragment is the exact output of ``orjson.dumps`` of a parsed value: one
-complete JSON value, so it cannot add a top-level field. The top level stays a dict, every
-field once (the last of duplicates, as orjson and the engines read them), and the connectors
-remove the fields a client must not set from that dict.
+A member kept as a fragment is the output of ``orjson.dumps`` of a parsed value, with string
+tokens spliced back where their placeholders were: one complete JSON value either way (a string
+token runs from a quote to the next unescaped one, and holds none), so it cannot add a top-level
+field. The top level stays a dict, every field once (the last of duplicates, as orjson and the
+engines read them), and the connectors remove the fields a client must not set from that dict.
+The contents of a string set aside (UTF-8, escapes, control characters) are checked by the
+engine, not here: a conforming parser ends the string where ``set_aside`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -44,6 +50,12 @@ ENCODED_MEMBER_CHARS = 1 << 16
 """A top-level string this long (e.g. ``prompt_embeds``) is kept as JSON text too."""
 READ_BY_VALUE = frozenset({"prompt"})
 """Members the connectors and the scheduler read as values: never kept as JSON text."""
+LONG_STRING_BYTES = 1 << 16
+"""A string this long (quotes included) in a large body is set aside, not parsed."""
+MAX_QUOTES_SCANNED = 8192
+"""A large body with more quotes than this is parsed whole: looking for its long strings would
+cost a step of Python per string."""
+_BACKSLASH = 0x5C
 
 
 class BodyBudget:
@@ -187,10 +199,15 @@ class Bodies:
         if len(raw) < LARGE_BODY_BYTES:
             return Parsed(parse_object(raw), bytes(raw), None)
         async with self._parsing:
-            body = parse_object(raw)
-            del raw  # the objects now hold it all
+            found, aside = set_aside(raw), None
+            if found is None:
+                body = parse_object(raw)
+            else:
+                reduced, aside = found
+                body = _parse_reduced(reduced, raw)
+            del raw  # the objects, and the strings set aside, now hold what is needed
             await asyncio.sleep(0)  # a turn for the loop between the parse and the encoding
-            return Parsed(body, None, _encode_members(body))
+            return Parsed(body, None, _encode_members(body, aside))
 
     async def _read(self, request: web.Request, held: Held) -> bytes | bytearray:
         limit = self.max_bytes
@@ -286,18 +303,128 @@ _TYPE_NAMES = {
 }
 
 
-def _encode_members(body: dict[str, Any]) -> bytes | None:
-    """Replace, in place, the big members of ``body`` by their JSON text; returns that of
-    ``messages``. Raises ``orjson.JSONEncodeError`` for a member too deep to write again."""
+def _encode_members(body: dict[str, Any], aside: SetAside | None) -> bytes | None:
+    """Replace, in place, the big members of ``body`` by their JSON text (the strings set
+    aside put back); returns that of ``messages``. Raises ``orjson.JSONEncodeError`` for a member
+    too deep to write again."""
+    if aside is not None:
+        aside.restore_names_and_values(body)
     messages = None
     for name, value in body.items():
         if name in READ_BY_VALUE:
             continue
         if isinstance(value, list | dict) or (
-            isinstance(value, str) and len(value) >= ENCODED_MEMBER_CHARS
+            isinstance(value, str)
+            and (len(value) >= ENCODED_MEMBER_CHARS or (aside is not None and aside.holds(value)))
         ):
             text = orjson.dumps(value)
+            if aside is not None:
+                text = aside.splice(text)
             body[name] = orjson.Fragment(text)
             if name == "messages":
                 messages = text
     return messages
+
+
+class SetAside:
+    """The long strings of a body, taken out before it is parsed (``set_aside``): each one's
+    bytes, quotes included, under its placeholder (a string with a random part no client can
+    know)."""
+
+    __slots__ = ("_head", "_prefix", "_strings")
+
+    def __init__(self, prefix: bytes, strings: dict[bytes, memoryview]) -> None:
+        self._prefix = prefix
+        self._head = prefix[1:].decode()
+        self._strings = strings
+
+    def holds(self, value: str) -> bool:
+        return value.startswith(self._head)
+
+    def splice(self, text: bytes) -> bytes:
+        """``text``, JSON written from the parsed body, with the strings put back."""
+        pieces: list[bytes | memoryview] = []
+        last = 0
+        while (start := text.find(self._prefix, last)) >= 0:
+            end = text.index(b'"', start + 1) + 1
+            pieces += (text[last:start], self._strings[text[start:end]])
+            last = end
+        if not pieces:
+            return text
+        pieces.append(text[last:])
+        return b"".join(pieces)
+
+    def restore_names_and_values(self, body: dict[str, Any]) -> None:
+        """Parse back what is read as a value: top-level field names, and ``READ_BY_VALUE``."""
+        for name in [name for name in body if self.holds(name)]:
+            body[self._parsed(name)] = body.pop(name)
+        for name in READ_BY_VALUE:
+            if name in body:
+                body[name] = self._value(body[name])
+
+    def _value(self, node: Any) -> Any:
+        if isinstance(node, str):
+            return self._parsed(node) if self.holds(node) else node
+        if isinstance(node, list):
+            return [self._value(item) for item in node]
+        if isinstance(node, dict):
+            return {self._value(key): self._value(item) for key, item in node.items()}
+        return node
+
+    def _parsed(self, placeholder: str) -> Any:
+        try:
+            return orjson.loads(self._strings[b'"%s"' % placeholder.encode()])
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def set_aside(raw: bytes | bytearray) -> tuple[bytes, SetAside] | None:
+    """``raw`` with its strings of ``LONG_STRING_BYTES`` or more replaced by placeholders, and
+    those strings; None when there is none, when ``raw`` has more than ``MAX_QUOTES_SCANNED``
+    quotes, or a string that does not end.
+
+    A step of Python per quote, ``bytes.find`` between them: a quote preceded by an odd run of
+    backslashes is escaped. Outside strings, a valid document has quotes only where strings start.
+    """
+    if raw.count(b'"') > MAX_QUOTES_SCANNED:
+        return None
+    spans: list[tuple[int, int]] = []
+    position = 0
+    while (start := raw.find(b'"', position)) >= 0:
+        end = start
+        while True:
+            end = raw.find(b'"', end + 1)
+            if end < 0:
+                return None  # does not end: the parse says where
+            run = 0
+            while raw[end - 1 - run] == _BACKSLASH:
+                run += 1
+            if run % 2 == 0:
+                break
+        position = end + 1
+        if position - start >= LONG_STRING_BYTES:
+            spans.append((start, position))
+    if not spans:
+        return None
+    prefix = b'"pd-sidecar-' + secrets.token_hex(16).encode() + b"-"
+    view = memoryview(raw)
+    pieces: list[bytes | memoryview] = []
+    strings: dict[bytes, memoryview] = {}
+    last = 0
+    for index, (start, end) in enumerate(spans):
+        placeholder = prefix + b'%d"' % index
+        pieces += (view[last:start], placeholder)
+        strings[placeholder] = view[start:end]
+        last = end
+    pieces.append(view[last:])
+    return b"".join(pieces), SetAside(prefix, strings)
+
+
+def _parse_reduced(reduced: bytes, raw: bytes | bytearray) -> dict[str, Any]:
+    """``parse_object`` of a body whose long strings were set aside; when it fails, the whole
+    body's error (its message names offsets in the client's bytes)."""
+    try:
+        return parse_object(reduced)
+    except BadRequest:
+        parse_object(raw)
+        raise

@@ -16,8 +16,9 @@ import aiohttp
 import orjson
 import pytest
 
+from sidecar import body as bodies
 from sidecar.app import RunningSidecar
-from sidecar.body import LARGE_BODY_BYTES, ElementCount
+from sidecar.body import LARGE_BODY_BYTES, ElementCount, set_aside
 from sidecar.emulator import RunningEmulator
 from tests.conftest import (
     StartEmulator,
@@ -271,7 +272,12 @@ async def test_a_large_body_reaches_the_engines_whole_and_without_client_kv_fiel
     prefill = await start_engine(max_model_len=10_000_000)
     decode = await start_engine(max_model_len=10_000_000)
     sidecar = await start_sidecar_with(decode_url=decode.url)
-    messages = [{"role": "user", "content": f'm{i} é \\ " ,[{{'} for i in range(40_000)]
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f'm{i} é \\ " ,[{{'} for i in range(40_000)
+    ]
+    image = "data:image/png;base64," + "QUJD/+" * 40_000  # a long string: set aside, not parsed
+    part = {"type": "image_url", "image_url": {"url": image}}
+    messages.append({"role": "user", "content": [part]})
     tools = [
         {"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(3)
     ]
@@ -339,3 +345,63 @@ def test_values_are_counted_alike_however_the_body_is_cut() -> None:
             for start in range(0, len(raw), size):
                 count.feed(raw[start : start + size])
             assert count.total == expected, (raw, size)
+
+
+async def test_a_large_completion_keeps_its_long_prompt_as_a_value(
+    http: aiohttp.ClientSession,
+    start_engine: StartEmulator,
+    start_sidecar_with: StartSidecar,
+) -> None:
+    prefill = await start_engine(max_model_len=10_000_000)
+    decode = await start_engine(max_model_len=10_000_000)
+    sidecar = await start_sidecar_with(decode_url=decode.url)
+    prompt = 'The KV cache moves "from" prefill to decode. ' * 30_000
+    client = completion(prompt, max_tokens=2, stop=["x" * 70_000])
+    raw = orjson.dumps(client)
+    assert len(raw) > LARGE_BODY_BYTES
+    async with http.post(
+        sidecar.url + "/v1/completions",
+        data=io.BytesIO(raw),
+        headers={"x-prefiller-host-port": prefill.endpoint},
+    ) as response:
+        assert response.status == 200
+    [prefill_leg] = await engine_requests(http, prefill)
+    [decode_leg] = await engine_requests(http, decode)
+    assert prefill_leg["body"]["prompt"] == prompt
+    decode_leg["body"].pop("kv_transfer_params")
+    assert decode_leg["body"] == client
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert record["decision"] == "remote"
+
+
+def test_long_strings_set_aside_come_back_as_the_client_wrote_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bodies, "LONG_STRING_BYTES", 64)
+    rng = random.Random(4)
+
+    def text(size: int) -> str:
+        return "".join(rng.choice('ab"\\/é\n{}[],:x') for _ in range(size))
+
+    def node(depth: int = 0) -> Any:
+        kind = rng.choice(["short", "long", "list", "dict"] if depth < 3 else ["short", "long"])
+        if kind == "short":
+            return text(rng.randrange(5))
+        if kind == "long":
+            return text(rng.randrange(60, 200))
+        if kind == "list":
+            return [node(depth + 1) for _ in range(rng.randrange(4))]
+        return {(text(70) if rng.random() < 0.1 else f"k{i}"): node(depth + 1) for i in range(3)}
+
+    for _ in range(500):
+        prompt = rng.choice([text(rng.randrange(200)), [text(100), text(3)]])
+        document = {"prompt": prompt, "messages": [node(1)], text(80): node(1), "n": 1}
+        raw = orjson.dumps(document)
+        found = set_aside(raw)
+        assert found is not None
+        reduced, aside = found
+        assert len(reduced) < len(raw)
+        body = bodies.parse_object(reduced)
+        bodies._encode_members(body, aside)
+        assert body["prompt"] == document["prompt"]  # read by value: parsed back
+        assert orjson.loads(orjson.dumps(body)) == document
