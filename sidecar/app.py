@@ -14,6 +14,7 @@ import orjson
 from aiohttp import web
 
 from sidecar.aftercare import Aftercare
+from sidecar.body import Bodies
 from sidecar.config import Settings
 from sidecar.connectors import Parts, make_connector
 from sidecar.debug import DebugViews
@@ -144,8 +145,16 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         aftercare=aftercare,
     )
     gateway = GatewayHeaders(settings.prefill_headers)
+    bodies = Bodies(
+        max_bytes=settings.max_body_bytes,
+        max_elements=settings.max_body_elements,
+        budget_bytes=settings.body_budget_bytes,
+        timeout_s=settings.client_body_timeout_s,
+        metrics=metrics,
+    )
     pipeline = Pipeline(
         settings,
+        bodies=bodies,
         connector=make_connector(settings, parts),
         scheduler=scheduler,
         guard=guard,
@@ -162,6 +171,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         ranks=scheduler.ranks,
         gateway=gateway,
         metrics=metrics,
+        bodies=bodies,
         tracing=tracing,
     )
     debug = DebugViews(tracker, DebugPage())

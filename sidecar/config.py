@@ -333,6 +333,19 @@ class Settings(BaseSettings):
         "(fallback reason prefill_too_large), dropped unread. A one-token answer with its KV "
         "parameters stays far below it: ~0.5 MB per KV-cache group at 1M prompt tokens.",
     )
+    max_body_elements: int = Field(
+        1_000_000,
+        gt=0,
+        description="Most JSON values (array items and object members, at any depth) a "
+        "request body may hold; over it: 413, before the body is parsed.",
+    )
+    body_budget_bytes: int = Field(
+        134_217_728,
+        gt=0,
+        description="Bytes of generation request bodies held at once, across requests, from "
+        "their first byte until the decode engine answered; a body that does not fit: 503. "
+        "At least SIDECAR_MAX_BODY_BYTES.",
+    )
     debug_history: int = Field(
         1000, ge=1, description="Completed requests kept for /debug/requests."
     )
@@ -587,6 +600,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SIDECAR_DECODE_URL and SIDECAR_DECODE_URLS are both set: set "
                 "SIDECAR_DECODE_URLS alone for several ranks, SIDECAR_DECODE_URL alone for one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> Settings:
+        if self.body_budget_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"SIDECAR_BODY_BUDGET_BYTES ({self.body_budget_bytes}) is below "
+                f"SIDECAR_MAX_BODY_BYTES ({self.max_body_bytes}): a body of the largest size "
+                "accepted would never fit"
             )
         return self
 

@@ -8,7 +8,8 @@
     │   ├── Forbidden                 403 PermissionDeniedError (prefill target not allowed)
     │   ├── NotFound                  404 NotFoundError
     │   ├── RequestTimeout            408 RequestTimeoutError (client too slow to send)
-    │   └── PayloadTooLarge           413 RequestEntityTooLargeError
+    │   └── PayloadTooLarge           413 RequestEntityTooLargeError (body too big, too many values)
+    ├── Busy                          503 ServiceUnavailableError (bodies in flight over budget)
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
@@ -69,6 +70,14 @@ class NotFound(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     type_name = "RequestEntityTooLargeError"
+
+
+class Busy(SidecarError):
+    """The sidecar itself is at a limit (the bytes of request bodies in flight): nothing was
+    sent to an engine, and another sidecar may take the request."""
+
+    status = 503
+    type_name = "ServiceUnavailableError"
 
 
 class EngineError(SidecarError):

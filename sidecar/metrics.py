@@ -57,6 +57,7 @@ STATE_SKIPPED_KINDS = ("load", "speed", "ejection", "over_limit")
 TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
 INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
+BODY_REFUSAL_REASONS = ("size", "elements", "budget")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -185,6 +186,18 @@ class Metrics:
             ["rank"],
             registry=self.registry,
         )
+        self.body_bytes = Gauge(
+            "pd_sidecar_request_body_bytes",
+            "Bytes of generation request bodies held now (SIDECAR_BODY_BUDGET_BYTES bounds it).",
+            registry=self.registry,
+        )
+        self.bodies_refused = Counter(
+            "pd_sidecar_request_bodies_refused",
+            "Generation request bodies refused, by reason: size (413, SIDECAR_MAX_BODY_BYTES), "
+            "elements (413, SIDECAR_MAX_BODY_ELEMENTS), budget (503, SIDECAR_BODY_BUDGET_BYTES).",
+            ["reason"],
+            registry=self.registry,
+        )
 
         self.asyncio_tasks = Gauge(
             "pd_sidecar_asyncio_tasks",
@@ -283,6 +296,7 @@ class Metrics:
             (self.state_backend_errors, STATE_ERROR_KINDS),
             (self.state_entries_skipped, STATE_SKIPPED_KINDS),
             (self.inference_pool_errors, INFERENCE_POOL_ERROR_KINDS),
+            (self.bodies_refused, BODY_REFUSAL_REASONS),
         ):
             for value in values:
                 family.labels(value)

@@ -4,11 +4,11 @@ With data-parallel ranks, to the ready rank with the least load (no prompt to ma
 cannot be connected to passes it on to another, like a generation request's decode leg.
 
 The engines' other generation routes (``sidecar.paths.GUARDED_ROUTES``: ``/v1/responses``,
-``/generate``, ...) read the same KV fields the pipeline owns. Their bodies are read whole
-(under the pipeline's size and time limits) and refused with 400 when they carry a client's
-``kv_transfer_params`` or SGLang bootstrap field; otherwise the bytes go on unchanged. Refusing
-rather than stripping keeps passthrough's one rule — what reaches the engine is what the client
-sent — and needs no re-serialization.
+``/generate``, ...) read the same KV fields the pipeline owns. Their bodies are read whole (under
+the pipeline's size, time and budget limits, ``sidecar.body``) and refused with 400 when they
+carry a client's ``kv_transfer_params`` or SGLang bootstrap field; otherwise the bytes go on
+unchanged. Refusing rather than stripping keeps passthrough's one rule — what reaches the engine
+is what the client sent — and needs no re-serialization.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
+from sidecar.body import Bodies, Held
 from sidecar.config import Settings
 from sidecar.connectors.sglang import CLIENT_FIELDS
 from sidecar.decode import on_a_rank
@@ -26,7 +27,6 @@ from sidecar.exchange import Answer
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.metrics import Metrics
 from sidecar.paths import GUARDED_ROUTES
-from sidecar.pipeline import read_limited
 from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.tracing import Tracing
@@ -43,12 +43,12 @@ class Passthrough:
         ranks: DecodeRanks,
         gateway: GatewayHeaders,
         metrics: Metrics,
+        bodies: Bodies,
         tracing: Tracing | None = None,
     ) -> None:
         self._ranks = ranks
+        self._bodies = bodies
         self._tracing = tracing
-        self._max_body_bytes = settings.max_body_bytes
-        self._body_timeout_s = settings.client_body_timeout_s
         self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
         self._idle_timeout_s = settings.stream_idle_timeout_s
         self._engines = engines
@@ -70,10 +70,11 @@ class Passthrough:
             trace = self._tracing.request(request.headers, request.method, request.path, request_id)
             headers = trace.headers(headers)
         claim = None
+        held = self._bodies.budget.hold()  # a guarded route's body, until the engine answers
         try:
             data: Body = request.content.iter_any() if request.body_exists else None
             if request.path in GUARDED_ROUTES and request.body_exists:
-                data = await self._checked_body(request)
+                data = await self._checked_body(request, held)
             claim = self._ranks.claim_any()
             upstream, first = await on_a_rank(
                 self._ranks,
@@ -87,6 +88,8 @@ class Passthrough:
                 by=asyncio.get_running_loop().time() + self._first_byte_timeout_s,
                 limit=f"{self._first_byte_timeout_s:g}s (SIDECAR_DECODE_FIRST_BYTE_TIMEOUT_S)",
             )
+            held.release()
+            data = None
             try:
                 relayed = await relay(
                     request,
@@ -109,6 +112,7 @@ class Passthrough:
             cancelled = True
             raise
         finally:
+            held.release()
             if claim is not None:
                 claim.end()
             self._metrics.observe_passthrough(status, cancelled)
@@ -120,11 +124,11 @@ class Passthrough:
                 client_fault = status is not None and status < 500
                 trace.finish(status, state, None if cancelled or client_fault else error)
 
-    async def _checked_body(self, request: web.Request) -> bytes:
+    async def _checked_body(self, request: web.Request, held: Held) -> bytes:
         """The body of a request to a guarded generation route, as the client sent it; raises
         ``BadRequest`` when it carries KV fields only the sidecar may set, or when it is not JSON
         (the engine's parser accepts what orjson refuses, ``NaN`` say: unread is unchecked)."""
-        raw = await read_limited(request, self._max_body_bytes, self._body_timeout_s)
+        raw = bytes(await self._bodies.read_raw(request, held))
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import orjson
 from aiohttp import web
 
+from sidecar.body import Bodies, Held
 from sidecar.config import Settings
 from sidecar.connectors import Connector
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
-    PayloadTooLarge,
-    RequestTimeout,
     SidecarError,
     error_response,
 )
-from sidecar.exchange import Exchange, Refused
+from sidecar.exchange import Answer, Exchange, Refused
 from sidecar.headers import GatewayHeaders, engine_request_id, request_id_from
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
@@ -50,9 +48,11 @@ class Pipeline:
         gateway: GatewayHeaders,
         tracker: Tracker,
         metrics: Metrics,
+        bodies: Bodies,
         tracing: Tracing | None = None,
     ) -> None:
         self._settings = settings
+        self._bodies = bodies
         self._tracing = tracing
         self._connector = connector
         self._scheduler = scheduler
@@ -106,15 +106,37 @@ class Pipeline:
         settings = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.request_timeout_s if settings.request_timeout_s else None
-        raw = await read_limited(request, settings.max_body_bytes, settings.client_body_timeout_s)
-        body = _parse_object(raw)
+        with self._bodies.budget.hold() as held:
+            placement, progress, answer = await self._exchange(
+                request, record, request_id, trace, deadline, held
+            )
+        # Returned to the budget: no leg is built from the body again, and nothing still refers
+        # to it (``_exchange``'s frame is gone), so a long stream does not keep it alive.
+        try:
+            return await self._relay(request, record, answer, request_id, deadline, progress, trace)
+        finally:
+            placement.rank.end()  # the decode rank's slot, held from the placement on
+
+    async def _exchange(
+        self,
+        request: web.Request,
+        record: RequestRecord,
+        request_id: str,
+        trace: RequestTrace | None,
+        deadline: float | None,
+        held: Held,
+    ) -> tuple[Placement, _Progress, Answer | Refused]:
+        """Read the body, place the request and run the connector: its answer, once the decode
+        engine's has started (or a refusal)."""
+        parsed = await self._bodies.read(request, held)
+        body = parsed.body
         placing = trace.phase("placement") if trace is not None else None
         header = self._gateway.prefill_target(request.headers)
         if header is not None:
             header = await self._guard.check(header)
         sanitized = self._connector.sanitize(body)
         placement = await self._scheduler.place(
-            body, header, local_reason=self._connector.unsupported(body)
+            body, header, local_reason=self._connector.unsupported(body), text=parsed.messages
         )
         if trace is not None and placing is not None:
             trace.placed(placing, placement)
@@ -125,25 +147,33 @@ class Pipeline:
                 request_id=request_id,
                 path=request.path,
                 body=body,
-                raw=None if sanitized else raw,
+                raw=None if sanitized else parsed.raw,
                 headers=self._gateway.engine_leg(request.headers, record.engine_id),
                 placement=placement,
                 deadline=deadline,
                 progress=progress,
                 trace=trace,
             )
-            return await self._run(request, record, exchange, progress)
-        finally:
-            placement.rank.end()  # the decode rank's slot, held from the placement on
+            del parsed, body
+            try:
+                answer = await self._connector.run(exchange)
+            finally:
+                progress.settle()
+        except BaseException:
+            placement.rank.end()
+            raise
+        return placement, progress, answer
 
-    async def _run(
-        self, request: web.Request, record: RequestRecord, ex: Exchange, progress: _Progress
+    async def _relay(
+        self,
+        request: web.Request,
+        record: RequestRecord,
+        answer: Answer | Refused,
+        request_id: str,
+        deadline: float | None,
+        progress: _Progress,
+        trace: RequestTrace | None,
     ) -> web.StreamResponse:
-        request_id, deadline = ex.request_id, ex.deadline
-        try:
-            answer = await self._connector.run(ex)
-        finally:
-            progress.settle()
         if isinstance(answer, Refused):
             record.state, record.status, record.error = State.FAILED, answer.status, answer.error
             return web.Response(
@@ -151,7 +181,6 @@ class Pipeline:
                 body=answer.body,
                 headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
             )
-        trace = ex.trace
         relaying = trace.phase("relay") if trace is not None else None
         try:
             relayed = await relay(
@@ -239,76 +268,6 @@ def _record_relayed(record: RequestRecord, relayed: Relayed) -> None:
         record.state, record.error = State.FAILED, f"engine answered {relayed.status}"
     else:
         record.state = State.COMPLETED
-
-
-async def read_limited(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed ``limit`` (408 when
-    it takes longer than ``timeout_s``)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-    content = request.content
-    if content.is_eof():  # all of it is in already (a small body): nothing to wait for
-        body = await content.read()
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        return body
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                parts.append(chunk)
-    except TimeoutError:
-        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
-    return b"".join(parts)
-
-
-# Types of the fields the sidecar itself reads (the engine validates everything else).
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "messages": (list,),
-    "prompt": (str, list),
-    "stream": (bool,),
-    "stream_options": (dict, type(None)),
-    "n": (int,),
-    "max_tokens": (int, type(None)),
-    "max_completion_tokens": (int, type(None)),
-    "kv_transfer_params": (dict, type(None)),
-}
-
-
-def _parse_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        try:
-            raw.decode("utf-8")  # only on this error path: orjson's wording does not say where
-        except UnicodeDecodeError as bad:
-            where = f"byte {bad.start} (0x{raw[bad.start]:02x})"
-            raise BadRequest(f"request body is not valid UTF-8: {where}") from None
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    for name, types in _FIELD_TYPES.items():
-        if name in body:
-            value = body[name]
-            bad_bool = isinstance(value, bool) and bool not in types
-            if bad_bool or not isinstance(value, types):
-                expected = " or ".join(_TYPE_NAMES[t] for t in types)
-                raise BadRequest(f"'{name}' must be {expected}")
-    return body
-
-
-_TYPE_NAMES = {
-    list: "an array",
-    str: "a string",
-    bool: "a boolean",
-    dict: "an object",
-    int: "an integer",
-    type(None): "null",
-}
 
 
 def _record_placement(record: RequestRecord, placement: Placement) -> None:

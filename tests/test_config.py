@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from sidecar.__main__ import load_settings
-from sidecar.config import Settings, describe_fields
+from sidecar.config import Settings, describe_fields, explain
 from sidecar.endpoints import Endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +67,8 @@ INVALID = [
     ("SIDECAR_PREFILL_ENDPOINTS", "p0:8000,p1"),
     ("SIDECAR_MAX_BODY_BYTES", "0"),
     ("SIDECAR_MAX_PREFILL_ANSWER_BYTES", "0"),
+    ("SIDECAR_MAX_BODY_ELEMENTS", "0"),
+    ("SIDECAR_BODY_BUDGET_BYTES", "1024"),  # below SIDECAR_MAX_BODY_BYTES
     ("SIDECAR_DEBUG_HISTORY", "-1"),
     ("SIDECAR_READY_INTERVAL_S", "0"),
     ("SIDECAR_CONNECT_TIMEOUT_S", "soon"),
@@ -291,6 +293,15 @@ def test_a_pool_entry_may_name_its_bootstrap_port() -> None:
     for bad in ("p0:8000#", "p0:8000#0", "p0:8000#x", "p0:8000#70000"):
         with pytest.raises(ValidationError, match="bootstrap port"):
             Settings(prefill_endpoints=bad)
+
+
+def test_a_budget_below_the_largest_body_is_refused_naming_both() -> None:
+    with pytest.raises(ValidationError) as caught:
+        Settings(max_body_bytes=2048, body_budget_bytes=1024)
+    message = explain(caught.value)
+    assert "SIDECAR_BODY_BUDGET_BYTES (1024)" in message
+    assert "SIDECAR_MAX_BODY_BYTES (2048)" in message
+    assert Settings(max_body_bytes=2048, body_budget_bytes=2048).body_budget_bytes == 2048
 
 
 def test_prefill_headers_parse_in_order_lowercased() -> None:

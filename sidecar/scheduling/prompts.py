@@ -33,14 +33,15 @@ def prompt_text(body: dict[str, Any]) -> str | bytes:
     return orjson.dumps(prompt) if prompt is not None else ""
 
 
-def estimate_tokens(body: dict[str, Any]) -> int:
-    """Prompt tokens: counted exactly for token-id prompts, else characters / 4 (at least 1)."""
+def estimate_tokens(body: dict[str, Any], text: str | bytes | None = None) -> int:
+    """Prompt tokens: counted exactly for token-id prompts, else characters / 4 (at least 1).
+    ``text``: ``prompt_text(body)``, when the caller has it already."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         return len(prompt[0])
-    return tokens_of_text(len(prompt_text(body)))
+    return tokens_of_text(len(prompt_text(body) if text is None else text))
 
 
 def tokens_of_text(characters: int) -> int:

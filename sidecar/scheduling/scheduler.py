@@ -134,15 +134,22 @@ class Scheduler:
     # --- the request path ------------------------------------------------------------------
 
     async def place(
-        self, body: dict[str, Any], header: Endpoint | None, *, local_reason: str | None = None
+        self,
+        body: dict[str, Any],
+        header: Endpoint | None,
+        *,
+        local_reason: str | None = None,
+        text: bytes | None = None,
     ) -> Placement:
         """Decide which decode rank takes ``body`` and where it prefills; claim the rank and
         reserve the prompt's tokens on the prefill endpoint. ``header``: the gateway's choice of
         prefill server, used as is; ``local_reason``: why the request must prefill locally
-        anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed."""
-        tokens = estimate_tokens(body)
+        anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
+        ``text``: the prompt's text when the caller has it already (``prompt_text``)."""
+        prompt = prompt_text(body) if text is None else text
+        tokens = estimate_tokens(body, prompt)
         # The chosen rank will hold this prompt's KV either way (computed or pulled).
-        claim, cached = self.ranks.claim(prompt_text(body), tokens)
+        claim, cached = self.ranks.claim(prompt, tokens)
         try:
             return await self._place(claim, tokens, cached, header, local_reason)
         except BaseException:
