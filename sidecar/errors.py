@@ -9,6 +9,7 @@
     │   ├── NotFound                  404 NotFoundError
     │   ├── RequestTimeout            408 RequestTimeoutError (client too slow to send)
     │   └── PayloadTooLarge           413 RequestEntityTooLargeError
+    ├── TooManyConnections            503 ServiceUnavailableError (over SIDECAR_MAX_CONNECTIONS)
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
@@ -68,6 +69,13 @@ class NotFound(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     type_name = "RequestEntityTooLargeError"
+
+
+class TooManyConnections(SidecarError):
+    """The sidecar holds as many client connections as it may (``sidecar.listener``)."""
+
+    status = 503
+    type_name = "ServiceUnavailableError"
 
 
 class EngineError(SidecarError):
