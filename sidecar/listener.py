@@ -3,7 +3,7 @@
 aiohttp's server bounds how long a keep-alive connection may sit idle between requests, but not
 how long a client may take to send a request's head: a client dripping one header byte every few
 seconds, or one that connects and never sends, held its connection (a task, a file descriptor,
-~2.6 KB) for the whole keep-alive time. This module adds both bounds to aiohttp's own
+~6 KiB) for the whole keep-alive time. This module adds both bounds to aiohttp's own
 per-connection protocol (``ConnectionHandler``, made by ``ConnectionServer``, installed by
 ``ListenerRunner``), with one timer handle per waiting connection and no task of its own.
 
