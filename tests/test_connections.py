@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from sidecar.app import RunningSidecar
+from sidecar.listener import ConnectionLimits, Connections, Slot
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -251,3 +252,60 @@ async def sidecar_with_timeouts(start_sidecar_with: StartSidecar) -> RunningSide
     return await start_sidecar_with(
         client_header_timeout_s=HEAD_TIMEOUT_S, client_keepalive_s=KEEPALIVE_S, admin_port=0
     )
+
+
+class Waiting:
+    """What the book needs of a connection: its place, and a close."""
+
+    def __init__(self) -> None:
+        self.slot: Slot | None = None
+        self.booked = False
+        self.served = False
+        self.closed = False
+
+    def force_close(self) -> None:
+        self.closed = True
+
+
+def test_the_book_past_the_probe_only_places_closes_at_once() -> None:
+    """The order of the places, without sockets: full, then the oldest waiting one gives way
+    (never-served before idle keep-alive), then probe-only, then the oldest waiting probe-only
+    one gives way, then nothing: closed at once, counted."""
+    refused: list[str] = []
+    closed: list[str] = []
+    book = Connections(
+        ConnectionLimits(head_timeout_s=1, keepalive_s=1, max_connections=2, overflow=1),
+        on_refused=refused.append,
+        on_closed=closed.append,
+    )
+
+    def connect(waiting: bool = True) -> Waiting:
+        connection = Waiting()
+        connection.slot = book.admit(connection)  # type: ignore[arg-type]
+        connection.booked = connection.slot is not None
+        if waiting and connection.booked:
+            book.waiting(connection)  # type: ignore[arg-type]
+        return connection
+
+    idle, fresh = connect(), connect()
+    idle.served = True
+    book.busy(idle)  # type: ignore[arg-type]
+    book.waiting(idle)  # type: ignore[arg-type]  # back from an answer: keep-alive
+    third = connect()
+    assert (third.slot, fresh.closed, idle.closed) == (Slot.FULL, True, False)
+    book.busy(third)  # type: ignore[arg-type]  # its head came
+    fourth = connect()
+    assert (fourth.slot, idle.closed, third.closed) == (Slot.FULL, True, False)
+    book.busy(fourth)  # type: ignore[arg-type]
+    probe = connect()
+    assert probe.slot is Slot.PROBE
+    second_probe = connect()
+    assert (second_probe.slot, probe.closed) == (Slot.PROBE, True)
+    book.busy(second_probe)  # type: ignore[arg-type]
+    assert connect().slot is None
+    assert (refused, closed) == (["closed"], ["evicted"] * 3)
+    assert book.open == 3
+    book.release(third)  # type: ignore[arg-type]
+    book.release(third)  # type: ignore[arg-type]  # idempotent
+    assert book.open == 2
+    assert connect().slot is Slot.FULL
