@@ -12,7 +12,7 @@ A connection is either **waiting** for a request head or **busy** with a request
 - waiting, new: its first head must be complete within ``head_timeout_s`` of the accept;
 - waiting, keep-alive (after an answer): idle until the next request's first byte, for at most
   ``keepalive_s`` (aiohttp's own timer); from that byte the head must be complete within
-  ``head_timeout_s``;
+  ``head_timeout_s`` (from the answer, for a next request whose first bytes came before it);
 - busy, from a complete head until the answer is sent: no timeout of this module (the body, the
   engines and a long stream have their own), so a long stream is never cut here.
 
@@ -166,13 +166,15 @@ class Connections:
 class ConnectionHandler(RequestHandler):
     """aiohttp's protocol for one connection, with the head deadline and a place in the cap."""
 
-    __slots__ = ("_book", "_head_timer", "_waiting", "booked", "served", "slot")
+    __slots__ = ("_body", "_book", "_early", "_head_timer", "_waiting", "booked", "served", "slot")
 
     def __init__(self, manager: web.Server, book: Connections, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._book = book
         self._head_timer: asyncio.TimerHandle | None = None
         self._waiting = False
+        self._body: StreamReader | None = None  # the request's, while busy
+        self._early = False  # the next request began while this one was busy
         self.booked = False
         self.served = False
         self.slot: Slot | None = None
@@ -197,14 +199,20 @@ class ConnectionHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._waiting and self._head_timer is None:
-            self._start_head_timer()  # a keep-alive connection's next request begins
+        if self._waiting:
+            if self._head_timer is None:
+                self._start_head_timer()  # a keep-alive connection's next request begins
+        elif self._body is not None and self._body.is_eof():
+            # Past the body: a pipelined next request. Its head deadline starts when this
+            # answer is sent (a timer now could cut a long answer).
+            self._early = True
         super().data_received(data)
 
-    def head_received(self) -> None:
+    def head_received(self, body: StreamReader) -> None:
         """A complete request head: busy until its answer is sent."""
         self._waiting = False
         self.served = True
+        self._body = body
         self._cancel_head_timer()
         self._book.busy(self)
 
@@ -213,8 +221,12 @@ class ConnectionHandler(RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         answered = await super().finish_response(request, resp, start_time)
         response, reset = answered
+        self._body = None
         if not reset and response.keep_alive and self.booked and self.transport is not None:
             self._wait_for_head()  # idle: aiohttp's keep-alive timer runs
+            if self._early:
+                self._early = False
+                self._start_head_timer()  # part of the next head is here already
         return answered
 
     def _wait_for_head(self) -> None:
@@ -279,7 +291,7 @@ class ConnectionServer(web.Server):
         writer: Any,
         task: asyncio.Task[None],
     ) -> BaseRequest:
-        cast(ConnectionHandler, protocol).head_received()
+        cast(ConnectionHandler, protocol).head_received(payload)
         return self._app_request_factory(message, payload, protocol, writer, task)
 
     def _route(self, request: BaseRequest) -> Awaitable[web.StreamResponse]:

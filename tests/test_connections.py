@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 import pytest
 
 from sidecar.app import RunningSidecar
@@ -137,6 +138,35 @@ async def test_a_head_begun_on_a_keep_alive_connection_has_the_head_timeout(
     assert await metric_of(sidecar, "closed", 'listener="api",reason="head_timeout"') == 1
 
 
+async def test_a_head_begun_during_the_previous_answer_has_the_head_timeout_from_the_answer(
+    start_engine: StartEmulator, start_sidecar_with: StartSidecar
+) -> None:
+    """A client that starts its next request while a stream is being answered, then sends
+    nothing more: the stream (longer than the head timeout) is not cut, and the next head's
+    deadline runs from the end of the answer, not the keep-alive timeout. (Bytes of the next
+    head that come in the same segment as the end of the previous request are not seen apart:
+    such a connection is bounded by the keep-alive timeout, as an idle one.)"""
+    decode = await start_engine(decode_s_per_token=0.05)
+    sidecar = await start_sidecar_with(
+        decode_url=decode.url,
+        client_header_timeout_s=HEAD_TIMEOUT_S,
+        client_keepalive_s=KEEPALIVE_S,
+        admin_port=0,
+    )
+    body = orjson.dumps(completion(stream=True, max_tokens=20))  # 1 s: over the head timeout
+    async with raw(sidecar.url) as (reader, writer):
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        await reader.readuntil(b"data: ")  # the answer has begun
+        writer.write(b"GET /heal")
+        await reader.readuntil(b"data: [DONE]")
+        waited = await closed_after(reader, within=HEAD_TIMEOUT_S + SLACK_S)
+    assert HEAD_TIMEOUT_S * 0.9 <= waited < KEEPALIVE_S, waited
+    assert await metric_of(sidecar, "closed", 'listener="api",reason="head_timeout"') == 1
+
+
 async def test_a_long_stream_outlives_both_timeouts(
     http: aiohttp.ClientSession, start_engine: StartEmulator, start_sidecar_with: StartSidecar
 ) -> None:
@@ -155,6 +185,25 @@ async def test_a_long_stream_outlives_both_timeouts(
     events = sse_events(raw_body)
     assert events[-1] == b"[DONE]", events[-3:]
     assert len(events) >= 20
+
+
+async def test_a_body_slower_than_the_head_timeout_is_not_cut(
+    sidecar_with_timeouts: RunningSidecar,
+) -> None:
+    """Once the head is complete the head deadline is over: the body has its own timeout
+    (SIDECAR_CLIENT_BODY_TIMEOUT_S, 30 s here)."""
+    sidecar = sidecar_with_timeouts
+    body = orjson.dumps(completion(max_tokens=2))
+    async with raw(sidecar.url) as (reader, writer):
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        await asyncio.sleep(HEAD_TIMEOUT_S * 2)  # the client's pace is under test
+        writer.write(body)
+        status, _, answer = await read_answer(reader)
+    assert status == 200, answer
+    assert orjson.loads(answer)["choices"][0]["text"], answer
 
 
 async def test_at_the_cap_a_new_connection_is_refused_and_counted_while_probes_answer(
