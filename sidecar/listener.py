@@ -5,7 +5,8 @@ how long a client may take to send a request's head: a client dripping one heade
 seconds, or one that connects and never sends, held its connection (a task, a file descriptor,
 ~6 KiB) for the whole keep-alive time. This module adds both bounds to aiohttp's own
 per-connection protocol (``ConnectionHandler``, made by ``ConnectionServer``, installed by
-``ListenerRunner``), with one timer handle per waiting connection and no task of its own.
+``ListenerRunner``): a waiting connection costs a dict entry or two (``Deadlines``,
+``Connections``), with one timer per listener and no task of the sidecar's own.
 
 A connection is either **waiting** for a request head or **busy** with a request:
 
@@ -80,6 +81,47 @@ class ConnectionLimits:
     overflow: int = OVERFLOW_CONNECTIONS
 
 
+class Deadlines:
+    """Connections whose request head is due, in the order it is due, under one timer.
+
+    Every connection here has the same timeout, so the order they came in is the order of
+    their deadlines: a connection costs a dict entry (no timer of its own), and the timer is
+    set for the first deadline only, and moved on when it fires.
+    """
+
+    __slots__ = ("_due", "_late", "_timeout_s", "_timer")
+
+    def __init__(self, timeout_s: float, late: Callable[[ConnectionHandler], None]) -> None:
+        self._timeout_s = timeout_s
+        self._late = late
+        self._due: dict[ConnectionHandler, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, handler: ConnectionHandler) -> None:
+        """From now; ``handler`` must not be here already."""
+        loop = asyncio.get_running_loop()
+        due = self._due[handler] = loop.time() + self._timeout_s
+        if self._timer is None:
+            self._timer = loop.call_at(due, self._expire)
+
+    def stop(self, handler: ConnectionHandler) -> None:
+        self._due.pop(handler, None)  # the timer stays: it finds nothing due and moves on
+
+    def _expire(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = self._due
+        while due:
+            handler = next(iter(due))
+            when = due[handler]
+            if when > now:
+                self._timer = loop.call_at(when, self._expire)
+                return
+            del due[handler]
+            self._late(handler)
+
+
 class Slot(enum.Enum):
     FULL = "full"
     PROBE = "probe"
@@ -104,6 +146,10 @@ class Connections:
         self._fresh: dict[ConnectionHandler, None] = {}  # full, no request yet
         self._idle: dict[ConnectionHandler, None] = {}  # full, keep-alive between requests
         self._probing: dict[ConnectionHandler, None] = {}  # probe-only, no request yet
+        self.heads = Deadlines(limits.head_timeout_s, self._head_late)
+        self.probe_heads = Deadlines(
+            min(limits.head_timeout_s, PROBE_HEAD_TIMEOUT_S), self._head_late
+        )
 
     @property
     def open(self) -> int:
@@ -122,15 +168,18 @@ class Connections:
 
     def waiting(self, handler: ConnectionHandler) -> None:
         if handler.slot is Slot.PROBE:
-            self._probing[handler] = None
+            tier = self._probing
         elif handler.served:
-            self._idle[handler] = None
+            tier = self._idle
         else:
-            self._fresh[handler] = None
+            tier = self._fresh
+        tier[handler] = None
+        handler.tier = tier
 
     def busy(self, handler: ConnectionHandler) -> None:
-        for waiting in (self._fresh, self._idle, self._probing):
-            waiting.pop(handler, None)
+        if handler.tier is not None:
+            handler.tier.pop(handler, None)
+            handler.tier = None
 
     def release(self, handler: ConnectionHandler) -> None:
         """The connection no longer counts (closed, or closing); idempotent."""
@@ -147,8 +196,9 @@ class Connections:
         """A request on a probe-only connection was answered 503."""
         self._on_refused("answered")
 
-    def head_timed_out(self) -> None:
+    def _head_late(self, handler: ConnectionHandler) -> None:
         self._on_closed("head_timeout")
+        handler.head_late()
 
     def _evict(self, *tiers: dict[ConnectionHandler, None]) -> bool:
         """Close the oldest waiting connection of the first tier that has one, freeing its
@@ -166,18 +216,29 @@ class Connections:
 class ConnectionHandler(RequestHandler):
     """aiohttp's protocol for one connection, with the head deadline and a place in the cap."""
 
-    __slots__ = ("_body", "_book", "_early", "_head_timer", "_waiting", "booked", "served", "slot")
+    __slots__ = (
+        "_body",
+        "_book",
+        "_early",
+        "_heading",
+        "_waiting",
+        "booked",
+        "served",
+        "slot",
+        "tier",
+    )
 
     def __init__(self, manager: web.Server, book: Connections, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._book = book
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._heading = False  # in one of the book's Deadlines
         self._waiting = False
         self._body: StreamReader | None = None  # the request's, while busy
         self._early = False  # the next request began while this one was busy
         self.booked = False
         self.served = False
         self.slot: Slot | None = None
+        self.tier: dict[ConnectionHandler, None] | None = None  # the book's, while waiting
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.slot = self._book.admit(self)
@@ -200,7 +261,7 @@ class ConnectionHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._waiting:
-            if self._head_timer is None:
+            if not self._heading:
                 self._start_head_timer()  # a keep-alive connection's next request begins
         elif self._body is not None and self._body.is_eof():
             # Past the body: a pipelined next request. Its head deadline starts when this
@@ -216,39 +277,38 @@ class ConnectionHandler(RequestHandler):
         self._cancel_head_timer()
         self._book.busy(self)
 
-    async def finish_response(
-        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
-    ) -> tuple[web.StreamResponse, bool]:
-        answered = await super().finish_response(request, resp, start_time)
-        response, reset = answered
+    def log_access(
+        self, request: BaseRequest, response: web.StreamResponse, time: float | None
+    ) -> None:
+        """The end of an answer: ``finish_response`` calls this once per answer, sent or not
+        (a synchronous hook; overriding that coroutine would cost one more per request)."""
+        super().log_access(request, response, time)
         self._body = None
-        if not reset and response.keep_alive and self.booked and self.transport is not None:
+        if response.keep_alive and self.booked and self.transport is not None:
             self._wait_for_head()  # idle: aiohttp's keep-alive timer runs
             if self._early:
                 self._early = False
                 self._start_head_timer()  # part of the next head is here already
-        return answered
 
     def _wait_for_head(self) -> None:
         self._waiting = True
         self._book.waiting(self)
 
     def _start_head_timer(self) -> None:
-        timeout = self._book.limits.head_timeout_s
-        if self.slot is Slot.PROBE:
-            timeout = min(timeout, PROBE_HEAD_TIMEOUT_S)
-        self._head_timer = asyncio.get_running_loop().call_later(timeout, self._head_late)
+        self._heading = True
+        book = self._book
+        (book.probe_heads if self.slot is Slot.PROBE else book.heads).start(self)
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        if self._heading:
+            self._heading = False
+            book = self._book
+            (book.probe_heads if self.slot is Slot.PROBE else book.heads).stop(self)
 
-    def _head_late(self) -> None:
-        self._head_timer = None
-        if self._waiting:
-            self._book.head_timed_out()
-            self.force_close()
+    def head_late(self) -> None:
+        """Its head did not come in time (``Deadlines``)."""
+        self._heading = False
+        self.force_close()
 
 
 class ConnectionServer(web.Server):

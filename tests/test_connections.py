@@ -311,6 +311,7 @@ class Waiting:
         self.booked = False
         self.served = False
         self.closed = False
+        self.tier: dict[Waiting, None] | None = None
 
     def force_close(self) -> None:
         self.closed = True
