@@ -15,6 +15,7 @@ from sidecar import __version__
 from sidecar.app import DRAIN, CannotListen, RunningSidecar, start_sidecar
 from sidecar.config import Settings, describe_fields, explain
 from sidecar.drain import BUDGET_SLACK_S
+from sidecar.listener import raise_open_files_limit
 from sidecar.tls import TlsFilesError
 from sidecar.tracing import Tracing, TracingUnavailable
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
     if tracing is not None:
         logger.info("tracing on: %s", tracing.description)
+    # Before the listener sizes its cap to it (sidecar.listener.connection_budget).
+    raise_open_files_limit()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows

@@ -25,6 +25,13 @@ from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.kube import KubeClient
+from sidecar.listener import (
+    ADMIN_MAX_CONNECTIONS,
+    ConnectionLimits,
+    Connections,
+    ListenerRunner,
+    connection_budget,
+)
 from sidecar.metrics import ROUTES, Metrics
 from sidecar.passthrough import Passthrough
 from sidecar.paths import canonical_paths
@@ -443,14 +450,14 @@ async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -
     app = create_app(settings, tracing=tracing)
     context = app[SERVER_TLS].context if SERVER_TLS in app else None
     admin_context = context if settings.admin_tls else None
-    runner = web.AppRunner(
+    runner = ListenerRunner(
         app,
+        _connections(settings, app[METRICS], "api", connection_budget(settings.max_connections)),
         handler_cancellation=True,  # a client that leaves cancels its request's work at once
-        access_log=None,
         shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
         logger=ServerLog(),  # a malformed request: one rate-limited line, not a traceback
     )
-    runners = [runner]
+    runners: list[web.AppRunner] = [runner]
     await runner.setup()
     try:
         await _listen(runner, settings.host, settings.port, "SIDECAR_PORT", context)
@@ -458,9 +465,9 @@ async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -
         app[GUARD].listening(port, **await _own_identity(settings.host))
         admin_port = None
         if ADMIN_APP in app:
-            admin_runner = web.AppRunner(
+            admin_runner = ListenerRunner(
                 app[ADMIN_APP],
-                access_log=None,
+                _connections(settings, app[METRICS], "admin", ADMIN_MAX_CONNECTIONS),
                 shutdown_timeout=CUT_GRACE_S,
                 logger=ServerLog(),
             )
@@ -481,6 +488,21 @@ async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -
     return RunningSidecar(
         app, runners, host, port, admin_port, context is not None, admin_context is not None
     )
+
+
+def _connections(settings: Settings, metrics: Metrics, listener: str, cap: int) -> Connections:
+    """One listener's connection book, counted under ``listener`` in the metrics."""
+    book = Connections(
+        ConnectionLimits(
+            head_timeout_s=settings.client_header_timeout_s,
+            keepalive_s=settings.client_keepalive_s,
+            max_connections=cap,
+        ),
+        on_refused=lambda how: metrics.client_connections_refused.labels(listener, how).inc(),
+        on_closed=lambda why: metrics.client_connections_closed.labels(listener, why).inc(),
+    )
+    metrics.client_connections.labels(listener).set_function(lambda: book.open)
+    return book
 
 
 async def _listen(

@@ -193,6 +193,29 @@ class Settings(BaseSettings):
     client_body_timeout_s: float = Field(
         30, gt=0, description="Longest time a client may take to send its request body."
     )
+    client_header_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="Longest time a client may take to send a request's head (request line and "
+        "headers), in seconds: from the accept for a new connection, from the first byte of the "
+        "next request on a keep-alive one. Over it the connection is closed (SIDECAR_PORT and "
+        "SIDECAR_ADMIN_PORT).",
+    )
+    client_keepalive_s: float = Field(
+        3630,
+        gt=0,
+        description="Seconds a client connection may sit idle between two requests before it "
+        "is closed. Keep it above the gateway's idle timeout for its upstream connections "
+        "(Envoy: 1 hour), so that the gateway always closes an idle connection first.",
+    )
+    max_connections: int = Field(
+        2048,
+        ge=1,
+        description="Client connections served on SIDECAR_PORT. A new one over it takes the "
+        "place of the oldest connection waiting for a request; when every one is busy it may "
+        "only ask /health or /ready (anything else: 503), and is closed after the answer. "
+        "Lowered to what the open-files limit holds.",
+    )
     release_on_disconnect: bool = Field(
         True,
         description="Free KV a prefill staged that no decode will take (the client left, or "

@@ -10,6 +10,7 @@
     │   ├── RequestTimeout            408 RequestTimeoutError (client too slow to send)
     │   └── PayloadTooLarge           413 RequestEntityTooLargeError (body too big, too many values)
     ├── Busy                          503 ServiceUnavailableError (bodies in flight over budget)
+    │   └── TooManyConnections        503 (over SIDECAR_MAX_CONNECTIONS)
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
@@ -73,11 +74,15 @@ class PayloadTooLarge(ClientError):
 
 
 class Busy(SidecarError):
-    """The sidecar itself is at a limit (the bytes of request bodies in flight): nothing was
-    sent to an engine, and another sidecar may take the request."""
+    """The sidecar itself is at a limit (the bytes of request bodies in flight, its client
+    connections): nothing was sent to an engine, and another sidecar may take the request."""
 
     status = 503
     type_name = "ServiceUnavailableError"
+
+
+class TooManyConnections(Busy):
+    """The sidecar holds as many client connections as it may (``sidecar.listener``)."""
 
 
 class EngineError(SidecarError):

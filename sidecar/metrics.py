@@ -58,6 +58,9 @@ TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
 INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
 BODY_REFUSAL_REASONS = ("size", "elements", "budget")
+LISTENERS = ("api", "admin")
+CONNECTION_REFUSALS = ("answered", "closed")
+CONNECTION_CLOSES = ("head_timeout", "evicted")
 
 # Latencies from a few ms (loopback engines) to minutes (long prompts, long answers).
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -271,6 +274,28 @@ class Metrics:
             ["kind"],
             registry=self.registry,
         )
+        self.client_connections = Gauge(
+            "pd_sidecar_client_connections",
+            "Client connections open now, by listener (api: SIDECAR_PORT, admin: "
+            "SIDECAR_ADMIN_PORT).",
+            ["listener"],
+            registry=self.registry,
+        )
+        self.client_connections_refused = Counter(
+            "pd_sidecar_client_connections_refused",
+            "Client connections refused over the cap (SIDECAR_MAX_CONNECTIONS), by listener and "
+            "how: answered (a request other than a probe got 503) or closed (at once, unread).",
+            ["listener", "how"],
+            registry=self.registry,
+        )
+        self.client_connections_closed = Counter(
+            "pd_sidecar_client_connections_closed",
+            "Client connections the sidecar closed while they waited for a request head, by "
+            "listener and reason: head_timeout (SIDECAR_CLIENT_HEADER_TIMEOUT_S) or evicted (the "
+            "oldest waiting one, to make room for a new connection at the cap).",
+            ["listener", "reason"],
+            registry=self.registry,
+        )
 
         # The families counted on every request, by their label values (``Children``).
         self.requests_by = Children(self.requests)
@@ -300,6 +325,11 @@ class Metrics:
         ):
             for value in values:
                 family.labels(value)
+        for listener in LISTENERS:
+            for how in CONNECTION_REFUSALS:
+                self.client_connections_refused.labels(listener, how)
+            for reason in CONNECTION_CLOSES:
+                self.client_connections_closed.labels(listener, reason)
         for files in TLS_FILES:
             for outcome in TLS_RELOAD_OUTCOMES:
                 self.tls_reloads.labels(files, outcome)
