@@ -22,7 +22,8 @@ def decay_weight(age_s: float, half_life_s: float | None) -> float:
 def toward(fitted: Speed, prior: Speed, weight: float) -> Speed:
     """``fitted`` decayed toward ``prior``: each parameter ``prior + weight × (fitted − prior)``.
 
-    ``weight`` is ``decay_weight``'s: 1 keeps the fit, 0 is the prior, one half-life half-way."""
+    For a speed known without its evidence (one another sidecar published). ``weight`` is
+    ``decay_weight``'s: 1 keeps the speed, 0 is the prior, one half-life half-way."""
     if weight >= 1.0:
         return fitted
     return Speed(
@@ -41,22 +42,24 @@ class Moments:
     xx: float
     xy: float
 
-    @classmethod
-    def on_line(cls, speed: Speed, weight: float, mean_x: float, mean_xx: float) -> Moments:
-        """``weight`` samples with these x moments, every one exactly on ``speed``'s line: their
-        fit is ``speed`` (the slope needs a spread: ``mean_xx > mean_x²``)."""
-        x, xx = weight * mean_x, weight * mean_xx
-        return cls(
-            weight,
-            x,
-            speed.overhead_s * weight + speed.s_per_token * x,
-            xx,
-            speed.overhead_s * x + speed.s_per_token * xx,
+    def toward(self, prior: Moments, weight: float) -> Moments:
+        """Every sum ``prior + weight × (self − prior)``: the evidence in ``self`` beyond the
+        prior's keeps ``weight`` of its weight, and the prior regains what it had lost."""
+        if weight >= 1.0:
+            return self
+        return Moments(
+            prior.w + weight * (self.w - prior.w),
+            prior.x + weight * (self.x - prior.x),
+            prior.y + weight * (self.y - prior.y),
+            prior.xx + weight * (self.xx - prior.xx),
+            prior.xy + weight * (self.xy - prior.xy),
         )
 
     def fit(self, fallback_slope: float) -> Speed:
         """The least-squares line, its slope kept positive and its intercept non-negative;
         ``fallback_slope`` when the x values have no spread (the level is fitted alone)."""
+        if self.w <= 0.0:  # no evidence and a prior of no weight
+            return Speed(fallback_slope, 0.0)
         mean_x, mean_y = self.x / self.w, self.y / self.w
         variance = self.xx / self.w - mean_x * mean_x
         if variance > 1e-9:
@@ -74,11 +77,14 @@ class SpeedEstimate:
     prompt's. Starts from a prior worth ``prior_weight`` observations; the slope is kept positive
     and the intercept non-negative so one odd sample cannot make an endpoint look free.
 
-    With ``half_life_s``, the fit also ages with time: ``value_at(now)`` is the fit decayed toward
-    the prior (``toward``: half-way after one half-life without an observation), and the next
-    ``observe`` starts from that decayed state, its evidence weight and spread blended toward the
-    prior's with the same weight, so new samples are not outvoted by old ones. An endpoint that
-    was slow once and is no longer used does not stay slow in the books forever.
+    With ``half_life_s``, the evidence also ages with time: ``t`` seconds after the last
+    observation every weighted sum is blended toward the prior's with ``decay_weight(t)``
+    (``Moments.toward``: the observations weigh half as much after one half-life, and the prior's
+    virtual points regain what they had lost). ``value_at(now)`` is the fit of that aged state
+    and the next ``observe`` starts from it, so new samples are not outvoted by old ones. An
+    endpoint that was slow once and is no longer used does not stay slow in the books forever.
+    Only the sums age, never the clamped fit (re-seeding them from the clamped line would feed
+    the clamp back into the state).
     """
 
     def __init__(
@@ -109,25 +115,16 @@ class SpeedEstimate:
         """The ``now`` of the last observation that passed one (monotonic seconds)."""
 
     def value_at(self, now: float) -> Speed:
-        """The estimate at ``now``: the fit decayed toward the prior by its age."""
-        return toward(self.value, self._prior, self._weight(now))
+        """The estimate at ``now``: the fit of the evidence aged to ``now``."""
+        weight = self._weight(now)
+        if weight >= 1.0:
+            return self.value
+        return self._m.toward(self._prior_moments, weight).fit(self._prior.s_per_token)
 
     def observe(self, work_tokens: float, seconds: float, now: float | None = None) -> Speed:
         """Learn one call; ``now`` (monotonic seconds) ages the evidence before it (None: no
         time passed, as for an estimate without a half-life)."""
-        m = self._m
-        weight = self._weight(now)
-        if weight < 1.0:  # the evidence aged: on the decayed line, its weight blended too
-            prior = self._prior_moments
-            w = prior.w + weight * (m.w - prior.w)
-            x = prior.x + weight * (m.x - prior.x)
-            xx = prior.xx + weight * (m.xx - prior.xx)
-            # (A prior of no weight and evidence decayed to nothing: start from nothing.)
-            m = (
-                prior
-                if w <= 0.0
-                else Moments.on_line(toward(self.value, self._prior, weight), w, x / w, xx / w)
-            )
+        m = self._m.toward(self._prior_moments, self._weight(now))
         keep = 1.0 - self._alpha
         self._m = m = Moments(
             keep * m.w + 1.0,

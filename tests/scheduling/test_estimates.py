@@ -138,13 +138,25 @@ def test_an_estimate_without_new_observations_decays_toward_the_prior():
     fitted = estimate.value
     assert fitted.overhead_s > 0.5
     assert estimate.value_at(9.0) == fitted  # no time since the last observation
-    after_one = estimate.value_at(39.0)
-    assert after_one.overhead_s == pytest.approx((fitted.overhead_s + PRIOR.overhead_s) / 2)
-    assert after_one.s_per_token == pytest.approx((fitted.s_per_token + PRIOR.s_per_token) / 2)
-    late = estimate.value_at(9.0 + 30.0 * 20)
+    overheads = [estimate.value_at(9.0 + 30.0 * k).overhead_s for k in range(8)]
+    assert overheads == sorted(overheads, reverse=True)  # every half-life closer to the prior
+    assert overheads[1] < fitted.overhead_s
+    late = estimate.value_at(9.0 + 30.0 * 40)
     assert late.overhead_s == pytest.approx(PRIOR.overhead_s, abs=1e-6)
+    assert late.s_per_token == pytest.approx(PRIOR.s_per_token, rel=1e-6)
     # Without a half-life it never does (today's estimate).
     assert stalled(half_life_s=None).value_at(1e6) == stalled(half_life_s=None).value
+
+
+def test_the_evidence_weighs_half_as_much_after_one_half_life():
+    """The aged state is the prior's sums plus half the evidence beyond them."""
+    prior = Moments(3.0, 3000.0, 0.36, 6e6, 440.0)
+    evidence = Moments(10.0, 15000.0, 21.0, 3e7, 3.2e4)
+    half = evidence.toward(prior, decay_weight(60.0, 60.0))
+    assert half.w == pytest.approx(6.5)
+    assert half.y == pytest.approx(0.36 + 0.5 * (21.0 - 0.36))
+    assert evidence.toward(prior, 1.0) is evidence
+    assert evidence.toward(prior, 0.0) == pytest.approx(prior)
 
 
 def test_after_a_gap_new_observations_are_not_outvoted_by_aged_ones():
@@ -158,14 +170,14 @@ def test_after_a_gap_new_observations_are_not_outvoted_by_aged_ones():
     assert ageless.value.overhead_s > 1.0  # the stall still dominates the ageless fit
 
 
-def test_the_decayed_state_fits_the_decayed_line():
-    """``observe`` after a gap starts from exactly what ``value_at`` showed for that moment."""
-    estimate = stalled(half_life_s=30.0)
-    shown = estimate.value_at(60.0)
-    work, seconds = 1200.0, shown.seconds(1200.0)  # a sample on the shown line moves nothing
-    learnt = estimate.observe(work, seconds, now=60.0)
-    assert learnt.s_per_token == pytest.approx(shown.s_per_token, rel=1e-6)
-    assert learnt.overhead_s == pytest.approx(shown.overhead_s, rel=1e-6)
+def test_a_long_half_life_learns_like_no_half_life():
+    """Ageing slowly never drifts: an endpoint answering every call of one size in 1 ms (far
+    faster than the prior) is fitted alike with a one-hour half-life and without one."""
+    aged, ageless = SpeedEstimate(PRIOR, half_life_s=3600.0), SpeedEstimate(PRIOR)
+    for i in range(300):
+        aged.observe(600, 0.001, now=0.01 * i)
+        ageless.observe(600, 0.001)
+    assert aged.value.seconds(600) == pytest.approx(ageless.value.seconds(600), rel=0.01)
 
 
 def test_an_estimate_without_a_half_life_learns_as_before():
@@ -176,8 +188,3 @@ def test_an_estimate_without_a_half_life_learns_as_before():
         assert with_clock.observe(work, 0.05 + 2e-4 * work, now=1000.0 * t) == without.observe(
             work, 0.05 + 2e-4 * work
         )
-
-
-def test_the_moments_of_a_line_fit_that_line():
-    line = Speed(s_per_token=2.5e-4, overhead_s=0.3)
-    assert Moments.on_line(line, 4.0, 800.0, 1e6).fit(1e-4) == pytest.approx(line)
