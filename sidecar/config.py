@@ -119,8 +119,9 @@ class Settings(BaseSettings):
     speed_half_life_s: float = Field(
         SPEED_HALF_LIFE_S,
         gt=0,
-        description="Seconds after which a prefill endpoint's speed estimate (its own or one "
-        "another sidecar published) is half-way back to the prior without a new observation.",
+        description="Half-life, in seconds, of the evidence behind a prefill endpoint's speed "
+        "estimate (its own fit, or a speed another sidecar published): without new "
+        "observations it ages back toward the prior.",
     )
     scheduler_retest_s: float = Field(
         RETEST_S,

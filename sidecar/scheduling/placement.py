@@ -39,8 +39,9 @@ STALE_AFTER_SCRAPES = 3
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
 SPEED_HALF_LIFE_S = 60.0
-"""``SIDECAR_SPEED_HALF_LIFE_S``' default: an endpoint's speed estimate, own or shared, is
-half-way back to the prior after this long without a new observation (docs/scheduling.md)."""
+"""``SIDECAR_SPEED_HALF_LIFE_S``' default: without a new observation, the evidence behind an
+endpoint's speed estimate weighs half as much after this long, the prior regaining the rest
+(a published speed: half-way back to the prior; docs/scheduling.md)."""
 RETEST_S = 15.0
 """``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint this sidecar has sent no prefill
 for this long takes its next remote prefill, whatever the policy picked."""
