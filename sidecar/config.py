@@ -25,6 +25,7 @@ from yarl import URL
 
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 from sidecar.headers import DEFAULT_PREFILL_HEADERS
+from sidecar.scheduling.placement import RETEST_S, SPEED_HALF_LIFE_S
 from sidecar.scheduling.policies import QOE_CHOICES
 from sidecar.upstream import KEEPALIVE_S
 
@@ -112,6 +113,21 @@ class Settings(BaseSettings):
         gt=0,
         description="Prefill remotely only while the predicted remote time to first token is at "
         "most this many times the local one; beyond it the pool counts as saturated.",
+    )
+    # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
+    # "Ageing and re-tests").
+    speed_half_life_s: float = Field(
+        SPEED_HALF_LIFE_S,
+        gt=0,
+        description="Half-life, in seconds, of the evidence behind a prefill endpoint's speed "
+        "estimate (its own fit, or a speed another sidecar published): without new "
+        "observations it ages back toward the prior.",
+    )
+    scheduler_retest_s: float = Field(
+        RETEST_S,
+        ge=0,
+        description="Seconds without a prefill from this sidecar after which an available "
+        "endpoint takes the next remote prefill, whatever the policy picked (0: never).",
     )
     prefix_block_tokens: int = Field(
         16, ge=1, description="Block size, in tokens, of the local prefix-cache estimate."

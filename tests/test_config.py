@@ -80,6 +80,8 @@ INVALID = [
     ("SIDECAR_PREFILL_DNS", "service-without-port"),
     ("SIDECAR_SCHEDULER_POLICY", "fastest"),
     ("SIDECAR_SCHEDULER_CHOICES", "0"),
+    ("SIDECAR_SPEED_HALF_LIFE_S", "0"),
+    ("SIDECAR_SCHEDULER_RETEST_S", "-1"),
     ("SIDECAR_SCHEDULER_SEED", "x"),
     ("SIDECAR_DISAGG_MIN_TOKENS", "-5"),
     ("SIDECAR_DISAGG_TTFT_RATIO", "0"),

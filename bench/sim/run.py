@@ -252,7 +252,7 @@ class Simulation:
         sidecar = self.sidecars[request.engine]
         reservation = request.reservation
         sidecar.state.release(reservation)
-        speed = sidecar.planner.prefill_observed(reservation, loop.now - request.sent)
+        speed = sidecar.planner.prefill_observed(reservation, loop.now - request.sent, loop.now)
         if speed is not None:
             sidecar.state.publish_speed(request.endpoint, speed)
         decode = self.decode[request.engine]

@@ -1,12 +1,14 @@
 """A modelled sidecar: production's placement code (``sidecar.scheduling``) fed from the model.
 
 Each one owns what a sidecar process owns — a ``Planner`` (the pool's ``EndpointState``s with
-real ``SpeedEstimate``s and ``Health``, the decider and its seeded policy, the local speed), the
-decode engine's ``DecodeRanks`` (one rank; its ``PrefixIndex`` is the prefix estimate) and a
-modelled state backend (``bench.sim.state``) — and decides with production's code: the token
-estimate (``prompts.tokens_of_text``), the rank claim (``DecodeRanks.claim_blocks``: the cached
-estimate), ``Planner.decide`` (candidates and the decider), ``placement.reserved_tokens``, and
-learns with ``Planner.prefill_observed`` / ``local_observed``.
+real ``SpeedEstimate``s, ageing in virtual time with production's default half-life, and
+``Health``; re-tests at production's default interval; the decider and its seeded policy, the
+local speed), the decode engine's ``DecodeRanks`` (one rank; its ``PrefixIndex`` is the prefix
+estimate) and a modelled state backend (``bench.sim.state``) — and decides with production's
+code: the token estimate (``prompts.tokens_of_text``), the rank claim
+(``DecodeRanks.claim_blocks``: the cached estimate), ``Planner.decide`` (candidates, the decider,
+re-tests), ``placement.reserved_tokens``, and learns with ``Planner.prefill_observed`` /
+``local_observed``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from bench.sim.state import ModelledState
 from sidecar.endpoints import Endpoint
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import Health
-from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, EndpointState, Planner
+from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, Planner
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.scheduling.scrape import EngineLoad
@@ -61,7 +63,7 @@ class Sidecar:
         self.planner = Planner(decider, stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s)
         for key in keys:
             host, _, port = key.rpartition(":")
-            self.planner.pool[key] = EndpointState(Endpoint(host, int(port)), Health())
+            self.planner.join(Endpoint(host, int(port)), Health())
         self.state = state
         self.ranks = DecodeRanks(
             [f"http://decode-{index}"],

@@ -2,10 +2,72 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
 from sidecar.scheduling.model import Speed
+
+
+def decay_weight(age_s: float, half_life_s: float | None) -> float:
+    """The weight evidence ``age_s`` seconds old keeps: ``0.5 ** (age_s / half_life_s)``.
+
+    1.0 without a half-life (None or infinite) and for a non-positive age (a clock read before
+    the evidence, e.g. by a caller that holds an older ``now``): evidence never gains weight."""
+    if half_life_s is None or math.isinf(half_life_s) or age_s <= 0.0:
+        return 1.0
+    return float(0.5 ** (age_s / half_life_s))
+
+
+def toward(fitted: Speed, prior: Speed, weight: float) -> Speed:
+    """``fitted`` decayed toward ``prior``: each parameter ``prior + weight × (fitted − prior)``.
+
+    For a speed known without its evidence (one another sidecar published). ``weight`` is
+    ``decay_weight``'s: 1 keeps the speed, 0 is the prior, one half-life half-way."""
+    if weight >= 1.0:
+        return fitted
+    return Speed(
+        prior.s_per_token + weight * (fitted.s_per_token - prior.s_per_token),
+        prior.overhead_s + weight * (fitted.overhead_s - prior.overhead_s),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Moments:
+    """Weighted sums of 1, x, y, x², xy: what a least-squares line is fitted from."""
+
+    w: float
+    x: float
+    y: float
+    xx: float
+    xy: float
+
+    def toward(self, prior: Moments, weight: float) -> Moments:
+        """Every sum ``prior + weight × (self − prior)``: the evidence in ``self`` beyond the
+        prior's keeps ``weight`` of its weight, and the prior regains what it had lost."""
+        if weight >= 1.0:
+            return self
+        return Moments(
+            prior.w + weight * (self.w - prior.w),
+            prior.x + weight * (self.x - prior.x),
+            prior.y + weight * (self.y - prior.y),
+            prior.xx + weight * (self.xx - prior.xx),
+            prior.xy + weight * (self.xy - prior.xy),
+        )
+
+    def fit(self, fallback_slope: float) -> Speed:
+        """The least-squares line, its slope kept positive and its intercept non-negative;
+        ``fallback_slope`` when the x values have no spread (the level is fitted alone)."""
+        if self.w <= 0.0:  # no evidence and a prior of no weight
+            return Speed(fallback_slope, 0.0)
+        mean_x, mean_y = self.x / self.w, self.y / self.w
+        variance = self.xx / self.w - mean_x * mean_x
+        if variance > 1e-9:
+            slope = (self.xy / self.w - mean_x * mean_y) / variance
+        else:  # all samples of one size: keep the prior's slope, fit the level
+            slope = fallback_slope
+        slope = max(slope, 1e-9)
+        return Speed(slope, max(0.0, mean_y - slope * mean_x))
 
 
 class SpeedEstimate:
@@ -14,39 +76,73 @@ class SpeedEstimate:
     ``work`` is the tokens the engine had to get through: queued ahead at send time plus the
     prompt's. Starts from a prior worth ``prior_weight`` observations; the slope is kept positive
     and the intercept non-negative so one odd sample cannot make an endpoint look free.
+
+    With ``half_life_s``, the evidence also ages with time: ``t`` seconds after the last
+    observation every weighted sum is blended toward the prior's with ``decay_weight(t)``
+    (``Moments.toward``: the observations weigh half as much after one half-life, and the prior's
+    virtual points regain what they had lost). ``value_at(now)`` is the fit of that aged state
+    and the next ``observe`` starts from it, so new samples are not outvoted by old ones. An
+    endpoint that was slow once and is no longer used does not stay slow in the books forever.
+    Only the sums age, never the clamped fit (re-seeding them from the clamped line would feed
+    the clamp back into the state).
     """
 
-    def __init__(self, prior: Speed, *, alpha: float = 0.1, prior_weight: float = 3.0) -> None:
+    def __init__(
+        self,
+        prior: Speed,
+        *,
+        alpha: float = 0.1,
+        prior_weight: float = 3.0,
+        half_life_s: float | None = None,
+    ) -> None:
         self._alpha = alpha
+        self._half_life_s = half_life_s
         self.samples = 0
-        # Weighted sums of 1, x, y, xx, xy, seeded with two virtual points on the prior line.
+        # Seeded with two virtual points on the prior line, at 0 and 2000 tokens.
         low, high = 0.0, 2000.0
-        self._w = prior_weight
-        self._x = prior_weight * (low + high) / 2
-        self._y = prior_weight * (prior.seconds(low) + prior.seconds(high)) / 2
-        self._xx = prior_weight * (low * low + high * high) / 2
-        self._xy = prior_weight * (low * prior.seconds(low) + high * prior.seconds(high)) / 2
+        self._prior_moments = Moments(
+            prior_weight,
+            prior_weight * (low + high) / 2,
+            prior_weight * (prior.seconds(low) + prior.seconds(high)) / 2,
+            prior_weight * (low * low + high * high) / 2,
+            prior_weight * (low * prior.seconds(low) + high * prior.seconds(high)) / 2,
+        )
+        self._m = self._prior_moments
         self._prior = prior
         self.value = prior
+        """The fit as of the last observation (``value_at`` ages it)."""
+        self.observed_at: float | None = None
+        """The ``now`` of the last observation that passed one (monotonic seconds)."""
 
-    def observe(self, work_tokens: float, seconds: float) -> Speed:
+    def value_at(self, now: float) -> Speed:
+        """The estimate at ``now``: the fit of the evidence aged to ``now``."""
+        weight = self._weight(now)
+        if weight >= 1.0:
+            return self.value
+        return self._m.toward(self._prior_moments, weight).fit(self._prior.s_per_token)
+
+    def observe(self, work_tokens: float, seconds: float, now: float | None = None) -> Speed:
+        """Learn one call; ``now`` (monotonic seconds) ages the evidence before it (None: no
+        time passed, as for an estimate without a half-life)."""
+        m = self._m.toward(self._prior_moments, self._weight(now))
         keep = 1.0 - self._alpha
-        self._w = keep * self._w + 1.0
-        self._x = keep * self._x + work_tokens
-        self._y = keep * self._y + seconds
-        self._xx = keep * self._xx + work_tokens * work_tokens
-        self._xy = keep * self._xy + work_tokens * seconds
+        self._m = m = Moments(
+            keep * m.w + 1.0,
+            keep * m.x + work_tokens,
+            keep * m.y + seconds,
+            keep * m.xx + work_tokens * work_tokens,
+            keep * m.xy + work_tokens * seconds,
+        )
         self.samples += 1
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        variance = self._xx / self._w - mean_x * mean_x
-        if variance > 1e-9:
-            slope = (self._xy / self._w - mean_x * mean_y) / variance
-        else:  # all samples of one size: keep the prior's slope, fit the level
-            slope = self._prior.s_per_token
-        slope = max(slope, 1e-9)
-        overhead = max(0.0, mean_y - slope * mean_x)
-        self.value = Speed(slope, overhead)
+        if now is not None:
+            self.observed_at = now
+        self.value = m.fit(self._prior.s_per_token)
         return self.value
+
+    def _weight(self, now: float | None) -> float:
+        if now is None or self.observed_at is None:
+            return 1.0
+        return decay_weight(now - self.observed_at, self._half_life_s)
 
 
 class Availability(StrEnum):

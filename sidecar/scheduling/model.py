@@ -81,7 +81,8 @@ class Decision:
     """Where to prefill. ``endpoint`` None means on the local decode engine.
 
     ``reason`` (recorded with the request, a metric label): ``header``, ``pool_empty``,
-    ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``round_robin``.
+    ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``retest`` (sent to
+    an endpoint not chosen for ``SIDECAR_SCHEDULER_RETEST_S``), ``round_robin``.
     """
 
     endpoint: str | None

@@ -14,12 +14,18 @@ backend and metrics; the simulator (``bench/sim``) with a modelled cluster in vi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.endpoints import Endpoint
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
+from sidecar.scheduling.estimates import (
+    Availability,
+    Health,
+    SpeedEstimate,
+    decay_weight,
+    toward,
+)
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
 from sidecar.scheduling.ranks import DecodeRank, RankClaim
 from sidecar.scheduling.scrape import EngineLoad, describe_load
@@ -32,6 +38,13 @@ STALE_AFTER_SCRAPES = 3
 """A scrape older than this many intervals is ignored (treated as unknown)."""
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
+SPEED_HALF_LIFE_S = 60.0
+"""``SIDECAR_SPEED_HALF_LIFE_S``' default: without a new observation, the evidence behind an
+endpoint's speed estimate weighs half as much after this long, the prior regaining the rest
+(a published speed: half-way back to the prior; docs/scheduling.md)."""
+RETEST_S = 15.0
+"""``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint this sidecar has sent no prefill
+for this long takes its next remote prefill, whatever the policy picked."""
 
 
 @dataclass(slots=True)
@@ -42,6 +55,12 @@ class EndpointState:
     load: EngineLoad | None = None
     draining: bool = False
     inflight: int = 0
+    last_sent: float | None = None
+    """When this sidecar last sent it a prefill (monotonic), or first considered it."""
+    shared: Speed | None = None
+    """The speed other sidecars published, as last seen, and since when (monotonic): a shared
+    speed ages from the moment this sidecar saw it change."""
+    shared_since: float = 0.0
 
     @property
     def key(self) -> str:
@@ -80,13 +99,35 @@ class Placement:
 class Planner:
     """The pool as one sidecar knows it, and the decisions made on it."""
 
-    def __init__(self, decider: Decider, *, stale_after_s: float) -> None:
-        """``stale_after_s``: a scrape older than this is ignored (three scrape intervals)."""
+    def __init__(
+        self,
+        decider: Decider,
+        *,
+        stale_after_s: float,
+        half_life_s: float | None = SPEED_HALF_LIFE_S,
+        retest_s: float = RETEST_S,
+    ) -> None:
+        """``stale_after_s``: a scrape older than this is ignored (three scrape intervals).
+        ``half_life_s``: prefill speed estimates decay toward the prior with this half-life
+        (None: never). ``retest_s``: an endpoint sent nothing for this long is re-tested (0:
+        never)."""
         self.decider = decider
         self.pool: dict[str, EndpointState] = {}
-        # One estimate for every decode rank: the same model on the same hardware.
+        # One estimate for every decode rank: the same model on the same hardware. It does not
+        # decay: short prompts always prefill locally, so it never runs out of evidence.
         self.local_speed = SpeedEstimate(LOCAL_PRIOR)
         self._stale_after_s = stale_after_s
+        self._half_life_s = half_life_s
+        self._retest_s = retest_s
+
+    def join(self, endpoint: Endpoint, health: Health) -> EndpointState:
+        """Add ``endpoint`` to the pool, its speed estimate decaying with the planner's
+        half-life."""
+        state = EndpointState(
+            endpoint, health, SpeedEstimate(PREFILL_PRIOR, half_life_s=self._half_life_s)
+        )
+        self.pool[state.key] = state
+        return state
 
     def fresh(self, load: EngineLoad | None, name: str, now: float) -> float | None:
         """Gauge ``name`` of a scrape, None when unknown or older than the staleness bound."""
@@ -95,10 +136,22 @@ class Planner:
         value: float | None = getattr(load, name)
         return value
 
-    def speed(self, state: EndpointState, shared: Speed | None) -> Speed:
+    def speed(self, state: EndpointState, shared: Speed | None, now: float) -> Speed:
+        """The speed to predict ``state``'s endpoint with at ``now``: its own estimate, or the
+        one other sidecars published while this sidecar has too few samples; either decayed
+        toward the prior by its age."""
+        if shared is not None and shared != state.shared:
+            state.shared, state.shared_since = shared, now
         if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
-            return shared
-        return state.speed.value
+            age = now - state.shared_since
+            return toward(shared, PREFILL_PRIOR, decay_weight(age, self._half_life_s))
+        return state.speed.value_at(now)
+
+    def sent(self, key: str, now: float) -> None:
+        """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry)."""
+        state = self.pool.get(key)
+        if state is not None:
+            state.last_sent = now
 
     def candidates(self, view: SharedView, now: float, wall: float) -> list[Candidate]:
         """Every available endpoint as a policy sees it: not draining, not ejected here, not
@@ -118,7 +171,7 @@ class Planner:
                     waiting=self.fresh(state.load, "waiting", now),
                     running=self.fresh(state.load, "running", now),
                     kv_usage=self.fresh(state.load, "kv_usage", now),
-                    speed=self.speed(state, view.speeds.get(key)),
+                    speed=self.speed(state, view.speeds.get(key), now),
                 )
             )
         return candidates
@@ -145,22 +198,55 @@ class Planner:
     ) -> Decision:
         """Where a request placed on ``rank`` prefills: the decider on the pool's candidates and
         the rank's local view (its local prefills not at their first byte yet, its scraped
-        ``waiting`` queue, the observed local speed)."""
-        return self.decider.decide(
-            self.candidates(view, now, wall),
+        ``waiting`` queue, the observed local speed).
+
+        A request the decider sends remote goes instead to the candidate longest without a
+        prefill from this sidecar when that is ``retest_s`` or more (reason ``retest``): an
+        endpoint the policy stopped choosing gets one prefill per ``retest_s``, so its estimate
+        learns whether it recovered. A re-test never turns a local decision into a remote one."""
+        candidates = self.candidates(view, now, wall)
+        decision = self.decider.decide(
+            candidates,
             LocalView(rank.ahead_tokens, waiting, self.local_speed.value),
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
         )
+        if decision.endpoint is None:
+            return decision
+        key = decision.endpoint
+        due = self._due_retest(candidates, now)
+        if due is not None and due.key != key:
+            key = due.key
+            predicted = self.decider.remote_seconds(due, prompt_tokens)
+            decision = replace(decision, endpoint=key, reason="retest", predicted_s=predicted)
+        self.sent(key, now)
+        return decision
 
-    def prefill_observed(self, reservation: Reservation, seconds: float) -> Speed | None:
-        """A prefill on ``reservation``'s endpoint answered after ``seconds`` (from the call):
-        fit its speed on the tokens reserved ahead at send plus its own. Returns the new speed
-        (to publish), None when the endpoint left the pool."""
+    def _due_retest(self, candidates: list[Candidate], now: float) -> Candidate | None:
+        """The candidate sent nothing for longest, if that is at least ``retest_s``. An endpoint
+        seen for the first time counts from now."""
+        due: Candidate | None = None
+        oldest = now
+        for candidate in candidates:
+            state = self.pool[candidate.key]
+            if state.last_sent is None:
+                state.last_sent = now
+            if state.last_sent < oldest:
+                due, oldest = candidate, state.last_sent
+        if due is None or self._retest_s <= 0 or now - oldest < self._retest_s:
+            return None
+        return due
+
+    def prefill_observed(
+        self, reservation: Reservation, seconds: float, now: float
+    ) -> Speed | None:
+        """A prefill on ``reservation``'s endpoint answered after ``seconds`` (from the call),
+        at ``now`` (monotonic): fit its speed on the tokens reserved ahead at send plus its own.
+        Returns the new speed (to publish), None when the endpoint left the pool."""
         state = self.pool.get(reservation.endpoint)
         if state is None:
             return None
-        return state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds)
+        return state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds, now)
 
     def local_observed(self, ahead_tokens: int, local_tokens: int, seconds: float) -> None:
         """A local prefill of ``local_tokens`` produced its first byte ``seconds`` after the
@@ -187,7 +273,7 @@ class Planner:
         speed = PREFILL_PRIOR
         waiting: float | None = None
         if state is not None:
-            speed = self.speed(state, view.speeds.get(key))
+            speed = self.speed(state, view.speeds.get(key), now)
             waiting = self.fresh(state.load, "waiting", now)
         queue_s = 0.0
         if waiting and reservation is not None:
@@ -222,8 +308,11 @@ class Planner:
                     "reserved_requests": load.requests if load else 0,
                     "inflight_here": state.inflight,
                     "scraped": describe_load(state.load, now),
-                    "speed": speed_dict(self.speed(state, view.speeds.get(key))),
+                    "speed": speed_dict(self.speed(state, view.speeds.get(key), now)),
                     "speed_samples": state.speed.samples,
+                    "last_sent_s_ago": None
+                    if state.last_sent is None
+                    else round(now - state.last_sent, 3),
                 }
             )
         return endpoints

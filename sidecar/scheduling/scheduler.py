@@ -75,6 +75,8 @@ class Scheduler:
                 always=settings.connector in REMOTE_ONLY_CONNECTORS,
             ),
             stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
+            half_life_s=settings.speed_half_life_s,
+            retest_s=settings.scheduler_retest_s,
         )
         self._decider = self._planner.decider
         self.ranks = DecodeRanks(
@@ -111,7 +113,7 @@ class Scheduler:
         for key, endpoint in current.items():
             state = self._pool.get(key)
             if state is None:
-                self._pool[key] = EndpointState(endpoint, self._new_health())
+                self._planner.join(endpoint, self._new_health())
                 logger.info("prefill endpoint %s joined the pool", key)
             elif state.draining:
                 state.draining = False
@@ -221,6 +223,7 @@ class Scheduler:
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
         state.inflight += 1
+        self._planner.sent(state.key, time.monotonic())
         reservation = self.backend.reserve(state.key, reserved_tokens(decision))
         return Placement(decision, endpoint, rank, reservation)
 
@@ -240,7 +243,7 @@ class Scheduler:
         if ok is True:
             state.health.success()
             if seconds is not None:
-                speed = self._planner.prefill_observed(reservation, seconds)
+                speed = self._planner.prefill_observed(reservation, seconds, time.monotonic())
                 if speed is not None:
                     self.backend.publish_speed(state.key, speed)
         elif ok is False:

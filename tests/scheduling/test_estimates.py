@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from sidecar.scheduling.estimates import Availability, Health, SpeedEstimate
+from sidecar.scheduling.estimates import (
+    Availability,
+    Health,
+    Moments,
+    SpeedEstimate,
+    decay_weight,
+    toward,
+)
 from sidecar.scheduling.model import Speed
 
 PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
@@ -93,3 +101,90 @@ def test_a_failed_probe_doubles_the_ejection_up_to_the_maximum():
     health.success()
     health.failure(7.0)
     assert health.ejected_until == 8.0
+
+
+# --- ageing (issue 21: an endpoint slow once must not stay slow in the books for good) --------
+
+
+def test_the_decay_weight_halves_every_half_life():
+    assert decay_weight(0.0, 10.0) == 1.0
+    assert decay_weight(10.0, 10.0) == pytest.approx(0.5)
+    assert decay_weight(30.0, 10.0) == pytest.approx(0.125)
+    # No half-life, or a clock that reads earlier than the evidence: nothing decays.
+    assert decay_weight(1e9, None) == 1.0
+    assert decay_weight(1e9, math.inf) == 1.0
+    assert decay_weight(-5.0, 10.0) == 1.0
+
+
+def test_toward_the_prior_moves_each_parameter_by_the_weight():
+    fitted = Speed(s_per_token=3e-4, overhead_s=2.06)
+    assert toward(fitted, PRIOR, 1.0) == fitted
+    assert toward(fitted, PRIOR, 0.0) == PRIOR
+    half = toward(fitted, PRIOR, 0.5)
+    assert half.s_per_token == pytest.approx(2e-4)
+    assert half.overhead_s == pytest.approx(1.04)
+
+
+def stalled(half_life_s: float | None) -> SpeedEstimate:
+    """An estimate whose last observations, at t = 0..9 s, came from a 2 s stall."""
+    estimate = SpeedEstimate(PRIOR, half_life_s=half_life_s)
+    for t in range(10):
+        estimate.observe(1000 + 100 * t, 2.0 + 1e-4 * (1000 + 100 * t), now=float(t))
+    return estimate
+
+
+def test_an_estimate_without_new_observations_decays_toward_the_prior():
+    estimate = stalled(half_life_s=30.0)
+    fitted = estimate.value
+    assert fitted.overhead_s > 0.5
+    assert estimate.value_at(9.0) == fitted  # no time since the last observation
+    overheads = [estimate.value_at(9.0 + 30.0 * k).overhead_s for k in range(8)]
+    assert overheads == sorted(overheads, reverse=True)  # every half-life closer to the prior
+    assert overheads[1] < fitted.overhead_s
+    late = estimate.value_at(9.0 + 30.0 * 40)
+    assert late.overhead_s == pytest.approx(PRIOR.overhead_s, abs=1e-6)
+    assert late.s_per_token == pytest.approx(PRIOR.s_per_token, rel=1e-6)
+    # Without a half-life it never does (today's estimate).
+    assert stalled(half_life_s=None).value_at(1e6) == stalled(half_life_s=None).value
+
+
+def test_the_evidence_weighs_half_as_much_after_one_half_life():
+    """The aged state is the prior's sums plus half the evidence beyond them."""
+    prior = Moments(3.0, 3000.0, 0.36, 6e6, 440.0)
+    evidence = Moments(10.0, 15000.0, 21.0, 3e7, 3.2e4)
+    half = evidence.toward(prior, decay_weight(60.0, 60.0))
+    assert half.w == pytest.approx(6.5)
+    assert half.y == pytest.approx(0.36 + 0.5 * (21.0 - 0.36))
+    assert evidence.toward(prior, 1.0) is evidence
+    assert evidence.toward(prior, 0.0) == pytest.approx(prior)
+
+
+def test_after_a_gap_new_observations_are_not_outvoted_by_aged_ones():
+    aged, ageless = stalled(half_life_s=10.0), stalled(half_life_s=None)
+    # The endpoint recovered: 100 s later, three calls at its true speed (the prior's line).
+    for estimate in (aged, ageless):
+        for i in range(3):
+            work = 1500.0 + 500 * i
+            estimate.observe(work, PRIOR.seconds(work), now=109.0 + i)
+    assert aged.value.overhead_s == pytest.approx(PRIOR.overhead_s, abs=0.01)
+    assert ageless.value.overhead_s > 1.0  # the stall still dominates the ageless fit
+
+
+def test_a_long_half_life_learns_like_no_half_life():
+    """Ageing slowly never drifts: an endpoint answering every call of one size in 1 ms (far
+    faster than the prior) is fitted alike with a one-hour half-life and without one."""
+    aged, ageless = SpeedEstimate(PRIOR, half_life_s=3600.0), SpeedEstimate(PRIOR)
+    for i in range(300):
+        aged.observe(600, 0.001, now=0.01 * i)
+        ageless.observe(600, 0.001)
+    assert aged.value.seconds(600) == pytest.approx(ageless.value.seconds(600), rel=0.01)
+
+
+def test_an_estimate_without_a_half_life_learns_as_before():
+    with_clock, without = SpeedEstimate(PRIOR, half_life_s=None), SpeedEstimate(PRIOR)
+    rng = random.Random(3)
+    for t in range(50):
+        work = rng.uniform(100, 20_000)
+        assert with_clock.observe(work, 0.05 + 2e-4 * work, now=1000.0 * t) == without.observe(
+            work, 0.05 + 2e-4 * work
+        )

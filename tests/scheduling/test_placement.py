@@ -57,7 +57,7 @@ def test_a_published_speed_counts_until_this_sidecar_has_its_own_samples():
     view = SharedView({}, {"127.0.0.1:1": shared}, {})
     assert plan.candidates(view, 0.0, 0.0)[0].speed == shared
     for _ in range(3):
-        plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 0.5)
+        plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 0.5, now=0.0)
     assert plan.candidates(view, 0.0, 0.0)[0].speed == plan.pool["127.0.0.1:1"].speed.value
     assert plan.candidates(view, 0.0, 0.0)[0].speed != shared
 
@@ -94,10 +94,10 @@ def test_the_decision_weighs_the_rank_it_is_made_for():
 def test_what_is_learnt_from_outcomes():
     plan = planner(1)
     before = plan.pool["127.0.0.1:1"].speed.samples
-    speed = plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 3000), 0.4)
+    speed = plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 3000), 0.4, now=0.0)
     assert speed == plan.pool["127.0.0.1:1"].speed.value
     assert plan.pool["127.0.0.1:1"].speed.samples == before + 1
-    assert plan.prefill_observed(Reservation("127.0.0.1:9", 1000, 0), 0.4) is None  # gone
+    assert plan.prefill_observed(Reservation("127.0.0.1:9", 1000, 0), 0.4, now=0.0) is None  # gone
     plan.local_observed(2000, 1000, 0.3)
     assert plan.local_speed.samples == 1
 
@@ -129,3 +129,89 @@ def test_claiming_by_block_hashes_is_claiming_by_text():
     assert cached_t == 160
     assert tokens_of_text(3) == 1
     assert tokens_of_text(4001) == 1000
+
+
+# --- re-tests and ageing (issue 21) ------------------------------------------------------------
+
+
+def ageing_planner(*ports: int, half_life_s: float | None, retest_s: float) -> Planner:
+    plan = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        half_life_s=half_life_s,
+        retest_s=retest_s,
+    )
+    for port in ports:
+        plan.join(Endpoint("127.0.0.1", port), Health())
+    return plan
+
+
+def decide_at(plan: Planner, now: float, view: SharedView = EMPTY) -> Decision:
+    ranks = DecodeRanks(
+        ["http://d"], block_tokens=16, capacity_blocks=64, stale_after_s=3, rng=random.Random(1)
+    )
+    ranks[0].ahead_tokens = 50_000  # remote wins whenever the pool is usable
+    return plan.decide(
+        ranks[0], None, prompt_tokens=4000, cached_tokens=0, view=view, now=now, wall=now
+    )
+
+
+def test_an_endpoint_the_policy_stopped_choosing_is_retested_once_per_interval():
+    plan = ageing_planner(1, 2, half_life_s=None, retest_s=10.0)
+    slow = "127.0.0.1:1"
+    plan.prefill_observed(Reservation(slow, 1000, 0), 5.0, now=0.0)  # one stall: 2 s+ overhead
+    chosen = [decide_at(plan, 0.5 * t) for t in range(60)]  # a remote prefill every 0.5 s
+    retests = [(0.5 * t, d.reason) for t, d in enumerate(chosen) if d.endpoint == slow]
+    # First considered at 0 s, then re-tested every 10 s; the policy itself never picks it.
+    assert retests == [(10.0, "retest"), (20.0, "retest")]
+    predicted = chosen[20].predicted_s
+    assert predicted is not None
+    assert predicted > 1.0  # predicted at its stalled speed: a re-test, not a policy's choice
+
+
+def test_no_retest_when_disabled_or_when_the_decision_is_local():
+    plan = ageing_planner(1, 2, half_life_s=None, retest_s=0.0)
+    plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 5.0, now=0.0)
+    assert {decide_at(plan, float(t)).endpoint for t in range(100)} == {"127.0.0.1:2"}
+    # A re-test only changes where a remote prefill goes, never local into remote.
+    plan = ageing_planner(1, 2, half_life_s=None, retest_s=1.0)
+    decide_at(plan, 0.0)
+    ranks = DecodeRanks(
+        ["http://d"], block_tokens=16, capacity_blocks=64, stale_after_s=3, rng=random.Random(1)
+    )
+    short = plan.decide(
+        ranks[0], None, prompt_tokens=100, cached_tokens=0, view=EMPTY, now=50.0, wall=50.0
+    )
+    assert (short.endpoint, short.reason) == (None, "short_prompt")
+
+
+def test_a_stalled_endpoint_is_chosen_again_once_its_estimate_has_aged():
+    plan = ageing_planner(1, 2, half_life_s=5.0, retest_s=0.0)
+    slow, fast = "127.0.0.1:1", "127.0.0.1:2"
+    plan.prefill_observed(Reservation(fast, 4000, 0), PREFILL_PRIOR.seconds(4000), now=0.0)
+    plan.prefill_observed(Reservation(slow, 1000, 0), 5.0, now=0.0)
+    # The fast one has a queue (0.2 s of work): still far better than a 5 s stall.
+    busy = SharedView({fast: Load(2000, 2)}, {}, {})
+    assert decide_at(plan, 1.0, busy).endpoint == fast
+    # Four half-lives later the stall weighs 1/16: 0.33 s, less than the fast one's queue.
+    assert (decide_at(plan, 20.0, busy).endpoint, decide_at(plan, 20.0, busy).reason) == (
+        slow,
+        "scheduled",
+    )
+    # Without ageing it would not be chosen again, however long it had been.
+    ageless = ageing_planner(1, 2, half_life_s=None, retest_s=0.0)
+    ageless.prefill_observed(Reservation(fast, 4000, 0), PREFILL_PRIOR.seconds(4000), now=0.0)
+    ageless.prefill_observed(Reservation(slow, 1000, 0), 5.0, now=0.0)
+    assert decide_at(ageless, 1e6, busy).endpoint == fast
+
+
+def test_a_published_speed_ages_from_when_it_was_seen_to_change():
+    plan = ageing_planner(1, half_life_s=10.0, retest_s=0.0)
+    stalled = Speed(3e-4, 2.0)
+    view = SharedView({}, {"127.0.0.1:1": stalled}, {})
+    assert plan.candidates(view, 100.0, 100.0)[0].speed == stalled
+    half = plan.candidates(view, 110.0, 110.0)[0].speed
+    assert half.overhead_s == pytest.approx((2.0 + PREFILL_PRIOR.overhead_s) / 2)
+    # Published anew (another sidecar's new observation): fresh again.
+    renewed = SharedView({}, {"127.0.0.1:1": Speed(3e-4, 1.0)}, {})
+    assert plan.candidates(renewed, 120.0, 120.0)[0].speed == Speed(3e-4, 1.0)

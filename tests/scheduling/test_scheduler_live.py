@@ -256,3 +256,92 @@ async def test_every_policy_serves(http, start_sidecar_with: StartSidecar, prefi
     record = await _send(http, sidecar, completion(f"{policy} {LONG}"))
     assert record["decision"] == "remote"
     assert sidecar.app[SCHEDULER].snapshot()["policy"] == policy
+
+
+async def _freeze_then_thaw(http, sidecar, frozen, freeze_s: float) -> float:
+    """Freeze ``frozen``'s prefills (every one it receives hangs) under concurrent load until it
+    holds two, for ``freeze_s``; then thaw it. Returns the loop time of the thaw."""
+    await inject(http, frozen, kind="hang", role="prefill", count=1000)
+    load = [
+        asyncio.create_task(_send(http, sidecar, completion(f"frozen {i} {LONG}")))
+        for i in range(8)
+    ]
+
+    async def holding_two() -> bool:
+        return (await get_json(http, frozen.url + "/emulator/faults"))["held"] >= 2
+
+    await eventually(holding_two)
+    await asyncio.sleep(freeze_s)  # the freeze itself: what the estimate must learn and forget
+    async with http.delete(frozen.url + "/emulator/faults") as response:
+        assert response.status == 200
+    async with http.post(frozen.url + "/emulator/release") as response:
+        assert response.status == 200
+    thawed = asyncio.get_running_loop().time()
+    records = await asyncio.gather(*load)
+    assert sum(r["prefill_endpoint"] == frozen.endpoint for r in records) >= 2
+    return thawed
+
+
+async def _until_chosen(http, sidecar, endpoint: str, within_s: float) -> dict | None:
+    """Send requests one after another until one prefills on ``endpoint`` (its record), or
+    ``within_s`` passed (None)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    i = 0
+    while loop.time() < deadline:
+        record = await _send(http, sidecar, completion(f"after {i} {LONG}"))
+        if record["prefill_endpoint"] == endpoint:
+            return record
+        i += 1
+    return None
+
+
+async def test_a_stalled_endpoint_is_retested_within_the_interval_after_it_thaws(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
+) -> None:
+    """Issue 21: after a freeze its fitted overhead keeps the policy away for good; the re-test
+    sends it a prefill within SIDECAR_SCHEDULER_RETEST_S of its last one."""
+    frozen, healthy = await start_engine(), await start_engine()
+    retest_s = 1.0
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=f"{frozen.endpoint},{healthy.endpoint}",
+        scheduler_seed=1,
+        disagg_ttft_ratio=1000,  # remote whatever the local engine's speed: the pool is compared
+        scheduler_retest_s=retest_s,
+        speed_half_life_s=3600,  # the estimate does not age within the test: the re-test does it
+    )
+    thawed = await _freeze_then_thaw(http, sidecar, frozen, freeze_s=0.5)
+    snapshot = await get_json(http, sidecar.url + "/debug/scheduler")
+    stalled = next(e for e in snapshot["endpoints"] if e["endpoint"] == frozen.endpoint)
+    assert stalled["state"] == "healthy"
+    assert stalled["speed"]["overhead_s"] > 0.05  # the freeze is in its fit
+
+    # The bound: retest_s after the last prefill it was sent, which was before the thaw.
+    record = await _until_chosen(http, sidecar, frozen.endpoint, within_s=retest_s + 2.0)
+    assert record is not None, "the thawed endpoint was never chosen again"
+    assert record["reason"] == "retest"
+    assert asyncio.get_running_loop().time() - thawed <= retest_s + 1.0  # (one request's slack)
+    # One re-test per interval: the next requests (well within one) go where the policy says.
+    following = [await _send(http, sidecar, completion(f"next {i} {LONG}")) for i in range(5)]
+    assert [r["reason"] for r in following] == ["scheduled"] * 5
+
+
+async def test_a_stalled_endpoint_is_chosen_again_as_its_estimate_ages(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
+) -> None:
+    """Issue 21, the estimate's ageing alone (no re-tests): engines slower than the prior
+    (5,000 tokens/s), the frozen one's fit decays toward the prior and wins again."""
+    frozen = await start_engine(prefill_s_per_token=2e-4)
+    healthy = await start_engine(prefill_s_per_token=2e-4)
+    half_life_s = 0.5
+    sidecar = await start_sidecar_with(
+        prefill_endpoints=f"{frozen.endpoint},{healthy.endpoint}",
+        scheduler_seed=1,
+        disagg_ttft_ratio=1000,
+        scheduler_retest_s=0,
+        speed_half_life_s=half_life_s,
+    )
+    await _freeze_then_thaw(http, sidecar, frozen, freeze_s=1.0)
+    record = await _until_chosen(http, sidecar, frozen.endpoint, within_s=10 * half_life_s)
+    assert record is not None, "the thawed endpoint was never chosen again"
+    assert record["reason"] == "scheduled"
