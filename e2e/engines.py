@@ -50,6 +50,9 @@ _NIXL_ENV = {
     "UCX_NET_DEVICES": "lo",
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
 }
+# vLLM's CPU attention uses AMX without asking Linux for it; on a machine with AMX the decode
+# engine's first step after a KV pull died of SIGILL. vllm_site/sitecustomize.py asks first.
+_AMX_SITE = str(Path(__file__).resolve().parent / "vllm_site")
 
 
 EngineError = LaunchError
@@ -185,7 +188,7 @@ class VllmEngine:
         }
 
     def environment(self) -> dict[str, str]:
-        env = {**_OFFLINE_ENV, **_NIXL_ENV}
+        env = {**_OFFLINE_ENV, **_NIXL_ENV, "PYTHONPATH": _AMX_SITE}
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
