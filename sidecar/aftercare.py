@@ -22,6 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sidecar.body import Wire
 from sidecar.errors import EngineNotConnected, SidecarError
 from sidecar.metrics import Metrics
 from sidecar.tracing import Leg, RequestTrace
@@ -74,7 +75,7 @@ class Aftercare:
         request_id: str,
         urls: Sequence[str],
         headers: Mapping[str, str],
-        data: bytes,
+        data: Wire,
         trace: RequestTrace | None = None,
     ) -> None:
         """Send ``data`` to ``urls[0]`` in the background to free request ``request_id``'s
@@ -95,7 +96,7 @@ class Aftercare:
         _hold(self._releases, asyncio.create_task(self._send(urls, headers, data, leg), name=name))
 
     async def _send(
-        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes, leg: Leg | None
+        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg | None
     ) -> None:
         if self._sending.locked():
             self._metrics.kv_release_waits.inc()
@@ -103,7 +104,7 @@ class Aftercare:
             await self._send_now(urls, headers, data, leg)
 
     async def _send_now(
-        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes, leg: Leg | None
+        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg | None
     ) -> None:
         try:
             answer = await self._post(urls, headers, data)
@@ -134,7 +135,7 @@ class Aftercare:
         self._metrics.kv_releases.labels("sent").inc()
 
     async def _post(
-        self, urls: Sequence[str], headers: Mapping[str, str], data: bytes
+        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire
     ) -> EngineAnswer:
         for url in urls[:-1]:
             try:
@@ -143,7 +144,7 @@ class Aftercare:
                 logger.info("KV release: %s; trying another decode rank", exc.message)
         return await self._send_one(urls[-1], headers, data)
 
-    async def _send_one(self, url: str, headers: Mapping[str, str], data: bytes) -> EngineAnswer:
+    async def _send_one(self, url: str, headers: Mapping[str, str], data: Wire) -> EngineAnswer:
         return await self._engines.send(
             "POST",
             url,

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
+from sidecar.body import Wire
 from sidecar.config import Settings
 from sidecar.errors import EngineNotConnected, EngineTimeout
 from sidecar.exchange import Answer, Exchange, Patch
@@ -45,7 +46,7 @@ class DecodeSend:
         order = [rank, *others] if rank.ready or not self._ranks.ready else [*others, rank]
         return [r.url + ex.path for r in order]
 
-    async def send(self, ex: Exchange, data: bytes, patch: Patch | None = None) -> Answer:
+    async def send(self, ex: Exchange, data: Wire, patch: Patch | None = None) -> Answer:
         loop = asyncio.get_running_loop()
         by = loop.time() + self._first_byte_timeout_s
         if ex.deadline is not None:

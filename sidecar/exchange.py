@@ -13,11 +13,12 @@ outcomes, never aiohttp objects:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from multidict import CIMultiDict
 
+from sidecar.body import NO_MEMBERS, Members, Wire, encode
 from sidecar.endpoints import Endpoint
 from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.metrics import ROUTES
@@ -66,6 +67,13 @@ class Exchange:
     progress: Progress
     trace: RequestTrace | None = None
     """The request's spans (None: tracing is off); each leg's span comes from it."""
+    members: Members = field(default_factory=lambda: NO_MEMBERS)
+    """A large body's big members (``sidecar.body.Parsed.members``): ``encode`` sends them
+    from their own buffers."""
+
+    def encode(self, leg: Body) -> Wire:
+        """A leg's body (``body`` or one built from it) as it goes to an engine."""
+        return encode(leg, self.members)
 
     @property
     def route(self) -> str:

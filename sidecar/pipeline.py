@@ -153,6 +153,7 @@ class Pipeline:
                 deadline=deadline,
                 progress=progress,
                 trace=trace,
+                members=parsed.members,
             )
             del parsed, body
             try:

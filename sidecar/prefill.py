@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.aftercare import Aftercare
+from sidecar.body import Wire
 from sidecar.config import Settings
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
@@ -56,8 +57,8 @@ predicted remaining time (overdue included), is within this many seconds; one qu
 from done is aborted."""
 
 Outcome = Prefilled | Refused | Fallback
-BodyFor = Callable[[Endpoint], bytes]
-"""The prefill leg's bytes for an endpoint (a protocol may name the endpoint in the body)."""
+BodyFor = Callable[[Endpoint], Wire]
+"""The prefill leg's body for an endpoint (a protocol may name the endpoint in the body)."""
 Accept = Callable[[object, Endpoint], Prefilled | None]
 """A 2xx prefill answer (parsed JSON; ``b""`` when the call is not ``json``: its body was read
 to its end and dropped) → ``Prefilled``, or None when it is unusable."""
@@ -161,7 +162,7 @@ class PrefillCall:
     async def _attempt(
         self,
         ex: Exchange,
-        data: bytes,
+        data: Wire,
         placement: Placement,
         spec: _CallSpec,
         attempt: int,
@@ -273,7 +274,7 @@ class PrefillCall:
     async def _call(
         self,
         ex: Exchange,
-        data: bytes,
+        data: Wire,
         endpoint: Endpoint,
         spec: _CallSpec,
         answering: asyncio.Event,

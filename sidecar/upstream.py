@@ -7,16 +7,17 @@ aiohttp stops here: callers pass timeouts in seconds and get an ``EngineAnswer``
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from typing import Any
 
 import aiohttp
 import orjson
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from sidecar.body import Pieces, Wire
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
     EngineAnswerTooLarge,
@@ -32,11 +33,41 @@ from sidecar.tls import ClientTls
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
-# aiohttp writes a bytes body in one go (and warns above 1 MiB); a BytesIO goes out in slices
-# that yield to the event loop between them, so a long prompt does not stall other streams.
+# aiohttp writes a bytes body in one go (and warns above 1 MiB); a large one goes out as Pieces,
+# in slices that yield to the event loop between them, so a long prompt does not stall other
+# streams. (A BytesIO did so too, but copied the whole body first.)
 _LARGE_BODY = 1 << 20
 
-Body = bytes | io.BytesIO | AsyncIterable[bytes] | None
+Body = Wire | AsyncIterable[bytes] | None
+
+
+class _PiecesPayload(aiohttp.payload.Payload):
+    """``Pieces`` written slice by slice (``Pieces.chunks``), with a turn of the event loop
+    between slices; nothing is copied on the way to the socket."""
+
+    _value: Pieces
+
+    def __init__(self, pieces: Pieces) -> None:
+        super().__init__(pieces)
+        self._size = pieces.nbytes
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value).decode(encoding, errors)
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        left = self._value.nbytes if content_length is None else content_length
+        for index, chunk in enumerate(self._value.chunks()):
+            if left <= 0:
+                return
+            if index:
+                await asyncio.sleep(0)
+            await writer.write(chunk[:left])
+            left -= len(chunk)
 
 
 KEEPALIVE_S: float = 4
@@ -304,7 +335,8 @@ class Engines:
         if session is None:
             raise RuntimeError("Engines.open() was not awaited")
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
-            data = io.BytesIO(data)
+            data = Pieces((data,))
+        payload = _PiecesPayload(data) if isinstance(data, Pieces) else data
         timeout = self._timeout(total_s)
         tls: dict[str, Any] = {}
         if url.startswith("https://"):
@@ -318,7 +350,7 @@ class Engines:
                 method,
                 URL(url, encoded=True),
                 headers=headers,
-                data=data,
+                data=payload,
                 allow_redirects=False,
                 timeout=timeout,
                 **tls,

@@ -378,6 +378,8 @@ def test_long_strings_set_aside_come_back_as_the_client_wrote_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(bodies, "LONG_STRING_BYTES", 64)
+    monkeypatch.setattr(bodies, "MEMBER_PIECE_BYTES", 64)
+    monkeypatch.setattr(bodies, "CHUNK_BYTES", 50)
     rng = random.Random(4)
 
     def text(size: int) -> str:
@@ -402,6 +404,33 @@ def test_long_strings_set_aside_come_back_as_the_client_wrote_them(
         reduced, aside = found
         assert len(reduced) < len(raw)
         body = bodies.parse_object(reduced)
-        bodies._encode_members(body, aside)
+        members: dict[int, bytes] = {}
+        bodies._encode_members(body, aside, members)
         assert body["prompt"] == document["prompt"]  # read by value: parsed back
         assert orjson.loads(orjson.dumps(body)) == document
+        # A leg built from the body: its big members go out as pieces, the same bytes.
+        leg = {**body, "max_tokens": 1}
+        encoded = bodies.encode(leg, members)
+        expected = orjson.dumps(leg)
+        if any(id(value) in members for value in leg.values()):
+            assert isinstance(encoded, bodies.Pieces)
+            assert len(encoded) == len(expected)
+            chunks = list(encoded.chunks())
+            assert max(len(chunk) for chunk in chunks) <= bodies.CHUNK_BYTES
+            assert b"".join(chunks) == expected
+        else:
+            assert encoded == expected
+
+
+def test_a_body_with_more_quotes_than_scanned_is_parsed_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Looking for long strings costs a step of Python per quote: past the bound, none is set
+    aside (the body is parsed as it is)."""
+    monkeypatch.setattr(bodies, "LONG_STRING_BYTES", 64)
+    monkeypatch.setattr(bodies, "MAX_QUOTES_SCANNED", 10)
+    long = "x" * 100
+    assert bodies.set_aside(orjson.dumps({"a": long, "b": "y"})) is not None  # 8 quotes
+    assert bodies.set_aside(orjson.dumps({"a": long, "b": "y", "c": 1})) is not None  # 10
+    assert bodies.set_aside(orjson.dumps({"a": long, "b": "y", "c": "z"})) is None  # 12
+    assert bodies.set_aside(orjson.dumps({"a": long, "b": 'y\\"', "c": 1})) is None  # 11

@@ -26,8 +26,6 @@ import functools
 import secrets
 from typing import Any
 
-import orjson
-
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
 from sidecar.endpoints import Endpoint
@@ -120,7 +118,7 @@ class NixlConnector:
         if ex.placement.endpoint is not None:
             outcome = await self._parts.prefill.run(
                 ex,
-                body_for=lambda endpoint: orjson.dumps(self.prefill_body(ex.body, ex.route)),
+                body_for=lambda endpoint: ex.encode(self.prefill_body(ex.body, ex.route)),
                 accept=self._accept,
                 orphaned=functools.partial(self._release, ex),
             )
@@ -128,11 +126,11 @@ class NixlConnector:
                 return outcome
             if isinstance(outcome, Prefilled):
                 return await self._decode_pulling(ex, outcome)
-        local = ex.raw if ex.raw is not None else orjson.dumps(ex.body)
+        local = ex.raw if ex.raw is not None else ex.encode(ex.body)
         return await self._parts.decode.send(ex, local)
 
     async def _decode_pulling(self, ex: Exchange, prefilled: Prefilled) -> Answer:
-        data = orjson.dumps(self.decode_body(ex.body, prefilled.kv_params))
+        data = ex.encode(self.decode_body(ex.body, prefilled.kv_params))
         patch = None
         if prefilled.cached_tokens is not None:
             patch = CachedTokensPatch(prefilled.cached_tokens)
@@ -155,7 +153,7 @@ class NixlConnector:
         return Prefilled(endpoint, params, cached_tokens(answer))
 
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
-        data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
+        data = ex.encode(self.release_body(ex.body, prefilled.kv_params, ex.route))
         headers = ex.headers.copy()
         # Its own id, from the engine id: the decode leg it stands in for may still be known to
         # the engine.

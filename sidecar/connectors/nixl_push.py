@@ -13,8 +13,6 @@ so this release is what frees it.
 
 from __future__ import annotations
 
-import orjson
-
 from sidecar.connectors.nixl import NixlConnector
 from sidecar.exchange import Exchange, Prefilled
 
@@ -23,7 +21,7 @@ class NixlPushConnector(NixlConnector):
     name = "nixl-push"
 
     def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
-        data = orjson.dumps(self.release_body(ex.body, prefilled.kv_params, ex.route))
+        data = ex.encode(self.release_body(ex.body, prefilled.kv_params, ex.route))
         # The prefill leg's engine id (ex.headers carry it), on its path: the prefill engine
         # hands its KV only to a registration under the same id.
         self._parts.aftercare.release(

@@ -31,8 +31,7 @@ import logging
 import secrets
 from typing import Any
 
-import orjson
-
+from sidecar.body import Wire
 from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
 from sidecar.endpoints import Endpoint
@@ -177,7 +176,7 @@ class _Legs:
         self._progress.first_byte()
 
     # the legs
-    def start(self, endpoint: Endpoint) -> bytes:
+    def start(self, endpoint: Endpoint) -> Wire:
         """The prefill attempt's body; starts the decode leg of the same room (any earlier
         attempt's decode leg waits for a room that will not come: it is aborted)."""
         if self.settled or self._decoded():
@@ -185,7 +184,7 @@ class _Legs:
         self._abort_decode()
         ex = self.ex
         body = self._connector.leg_body(ex.body, endpoint, new_room(ex.body))
-        data = orjson.dumps(body)
+        data = ex.encode(body)
         self.decode = asyncio.create_task(
             self._connector.parts.decode.send(ex, data), name=task_name(ex.request_id, "decode")
         )

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from sidecar.connectors.nixl import (
     KV_TRANSFER_PARAMS,
     PROMPT_LOGPROBS,
@@ -38,7 +36,7 @@ class SharedStorageConnector:
         if ex.placement.endpoint is not None:
             outcome = await self._parts.prefill.run(
                 ex,
-                body_for=lambda endpoint: orjson.dumps(one_token_leg(ex.body, ex.route)),
+                body_for=lambda endpoint: ex.encode(one_token_leg(ex.body, ex.route)),
                 accept=_accept,
                 orphaned=_nothing_staged,
             )
@@ -47,7 +45,7 @@ class SharedStorageConnector:
             if isinstance(outcome, Prefilled) and outcome.cached_tokens is not None:
                 patch = CachedTokensPatch(outcome.cached_tokens)
         # Prefilled or not, the decode gets the client's body: it finds what the store holds.
-        data = ex.raw if ex.raw is not None else orjson.dumps(ex.body)
+        data = ex.raw if ex.raw is not None else ex.encode(ex.body)
         return await self._parts.decode.send(ex, data, patch)
 
     def unsupported(self, body: dict[str, Any]) -> str | None:
