@@ -434,3 +434,49 @@ def test_a_body_with_more_quotes_than_scanned_is_parsed_whole(
     assert bodies.set_aside(orjson.dumps({"a": long, "b": "y", "c": 1})) is not None  # 10
     assert bodies.set_aside(orjson.dumps({"a": long, "b": "y", "c": "z"})) is None  # 12
     assert bodies.set_aside(orjson.dumps({"a": long, "b": 'y\\"', "c": 1})) is None  # 11
+
+
+async def test_a_guarded_passthrough_body_is_under_the_same_limits(
+    http: aiohttp.ClientSession,
+    start_engine: StartEmulator,
+    decode: RunningEmulator,
+    start_sidecar_with: StartSidecar,
+) -> None:
+    """A body to another generation route (read to check it for KV fields) counts against the
+    byte budget and the size limit like the pipeline's: over either, refused, and the engine
+    gets nothing of it."""
+    prefill = await start_engine()
+    sidecar = await start_sidecar_with(max_body_bytes=BUDGET, body_budget_bytes=BUDGET)
+    responses = orjson.dumps({"model": "m", "input": "x" * SIZE})
+
+    async def post_responses(data: bytes) -> int:
+        async with http.post(
+            sidecar.url + "/v1/responses", data=data, headers={"content-type": "application/json"}
+        ) as response:
+            return response.status
+
+    before = len(await engine_requests(http, decode))
+    assert await post_responses(orjson.dumps({"input": "x" * BUDGET})) == 413
+    assert await _refused(http, sidecar, "size") == 1
+
+    await inject(http, prefill, kind="hang", role="prefill")
+    client = asyncio.create_task(_post(http, sidecar, _body(), prefill))
+
+    async def first_held() -> bool:
+        return await _held(http, sidecar) == SIZE
+
+    await eventually(first_held)
+    assert await post_responses(responses) == 503
+    assert await _refused(http, sidecar, "budget") == 1
+    assert len(await engine_requests(http, decode)) == before  # nothing of either
+    await _release(http, prefill)
+    status, _ = await client
+    assert status == 200
+
+    async def returned() -> bool:
+        return await _held(http, sidecar) == 0
+
+    await eventually(returned)
+    await post_responses(responses)  # the emulator's answer to the route is not the point
+    assert (await engine_requests(http, decode))[-1]["path"] == "/v1/responses"
+    assert await _held(http, sidecar) == 0
