@@ -67,6 +67,8 @@ RELEASES = "pd_sidecar_kv_releases_total"
 
 SEED = 20261201
 REQUESTS = 48
+CLIENT_TIMEOUT_S = 60
+"""Each request's limit, in the client (the slowest takes about 3 s here)."""
 DECODE_LINK_DELAY_S = 0.5
 """The scenario's sidecar reaches the decode engine over a slow link (devkit/slowlink.py): every
 decode leg waits this long before the engine sees it, so the window between the legs is at least
@@ -104,6 +106,10 @@ class Plan:
     text: str = ""
     cancelled_at: float | None = None
     """Wall-clock time the client left (the sidecar's ``started_at`` is wall-clock too)."""
+    timed_out: bool = False
+    """The client's own limit (``CLIENT_TIMEOUT_S``) ended the request: the test fails, after
+    reading the sidecar's record of it (once, on CI, one request took longer; which phase it
+    was in went with the exception)."""
 
 
 def plans(rng: random.Random) -> list[Plan]:
@@ -194,6 +200,16 @@ async def _run(
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # not the client leaving: the test is stopped
             raise
+    except TimeoutError:
+        plan.timed_out = True
+
+
+async def _entry(
+    http: aiohttp.ClientSession, cluster: Cluster, request_id: str
+) -> dict[str, Any] | None:
+    """The sidecar's record of the request (None: it has none)."""
+    async with http.get(f"{cluster.sidecar.url}/debug/requests/{request_id}") as response:
+        return await response.json() if response.status == 200 else None
 
 
 def window(plan: Plan, entry: dict[str, Any] | None) -> Window:
@@ -246,9 +262,13 @@ async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, 
 
     # One connection per request, closed when its client leaves: the sidecar sees a disconnect.
     connector = aiohttp.TCPConnector(force_close=True, limit=0)
-    timeout = aiohttp.ClientTimeout(total=60, sock_connect=5)
+    timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S, sock_connect=5)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         await asyncio.gather(*(_run(session, http, cluster, plan) for plan in chosen))
+    slow = [plan for plan in chosen if plan.timed_out]
+    if slow:
+        found = [(plan, await _entry(http, cluster, plan.request_id)) for plan in slow]
+        pytest.fail(f"{len(slow)} request(s) over {CLIENT_TIMEOUT_S} s (plan, record): {found}")
 
     async def none_in_flight() -> bool:
         async with http.get(cluster.sidecar.url + "/debug/requests?limit=1000") as response:
@@ -258,8 +278,7 @@ async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, 
     await until(none_in_flight, KV_FREED_WITHIN_S, "every request record leaves inflight")
     entries: dict[str, dict[str, Any] | None] = {}
     for plan in chosen:
-        async with http.get(f"{cluster.sidecar.url}/debug/requests/{plan.request_id}") as response:
-            entries[plan.request_id] = await response.json() if response.status == 200 else None
+        entries[plan.request_id] = await _entry(http, cluster, plan.request_id)
     windows = Counter(window(plan, entries[plan.request_id]) for plan in chosen)
     held, took = await settled_prefill_kv_blocks(
         http, cluster, at_most=held_before, within=KV_FREED_WITHIN_S
