@@ -3,8 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup lint format types test check demo clean e2e-vllm-setup e2e-vllm demo-vllm bench \
-	bench-smoke
+.PHONY: setup lint format types test test-system check demo clean e2e-vllm-setup e2e-vllm demo-vllm \
+	bench bench-smoke
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,8 +26,13 @@ format: setup
 types: setup
 	$(VENV)/bin/mypy
 
+# The main suite, on every core (pytest-xdist); the system tests (the `system` marker: packages,
+# the project's programs in subprocesses, Redis Cluster, Chromium, seconds of wall time) apart.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
+
+test-system: setup
+	$(PY) -m pytest -n auto -m system
 
 check: lint types test
 

@@ -320,6 +320,7 @@ def test_every_setting_has_an_invalid_case() -> None:
     assert {name for name, _ in INVALID} == {name for name, _, _ in describe_fields()}
 
 
+@pytest.mark.system
 def test_the_process_exits_2() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sidecar"],
@@ -333,6 +334,7 @@ def test_the_process_exits_2() -> None:
     assert result.stderr.startswith("pd-sidecar: invalid configuration: SIDECAR_PORT")
 
 
+@pytest.mark.system
 def test_help_lists_every_setting_with_default() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sidecar", "--help"],

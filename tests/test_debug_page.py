@@ -231,6 +231,7 @@ async def serve_every_kind(
 # --- the tests ------------------------------------------------------------------------------------
 
 
+@pytest.mark.system
 async def test_the_page_in_chromium(
     browser: WebDriver,
     http: aiohttp.ClientSession,
@@ -362,6 +363,7 @@ def check_page(
     assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 
+@pytest.mark.system
 async def test_the_page_says_when_the_sidecar_is_gone(
     browser: WebDriver, decode: RunningEmulator
 ) -> None:

@@ -28,6 +28,7 @@ saw it included); once the sidecar's record shows it in that state (a condition,
 on a loaded machine a timer lands before the sidecar has read the request)."""
 
 
+@pytest.mark.system
 @pytest.mark.timeout(180)
 async def test_random_disconnects_leak_nothing(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator

@@ -358,6 +358,7 @@ def test_the_reader_joins_continuations_and_skips_comments() -> None:
     assert stage.pairs("ENV") == {"A": "1", "B": "two words"}
 
 
+@pytest.mark.system
 @pytest.mark.timeout(BUILD_TIMEOUT_S)
 def test_the_wheel_holds_every_module_and_both_scripts(installed: Installation) -> None:
     with zipfile.ZipFile(installed.wheel()) as wheel:
@@ -376,6 +377,7 @@ def test_the_wheel_holds_every_module_and_both_scripts(installed: Installation) 
     assert list(installed.venv.glob("lib/python3*/site-packages/sidecar/__pycache__/*.pyc"))
 
 
+@pytest.mark.system
 @pytest.mark.timeout(BUILD_TIMEOUT_S)
 async def test_the_installation_runs_the_sidecar_and_the_emulator(installed, http) -> None:
     seen = orjson.loads(

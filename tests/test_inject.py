@@ -443,6 +443,7 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.system
 def test_cli_reads_a_file_and_its_output_reinjects_to_the_same_bytes(tmp_path: Path) -> None:
     source = tmp_path / "decode.yaml"
     source.write_text(SERVICE + "---\n" + deployment())
@@ -457,6 +458,7 @@ def test_cli_reads_a_file_and_its_output_reinjects_to_the_same_bytes(tmp_path: P
     assert cli("-f", "-", stdin=first.stdout).stdout == first.stdout
 
 
+@pytest.mark.system
 def test_cli_reads_several_files_as_one_stream(tmp_path: Path) -> None:
     (tmp_path / "service.yaml").write_text(SERVICE)
     (tmp_path / "decode.yaml").write_text(deployment())
@@ -466,6 +468,7 @@ def test_cli_reads_several_files_as_one_stream(tmp_path: Path) -> None:
     assert kinds == ["Service", "Deployment"]
 
 
+@pytest.mark.system
 def test_cli_refusal_is_exit_status_2_with_nothing_on_stdout(tmp_path: Path) -> None:
     source = tmp_path / "decode.yaml"
     source.write_text(deployment('          args: ["--port", "9000"]\n'))
@@ -478,6 +481,7 @@ def test_cli_refusal_is_exit_status_2_with_nothing_on_stdout(tmp_path: Path) -> 
     assert "cannot read" in missing.stderr
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     "args",
     [
@@ -494,6 +498,7 @@ def test_cli_bad_options_are_exit_status_2(args: list[str]) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.system
 def test_cli_options_reach_the_output() -> None:
     result = cli(
         "--image", "registry.example/pd-sidecar:dev", "--drain-s", "12", stdin=deployment()
@@ -526,6 +531,7 @@ def test_tls_secret_mounts_it_and_moves_the_probes_to_https() -> None:
         inject(taken, options)
 
 
+@pytest.mark.system
 def test_cli_tls_secret(tmp_path: Path) -> None:
     source = tmp_path / "decode.yaml"
     source.write_text(deployment())
@@ -538,6 +544,7 @@ def test_cli_tls_secret(tmp_path: Path) -> None:
     assert "--tls-secret" in bad.stderr
 
 
+@pytest.mark.system
 def test_the_console_script_is_installed() -> None:
     script = Path(sysconfig.get_path("scripts")) / "pd-sidecar-inject"
     assert script.exists() or shutil.which("pd-sidecar-inject"), "pip install -e . installs it"

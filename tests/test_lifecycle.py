@@ -24,6 +24,7 @@ async def engines() -> AsyncIterator[tuple[EmulatorProcess, EmulatorProcess]]:
     await decode.stop()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("drain_s", "finished", "cancelled"), [(10, 1, 0), (0.3, 0, 1)])
 async def test_sigterm_drains_streams_in_flight(
@@ -69,6 +70,7 @@ async def test_sigterm_drains_streams_in_flight(
     assert f"drained: {finished} request(s) finished, {cancelled} cancelled" in log
 
 
+@pytest.mark.system
 @pytest.mark.timeout(90)
 async def test_prefill_killed_and_restarted(http, engines) -> None:
     prefill, decode = engines
@@ -117,6 +119,7 @@ async def test_prefill_killed_and_restarted(http, engines) -> None:
         assert "pool_empty" in {r["reason"] for r in records}  # while it was ejected
 
 
+@pytest.mark.system
 @pytest.mark.timeout(90)
 async def test_decode_restart(http, engines) -> None:
     _, decode = engines

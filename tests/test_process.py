@@ -17,6 +17,7 @@ from tests.conftest import completion, eventually, get_json, inject
 from tests.processes import sidecar_process
 
 
+@pytest.mark.system
 async def test_process_serves_and_stops_on_sigterm(http, decode) -> None:
     async with sidecar_process(
         capture_log=True,
@@ -42,6 +43,7 @@ async def test_process_serves_and_stops_on_sigterm(http, decode) -> None:
 DRAIN_S = 2.0
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_shutdown_is_one_budget(http, start_engine) -> None:
     """SIGTERM with a slow stream in flight and a prefill that will never finish: the process
@@ -87,6 +89,7 @@ async def test_shutdown_is_one_budget(http, start_engine) -> None:
     assert "shutdown: 1 KV release(s) or finishing prefill(s) cut" in log
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("variable", ["SIDECAR_PORT", "SIDECAR_ADMIN_PORT"])
 async def test_a_busy_port_is_one_line_and_exit_1(variable: str) -> None:
     with socket.socket() as taken:

@@ -28,6 +28,7 @@ def recipe() -> str:
     return match.group(1)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_the_readme_recipe_runs() -> None:
     program("curl", "curl")

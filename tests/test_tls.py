@@ -435,6 +435,7 @@ def test_engine_tls_settings_without_an_https_engine_are_refused() -> None:
     assert Settings(decode_url="https://127.0.0.1:8443", tls_ca_file="/etc/ca.pem").tls_ca_file
 
 
+@pytest.mark.system
 async def test_the_process_on_uvloop_serves_https_and_follows_a_rotation(
     pki: Pki, tmp_path: Path, decode: Any
 ) -> None:

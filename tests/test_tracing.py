@@ -325,6 +325,7 @@ async def test_a_disabled_sdk_passes_the_trace_context_through(
 # --- the process, configured by the OTEL_* variables ------------------------------------------
 
 
+@pytest.mark.system
 async def test_the_process_exports_where_the_otel_variables_say(
     otlp: Receiver, http, prefill, decode
 ) -> None:
@@ -416,6 +417,7 @@ print("served without opentelemetry")
 """
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("tracing", ["true", "false"])
 def test_without_the_extra(tracing: str) -> None:
     """SIDECAR_TRACING=true without the SDK: exit status 2 and one line naming the extra. Off,

@@ -13,6 +13,7 @@ import pytest
 from sidecar.emulator.config import config_from_args
 
 
+@pytest.mark.system
 async def test_module_runs_and_stops_on_sigterm(session: aiohttp.ClientSession) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -216,6 +216,7 @@ async def _scraped_since(prometheus: Prometheus, unix: float) -> bool:
     return bool(rules) and all(rule["health"] != "unknown" for rule in rules)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(90)
 async def test_every_selector_of_the_dashboard_and_the_rules_returns_series(
     tmp_path: Path, engines: tuple[RunningEmulator, RunningEmulator, RunningEmulator]

@@ -70,6 +70,7 @@ def test_agreement_is_within_a_quarter():
     assert not agree(0.0, 0.0)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 async def test_a_short_calibration_runs_the_real_processes_and_the_simulator(capsys, tmp_path):
     program("redis-server", "redis-server")

@@ -60,6 +60,7 @@ async def _synced_since(http: aiohttp.ClientSession, sidecar: RunningSidecar, si
     return bool(backend["connected"]) and (backend["last_sync_unix"] or 0) >= since
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 async def test_a_master_failover_costs_no_request_and_shared_state_resumes(
     http, cluster: RedisCluster, start_engine: StartEmulator, start_sidecar_with: StartSidecar

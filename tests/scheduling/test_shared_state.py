@@ -54,6 +54,7 @@ async def _evalsha_calls(client: aioredis.Redis) -> int:
     return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_eval"))
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_slow_endpoint_receives_fewer_prefills(
     http, redis_server, start_engine: StartEmulator, decode
@@ -94,6 +95,7 @@ async def test_slow_endpoint_receives_fewer_prefills(
     assert counts[2] < min(counts[:2]) / 2, counts
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_dead_sidecar_stops_counting_within_the_lease(
     http, redis_server, prefill, decode
@@ -131,6 +133,7 @@ async def test_dead_sidecar_stops_counting_within_the_lease(
             assert response.status in (200, 204)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_redis_down_costs_no_request_and_reconnects(
     http, redis_server, prefill, decode
@@ -170,6 +173,7 @@ async def test_redis_down_costs_no_request_and_reconnects(
         assert await send(2) == [200] * 2
 
 
+@pytest.mark.system
 @pytest.mark.timeout(30)
 async def test_one_round_trip_to_decide_the_reservation_published_off_the_path(
     http, redis_server, prefill, decode
@@ -213,6 +217,7 @@ async def test_one_round_trip_to_decide_the_reservation_published_off_the_path(
         await client.aclose()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 async def test_each_decision_reads_the_reservations_of_a_moment_ago(
     http, redis_server, start_engine: StartEmulator, decode
@@ -257,6 +262,7 @@ async def test_each_decision_reads_the_reservations_of_a_moment_ago(
     assert all(busy != endpoint for busy, endpoint in chosen), chosen
 
 
+@pytest.mark.system
 @pytest.mark.timeout(30)
 async def test_slow_redis_does_not_hold_requests(http, redis_server, prefill, decode) -> None:
     # A long lease: no heartbeat sync falls into the pause (a request arriving during a sync
