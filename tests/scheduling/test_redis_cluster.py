@@ -137,6 +137,10 @@ async def test_a_master_failover_costs_no_request_and_shared_state_resumes(
     # The figure docs/scheduling.md quotes (pytest -s shows it).
     print(f"shared state resumed {time.time() - promoted:.2f} s after the promotion")
 
+    async def both_hung() -> bool:  # a release wakes only the prefills the engine holds now
+        return (await get_json(http, held.url + "/emulator/faults"))["held"] == 2
+
+    await eventually(both_hung)
     async with http.post(held.url + "/emulator/release") as response:
         assert response.status == 200
     assert await asyncio.gather(*holding) == [200, 200]

@@ -208,6 +208,11 @@ async def test_one_round_trip_to_decide_the_reservation_published_off_the_path(
             # The prefill is hanging on the engine: two script calls were made for it, the
             # decision's refresh and the worker's publication of the reservation.
             assert await _evalsha_calls(client) - before == 2
+
+            async def hung() -> bool:  # the sidecar's "prefilling" comes before the engine has it
+                return (await get_json(http, prefill.url + "/emulator/faults"))["held"] == 1
+
+            await eventually(hung)  # a release before that wakes nothing: the prefill would hang
             async with http.post(prefill.url + "/emulator/release") as response:
                 assert response.status in (200, 204)
             response = await request
