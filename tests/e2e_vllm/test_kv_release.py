@@ -77,6 +77,9 @@ over the same link). Without it the window is the decode engine's time to a firs
 a KV pull, a few milliseconds for the tiny model: a client leaving "between the legs" (its clock
 started when the record shows ``prefill_done``, read over HTTP) found its answer already complete
 (CI, 12 of 12)."""
+MAX_RECONNECTS = 2
+CONNECTIONS_CLOSED = "pd_sidecar_client_connections_closed_total"
+CONNECTIONS_REFUSED = "pd_sidecar_client_connections_refused_total"
 Cancel = Literal["prefill", "between", "midstream", "never"]
 """When the client leaves: a random moment after the sidecar's record shows the request arrived
 (mostly during the prefill leg), a random moment after it shows the prefill done, after a random
@@ -106,6 +109,9 @@ class Plan:
     text: str = ""
     cancelled_at: float | None = None
     """Wall-clock time the client left (the sidecar's ``started_at`` is wall-clock too)."""
+    reconnects: int = 0
+    """Times the request was sent again because its connection closed before it was written
+    (``_send``)."""
     timed_out: bool = False
     """The client's own limit (``CLIENT_TIMEOUT_S``) ended the request: the test fails, after
     reading the sidecar's record of it (once, on CI, one request took longer; which phase it
@@ -136,13 +142,35 @@ def plans(rng: random.Random) -> list[Plan]:
     return chosen
 
 
-async def _send(session: aiohttp.ClientSession, cluster: Cluster, plan: Plan) -> None:
+async def _send(
+    session: aiohttp.ClientSession, http: aiohttp.ClientSession, cluster: Cluster, plan: Plan
+) -> None:
     body = request_body(
         plan.route,
         unique_prompt(plan.request_id, words=plan.prompt_words),
         stream=plan.stream,
         max_tokens=plan.max_tokens,
     )
+    while True:
+        try:
+            await _exchange(session, cluster, plan, body)
+            return
+        except aiohttp.ClientOSError:
+            # The connection was closed before the request could be written (once on CI: "Can
+            # not write request body", the transport closing as the head was sent). A request
+            # the sidecar never saw is sent again, as HTTP clients do; the test then checks
+            # that the sidecar's listener closed and refused no connection, so that the
+            # listener is not what closed it. One the sidecar saw fails the test.
+            if plan.reconnects >= MAX_RECONNECTS or await _recorded(
+                http, cluster, plan.request_id, None
+            ):
+                raise
+            plan.reconnects += 1
+
+
+async def _exchange(
+    session: aiohttp.ClientSession, cluster: Cluster, plan: Plan, body: dict[str, Any]
+) -> None:
     async with session.post(
         cluster.sidecar.url + PATHS[plan.route],
         json=body,
@@ -182,7 +210,7 @@ async def _run(
     session: aiohttp.ClientSession, http: aiohttp.ClientSession, cluster: Cluster, plan: Plan
 ) -> None:
     await asyncio.sleep(plan.start_after_s)
-    call = asyncio.ensure_future(_send(session, cluster, plan))
+    call = asyncio.ensure_future(_send(session, http, cluster, plan))
     if plan.cancel in ("prefill", "between"):
         phase = "prefill_done" if plan.cancel == "between" else None
         # The record lives in the sidecar, seen only over HTTP: there is no event to await.
@@ -285,12 +313,18 @@ async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, 
     )
     released = await sidecar_metric(http, cluster, RELEASES, outcome="sent") - released_before
     failed = await sidecar_metric(http, cluster, RELEASES, outcome="failed")
+    reconnects = sum(plan.reconnects for plan in chosen)
+    closed = await sidecar_metric(http, cluster, CONNECTIONS_CLOSED, listener="api")
+    refused = await sidecar_metric(http, cluster, CONNECTIONS_REFUSED, listener="api")
     summary = (
         f"seed {SEED}; where clients left: {dict(windows)}; prefill KV blocks held "
         f"{held_before} before, {held} after {took:.1f} s; releases sent {released:g}, "
-        f"failed (total) {failed:g}"
+        f"failed (total) {failed:g}; sent again after a closed connection: {reconnects}; "
+        f"connections the sidecar closed {closed:g}, refused {refused:g}"
     )
     print(summary)
+    # Nothing here is slow, idle or over the cap: the sidecar's listener closes nothing.
+    assert (closed, refused) == (0, 0), summary
 
     for plan in chosen:
         entry = entries[plan.request_id]
