@@ -8,8 +8,8 @@ A connector prefills by iterating attempts, each written as straight code::
             ...                                      # decode; kv.taken() once it has the KV
     # the attempts ran out: decode locally (SIDECAR_PREFILL_FALLBACK=local)
 
-or, for a protocol that sends both legs at once (SGLang), ``with attempt:`` and
-``attempt.start(...)``, the call's task, which the attempt aborts on exit unless handed over.
+or, for a protocol that sends both legs at once (SGLang), ``kv.start(...)``: the call's task,
+which the exit aborts unless it ended or was handed over (``kv.hand_over``).
 
 **Retries.** An attempt that failed transiently (connect error, reset, timeout, 502/503/504) is
 followed by another, up to ``SIDECAR_PREFILL_RETRIES`` more, after a doubling backoff — on another
@@ -499,6 +499,15 @@ class StagedKv:
         if isinstance(result, Prefilled):
             self._staged(result)
         return result
+
+    def start(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Call:
+        """The attempt's call, for a protocol that waits for it along with its decode leg (the
+        exit aborts it unless it ended or was handed over; no disconnect policy)."""
+        return self._attempt.start(data, accept, read)
+
+    def hand_over(self, call: Call) -> bool:
+        """``Attempt.hand_over``: the call's answer is read to its end in the background."""
+        return self._attempt.hand_over(call)
 
     def taken(self) -> None:
         """The decode leg has the KV (its engine answered): nothing to release."""

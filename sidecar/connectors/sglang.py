@@ -72,15 +72,18 @@ class SglangConnector:
                 f"({ex.placement.decision.reason})"
             )
         async for attempt in self.parts.prefill.attempts(ex):
-            with attempt:
+            # The prefill server sends the KV to the decode leg in the room: nothing is left
+            # staged for a release, but both legs end with the attempt.
+            with attempt.staged(release=None) as kv:
                 data = ex.encode(self.leg_body(ex.body, attempt.endpoint, new_room(ex.body)))
                 with _DecodeLeg(self.parts, ex, data) as decode:
-                    prefill = attempt.start(data, _accept, read=drained)
+                    prefill = kv.start(data, _accept, read=drained)
                     await asyncio.wait({prefill, decode.task}, return_when=FIRST_COMPLETED)
                     if decode.answered():
                         # The decode has the KV: the prefill's own answer is only read to its
                         # end, in the background (the record counts the prefill done now).
-                        attempt.hand_over(prefill)
+                        kv.taken()
+                        kv.hand_over(prefill)
                         return decode.keep()
                     if not prefill.done():
                         # The decode failed while its prefill runs, which would wait for it in
