@@ -9,8 +9,8 @@ KV release.
 - Adopted prefills: at most ``MAX_ADOPTED``; beyond it a prefill is aborted rather than finished.
 - Releases: at most ``RELEASES_AT_ONCE`` sent at once; more wait for a place, in order (each
   wait counted in ``pd_sidecar_kv_release_waits_total``), up to ``MAX_RELEASES`` sent or
-  waiting; beyond that a release is skipped (the engine's own expiry frees that KV later;
-  counted as ``skipped``).
+  waiting; beyond that a release is refused (the engine's own expiry frees that KV later; its
+  owner, ``sidecar.prefill.StagedKv``, counts it ``skipped``).
 - Cancelled tasks held until they end (``watch``): not bounded here — each is already cancelled
   and ends at its next step, and each belongs to a request that ended.
 """
@@ -59,6 +59,11 @@ class Aftercare:
         self._sending = asyncio.Semaphore(RELEASES_AT_ONCE)
         """A release's place to be sent; FIFO among the waiting ones."""
 
+    @property
+    def releasing(self) -> bool:
+        """Whether staged KV is released (``SIDECAR_RELEASE_ON_DISCONNECT``)."""
+        return self._enabled
+
     def adopt(self, task: asyncio.Future[Any]) -> bool:
         """Keep ``task`` running after its request ended; False when ``MAX_ADOPTED`` are."""
         if len(self._adopted) >= MAX_ADOPTED:
@@ -77,23 +82,20 @@ class Aftercare:
         headers: Mapping[str, str],
         data: Wire,
         trace: RequestTrace | None = None,
-    ) -> None:
+    ) -> bool:
         """Send ``data`` to ``urls[0]`` in the background to free request ``request_id``'s
         staged KV, its answer dropped; to the next URL when one cannot be connected to (any
-        decode rank can pull the KV).
-
-        Does nothing when releases are off (``SIDECAR_RELEASE_ON_DISCONNECT=false``).
+        decode rank can pull the KV). Its end is counted (``sent`` or ``failed``). False, and
+        nothing sent, when ``MAX_RELEASES`` are sent or waiting already.
         """
-        if not self._enabled:
-            return
         if len(self._releases) >= MAX_RELEASES:
-            self._metrics.kv_releases.labels("skipped").inc()
-            return
+            return False
         leg = trace.leg("kv_release", urls[0]) if trace is not None else None
         if leg is not None:
             headers = leg.headers(headers)
         name = task_name(request_id, "release")
         _hold(self._releases, asyncio.create_task(self._send(urls, headers, data, leg), name=name))
+        return True
 
     async def _send(
         self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg | None

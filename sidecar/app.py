@@ -16,7 +16,7 @@ from aiohttp import web
 from sidecar.aftercare import Aftercare
 from sidecar.body import Bodies
 from sidecar.config import Settings
-from sidecar.connectors import Parts, make_connector
+from sidecar.connectors import ConnectorFactory, Parts, make_connector
 from sidecar.debug import DebugViews
 from sidecar.debug_page import DebugPage
 from sidecar.decode import DecodeSend
@@ -37,7 +37,7 @@ from sidecar.passthrough import Passthrough
 from sidecar.paths import canonical_paths
 from sidecar.pipeline import Pipeline
 from sidecar.poolwatch import InferencePoolWatch
-from sidecar.prefill import PrefillCall
+from sidecar.prefill import Prefill, PrefillOptions
 from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.scheduling.state import MemoryState, StateBackend
@@ -73,7 +73,12 @@ LISTEN_BACKLOG = 2048
 thousand clients connect at once; vLLM's API server uses 2048 too)."""
 
 
-def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.Application:
+def create_app(
+    settings: Settings,
+    *,
+    tracing: Tracing | None = None,
+    connector: ConnectorFactory = make_connector,
+) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process.
 
     ``tracing``: the spans' provider, which the app then shuts down (tests pass one exporting
@@ -144,11 +149,17 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         enabled=settings.release_on_disconnect,
         timeout_s=settings.decode_first_byte_timeout_s,
     )
+    decode = DecodeSend(settings, engines=engines, ranks=scheduler.ranks, metrics=metrics)
     parts = Parts(
-        prefill=PrefillCall(
-            settings, engines=engines, scheduler=scheduler, metrics=metrics, aftercare=aftercare
+        prefill=Prefill(
+            PrefillOptions.from_settings(settings),
+            engines=engines,
+            scheduler=scheduler,
+            metrics=metrics,
+            aftercare=aftercare,
+            release_urls=decode.release_urls,
         ),
-        decode=DecodeSend(settings, engines=engines, ranks=scheduler.ranks, metrics=metrics),
+        decode=decode,
         aftercare=aftercare,
     )
     gateway = GatewayHeaders(settings.prefill_headers)
@@ -162,7 +173,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
     pipeline = Pipeline(
         settings,
         bodies=bodies,
-        connector=make_connector(settings, parts),
+        connector=connector(settings, parts),
         scheduler=scheduler,
         guard=guard,
         gateway=gateway,
@@ -441,13 +452,18 @@ class CannotListen(Exception):
     """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
 
 
-async def start_sidecar(settings: Settings, *, tracing: Tracing | None = None) -> RunningSidecar:
-    """Serve ``create_app(settings, tracing=tracing)`` on its port (0 = a free one) until
-    ``close()``.
+async def start_sidecar(
+    settings: Settings,
+    *,
+    tracing: Tracing | None = None,
+    connector: ConnectorFactory = make_connector,
+) -> RunningSidecar:
+    """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
+    free one) until ``close()``.
 
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
-    app = create_app(settings, tracing=tracing)
+    app = create_app(settings, tracing=tracing, connector=connector)
     context = app[SERVER_TLS].context if SERVER_TLS in app else None
     admin_context = context if settings.admin_tls else None
     runner = ListenerRunner(

@@ -14,6 +14,7 @@ before its next ``/health`` poll marks it unready. With one rank there is nowher
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -149,11 +150,10 @@ async def started(
             upstream = await engines.send(
                 method, url, headers=headers, data=data, role="the decode engine"
             )
-            try:
+            with contextlib.ExitStack() as on_failure:
+                on_failure.callback(upstream.close)
                 first = await upstream.first_chunk()
-            except BaseException:
-                upstream.close()
-                raise
+                on_failure.pop_all()
     except TimeoutError:
         raise EngineTimeout(f"the decode engine sent nothing within {limit}") from None
     return upstream, first

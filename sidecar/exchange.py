@@ -6,7 +6,7 @@ hands it to ``connector.run``; the connector's parts report their progress throu
 outcomes, never aiohttp objects:
 
 - a prefill call ends ``Prefilled`` (KV staged, its instructions), ``Refused`` (the engine's own
-  4xx, for the client) or ``Fallback`` (decode locally);
+  4xx, for the client) or ``sidecar.prefill.Failed`` (another attempt, or the fallback);
 - ``connector.run`` ends with an ``Answer`` to relay (the decode engine's status line is in and
   its first body byte too) or a ``Refused`` to send as is; or it raises a ``SidecarError``.
 """
@@ -105,13 +105,6 @@ class Refused:
     content_type: str
     error: str
     """For the record: who refused, e.g. "prefill answered 404"."""
-
-
-@dataclass(frozen=True, slots=True)
-class Fallback:
-    """The prefill failed: decode locally without KV (the decode engine recomputes)."""
-
-    reason: str
 
 
 class Patch(Protocol):

@@ -9,6 +9,7 @@ prefills, and is the only writer of the request's lifecycle record — from the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import orjson
@@ -140,7 +141,8 @@ class Pipeline:
         )
         if trace is not None and placing is not None:
             trace.placed(placing, placement)
-        try:
+        with contextlib.ExitStack() as on_failure:  # the rank is the relay's once it answers
+            on_failure.callback(placement.rank.end)
             _record_placement(record, placement)
             progress = _Progress(record, self._scheduler, placement)
             exchange = Exchange(
@@ -160,9 +162,7 @@ class Pipeline:
                 answer = await self._connector.run(exchange)
             finally:
                 progress.settle()
-        except BaseException:
-            placement.rank.end()
-            raise
+            on_failure.pop_all()
         return placement, progress, answer
 
     async def _relay(

@@ -1,52 +1,72 @@
-"""The prefill call: retries, timeouts, fallback, and what happens when its client leaves.
+"""The prefill leg: its attempts (retries, timeouts, fallback) and the KV one stages.
 
-A shared part of every connector that runs a prefill leg. Transient failures (connect error,
-reset, timeout, 502/503/504) are retried up to ``SIDECAR_PREFILL_RETRIES`` times with a doubling
-backoff — on another endpoint when the scheduler chose it, on the same one when the gateway named
-it. Any other 5xx, a 3xx, or an answer the connector cannot use is not retried. A 4xx is the
-client's own fault: ``Refused``, never retried. When the prefill finally fails,
-``SIDECAR_PREFILL_FALLBACK`` decides: ``local`` returns ``Fallback``, ``fail`` raises
-``PrefillFailed`` (503).
+A connector prefills by iterating attempts, each written as straight code::
 
-A client that leaves while the call runs (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort`` cancels
-the call (the engine drops a prefill it is still computing); ``finish`` lets it end in the
-background and hands its KV to ``orphaned`` (to be released); ``auto`` finishes a call predicted to
-end within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler
+    async for attempt in prefill.attempts(ex):      # the endpoint, the number, the budget left
+        with attempt.staged(release) as kv:          # a prefill that stages KV for the decode
+            outcome = await kv.prefill(data, accept)   # Prefilled | Refused | Failed
+            ...                                      # decode; kv.taken() once it has the KV
+    # the attempts ran out: decode locally (SIDECAR_PREFILL_FALLBACK=local)
+
+or, for a protocol that sends both legs at once (SGLang), ``kv.start(...)``: the call's task,
+which the exit aborts unless it ended or was handed over (``kv.hand_over``).
+
+**Retries.** An attempt that failed transiently (connect error, reset, timeout, 502/503/504) is
+followed by another, up to ``SIDECAR_PREFILL_RETRIES`` more, after a doubling backoff — on another
+endpoint when the scheduler chose it, on the same one when the gateway named it. Any other 5xx, a
+3xx, or an answer the connector cannot use is not retried. A 4xx is the client's own fault:
+``Refused``, never retried. When the attempts run out, ``SIDECAR_PREFILL_FALLBACK`` decides:
+``local`` ends the iteration (the connector decodes locally), ``fail`` raises ``PrefillFailed``
+(503).
+
+**Staged KV** (``StagedKv``) has one owner: the handle the attempt gives the connector. Its
+``taken()`` (the decode leg has it) and ``release()`` are idempotent, and its exit releases KV
+that was not taken — a decode that failed, was refused, or whose client left — by scheduling the
+release in the background work that outlives the request (``sidecar.aftercare``), never by
+awaiting it. Each outcome is counted once: ``sent``/``failed`` by the release itself, ``skipped``
+here.
+
+**A client that leaves while the prefill runs** (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort``
+cancels the call (the engine drops a prefill it is still computing); ``finish`` hands it to the
+background, and its KV is released when it arrives; ``auto`` finishes a call predicted to end
+within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler
 predicts: ``Scheduler.prefill_outlook``). Whatever the mode, a call whose answer has started to
 arrive is finished: the engine is done, its KV staged. The call's own task reports to the
 scheduler when it really ends, so an endpoint's slot is never counted free while the engine still
-works on it. Nothing here awaits after a cancellation: a second one cannot
-skip a step.
+works on it. Nothing here awaits after a cancellation: a second one cannot skip a step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from sidecar.aftercare import Aftercare
 from sidecar.body import Wire
 from sidecar.config import Settings
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
+    REQUEST_ID_HEADER,
     EngineAnswerTooLarge,
-    EngineError,
+    EngineBadResponse,
     EngineTimeout,
     EngineUnreachable,
     PrefillFailed,
     foreign_refusal,
     is_error_body,
 )
-from sidecar.exchange import Exchange, Fallback, Prefilled, Refused
+from sidecar.exchange import Body, Exchange, Prefilled, Refused
 from sidecar.metrics import Metrics
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.tracing import Leg
 from sidecar.tracking import task_name
-from sidecar.upstream import Engines, parse_json
+from sidecar.upstream import EngineAnswer, Engines, parse_json
 
 logger = logging.getLogger("sidecar.prefill")
 
@@ -56,325 +76,522 @@ AUTO_FINISH_WITHIN_S = 0.5
 predicted remaining time (overdue included), is within this many seconds; one queued or further
 from done is aborted."""
 
-Outcome = Prefilled | Refused | Fallback
-BodyFor = Callable[[Endpoint], Wire]
-"""The prefill leg's body for an endpoint (a protocol may name the endpoint in the body)."""
 Accept = Callable[[object, Endpoint], Prefilled | None]
-"""A 2xx prefill answer (parsed JSON; ``b""`` when the call is not ``json``: its body was read
-to its end and dropped) → ``Prefilled``, or None when it is unusable."""
-Orphaned = Callable[[Prefilled], None]
-"""Gets the KV of a prefill whose client left."""
+"""A 2xx prefill answer, as its ``Reader`` gave it → ``Prefilled``, or None when unusable."""
+Reader = Callable[[EngineAnswer, int], Awaitable[object]]
+"""How a 2xx prefill answer is read, given the most bytes to keep."""
+
+
+async def json_answer(upstream: EngineAnswer, limit: int) -> object:
+    """The answer read (at most ``limit`` bytes: ``SIDECAR_MAX_PREFILL_ANSWER_BYTES``) and
+    parsed."""
+    return parse_json(await upstream.read(limit), "prefill")
+
+
+async def drained(upstream: EngineAnswer, limit: int) -> object:
+    """A 2xx answer that may stream and whose content nobody needs, only its end: read to its end
+    without keeping any of it (``b""``)."""
+    await upstream.drain()
+    return b""
 
 
 @dataclass(frozen=True, slots=True)
-class _Failure:
+class Failed:
+    """A prefill attempt that staged nothing usable."""
+
     reason: str
     """The record's fallback_reason and the fallbacks metric's label."""
     outcome: str
     """The prefill_requests metric's outcome label."""
     detail: str
     transient: bool
+    """Worth another attempt."""
 
 
-_Result = Prefilled | Refused | _Failure
+Result = Prefilled | Refused | Failed
 
 
 @dataclass(frozen=True, slots=True)
-class _CallSpec:
-    """What a connector asked of its prefill calls (``PrefillCall.run``'s arguments)."""
+class Release:
+    """How a connector frees the KV its prefill staged: a request built from the prefill's
+    answer, sent to the decode ranks (any of them can pull it), its answer dropped."""
 
-    accept: Accept
-    orphaned: Orphaned
-    json: bool
-    abort_on_disconnect: bool
+    body: Callable[[Prefilled], Body]
+    request_id: str
+    """The ``x-request-id`` it carries (the engine may match staged KV by it)."""
 
 
-class PrefillCall:
+@dataclass(frozen=True, slots=True)
+class PrefillOptions:
+    retries: int
+    retry_backoff_s: float
+    timeout_s: float
+    max_answer_bytes: int
+    fallback_local: bool
+    on_disconnect: str
+    """``auto``, ``abort`` or ``finish``."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PrefillOptions:
+        return cls(
+            retries=settings.prefill_retries,
+            retry_backoff_s=settings.prefill_retry_backoff_s,
+            timeout_s=settings.prefill_timeout_s,
+            max_answer_bytes=settings.max_prefill_answer_bytes,
+            fallback_local=settings.prefill_fallback == "local",
+            on_disconnect=settings.prefill_on_disconnect,
+        )
+
+
+class Prefill:
+    """The prefill leg's policy, shared by every connector: ``attempts(ex)``."""
+
     def __init__(
         self,
-        settings: Settings,
+        options: PrefillOptions,
         *,
         engines: Engines,
         scheduler: Scheduler,
         metrics: Metrics,
         aftercare: Aftercare,
+        release_urls: Callable[[Exchange], list[str]],
     ) -> None:
-        self._settings = settings
-        self._engines = engines
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._aftercare = aftercare
+        """``release_urls``: where a release of a request's staged KV may go, in order."""
+        self.options = options
+        self.engines = engines
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.aftercare = aftercare
+        self.release_urls = release_urls
 
-    async def run(
-        self,
-        ex: Exchange,
-        *,
-        body_for: BodyFor,
-        accept: Accept,
-        orphaned: Orphaned,
-        json: bool = True,
-        abort_on_disconnect: bool = False,
-    ) -> Outcome:
-        """Prefill ``ex`` where it was placed, retrying and falling back as configured.
+    def attempts(self, ex: Exchange) -> Attempts:
+        """``ex``'s prefill attempts, starting where it was placed (none when it was placed
+        locally)."""
+        return Attempts(self, ex)
 
-        ``json``: the answer is read (at most ``SIDECAR_MAX_PREFILL_ANSWER_BYTES``; a longer one
-        is a failed prefill) and parsed before ``accept`` sees it; else a 2xx answer, which may
-        be a stream, is read to its end without keeping any of it, and ``accept`` gets ``b""``.
-        ``abort_on_disconnect``: a cancelled call is aborted, even one whose answer has started,
-        whatever ``SIDECAR_PREFILL_ON_DISCONNECT`` says (a protocol whose prefill waits for its
-        decode, which is gone then, and stages nothing to release).
-        """
-        spec = _CallSpec(accept, orphaned, json, abort_on_disconnect)
-        tried: set[str] = set()
-        current: Placement | None = ex.placement
-        attempt = 0
-        failure: _Failure | None = None
-        last = ex.placement.endpoint
-        while current is not None and current.endpoint is not None:
-            attempt += 1
-            last = current.endpoint
-            try:
-                data = body_for(current.endpoint)
-            except BaseException:
-                self._scheduler.prefill_finished(current, ok=None)  # no call will give it back
-                raise
-            ex.progress.prefill_sent(current.endpoint, attempt)
-            result = await self._attempt(ex, data, current, spec, attempt)
-            if not isinstance(result, _Failure):
-                return result
-            failure = result
-            tried.add(str(current.endpoint))
-            retries = self._settings.prefill_retries
-            if not (failure.transient and attempt <= retries and not _past(ex.deadline)):
-                break
-            logger.info(
-                "request %s: prefill on %s failed (%s), retrying",
-                ex.request_id,
-                current.endpoint,
-                failure.detail,
-                extra={"request_id": ex.request_id},
-            )
-            self._metrics.prefill_retries.inc()
-            await asyncio.sleep(self._settings.prefill_retry_backoff_s * 2 ** (attempt - 1))
-            current = await self._scheduler.retry(current, tried)
-        return self._give_up(ex, failure, last)
-
-    async def _attempt(
-        self,
-        ex: Exchange,
-        data: Wire,
-        placement: Placement,
-        spec: _CallSpec,
-        attempt: int,
-    ) -> _Result:
-        endpoint = placement.endpoint
-        assert endpoint is not None
-        started = asyncio.get_running_loop().time()
-        answering = asyncio.Event()
-        leg = None
-        if ex.trace is not None:
-            leg = ex.trace.leg(
-                "prefill",
-                self._engines.prefill_url(endpoint) + ex.path,
-                {
-                    "pd_sidecar.prefill.endpoint": str(endpoint),
-                    "pd_sidecar.prefill.attempt": attempt,
-                },
-            )
-        call = asyncio.create_task(
-            self._call(ex, data, endpoint, spec, answering, leg),
-            name=task_name(ex.request_id, "prefill"),
-        )
-        call.add_done_callback(functools.partial(self._ended, placement, started, leg))
-        try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
-            self._client_left(call, placement, started, answering.is_set(), spec)
-            raise
-        finally:
-            ex.progress.prefill_ended()
-
-    def _ended(
-        self,
-        placement: Placement,
-        started: float,
-        leg: Leg | None,
-        call: asyncio.Future[_Result],
-    ) -> None:
-        """The call is over, whoever waited for it: tell the scheduler, count it, end its span."""
+    def ended(self, placement: Placement, started: float, leg: Leg | None, call: Call) -> None:
+        """A call is over, whoever waited for it: tell the scheduler, count it, end its span."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
         outcome, error, cached = "cancelled", None, None
-        # (An exception is a bug, logged by whoever awaits the call: the request, or _salvage.)
+        # (An exception is a bug, logged by whoever awaits the call, or by StagedKv._salvage.)
         if not call.cancelled() and call.exception() is None:
             result = call.result()
-            if isinstance(result, _Failure):
+            if isinstance(result, Failed):
                 ok = False
                 outcome, error = result.outcome, result.detail
-                self._metrics.prefill_requests_by(result.outcome).inc()
+                self.metrics.prefill_requests_by(result.outcome).inc()
             elif isinstance(result, Prefilled):
                 ok = True
                 outcome, cached = "success", result.cached_tokens
-                self._metrics.prefill_requests_by("success").inc()
+                self.metrics.prefill_requests_by("success").inc()
             else:
                 outcome, error = "client_error", result.error
-                self._metrics.prefill_requests_by("client_error").inc()
+                self.metrics.prefill_requests_by("client_error").inc()
         elif not call.cancelled():
             outcome, error = "error", repr(call.exception())
         seconds = asyncio.get_running_loop().time() - started
-        self._scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
+        self.scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
         if leg is not None:
             leg.end(outcome, error=error, attributes={"pd_sidecar.cached_tokens": cached})
 
-    def _client_left(
-        self,
-        call: asyncio.Future[_Result],
-        placement: Placement,
-        started: float,
-        answering: bool,
-        spec: _CallSpec,
-    ) -> None:
-        """Abort the call or let it finish (module docstring); synchronous on purpose."""
-        if call.done():  # its answer came in with the cancellation
-            _salvage(call, spec.orphaned)
-            return
-        # An engine whose status line is in has finished the prefill (and staged its KV):
-        # aborting saves nothing then, and only reading the answer can free the KV. Unless the
-        # protocol stages nothing for the client's leg to take (``abort_on_disconnect``).
-        if spec.abort_on_disconnect:
-            action = "abort"
-        elif answering:
-            action = "finish"
-        else:
-            action = self._action(placement, started)
-        if action == "finish" and self._aftercare.adopt(call):
-            call.add_done_callback(functools.partial(_salvage, orphaned=spec.orphaned))
-        else:
-            if answering and not spec.abort_on_disconnect:
-                # staged KV that cannot be read now: left to the engine's expiry
-                self._metrics.kv_releases.labels("skipped").inc()
-            action = "abort"
-            call.cancel()
-            self._aftercare.watch(call)
-        self._metrics.prefill_disconnects.labels(action).inc()
-
-    def _action(self, placement: Placement, started: float) -> str:
-        mode = self._settings.prefill_on_disconnect
-        if mode != "auto":
-            return mode
-        if not self._settings.release_on_disconnect:
-            return "abort"  # finishing would only stage KV that nobody releases
-        elapsed = asyncio.get_running_loop().time() - started
-        outlook = self._scheduler.prefill_outlook(placement, elapsed)
-        if outlook.queued:
-            return "abort"  # not started: nothing to race with, all of its compute saved
-        if outlook.compute_s <= AUTO_FINISH_WITHIN_S:
-            return "finish"  # little compute to save, whatever the fitted overhead says
-        return "finish" if outlook.remaining_s <= AUTO_FINISH_WITHIN_S else "abort"
-
-    async def _call(
+    async def call(
         self,
         ex: Exchange,
         data: Wire,
         endpoint: Endpoint,
-        spec: _CallSpec,
+        accept: Accept,
+        read: Reader,
         answering: asyncio.Event,
         leg: Leg | None,
-    ) -> _Result:
+    ) -> Result:
         """One prefill call; sets ``answering`` once the engine's status line is in."""
-        timeout_s = self._settings.prefill_timeout_s
+        options = self.options
+        timeout_s = options.timeout_s
         if ex.deadline is not None:
             remaining = ex.deadline - asyncio.get_running_loop().time()
             timeout_s = max(0.001, min(timeout_s, remaining))
+        answer: object = b""
         try:
-            upstream = await self._engines.send(
+            upstream = await self.engines.send(
                 "POST",
-                self._engines.prefill_url(endpoint) + ex.path,
+                self.engines.prefill_url(endpoint) + ex.path,
                 headers=ex.headers if leg is None else leg.headers(ex.headers),
                 data=data,
                 total_s=timeout_s,
                 role="the prefill engine",
-                server_name=self._engines.prefill_server_name(endpoint),
+                server_name=self.engines.prefill_server_name(endpoint),
             )
             answering.set()
             if leg is not None:
                 leg.responded(upstream.status)
-            answer = b""
-            if spec.json or not 200 <= upstream.status < 300:
-                answer = await upstream.read(self._settings.max_prefill_answer_bytes)
-            else:  # a protocol that needs nothing of a 2xx answer but its end
-                await upstream.drain()
+            if 200 <= upstream.status < 300:
+                answer = await read(upstream, options.max_answer_bytes)
+            else:
+                answer = await upstream.read(options.max_answer_bytes)
         except EngineAnswerTooLarge as exc:
             # Not a transient fault: the answer of a vLLM prefill leg is one token and its KV
             # parameters. KV such an engine staged cannot be released (its parameters were not
             # read): it stays until the engine's expiry.
             detail = f"{exc.message} (SIDECAR_MAX_PREFILL_ANSWER_BYTES)"
-            return _Failure("prefill_too_large", "bad_response", detail, transient=False)
+            return Failed("prefill_too_large", "bad_response", detail, transient=False)
+        except EngineBadResponse as exc:
+            return Failed("prefill_bad_response", "bad_response", exc.message, transient=False)
         except EngineTimeout as exc:
             # A timeout after the status line: the engine finished (its KV is staged) and the
             # body stalled. Another endpoint would compute the prompt again; fall back instead.
             transient = not answering.is_set()
-            return _Failure("prefill_timeout", "timeout", exc.message, transient=transient)
+            return Failed("prefill_timeout", "timeout", exc.message, transient=transient)
         except EngineUnreachable as exc:
-            return _Failure("prefill_unreachable", "unreachable", exc.message, transient=True)
+            return Failed("prefill_unreachable", "unreachable", exc.message, transient=True)
 
         status = upstream.status
         if 400 <= status < 500:
+            assert isinstance(answer, bytes)
             if is_error_body(answer):  # the engine's own refusal: the client sees it as is
                 content_type = upstream.headers.get("content-type", "application/json")
                 return Refused(status, answer, content_type, f"prefill answered {status}")
             body = foreign_refusal("prefill target", status, answer)
             return Refused(status, body, "application/json", f"prefill target answered {status}")
         if status >= 300:
-            return _Failure(
+            return Failed(
                 "prefill_error",
                 "server_error",
                 f"prefill answered {status}",
                 transient=status in TRANSIENT_STATUSES,
             )
-        parsed: object = answer
-        if spec.json:
-            try:
-                parsed = parse_json(answer, "prefill")
-            except EngineError as exc:
-                return _Failure(
-                    "prefill_bad_response", "bad_response", exc.message, transient=False
-                )
-        prefilled = spec.accept(parsed, endpoint)
+        prefilled = accept(answer, endpoint)
         if prefilled is None:
-            return _Failure(
+            return Failed(
                 "no_kv_params", "bad_response", "answer has no usable KV params", transient=False
             )
         return prefilled
 
-    def _give_up(self, ex: Exchange, failure: _Failure | None, last: Endpoint | None) -> Fallback:
-        reason = failure.reason if failure else "no_endpoint_left"
-        detail = failure.detail if failure else "no other prefill endpoint to retry on"
-        self._metrics.fallbacks.labels(reason).inc()
-        local = self._settings.prefill_fallback == "local"
-        ex.progress.fell_back(reason, local=local)
+
+Call = asyncio.Task[Result]
+
+
+class Attempts:
+    """The attempts of one request's prefill (an async iterator: the module's docstring).
+
+    The next attempt is made only after one that failed transiently, while retries and the
+    request's time are left; after any other, the iteration ends — at once after a usable one,
+    by the fallback policy after a failed one.
+    """
+
+    __slots__ = ("_current", "_ex", "_prefill", "_tried")
+
+    def __init__(self, prefill: Prefill, ex: Exchange) -> None:
+        self._prefill = prefill
+        self._ex = ex
+        self._current: Attempt | None = None
+        self._tried: set[str] = set()
+
+    def __aiter__(self) -> Attempts:
+        return self
+
+    async def __anext__(self) -> Attempt:
+        ex, prefill = self._ex, self._prefill
+        last = self._current
+        if last is None:
+            if self._tried or ex.placement.endpoint is None:
+                raise StopAsyncIteration
+            return self._next(ex.placement, 1)
+        last.close()  # one that was never sent gives its reservation back
+        failed = last.failed
+        if failed is None:  # a usable one, or none sent: nothing to retry
+            self._current = None
+            self._tried.add(str(last.endpoint))
+            raise StopAsyncIteration
+        self._tried.add(str(last.endpoint))
+        if failed.transient and last.number <= prefill.options.retries and not _past(ex.deadline):
+            logger.info(
+                "request %s: prefill on %s failed (%s), retrying",
+                ex.request_id,
+                last.endpoint,
+                failed.detail,
+                extra={"request_id": ex.request_id},
+            )
+            prefill.metrics.prefill_retries.inc()
+            await asyncio.sleep(prefill.options.retry_backoff_s * 2 ** (last.number - 1))
+            placement = await prefill.scheduler.retry(last.placement, self._tried)
+            if placement is not None and placement.endpoint is not None:
+                return self._next(placement, last.number + 1)
+        self._current = None
+        self._give_up(failed, last.endpoint)
+
+    def _next(self, placement: Placement, number: int) -> Attempt:
+        self._current = Attempt(self._prefill, self._ex, placement, number)
+        return self._current
+
+    def _give_up(self, failed: Failed, last: Endpoint) -> NoReturn:
+        ex, prefill = self._ex, self._prefill
+        prefill.metrics.fallbacks.labels(failed.reason).inc()
+        local = prefill.options.fallback_local
+        ex.progress.fell_back(failed.reason, local=local)
         if not local:
-            raise PrefillFailed(f"the prefill failed and the fallback is 'fail': {detail}")
+            raise PrefillFailed(f"the prefill failed and the fallback is 'fail': {failed.detail}")
         logger.warning(
             "request %s: prefill on %s failed (%s), decoding locally",
             ex.request_id,
             last,
-            detail,
+            failed.detail,
             extra={"request_id": ex.request_id},
         )
-        return Fallback(reason)
+        raise StopAsyncIteration
 
 
-def _salvage(call: asyncio.Future[_Result], orphaned: Orphaned) -> None:
-    """The KV of a call that delivered after its client left goes to ``orphaned``."""
-    if call.cancelled():
-        return
-    error = call.exception()
-    if error is not None:
-        logger.error("prefill call failed after its client left", exc_info=error)
-        return
-    result = call.result()
-    if isinstance(result, Prefilled):
-        orphaned(result)
+class Attempt:
+    """One prefill attempt on one endpoint, a context manager: its call is sent by ``start``
+    (or ``StagedKv.prefill``) in a task of its own, and aborted on exit unless it ended or was
+    handed over; an attempt never sent gives its reservation back on exit."""
+
+    __slots__ = (
+        "_call",
+        "_closed",
+        "_ex",
+        "_handed_over",
+        "_prefill",
+        "_progressing",
+        "answering",
+        "number",
+        "placement",
+        "started",
+    )
+
+    def __init__(self, prefill: Prefill, ex: Exchange, placement: Placement, number: int) -> None:
+        self._prefill = prefill
+        self._ex = ex
+        self.placement = placement
+        self.number = number
+        """1 for the first attempt."""
+        self._call: Call | None = None
+        self._handed_over = False
+        self._closed = False
+        self._progressing = False
+        self.answering = asyncio.Event()
+        """Set once the engine's status line is in: it has finished the prefill."""
+        self.started = 0.0
+
+    @property
+    def endpoint(self) -> Endpoint:
+        endpoint = self.placement.endpoint
+        assert endpoint is not None
+        return endpoint
+
+    @property
+    def budget_s(self) -> float | None:
+        """Seconds left of the request's time (None: no limit)."""
+        deadline = self._ex.deadline
+        return None if deadline is None else deadline - asyncio.get_running_loop().time()
+
+    @property
+    def failed(self) -> Failed | None:
+        """How the call failed; None when it was not sent, has not ended, or did not fail."""
+        call = self._call
+        if call is None or not call.done() or call.cancelled() or call.exception() is not None:
+            return None
+        result = call.result()
+        return result if isinstance(result, Failed) else None
+
+    def staged(self, release: Release | None) -> StagedKv:
+        """This attempt, for a protocol whose prefill stages KV that the decode leg takes.
+        ``release``: how to free it; None when nothing is staged for this request alone (a
+        store that keeps blocks by its own policy)."""
+        return StagedKv(self, release)
+
+    def start(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Call:
+        """Send the prefill call, in a task of its own (the record shows it sent)."""
+        assert self._call is None, "one call per attempt"
+        assert not self._closed, "sent before the attempt's exit"
+        prefill, ex, endpoint = self._prefill, self._ex, self.endpoint
+        ex.progress.prefill_sent(endpoint, self.number)
+        self._progressing = True
+        self.started = asyncio.get_running_loop().time()
+        leg = None
+        if ex.trace is not None:
+            leg = ex.trace.leg(
+                "prefill",
+                prefill.engines.prefill_url(endpoint) + ex.path,
+                {
+                    "pd_sidecar.prefill.endpoint": str(endpoint),
+                    "pd_sidecar.prefill.attempt": self.number,
+                },
+            )
+        call = asyncio.create_task(
+            prefill.call(ex, data, endpoint, accept, read, self.answering, leg),
+            name=task_name(ex.request_id, "prefill"),
+        )
+        call.add_done_callback(functools.partial(prefill.ended, self.placement, self.started, leg))
+        call.add_done_callback(lambda _: self.prefill_done())
+        self._call = call
+        return call
+
+    def prefill_done(self) -> None:
+        """The record counts the prefill done (once): its call ended, its client left, or the
+        decode has the KV already (legs sent at once)."""
+        if self._progressing:
+            self._progressing = False
+            self._ex.progress.prefill_ended()
+
+    def hand_over(self, call: Call) -> bool:
+        """Let the running call end in the background, the request's own part over; False when
+        the background is full (the exit aborts it then)."""
+        self.prefill_done()
+        if call.done() or self._prefill.aftercare.adopt(call):
+            self._handed_over = True
+        return self._handed_over
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.close(left=kind is not None and issubclass(kind, asyncio.CancelledError))
+
+    def close(self, *, left: bool = False) -> None:
+        """Abort the call unless it ended or was handed over (``left``: because its client left,
+        counted); give back the reservation of an attempt never sent. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        call = self._call
+        if call is None:  # no call will give it back
+            self._prefill.scheduler.prefill_finished(self.placement, ok=None)
+            return
+        self.prefill_done()
+        if not call.done() and not self._handed_over:
+            call.cancel()
+            self._prefill.aftercare.watch(call)
+            if left:
+                self._prefill.metrics.prefill_disconnects.labels("abort").inc()
+
+
+class _State(enum.Enum):
+    WAITING = "waiting"
+    """No usable prefill (yet)."""
+    STAGED = "staged"
+    TAKEN = "taken"
+    RELEASED = "released"
+
+
+class StagedKv:
+    """KV that one attempt's prefill stages for the request's decode leg: taken by it, or
+    released — once, whatever happens (the module's docstring). A context manager: its exit
+    releases KV not taken, hands a prefill whose client left to the background or aborts it
+    (``SIDECAR_PREFILL_ON_DISCONNECT``), and closes the attempt."""
+
+    __slots__ = ("_attempt", "_prefilled", "_release", "_state")
+
+    def __init__(self, attempt: Attempt, release: Release | None) -> None:
+        self._attempt = attempt
+        self._release = release
+        self._prefilled: Prefilled | None = None
+        self._state = _State.WAITING
+
+    async def prefill(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Result:
+        """The attempt's call; a cancellation (the client left) is met as the module's
+        docstring says, synchronously."""
+        call = self._attempt.start(data, accept, read)
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._client_left(call)
+            raise
+        if isinstance(result, Prefilled):
+            self._staged(result)
+        return result
+
+    def start(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Call:
+        """The attempt's call, for a protocol that waits for it along with its decode leg (the
+        exit aborts it unless it ended or was handed over; no disconnect policy)."""
+        return self._attempt.start(data, accept, read)
+
+    def hand_over(self, call: Call) -> bool:
+        """``Attempt.hand_over``: the call's answer is read to its end in the background."""
+        return self._attempt.hand_over(call)
+
+    def taken(self) -> None:
+        """The decode leg has the KV (its engine answered): nothing to release."""
+        if self._state is _State.STAGED:
+            self._state = _State.TAKEN
+
+    def release(self) -> None:
+        """Free the staged KV in the background (nothing when there is none, or it was taken
+        or released already)."""
+        if self._state is not _State.STAGED:
+            return
+        self._state = _State.RELEASED
+        recipe, prefilled = self._release, self._prefilled
+        prefill = self._attempt._prefill
+        if recipe is None or prefilled is None or not prefill.aftercare.releasing:
+            return
+        ex = self._attempt._ex
+        headers = ex.headers.copy()
+        headers[REQUEST_ID_HEADER] = recipe.request_id
+        data = ex.encode(recipe.body(prefilled))
+        if not prefill.aftercare.release(
+            ex.request_id, prefill.release_urls(ex), headers, data, ex.trace
+        ):
+            prefill.metrics.kv_releases.labels("skipped").inc()
+
+    def __enter__(self) -> StagedKv:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.release()
+        self._attempt.__exit__(kind, *rest)
+
+    def _staged(self, prefilled: Prefilled) -> None:
+        if self._state is _State.WAITING:
+            self._prefilled = prefilled
+            self._state = _State.STAGED
+
+    def _client_left(self, call: Call) -> None:
+        """Abort the call or let it finish; synchronous on purpose."""
+        if call.done():  # its answer came in with the cancellation
+            self._salvage(call)
+            return
+        attempt = self._attempt
+        prefill = attempt._prefill
+        # An engine whose status line is in has finished the prefill (and staged its KV):
+        # aborting saves nothing then, and only reading the answer can free the KV.
+        answering = attempt.answering.is_set()
+        action = "finish" if answering else self._action()
+        if action == "finish" and attempt.hand_over(call):
+            call.add_done_callback(self._salvage)
+            prefill.metrics.prefill_disconnects.labels("finish").inc()
+        elif answering and self._release is not None:
+            # Aborted on exit (and counted there), its staged KV cannot be read now: left to
+            # the engine's expiry.
+            prefill.metrics.kv_releases.labels("skipped").inc()
+
+    def _action(self) -> str:
+        attempt = self._attempt
+        prefill = attempt._prefill
+        mode = prefill.options.on_disconnect
+        if mode != "auto":
+            return mode
+        if not prefill.aftercare.releasing:
+            return "abort"  # finishing would only stage KV that nobody releases
+        elapsed = asyncio.get_running_loop().time() - attempt.started
+        outlook = prefill.scheduler.prefill_outlook(attempt.placement, elapsed)
+        if outlook.queued:
+            return "abort"  # not started: nothing to race with, all of its compute saved
+        if outlook.compute_s <= AUTO_FINISH_WITHIN_S:
+            return "finish"  # little compute to save, whatever the fitted overhead says
+        return "finish" if outlook.remaining_s <= AUTO_FINISH_WITHIN_S else "abort"
+
+    def _salvage(self, call: Call) -> None:
+        """The KV of a call that delivered after its client left is released."""
+        if call.cancelled():
+            return
+        error = call.exception()
+        if error is not None:
+            logger.error("prefill call failed after its client left", exc_info=error)
+            return
+        result = call.result()
+        if isinstance(result, Prefilled):
+            self._staged(result)
+            self.release()
 
 
 def _past(deadline: float | None) -> bool:

@@ -294,7 +294,7 @@ def test_the_code_uses_only_the_vocabularies() -> None:
         for value in re.findall(rf"\.{family}(?:\.labels|_by)\(\"(\w+)\"\)", source):
             assert value in values, (family, value)
             seen += 1
-    for reason, outcome in re.findall(r"_Failure\(\s*\"(\w+)\",\s*\"(\w+)\"", source):
+    for reason, outcome in re.findall(r"\bFailed\(\s*\"(\w+)\",\s*\"(\w+)\"", source):
         assert reason in metrics.FALLBACK_REASONS, reason
         assert outcome in metrics.PREFILL_OUTCOMES, outcome
         seen += 1

@@ -13,6 +13,7 @@ leaves, it is either taken by the decode leg or released.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from sidecar.config import Settings
@@ -46,6 +47,11 @@ class Connector(Protocol):
         ...
 
 
+ConnectorFactory = Callable[[Settings, Parts], Connector]
+"""Builds the connector from the settings and the shared parts (``make_connector``; a test may
+plug in a connector of its own)."""
+
+
 def make_connector(settings: Settings, parts: Parts) -> Connector:
     name = settings.connector
     if name == NixlConnector.name:
@@ -61,6 +67,7 @@ def make_connector(settings: Settings, parts: Parts) -> Connector:
 
 __all__ = [
     "Connector",
+    "ConnectorFactory",
     "NixlConnector",
     "NixlPushConnector",
     "Parts",

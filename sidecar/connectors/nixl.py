@@ -6,10 +6,12 @@ stop after one token; its answer's ``kv_transfer_params`` go to the decode leg v
 
 The choreography::
 
-    prefill call (retries, fallback) ──Prefilled──▶ decode send (client body + kv params)
-        │ Refused: to the client          │ Fallback: decode send (client body)
+    prefill attempts (retries) ──Prefilled──▶ decode send (client body + kv params) ──▶ taken
+        │ Refused: to the client    │ attempts ran out: decode send (client body)
         └ client left: abort, or finish and release
     decode refused (4xx/5xx), timed out, broken or left before its first byte ──▶ release
+
+The staged KV is the attempt's ``StagedKv``: its exit releases what the decode did not take.
 
 NIXL has no "free" call: blocks staged on the prefill engine are freed when a decode pulls them
 (or at the engine's expiry, 30–480 s). So a release is the cheapest pull — a one-token,
@@ -22,15 +24,14 @@ read from ever serving another request, and its answer is dropped.
 
 from __future__ import annotations
 
-import functools
 import secrets
 from typing import Any
 
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
 from sidecar.endpoints import Endpoint
-from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.exchange import Answer, Exchange, Prefilled, Refused
+from sidecar.prefill import Release
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 REMOTE_HOST = "remote_host"
@@ -115,17 +116,26 @@ class NixlConnector:
         self.rewrite_remote_host = rewrite_remote_host
 
     async def run(self, ex: Exchange) -> Answer | Refused:
-        if ex.placement.endpoint is not None:
-            outcome = await self._parts.prefill.run(
-                ex,
-                body_for=lambda endpoint: ex.encode(self.prefill_body(ex.body, ex.route)),
-                accept=self._accept,
-                orphaned=functools.partial(self._release, ex),
-            )
-            if isinstance(outcome, Refused):
-                return outcome
-            if isinstance(outcome, Prefilled):
-                return await self._decode_pulling(ex, outcome)
+        release = Release(
+            lambda prefilled: self.release_body(ex.body, prefilled.kv_params, ex.route),
+            self.release_id(ex),
+        )
+        async for attempt in self._parts.prefill.attempts(ex):
+            with attempt.staged(release) as kv:
+                data = ex.encode(self.prefill_body(ex.body, ex.route))
+                outcome = await kv.prefill(data, self._accept)
+                if isinstance(outcome, Refused):
+                    return outcome
+                if isinstance(outcome, Prefilled):
+                    answer = await self._decode_pulling(ex, outcome)
+                    if answer.upstream.status < 400:
+                        kv.taken()
+                    # else refused (e.g. max_tokens over its context): the exit releases it,
+                    # as it does when the decode timed out, broke, closed without an answer
+                    # (perhaps after reading the request), or the client left, before the
+                    # first byte. A decode engine that was merely unreachable fails the
+                    # release fast too; it is counted, not guessed.
+                    return answer
         local = ex.raw if ex.raw is not None else ex.encode(ex.body)
         return await self._parts.decode.send(ex, local)
 
@@ -134,17 +144,7 @@ class NixlConnector:
         patch = None
         if prefilled.cached_tokens is not None:
             patch = CachedTokensPatch(prefilled.cached_tokens)
-        try:
-            answer = await self._parts.decode.send(ex, data, patch)
-        except BaseException:
-            # Timed out, broken, closed without an answer (perhaps after reading the request),
-            # or the client left, before the first byte. A decode engine that was merely
-            # unreachable fails the release fast too; it is counted, not guessed.
-            self._release(ex, prefilled)
-            raise
-        if answer.upstream.status >= 400:
-            self._release(ex, prefilled)  # refused: e.g. max_tokens over its context
-        return answer
+        return await self._parts.decode.send(ex, data, patch)
 
     def _accept(self, answer: object, endpoint: Endpoint) -> Prefilled | None:
         params = self.kv_params(answer, endpoint)
@@ -152,15 +152,10 @@ class NixlConnector:
             return None
         return Prefilled(endpoint, params, cached_tokens(answer))
 
-    def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
-        data = ex.encode(self.release_body(ex.body, prefilled.kv_params, ex.route))
-        headers = ex.headers.copy()
-        # Its own id, from the engine id: the decode leg it stands in for may still be known to
-        # the engine.
-        headers[REQUEST_ID_HEADER] = f"{ex.engine_id}{RELEASE_ID_SUFFIX}"
-        self._parts.aftercare.release(
-            ex.request_id, self._parts.decode.release_urls(ex), headers, data, ex.trace
-        )
+    def release_id(self, ex: Exchange) -> str:
+        """The ``x-request-id`` of a release: its own, from the engine id (the decode leg it
+        stands in for may still be known to the engine)."""
+        return f"{ex.engine_id}{RELEASE_ID_SUFFIX}"
 
     # --- the wire ------------------------------------------------------------------------
 

@@ -14,16 +14,13 @@ so this release is what frees it.
 from __future__ import annotations
 
 from sidecar.connectors.nixl import NixlConnector
-from sidecar.exchange import Exchange, Prefilled
+from sidecar.exchange import Exchange
 
 
 class NixlPushConnector(NixlConnector):
     name = "nixl-push"
 
-    def _release(self, ex: Exchange, prefilled: Prefilled) -> None:
-        data = ex.encode(self.release_body(ex.body, prefilled.kv_params, ex.route))
-        # The prefill leg's engine id (ex.headers carry it), on its path: the prefill engine
-        # hands its KV only to a registration under the same id.
-        self._parts.aftercare.release(
-            ex.request_id, self._parts.decode.release_urls(ex), ex.headers, data, ex.trace
-        )
+    def release_id(self, ex: Exchange) -> str:
+        """The prefill leg's engine id: the prefill engine hands its KV only to a registration
+        under the same id (on the same path)."""
+        return ex.engine_id

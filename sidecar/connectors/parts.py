@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 from sidecar.aftercare import Aftercare
 from sidecar.decode import DecodeSend
-from sidecar.prefill import PrefillCall
+from sidecar.prefill import Prefill
 
 
 @dataclass(frozen=True, slots=True)
 class Parts:
-    prefill: PrefillCall
-    """One prefill call with the retry, fallback and disconnect policy."""
+    prefill: Prefill
+    """The prefill attempts: the retry, fallback and disconnect policy, and the staged KV."""
     decode: DecodeSend
     """One send to the local decode engine, returned once its answer started."""
     aftercare: Aftercare
-    """Background work that outlives the request: releases."""
+    """Background work that outlives the request: releases, prefills finishing, aborted legs."""

@@ -8,12 +8,13 @@ router, ``io_struct.py``): the prefill and the decode server get the same body, 
 
 The choreography::
 
-    prefill call (retries) ─┬─ same body, a fresh room per attempt ─┐
-    decode send ────────────┘  (restarted with each prefill attempt) ┘
-    prefill refused / failed ──▶ abort the decode, answer with the prefill's error
-    decode failed first ───────▶ abort the prefill, answer with the decode's failure
-    decode answered first ─────▶ the prefill's own answer is read in the background
-    client left ───────────────▶ abort both
+    each prefill attempt: ─┬─ prefill call ─┐ same body, a fresh room per attempt
+                           └─ decode send ──┘
+    prefill refused ───────▶ abort the decode, answer with the prefill's error
+    prefill failed ────────▶ abort the decode; the next attempt (or 503 when none is left)
+    decode failed first ───▶ abort the prefill, answer with the decode's failure
+    decode answered first ─▶ the prefill's own answer is read in the background
+    client left ───────────▶ abort both
 
 A decode server cannot prefill a prompt itself, so every request disaggregates (the scheduler's
 decider is told so; ``SIDECAR_PREFILL_FALLBACK=local`` is refused at start) and a request with no
@@ -26,9 +27,8 @@ SGLang turns into an abort of the request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import logging
 import secrets
+from asyncio import FIRST_COMPLETED
 from typing import Any
 
 from sidecar.body import Wire
@@ -36,10 +36,9 @@ from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
 from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest, PrefillFailed
-from sidecar.exchange import Answer, Exchange, Fallback, Prefilled, Refused
+from sidecar.exchange import Answer, Exchange, Prefilled, Refused
+from sidecar.prefill import drained
 from sidecar.tracking import task_name
-
-logger = logging.getLogger("sidecar.connectors.sglang")
 
 BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
@@ -72,24 +71,35 @@ class SglangConnector:
                 "no healthy prefill endpoint, and an SGLang decode server cannot prefill itself "
                 f"({ex.placement.decision.reason})"
             )
-        legs = _Legs(self, ex)
-        prefill = asyncio.create_task(
-            self.parts.prefill.run(
-                legs.ex,
-                body_for=legs.start,
-                accept=_accept,
-                orphaned=_nothing_staged,
-                json=False,
-                abort_on_disconnect=True,
-            ),
-            name=task_name(ex.request_id, "prefill-leg"),
-        )
-        prefill.add_done_callback(_retrieve)  # however the race ends, its end is seen
-        try:
-            return await legs.race(prefill)
-        except BaseException:
-            legs.abort(prefill)
-            raise
+        async for attempt in self.parts.prefill.attempts(ex):
+            # The prefill server sends the KV to the decode leg in the room: nothing is left
+            # staged for a release, but both legs end with the attempt.
+            with attempt.staged(release=None) as kv:
+                data = ex.encode(self.leg_body(ex.body, attempt.endpoint, new_room(ex.body)))
+                with _DecodeLeg(self.parts, ex, data) as decode:
+                    prefill = kv.start(data, _accept, read=drained)
+                    await asyncio.wait({prefill, decode.task}, return_when=FIRST_COMPLETED)
+                    if decode.answered():
+                        # The decode has the KV: the prefill's own answer is only read to its
+                        # end, in the background (the record counts the prefill done now).
+                        kv.taken()
+                        kv.hand_over(prefill)
+                        return decode.keep()
+                    if not prefill.done():
+                        # The decode failed while its prefill runs, which would wait for it in
+                        # vain (the exit aborts it): its refusal, or the exception it raised.
+                        return decode.keep()
+                    outcome = prefill.result()
+                    if isinstance(outcome, Prefilled):
+                        await asyncio.wait({decode.task})
+                        return decode.keep()
+                    if isinstance(outcome, Refused):
+                        return outcome  # the exit aborts the decode
+                # Failed: the decode waits for a room that will not come; the next attempt, if
+                # any, starts both legs again in a new room.
+        # Only SIDECAR_PREFILL_FALLBACK=local ends the attempts without a prefill: refused at
+        # start with this connector.
+        raise PrefillFailed("the prefill failed, and an SGLang decode server cannot prefill")
 
     # --- the wire ------------------------------------------------------------------------
 
@@ -133,152 +143,46 @@ def new_room(body: dict[str, Any]) -> int | list[int]:
     return secrets.randbelow(ROOM_LIMIT - requests + 1)
 
 
-class _Legs:
-    """One request's two legs: the prefill call's task, and the decode send of its attempt.
+class _DecodeLeg:
+    """An attempt's decode leg, sent at once in a task of its own; on exit, aborted unless its
+    answer was kept (a running leg is cancelled, a started answer closed)."""
 
-    Also the prefill call's ``Progress`` (passing every milestone on): it knows whether a
-    prefill attempt is under way, so that a decode leg that failed with its attempt is not
-    taken for a decode failure while the call retries.
-    """
+    __slots__ = ("_parts", "kept", "task")
 
-    __slots__ = ("_connector", "_progress", "attempting", "decode", "ex", "restarted", "settled")
-
-    def __init__(self, connector: SglangConnector, ex: Exchange) -> None:
-        self._connector = connector
-        self._progress = ex.progress
-        self.ex = dataclasses.replace(ex, progress=self)
-        self.decode: asyncio.Task[Answer] | None = None
-        self.restarted = asyncio.get_running_loop().create_future()
-        """Done when ``start`` sent a new decode leg, for ``race`` to wait on that one."""
-        self.attempting = False
-        self.settled = False
-        """The decode answered: no further attempt may start a leg."""
-
-    # Progress, passed on until the decode answered (the request may be over by then)
-    def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None:
-        self.attempting = True
-        if not self.settled:
-            self._progress.prefill_sent(endpoint, attempt)
-
-    def prefill_ended(self) -> None:
-        self.attempting = False
-        if not self.settled:
-            self._progress.prefill_ended()
-
-    def fell_back(self, reason: str, *, local: bool) -> None:
-        if not self.settled:
-            self._progress.fell_back(reason, local=local)
-
-    def decode_sent(self) -> None:
-        self._progress.decode_sent()
-
-    def first_byte(self) -> None:
-        self._progress.first_byte()
-
-    # the legs
-    def start(self, endpoint: Endpoint) -> Wire:
-        """The prefill attempt's body; starts the decode leg of the same room (any earlier
-        attempt's decode leg waits for a room that will not come: it is aborted)."""
-        if self.settled or self._decoded():
-            raise _Settled
-        self._abort_decode()
-        ex = self.ex
-        body = self._connector.leg_body(ex.body, endpoint, new_room(ex.body))
-        data = ex.encode(body)
-        self.decode = asyncio.create_task(
-            self._connector.parts.decode.send(ex, data), name=task_name(ex.request_id, "decode")
+    def __init__(self, parts: Parts, ex: Exchange, data: Wire) -> None:
+        self._parts = parts
+        self.task = asyncio.create_task(
+            parts.decode.send(ex, data), name=task_name(ex.request_id, "decode")
         )
-        if not self.restarted.done():
-            self.restarted.set_result(None)
-        return data
+        self.kept = False
 
-    async def race(self, prefill: asyncio.Task[Prefilled | Refused | Fallback]) -> Answer | Refused:
-        loop = asyncio.get_running_loop()
-        while True:
-            if self.restarted.done():
-                self.restarted = loop.create_future()
-            decode = self.decode
-            waiting: set[asyncio.Future[Any]] = {prefill, self.restarted}
-            if decode is not None and not decode.done():
-                waiting.add(decode)
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if self._decoded():
-                break
-            if prefill.done():
-                outcome = prefill.result()  # PrefillFailed and the like: raised, decode aborted
-                if isinstance(outcome, Refused):
-                    self._abort_decode()
-                    return outcome
-                if isinstance(outcome, Fallback):  # refused at start; never local here
-                    self._abort_decode()
-                    raise PrefillFailed(f"the prefill failed ({outcome.reason})")
-                assert self.decode is not None
-                return await self.decode
-            if decode is None or decode is not self.decode or not decode.done():
-                continue  # a retry started another decode leg
-            if decode.cancelled():
-                continue
-            if self.attempting:
-                # The decode failed while its prefill runs: that prefill would wait for it in
-                # vain. (A decode that failed with its attempt is the retry's business.)
-                self._cancel(prefill)
-                return decode.result()  # its refusal, or the exception it raised
-        # The decode has the KV: the prefill's own answer is only read to its end, and the
-        # record counts the prefill done now (its answer may come after the request ended).
-        if self.attempting:
-            self._progress.prefill_ended()
-        self.settled = True
-        if not prefill.done() and not self._connector.parts.aftercare.adopt(prefill):
-            self._cancel(prefill)
-        assert self.decode is not None
-        return self.decode.result()
-
-    def _decoded(self) -> bool:
-        """The current decode leg answered (not with an error status): it has the KV."""
-        decode = self.decode
+    def answered(self) -> bool:
+        """It answered, not with an error status: it has the KV."""
+        task = self.task
         return (
-            decode is not None
-            and decode.done()
-            and not decode.cancelled()
-            and decode.exception() is None
-            and decode.result().upstream.status < 400
+            task.done()
+            and not task.cancelled()
+            and task.exception() is None
+            and task.result().upstream.status < 400
         )
 
-    def abort(self, prefill: asyncio.Task[Any]) -> None:
-        """Cancel whatever still runs (the client left, or something raised)."""
-        self._cancel(prefill)
-        self._abort_decode()
+    def keep(self) -> Answer:
+        """Its answer, for the client (raises what the leg raised)."""
+        self.kept = True
+        return self.task.result()
 
-    def _cancel(self, task: asyncio.Task[Any]) -> None:
+    def __enter__(self) -> _DecodeLeg:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        task = self.task
         if not task.done():
             task.cancel()
-            self._connector.parts.aftercare.watch(task)
-
-    def _abort_decode(self) -> None:
-        decode = self.decode
-        if decode is None:
-            return
-        if decode.done():
-            if not decode.cancelled() and decode.exception() is None:
-                decode.result().upstream.close()
-            return
-        self._cancel(decode)
-
-
-class _Settled(Exception):
-    """A prefill retry after the decode had answered: not started."""
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    """A prefill read to its end after the decode answered: how it ended changes nothing."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("prefill after its decode answered: %r", task.exception())
+            self._parts.aftercare.watch(task)
+        elif not self.kept and not task.cancelled() and task.exception() is None:
+            task.result().upstream.close()
 
 
 def _accept(answer: object, endpoint: Endpoint) -> Prefilled:
     """Any 2xx answer: the prefill server sent the room's KV (its one token is dropped)."""
     return Prefilled(endpoint, {}, None)
-
-
-def _nothing_staged(prefilled: Prefilled) -> None:
-    """A prefill server that answered has handed its KV to the decode: nothing to release."""

@@ -33,17 +33,15 @@ class SharedStorageConnector:
 
     async def run(self, ex: Exchange) -> Answer | Refused:
         patch = None
-        if ex.placement.endpoint is not None:
-            outcome = await self._parts.prefill.run(
-                ex,
-                body_for=lambda endpoint: ex.encode(one_token_leg(ex.body, ex.route)),
-                accept=_accept,
-                orphaned=_nothing_staged,
-            )
+        async for attempt in self._parts.prefill.attempts(ex):
+            with attempt.staged(release=None) as kv:  # the store keeps blocks by its own policy
+                outcome = await kv.prefill(ex.encode(one_token_leg(ex.body, ex.route)), _accept)
             if isinstance(outcome, Refused):
                 return outcome
-            if isinstance(outcome, Prefilled) and outcome.cached_tokens is not None:
-                patch = CachedTokensPatch(outcome.cached_tokens)
+            if isinstance(outcome, Prefilled):
+                if outcome.cached_tokens is not None:
+                    patch = CachedTokensPatch(outcome.cached_tokens)
+                break
         # Prefilled or not, the decode gets the client's body: it finds what the store holds.
         data = ex.raw if ex.raw is not None else ex.encode(ex.body)
         return await self._parts.decode.send(ex, data, patch)
@@ -66,7 +64,3 @@ class SharedStorageConnector:
 def _accept(answer: object, endpoint: Endpoint) -> Prefilled:
     """Any 2xx JSON answer: the prompt's KV is in the store."""
     return Prefilled(endpoint, {}, cached_tokens(answer))
-
-
-def _nothing_staged(prefilled: Prefilled) -> None:
-    """The store keeps blocks by its own policy: a prefill whose client left holds nothing."""

@@ -13,6 +13,7 @@ does no I/O but the backend's single bounded ``reserve``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -152,11 +153,11 @@ class Scheduler:
         tokens = estimate_tokens(body, prompt)
         # The chosen rank will hold this prompt's KV either way (computed or pulled).
         claim, cached = self.ranks.claim(prompt, tokens)
-        try:
-            return await self._place(claim, tokens, cached, header, local_reason)
-        except BaseException:
-            claim.end()
-            raise
+        with contextlib.ExitStack() as on_failure:
+            on_failure.callback(claim.end)
+            placement = await self._place(claim, tokens, cached, header, local_reason)
+            on_failure.pop_all()
+        return placement
 
     async def _place(
         self,
