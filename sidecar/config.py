@@ -23,11 +23,8 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from sidecar import defaults
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
-from sidecar.headers import DEFAULT_PREFILL_HEADERS
-from sidecar.scheduling.placement import RETEST_S, SPEED_HALF_LIFE_S
-from sidecar.scheduling.policies import QOE_CHOICES
-from sidecar.upstream import KEEPALIVE_S
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -50,7 +47,7 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", min_length=1, description="Address the sidecar listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the API (0 picks a free port).")
     decode_url: str = Field(
-        "http://127.0.0.1:8200",
+        defaults.DECODE_URL,
         description="Base URL of the local decode engine (http or https, no path).",
     )
     decode_urls: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -94,7 +91,7 @@ class Settings(BaseSettings):
         Field("qoe", description="How the prefill endpoint is chosen when no header names one.")
     )
     scheduler_choices: int = Field(
-        QOE_CHOICES,
+        defaults.QOE_CHOICES,
         ge=1,
         description="Random candidates the qoe policy compares (best of d; every endpoint of a "
         "pool no larger).",
@@ -117,14 +114,14 @@ class Settings(BaseSettings):
     # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
     # "Ageing and re-tests").
     speed_half_life_s: float = Field(
-        SPEED_HALF_LIFE_S,
+        defaults.SPEED_HALF_LIFE_S,
         gt=0,
         description="Half-life, in seconds, of the evidence behind a prefill endpoint's speed "
         "estimate (its own fit, or a speed another sidecar published): without new "
         "observations it ages back toward the prior.",
     )
     scheduler_retest_s: float = Field(
-        RETEST_S,
+        defaults.RETEST_S,
         ge=0,
         description="Seconds without a prefill from this sidecar after which an available "
         "endpoint takes the next remote prefill, whatever the policy picked (0: never).",
@@ -246,7 +243,7 @@ class Settings(BaseSettings):
         "whose own compute or predicted remaining time is within 0.5 s, abort the rest).",
     )
     prefill_headers: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_PREFILL_HEADERS,
+        defaults.PREFILL_HEADERS,
         description="Request headers a gateway names the prefill server in, in order of "
         "precedence (comma list; the first present wins). Every one of them is stripped before "
         "any engine. Add a name only if the gateway strips it from client requests. Empty: no "
@@ -395,7 +392,7 @@ class Settings(BaseSettings):
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )
     engine_keepalive_s: float = Field(
-        KEEPALIVE_S,
+        defaults.ENGINE_KEEPALIVE_S,
         gt=0,
         description="Seconds a connection to an engine may sit idle and still be reused. Keep "
         "it below the engines' own idle timeout (5 s in vLLM, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, and in "
