@@ -16,7 +16,12 @@ from aiohttp import web
 from sidecar.aftercare import Aftercare
 from sidecar.body import Bodies
 from sidecar.config import Settings
-from sidecar.connectors import Parts, make_connector
+from sidecar.connectors import Connector
+from sidecar.connectors.nixl import NixlConnector
+from sidecar.connectors.nixl_push import NixlPushConnector
+from sidecar.connectors.parts import Parts
+from sidecar.connectors.sglang import SglangConnector
+from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.debug import DebugViews
 from sidecar.debug_page import DebugPage
 from sidecar.decode import DecodeSend
@@ -162,7 +167,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
     pipeline = Pipeline(
         settings,
         bodies=bodies,
-        connector=make_connector(settings, parts),
+        connector=_connector(settings, parts),
         scheduler=scheduler,
         guard=guard,
         gateway=gateway,
@@ -279,6 +284,19 @@ def _pool_watch(
     )
     app[POOL_WATCH] = watch
     return watch
+
+
+def _connector(settings: Settings, parts: Parts) -> Connector:
+    name = settings.connector
+    if name == NixlConnector.name:
+        return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    if name == NixlPushConnector.name:
+        return NixlPushConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    if name == SglangConnector.name:
+        return SglangConnector(parts, bootstrap_port=settings.sglang_bootstrap_port)
+    if name == SharedStorageConnector.name:
+        return SharedStorageConnector(parts)
+    raise ValueError(f"unknown connector {name!r}")
 
 
 def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:

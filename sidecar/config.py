@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from sidecar import defaults
+from sidecar.connectors import facts
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -34,11 +35,6 @@ _DNS_SUBDOMAIN = re.compile(
     r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 )
 """A Kubernetes object name (RFC 1123 subdomain)."""
-
-CONNECTOR_ALIASES = {"nixlv2": "nixl", "shared_storage": "shared-storage", "nixl_push": "nixl-push"}
-"""llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
-REMOTE_ONLY_CONNECTORS = frozenset({"sglang"})
-"""Protocols whose decode server cannot prefill a prompt itself: every request disaggregates."""
 
 
 class Settings(BaseSettings):
@@ -64,7 +60,7 @@ class Settings(BaseSettings):
         "LMCache-style stores: the decode finds the KV by prefix).",
     )
     sglang_bootstrap_port: int = Field(
-        8998,
+        facts.SGLANG.bootstrap_port,
         ge=1,
         le=65535,
         description="SGLang prefill servers' bootstrap port (their --disaggregation-bootstrap-"
@@ -422,8 +418,8 @@ class Settings(BaseSettings):
     @classmethod
     def _connector_alias(cls, value: Any) -> Any:
         if isinstance(value, str):
-            name = value.strip().lower()
-            return CONNECTOR_ALIASES.get(name, name)
+            known = facts.named(value)
+            return known.name if known is not None else value.strip().lower()
         return value
 
     @field_validator("prefill_on_disconnect")
@@ -439,14 +435,13 @@ class Settings(BaseSettings):
     @field_validator("prefill_fallback", mode="before")
     @classmethod
     def _fallback_for_connector(cls, value: Any, info: ValidationInfo) -> Any:
-        remote_only = info.data.get("connector") in REMOTE_ONLY_CONNECTORS
+        name = info.data.get("connector", "")
+        # Why the connector's decode server cannot prefill (its facts), or None when it can.
+        cannot = facts.CONNECTORS[name].cannot_prefill if name in facts.CONNECTORS else None
         if value is None or (isinstance(value, str) and not value.strip()):
-            return "fail" if remote_only else "local"
-        if remote_only and isinstance(value, str) and value.strip().lower() == "local":
-            raise ValueError(
-                "local is impossible with SIDECAR_CONNECTOR=sglang: an SGLang decode server "
-                "cannot prefill a prompt itself"
-            )
+            return "local" if cannot is None else "fail"
+        if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":
+            raise ValueError(f"local is impossible with SIDECAR_CONNECTOR={name}: {cannot}")
         return value
 
     @field_validator("eject_max_s")

@@ -9,19 +9,18 @@ never names a wire field and never orders legs.
 Every connector keeps one KV-lifecycle contract (``tests/test_contract.py`` runs it on each): KV a
 prefill staged is never left for the engine's expiry — whatever fails, and whenever the client
 leaves, it is either taken by the decode leg or released.
+
+What a protocol is before any request — its name and aliases, whether its decode server can
+prefill, its defaults — is in ``facts.py``, which the settings read; so this package imports no
+connector (nor aiohttp) until one is used: ``sidecar.app`` builds the configured one.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from sidecar.config import Settings
-from sidecar.connectors.nixl import NixlConnector
-from sidecar.connectors.nixl_push import NixlPushConnector
-from sidecar.connectors.parts import Parts
-from sidecar.connectors.sglang import SglangConnector
-from sidecar.connectors.shared_storage import SharedStorageConnector
-from sidecar.exchange import Answer, Body, Exchange, Refused
+if TYPE_CHECKING:  # the package itself stays light: config imports its facts (``facts.py``)
+    from sidecar.exchange import Answer, Body, Exchange, Refused
 
 
 class Connector(Protocol):
@@ -46,25 +45,4 @@ class Connector(Protocol):
         ...
 
 
-def make_connector(settings: Settings, parts: Parts) -> Connector:
-    name = settings.connector
-    if name == NixlConnector.name:
-        return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
-    if name == NixlPushConnector.name:
-        return NixlPushConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
-    if name == SglangConnector.name:
-        return SglangConnector(parts, bootstrap_port=settings.sglang_bootstrap_port)
-    if name == SharedStorageConnector.name:
-        return SharedStorageConnector(parts)
-    raise ValueError(f"unknown connector {name!r}")
-
-
-__all__ = [
-    "Connector",
-    "NixlConnector",
-    "NixlPushConnector",
-    "Parts",
-    "SglangConnector",
-    "SharedStorageConnector",
-    "make_connector",
-]
+__all__ = ["Connector"]

@@ -20,7 +20,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from sidecar.config import REMOTE_ONLY_CONNECTORS, Settings
+from sidecar.config import Settings
+from sidecar.connectors.facts import CONNECTORS
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
@@ -72,7 +73,7 @@ class Scheduler:
                 min_tokens=settings.disagg_min_tokens,
                 ttft_ratio=settings.disagg_ttft_ratio,
                 # A decode server that cannot prefill: nothing to weigh, every request goes remote.
-                always=settings.connector in REMOTE_ONLY_CONNECTORS,
+                always=CONNECTORS[settings.connector].remote_only,
             ),
             stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
             half_life_s=settings.speed_half_life_s,
