@@ -44,7 +44,7 @@ from sidecar.pipeline import Pipeline
 from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
-from sidecar.scheduling.scheduler import Scheduler
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.serverlog import ServerLog
 from sidecar.tasks import stop_task
@@ -118,7 +118,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
     )
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(
-        settings,
+        SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
         backend=_state_backend(settings, metrics),
         engines=engines,
