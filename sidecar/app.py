@@ -24,7 +24,7 @@ from sidecar.connectors.sglang import SglangConnector
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.debug import DebugViews
 from sidecar.debug_page import DebugPage
-from sidecar.decode import DecodeSend
+from sidecar.decode import DecodeOptions, DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
@@ -38,9 +38,9 @@ from sidecar.listener import (
     connection_budget,
 )
 from sidecar.metrics import ROUTES, Metrics
-from sidecar.passthrough import Passthrough
+from sidecar.passthrough import Passthrough, PassthroughOptions
 from sidecar.paths import canonical_paths
-from sidecar.pipeline import Pipeline
+from sidecar.pipeline import Pipeline, PipelineOptions
 from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import PrefillCall
 from sidecar.readiness import Readiness
@@ -153,7 +153,12 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         prefill=PrefillCall(
             settings, engines=engines, scheduler=scheduler, metrics=metrics, aftercare=aftercare
         ),
-        decode=DecodeSend(settings, engines=engines, ranks=scheduler.ranks, metrics=metrics),
+        decode=DecodeSend(
+            DecodeOptions.from_settings(settings),
+            engines=engines,
+            ranks=scheduler.ranks,
+            metrics=metrics,
+        ),
         aftercare=aftercare,
     )
     gateway = GatewayHeaders(settings.prefill_headers)
@@ -165,7 +170,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
         metrics=metrics,
     )
     pipeline = Pipeline(
-        settings,
+        PipelineOptions.from_settings(settings),
         bodies=bodies,
         connector=_connector(settings, parts),
         scheduler=scheduler,
@@ -178,7 +183,7 @@ def create_app(settings: Settings, *, tracing: Tracing | None = None) -> web.App
     app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
-        settings,
+        PassthroughOptions.from_settings(settings),
         engines=engines,
         ranks=scheduler.ranks,
         gateway=gateway,
