@@ -50,7 +50,7 @@ from sidecar.scheduling.model import Candidate, LocalView
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.policies import POLICIES, make_policy
 from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
-from sidecar.scheduling.scheduler import Scheduler
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.upstream import Engines
@@ -91,7 +91,7 @@ async def time_placements(
         scheduler_seed=0,
     )
     scheduler = Scheduler(
-        settings,
+        SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, None),
         backend=backend,
         engines=Engines(connect_timeout_s=1.0),

@@ -16,10 +16,15 @@ from aiohttp import web
 from sidecar.aftercare import Aftercare
 from sidecar.body import Bodies
 from sidecar.config import Settings
-from sidecar.connectors import ConnectorFactory, Parts, make_connector
+from sidecar.connectors import Connector, ConnectorFactory
+from sidecar.connectors.nixl import NixlConnector
+from sidecar.connectors.nixl_push import NixlPushConnector
+from sidecar.connectors.parts import Parts
+from sidecar.connectors.sglang import SglangConnector
+from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.debug import DebugViews
 from sidecar.debug_page import DebugPage
-from sidecar.decode import DecodeSend
+from sidecar.decode import DecodeOptions, DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
@@ -33,13 +38,13 @@ from sidecar.listener import (
     connection_budget,
 )
 from sidecar.metrics import ROUTES, Metrics
-from sidecar.passthrough import Passthrough
+from sidecar.passthrough import Passthrough, PassthroughOptions
 from sidecar.paths import canonical_paths
-from sidecar.pipeline import Pipeline
+from sidecar.pipeline import Pipeline, PipelineOptions
 from sidecar.poolwatch import InferencePoolWatch
 from sidecar.prefill import Prefill, PrefillOptions
 from sidecar.readiness import Readiness
-from sidecar.scheduling.scheduler import Scheduler
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.serverlog import ServerLog
 from sidecar.tasks import stop_task
@@ -77,13 +82,15 @@ def create_app(
     settings: Settings,
     *,
     tracing: Tracing | None = None,
-    connector: ConnectorFactory = make_connector,
+    connector: ConnectorFactory | None = None,
 ) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process.
 
     ``tracing``: the spans' provider, which the app then shuts down (tests pass one exporting
     where they read); None builds it from the ``OTEL_*`` variables when SIDECAR_TRACING=true
-    (raises ``TracingUnavailable`` when it cannot be).
+    (raises ``TracingUnavailable`` when it cannot be). ``connector``: builds the connector from
+    the settings and the shared parts (None: ``make_connector``, the one ``SIDECAR_CONNECTOR``
+    names; a test plugs in its own).
     """
     if tracing is None and settings.tracing:
         tracing = Tracing.from_environment()
@@ -118,7 +125,7 @@ def create_app(
     )
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(
-        settings,
+        SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
         backend=_state_backend(settings, metrics),
         engines=engines,
@@ -149,7 +156,12 @@ def create_app(
         enabled=settings.release_on_disconnect,
         timeout_s=settings.decode_first_byte_timeout_s,
     )
-    decode = DecodeSend(settings, engines=engines, ranks=scheduler.ranks, metrics=metrics)
+    decode = DecodeSend(
+        DecodeOptions.from_settings(settings),
+        engines=engines,
+        ranks=scheduler.ranks,
+        metrics=metrics,
+    )
     parts = Parts(
         prefill=Prefill(
             PrefillOptions.from_settings(settings),
@@ -171,9 +183,9 @@ def create_app(
         metrics=metrics,
     )
     pipeline = Pipeline(
-        settings,
+        PipelineOptions.from_settings(settings),
         bodies=bodies,
-        connector=connector(settings, parts),
+        connector=(connector or make_connector)(settings, parts),
         scheduler=scheduler,
         guard=guard,
         gateway=gateway,
@@ -184,7 +196,7 @@ def create_app(
     app[GUARD], app[AFTERCARE] = guard, aftercare
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
-        settings,
+        PassthroughOptions.from_settings(settings),
         engines=engines,
         ranks=scheduler.ranks,
         gateway=gateway,
@@ -290,6 +302,20 @@ def _pool_watch(
     )
     app[POOL_WATCH] = watch
     return watch
+
+
+def make_connector(settings: Settings, parts: Parts) -> Connector:
+    """The connector ``SIDECAR_CONNECTOR`` names (``create_app``'s default factory)."""
+    name = settings.connector
+    if name == NixlConnector.name:
+        return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    if name == NixlPushConnector.name:
+        return NixlPushConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
+    if name == SglangConnector.name:
+        return SglangConnector(parts, bootstrap_port=settings.sglang_bootstrap_port)
+    if name == SharedStorageConnector.name:
+        return SharedStorageConnector(parts)
+    raise ValueError(f"unknown connector {name!r}")
 
 
 def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
@@ -456,7 +482,7 @@ async def start_sidecar(
     settings: Settings,
     *,
     tracing: Tracing | None = None,
-    connector: ConnectorFactory = make_connector,
+    connector: ConnectorFactory | None = None,
 ) -> RunningSidecar:
     """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
     free one) until ``close()``.

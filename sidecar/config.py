@@ -23,11 +23,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from sidecar import defaults
+from sidecar.connectors import facts
 from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
-from sidecar.headers import DEFAULT_PREFILL_HEADERS
-from sidecar.scheduling.placement import RETEST_S, SPEED_HALF_LIFE_S
-from sidecar.scheduling.policies import QOE_CHOICES
-from sidecar.upstream import KEEPALIVE_S
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -38,11 +36,6 @@ _DNS_SUBDOMAIN = re.compile(
 )
 """A Kubernetes object name (RFC 1123 subdomain)."""
 
-CONNECTOR_ALIASES = {"nixlv2": "nixl", "shared_storage": "shared-storage", "nixl_push": "nixl-push"}
-"""llm-d calls vLLM's NixlConnector protocol ``nixlv2``; we accept its name as an alias."""
-REMOTE_ONLY_CONNECTORS = frozenset({"sglang"})
-"""Protocols whose decode server cannot prefill a prompt itself: every request disaggregates."""
-
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", frozen=True, extra="forbid")
@@ -50,7 +43,7 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", min_length=1, description="Address the sidecar listens on.")
     port: int = Field(8000, ge=0, le=65535, description="Port of the API (0 picks a free port).")
     decode_url: str = Field(
-        "http://127.0.0.1:8200",
+        defaults.DECODE_URL,
         description="Base URL of the local decode engine (http or https, no path).",
     )
     decode_urls: Annotated[tuple[str, ...], NoDecode] = Field(
@@ -67,7 +60,7 @@ class Settings(BaseSettings):
         "LMCache-style stores: the decode finds the KV by prefix).",
     )
     sglang_bootstrap_port: int = Field(
-        8998,
+        facts.SGLANG.bootstrap_port,
         ge=1,
         le=65535,
         description="SGLang prefill servers' bootstrap port (their --disaggregation-bootstrap-"
@@ -94,7 +87,7 @@ class Settings(BaseSettings):
         Field("qoe", description="How the prefill endpoint is chosen when no header names one.")
     )
     scheduler_choices: int = Field(
-        QOE_CHOICES,
+        defaults.QOE_CHOICES,
         ge=1,
         description="Random candidates the qoe policy compares (best of d; every endpoint of a "
         "pool no larger).",
@@ -117,14 +110,14 @@ class Settings(BaseSettings):
     # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
     # "Ageing and re-tests").
     speed_half_life_s: float = Field(
-        SPEED_HALF_LIFE_S,
+        defaults.SPEED_HALF_LIFE_S,
         gt=0,
         description="Half-life, in seconds, of the evidence behind a prefill endpoint's speed "
         "estimate (its own fit, or a speed another sidecar published): without new "
         "observations it ages back toward the prior.",
     )
     scheduler_retest_s: float = Field(
-        RETEST_S,
+        defaults.RETEST_S,
         ge=0,
         description="Seconds without a prefill from this sidecar after which an available "
         "endpoint takes the next remote prefill, whatever the policy picked (0: never).",
@@ -246,7 +239,7 @@ class Settings(BaseSettings):
         "whose own compute or predicted remaining time is within 0.5 s, abort the rest).",
     )
     prefill_headers: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_PREFILL_HEADERS,
+        defaults.PREFILL_HEADERS,
         description="Request headers a gateway names the prefill server in, in order of "
         "precedence (comma list; the first present wins). Every one of them is stripped before "
         "any engine. Add a name only if the gateway strips it from client requests. Empty: no "
@@ -395,7 +388,7 @@ class Settings(BaseSettings):
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )
     engine_keepalive_s: float = Field(
-        KEEPALIVE_S,
+        defaults.ENGINE_KEEPALIVE_S,
         gt=0,
         description="Seconds a connection to an engine may sit idle and still be reused. Keep "
         "it below the engines' own idle timeout (5 s in vLLM, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, and in "
@@ -425,8 +418,8 @@ class Settings(BaseSettings):
     @classmethod
     def _connector_alias(cls, value: Any) -> Any:
         if isinstance(value, str):
-            name = value.strip().lower()
-            return CONNECTOR_ALIASES.get(name, name)
+            known = facts.named(value)
+            return known.name if known is not None else value.strip().lower()
         return value
 
     @field_validator("prefill_on_disconnect")
@@ -442,14 +435,13 @@ class Settings(BaseSettings):
     @field_validator("prefill_fallback", mode="before")
     @classmethod
     def _fallback_for_connector(cls, value: Any, info: ValidationInfo) -> Any:
-        remote_only = info.data.get("connector") in REMOTE_ONLY_CONNECTORS
+        name = info.data.get("connector", "")
+        # Why the connector's decode server cannot prefill (its facts), or None when it can.
+        cannot = facts.CONNECTORS[name].cannot_prefill if name in facts.CONNECTORS else None
         if value is None or (isinstance(value, str) and not value.strip()):
-            return "fail" if remote_only else "local"
-        if remote_only and isinstance(value, str) and value.strip().lower() == "local":
-            raise ValueError(
-                "local is impossible with SIDECAR_CONNECTOR=sglang: an SGLang decode server "
-                "cannot prefill a prompt itself"
-            )
+            return "local" if cannot is None else "fail"
+        if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":
+            raise ValueError(f"local is impossible with SIDECAR_CONNECTOR={name}: {cannot}")
         return value
 
     @field_validator("eject_max_s")

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from sidecar.body import Wire
 from sidecar.config import Settings
@@ -29,11 +30,22 @@ from sidecar.upstream import Body, EngineAnswer, Engines
 logger = logging.getLogger("sidecar.decode")
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeOptions:
+    """The settings the decode send uses, under their own names (``from_settings``)."""
+
+    decode_first_byte_timeout_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DecodeOptions:
+        return cls(decode_first_byte_timeout_s=settings.decode_first_byte_timeout_s)
+
+
 class DecodeSend:
     def __init__(
-        self, settings: Settings, *, engines: Engines, ranks: DecodeRanks, metrics: Metrics
+        self, options: DecodeOptions, *, engines: Engines, ranks: DecodeRanks, metrics: Metrics
     ) -> None:
-        self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
+        self._first_byte_timeout_s = options.decode_first_byte_timeout_s
         self._engines = engines
         self._ranks = ranks
         self._metrics = metrics

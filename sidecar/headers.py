@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.defaults import PREFILL_HEADERS
 from sidecar.endpoints import Endpoint, parse_endpoint
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest
 
@@ -17,12 +18,7 @@ PARSED_TARGETS_KEPT = 256
 beyond this many distinct values the oldest half is forgotten)."""
 _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 
-PREFILLER_HOST_PORT = "x-prefiller-host-port"
-GATEWAY_PREFILL_ENDPOINTS = "x-gateway-prefill-endpoints"
 PREFILLER_URL = "x-prefiller-url"
-DEFAULT_PREFILL_HEADERS = (PREFILLER_HOST_PORT, GATEWAY_PREFILL_ENDPOINTS)
-"""Where a gateway names the prefill server by default, in order of precedence (protocol.md
-§2). Other names are opt-in (``SIDECAR_PREFILL_HEADERS``)."""
 
 HOP_BY_HOP = frozenset(
     {
@@ -67,10 +63,10 @@ class GatewayHeaders:
     client cannot pass a prefill target through the sidecar to anything behind it.
     """
 
-    def __init__(self, names: Iterable[str] = DEFAULT_PREFILL_HEADERS) -> None:
+    def __init__(self, names: Iterable[str] = PREFILL_HEADERS) -> None:
         self.names = tuple(names)
         """Lowercase (Settings normalizes them)."""
-        prefill = {*self.names, *DEFAULT_PREFILL_HEADERS, PREFILLER_URL}
+        prefill = {*self.names, *PREFILL_HEADERS, PREFILLER_URL}
         self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
         self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS
         self._parsed: dict[str, Endpoint | str] = {}

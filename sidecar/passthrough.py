@@ -14,6 +14,7 @@ is what the client sent — and needs no re-serialization.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -34,10 +35,25 @@ from sidecar.tracking import name_this_task
 from sidecar.upstream import Body, Engines
 
 
+@dataclass(frozen=True, slots=True)
+class PassthroughOptions:
+    """The settings a passthrough uses, under their own names (``from_settings``)."""
+
+    decode_first_byte_timeout_s: float
+    stream_idle_timeout_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PassthroughOptions:
+        return cls(
+            decode_first_byte_timeout_s=settings.decode_first_byte_timeout_s,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
+        )
+
+
 class Passthrough:
     def __init__(
         self,
-        settings: Settings,
+        options: PassthroughOptions,
         *,
         engines: Engines,
         ranks: DecodeRanks,
@@ -49,8 +65,8 @@ class Passthrough:
         self._ranks = ranks
         self._bodies = bodies
         self._tracing = tracing
-        self._first_byte_timeout_s = settings.decode_first_byte_timeout_s
-        self._idle_timeout_s = settings.stream_idle_timeout_s
+        self._first_byte_timeout_s = options.decode_first_byte_timeout_s
+        self._idle_timeout_s = options.stream_idle_timeout_s
         self._engines = engines
         self._gateway = gateway
         self._metrics = metrics

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -38,10 +39,28 @@ from sidecar.trust import PrefillGuard
 logger = logging.getLogger("sidecar.pipeline")
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineOptions:
+    """The settings the pipeline uses, under their own names (``from_settings``)."""
+
+    request_timeout_s: float
+    """0: no limit."""
+    stream_idle_timeout_s: float
+    log_requests: bool
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PipelineOptions:
+        return cls(
+            request_timeout_s=settings.request_timeout_s,
+            stream_idle_timeout_s=settings.stream_idle_timeout_s,
+            log_requests=settings.log_requests,
+        )
+
+
 class Pipeline:
     def __init__(
         self,
-        settings: Settings,
+        options: PipelineOptions,
         *,
         connector: Connector,
         scheduler: Scheduler,
@@ -52,7 +71,7 @@ class Pipeline:
         bodies: Bodies,
         tracing: Tracing | None = None,
     ) -> None:
-        self._settings = settings
+        self._options = options
         self._bodies = bodies
         self._tracing = tracing
         self._connector = connector
@@ -92,7 +111,7 @@ class Pipeline:
             self._tracker.finish(key)
             self._metrics.inflight.dec()
             self._metrics.observe_request(ROUTES[request.path], record)
-            if self._settings.log_requests:
+            if self._options.log_requests:
                 _log_summary(record)
             if trace is not None:
                 trace.end(record)
@@ -104,9 +123,9 @@ class Pipeline:
         request_id: str,
         trace: RequestTrace | None,
     ) -> web.StreamResponse:
-        settings = self._settings
+        options = self._options
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.request_timeout_s if settings.request_timeout_s else None
+        deadline = loop.time() + options.request_timeout_s if options.request_timeout_s else None
         with self._bodies.budget.hold() as held:
             placement, progress, answer = await self._exchange(
                 request, record, request_id, trace, deadline, held
@@ -188,7 +207,7 @@ class Pipeline:
                 request,
                 answer,
                 request_id=request_id,
-                idle_timeout_s=self._settings.stream_idle_timeout_s,
+                idle_timeout_s=self._options.stream_idle_timeout_s,
                 deadline=deadline,
                 status_sent=progress.status_sent,
             )

@@ -18,6 +18,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from sidecar.body import Pieces, Wire
+from sidecar.defaults import ENGINE_KEEPALIVE_S
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
     EngineAnswerTooLarge,
@@ -69,14 +70,6 @@ class _PiecesPayload(aiohttp.payload.Payload):
             await writer.write(chunk[:left])
             left -= len(chunk)
 
-
-KEEPALIVE_S: float = 4
-"""Default of ``SIDECAR_ENGINE_KEEPALIVE_S``: below the 5 s after which vLLM's and SGLang's
-servers (uvicorn) close an idle connection. Past the engine's timeout, a request can go out on a
-connection whose close is already on its way back: the engine never reads it, and the sidecar
-sees "closed without an answer" (a KV release lost, a decode leg failed). Under it, the sidecar
-drops an idle connection before the engine can (aiohttp checks the idle time when it hands a
-connection out)."""
 
 POLL_CONNECTIONS_PER_ENGINE = 2
 """Health and metrics polls have a pool of their own, capped at this many connections per engine:
@@ -251,7 +244,7 @@ class Engines:
         self,
         *,
         connect_timeout_s: float,
-        keepalive_s: float = KEEPALIVE_S,
+        keepalive_s: float = ENGINE_KEEPALIVE_S,
         tls: ClientTls | None = None,
         prefill_tls: bool = False,
         prefill_server_name: str | None = None,

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from sidecar.__main__ import load_settings
 from sidecar.config import Settings, describe_fields, explain
 from sidecar.endpoints import Endpoint
+from tests.imports import imported
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -314,6 +315,15 @@ def test_prefill_headers_parse_in_order_lowercased() -> None:
     parsed = Settings(prefill_headers="X-Prefill-Endpoint, x-prefiller-host-port")
     assert parsed.prefill_headers == ("x-prefill-endpoint", "x-prefiller-host-port")
     assert Settings(prefill_headers="").prefill_headers == ()
+
+
+def test_importing_the_settings_loads_neither_aiohttp_nor_redis() -> None:
+    """``config.py`` is a leaf (issue 22): what reads or checks settings without serving (the
+    injector, ``--help``) does not load the engine client or the Redis client."""
+    loaded = imported("-c", "import sidecar.config")
+    assert {"pydantic_settings", "sidecar.config", "sidecar.connectors.facts"} <= loaded
+    assert "aiohttp" not in loaded
+    assert "redis" not in loaded
 
 
 def test_every_setting_has_an_invalid_case() -> None:

@@ -1,22 +1,34 @@
 """What one connector does that the shared contract suite (tests/test_contract.py) cannot say.
 
-SGLang: rooms, the bootstrap port, every request disaggregated (no healthy prefill server: 503), a
-retry restarting both legs (on the same server or another), a refused prefill ending its decode
-at once, both legs' timings. Shared storage: the client's usage
-says what the prefill found cached, not what the decode found in the store the prefill just wrote.
+Every connector: its facts (``sidecar/connectors/facts.py``) under its name. SGLang: rooms, the
+bootstrap port, every request disaggregated (no healthy prefill server: 503), a retry restarting
+both legs (on the same server or another), a refused prefill ending its decode at once, both legs'
+timings. Shared storage: the client's usage says what the prefill found cached, not what the
+decode found in the store the prefill just wrote.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import aiohttp
 import orjson
 import pytest
 
 from sidecar.app import RunningSidecar
-from sidecar.connectors.sglang import BOOTSTRAP_PORT, BOOTSTRAP_ROOM, ROOM_LIMIT, new_room
+from sidecar.config import Settings
+from sidecar.connectors.facts import CONNECTORS
+from sidecar.connectors.nixl import NixlConnector
+from sidecar.connectors.nixl_push import NixlPushConnector
+from sidecar.connectors.sglang import (
+    BOOTSTRAP_PORT,
+    BOOTSTRAP_ROOM,
+    ROOM_LIMIT,
+    SglangConnector,
+    new_room,
+)
+from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.emulator import RunningEmulator
 from sidecar.errors import BadRequest
 from tests.conftest import (
@@ -56,6 +68,19 @@ async def _nothing_waits(http: aiohttp.ClientSession, decode: RunningEmulator) -
 
 
 # --- SGLang -----------------------------------------------------------------------------------
+
+
+def test_every_connector_has_its_facts_under_its_name() -> None:
+    """``facts.py`` says what the settings and the scheduler know of each protocol without
+    importing it: under the names of the connector classes, which SIDECAR_CONNECTOR accepts."""
+    names = [
+        NixlConnector.name,
+        NixlPushConnector.name,
+        SglangConnector.name,
+        SharedStorageConnector.name,
+    ]
+    assert names == list(CONNECTORS)
+    assert get_args(Settings.model_fields["connector"].annotation) == tuple(CONNECTORS)
 
 
 def test_rooms_are_63_bit_one_per_prompt_of_a_batch() -> None:

@@ -16,6 +16,7 @@ import yaml
 from sidecar.config import Settings
 from sidecar.inject import InjectError, Options, defaults, inject_text
 from sidecar.inject.template import ENGINE_EXIT_S, load
+from tests.imports import imported
 from tests.k8s import validate, yamllint
 
 DEPLOYMENT = """\
@@ -441,6 +442,15 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str
         text=True,
         timeout=30,
     )
+
+
+def test_the_injector_loads_no_aiohttp() -> None:
+    """Neither the package nor its command line loads the engine client (issue 22: it cost the
+    injector half a second; ``config.py`` is a leaf and the injector does not even import it)."""
+    for args in (["-c", "import sidecar.inject"], ["-m", "sidecar.inject", "--help"]):
+        loaded = imported(*args)
+        assert "sidecar.inject.template" in loaded, args
+        assert "aiohttp" not in loaded, args
 
 
 @pytest.mark.system

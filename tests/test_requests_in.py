@@ -11,9 +11,10 @@ import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.defaults import PREFILLER_HOST_PORT
 from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest
-from sidecar.headers import PARSED_TARGETS_KEPT, PREFILLER_HOST_PORT, GatewayHeaders
+from sidecar.headers import PARSED_TARGETS_KEPT, GatewayHeaders
 from sidecar.serverlog import LINES_PER_WINDOW, ServerLog
 from tests.conftest import StartSidecar, completion, engine_requests, get_json
 

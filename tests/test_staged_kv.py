@@ -16,7 +16,9 @@ import pytest
 
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
-from sidecar.connectors import Connector, NixlConnector, Parts
+from sidecar.connectors import Connector
+from sidecar.connectors.nixl import NixlConnector
+from sidecar.connectors.parts import Parts
 from sidecar.emulator import RunningEmulator
 from sidecar.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.prefill import Release

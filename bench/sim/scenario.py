@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from sidecar.defaults import QOE_CHOICES
 from sidecar.emulator.config import ATTENTION_CROSSOVER_TOKENS
 from sidecar.scheduling.model import Transfer
-from sidecar.scheduling.policies import QOE_CHOICES
 
 if TYPE_CHECKING:
     from bench.sim.checks import Check

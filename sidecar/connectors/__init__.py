@@ -2,27 +2,28 @@
 
 Protocols differ in order, not only in fields — vLLM NIXL is prefill, wait, then decode with the
 prefill's answer; SGLang sends both legs at once — so ``run`` is the connector's: built from the
-shared ``Parts`` (one prefill call with the retry/fallback/disconnect policy, one decode send, one
-background release), it returns the decode answer to relay or a refusal to pass on. The pipeline
-never names a wire field and never orders legs.
+shared ``Parts`` (the prefill's attempts with the retry/fallback/disconnect policy and the
+staged KV's handle, one decode send, the background work), it returns the decode answer to relay
+or a refusal to pass on. The pipeline never names a wire field and never orders legs.
 
 Every connector keeps one KV-lifecycle contract (``tests/test_contract.py`` runs it on each): KV a
 prefill staged is never left for the engine's expiry — whatever fails, and whenever the client
 leaves, it is either taken by the decode leg or released.
+
+What a protocol is before any request — its name and aliases, whether its decode server can
+prefill, its defaults — is in ``facts.py``, which the settings read; so this package imports no
+connector (nor aiohttp) until one is used: ``sidecar.app`` builds the configured one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from sidecar.config import Settings
-from sidecar.connectors.nixl import NixlConnector
-from sidecar.connectors.nixl_push import NixlPushConnector
-from sidecar.connectors.parts import Parts
-from sidecar.connectors.sglang import SglangConnector
-from sidecar.connectors.shared_storage import SharedStorageConnector
-from sidecar.exchange import Answer, Body, Exchange, Refused
+if TYPE_CHECKING:  # the package itself stays light: config imports its facts (``facts.py``)
+    from sidecar.config import Settings
+    from sidecar.connectors.parts import Parts
+    from sidecar.exchange import Answer, Body, Exchange, Refused
 
 
 class Connector(Protocol):
@@ -47,31 +48,8 @@ class Connector(Protocol):
         ...
 
 
-ConnectorFactory = Callable[[Settings, Parts], Connector]
-"""Builds the connector from the settings and the shared parts (``make_connector``; a test may
-plug in a connector of its own)."""
+ConnectorFactory = Callable[["Settings", "Parts"], Connector]
+"""Builds the connector from the settings and the shared parts (``sidecar.app.make_connector``;
+a test may plug in a connector of its own)."""
 
-
-def make_connector(settings: Settings, parts: Parts) -> Connector:
-    name = settings.connector
-    if name == NixlConnector.name:
-        return NixlConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
-    if name == NixlPushConnector.name:
-        return NixlPushConnector(parts, rewrite_remote_host=settings.rewrite_remote_host)
-    if name == SglangConnector.name:
-        return SglangConnector(parts, bootstrap_port=settings.sglang_bootstrap_port)
-    if name == SharedStorageConnector.name:
-        return SharedStorageConnector(parts)
-    raise ValueError(f"unknown connector {name!r}")
-
-
-__all__ = [
-    "Connector",
-    "ConnectorFactory",
-    "NixlConnector",
-    "NixlPushConnector",
-    "Parts",
-    "SglangConnector",
-    "SharedStorageConnector",
-    "make_connector",
-]
+__all__ = ["Connector", "ConnectorFactory"]

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 import yarl
 
-from sidecar.config import Settings
+from sidecar.defaults import DECODE_URL
 
 SIDECAR_NAME = "pd-sidecar"
 """The container's name: how a second injection recognizes the first."""
@@ -28,7 +28,7 @@ ENGINE_EXIT_S = 5
 
 Container = dict[str, Any]
 
-_DEFAULT_DECODE_URL = yarl.URL(str(Settings.model_fields["decode_url"].default))
+_DEFAULT_DECODE_URL = yarl.URL(DECODE_URL)
 assert _DEFAULT_DECODE_URL.port is not None
 DEFAULT_ENGINE_PORT: int = _DEFAULT_DECODE_URL.port
 """The engine's port that the sidecar reaches without a ``SIDECAR_DECODE_URL``: its default's."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
 from sidecar.endpoints import Endpoint
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import (
@@ -38,13 +39,6 @@ STALE_AFTER_SCRAPES = 3
 """A scrape older than this many intervals is ignored (treated as unknown)."""
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
-SPEED_HALF_LIFE_S = 60.0
-"""``SIDECAR_SPEED_HALF_LIFE_S``' default: without a new observation, the evidence behind an
-endpoint's speed estimate weighs half as much after this long, the prior regaining the rest
-(a published speed: half-way back to the prior; docs/scheduling.md)."""
-RETEST_S = 15.0
-"""``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint this sidecar has sent no prefill
-for this long takes its next remote prefill, whatever the policy picked."""
 
 
 @dataclass(slots=True)

@@ -12,16 +12,11 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from sidecar.defaults import QOE_CHOICES
 from sidecar.scheduling.model import Candidate, Transfer
 
 TOKENS_PER_WAITING = 1000.0
 """Prompt tokens assumed per scraped waiting request when reservations say less."""
-QOE_CHOICES = 8
-"""Candidates ``qoe`` compares by default: every endpoint of a pool of up to 8, a random 8 of a
-larger one. Two (best of two random) kept sidecars that decided on the same stale view from all
-picking one endpoint; since each decision reads the others' reservations one round trip old, the
-full comparison is better in every simulated scenario, the memory backend's included
-(docs/scheduling.md, "Results")."""
 
 
 class Policy(Protocol):

@@ -19,9 +19,11 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
-from sidecar.config import REMOTE_ONLY_CONNECTORS, Settings
+from sidecar.config import Settings
+from sidecar.connectors.facts import CONNECTORS
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.errors import EngineError, EngineUnreachable
@@ -49,49 +51,92 @@ from sidecar.upstream import Engines
 logger = logging.getLogger("sidecar.scheduling")
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerOptions:
+    """What the scheduler is configured with: settings under their own names, and the connector's
+    one fact it needs (``from_settings``)."""
+
+    decode_ranks: tuple[str, ...]
+    scheduler_policy: str
+    scheduler_choices: int
+    scheduler_seed: int | None
+    disagg_min_tokens: int
+    disagg_ttft_ratio: float
+    remote_only: bool
+    """The connector's decode server cannot prefill: every request goes remote."""
+    speed_half_life_s: float
+    scheduler_retest_s: float
+    prefix_block_tokens: int
+    prefix_cache_blocks: int
+    scrape_interval_s: float
+    discovery_interval_s: float
+    eject_after_failures: int
+    eject_base_s: float
+    eject_max_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> SchedulerOptions:
+        return cls(
+            decode_ranks=settings.decode_ranks,
+            scheduler_policy=settings.scheduler_policy,
+            scheduler_choices=settings.scheduler_choices,
+            scheduler_seed=settings.scheduler_seed,
+            disagg_min_tokens=settings.disagg_min_tokens,
+            disagg_ttft_ratio=settings.disagg_ttft_ratio,
+            remote_only=CONNECTORS[settings.connector].remote_only,
+            speed_half_life_s=settings.speed_half_life_s,
+            scheduler_retest_s=settings.scheduler_retest_s,
+            prefix_block_tokens=settings.prefix_block_tokens,
+            prefix_cache_blocks=settings.prefix_cache_blocks,
+            scrape_interval_s=settings.scrape_interval_s,
+            discovery_interval_s=settings.discovery_interval_s,
+            eject_after_failures=settings.eject_after_failures,
+            eject_base_s=settings.eject_base_s,
+            eject_max_s=settings.eject_max_s,
+        )
+
+
 class Scheduler:
     def __init__(
         self,
-        settings: Settings,
+        options: SchedulerOptions,
         *,
         discovery: Discovery,
         backend: StateBackend,
         engines: Engines,
         metrics: Metrics,
     ) -> None:
-        self._settings = settings
+        self._options = options
         self._discovery = discovery
         self.backend = backend
         self._engines = engines
         self._metrics = metrics
-        self._rng = random.Random(settings.scheduler_seed)
+        self._rng = random.Random(options.scheduler_seed)
         self._planner = Planner(
             Decider(
-                make_policy(
-                    settings.scheduler_policy, self._rng, choices=settings.scheduler_choices
-                ),
-                min_tokens=settings.disagg_min_tokens,
-                ttft_ratio=settings.disagg_ttft_ratio,
+                make_policy(options.scheduler_policy, self._rng, choices=options.scheduler_choices),
+                min_tokens=options.disagg_min_tokens,
+                ttft_ratio=options.disagg_ttft_ratio,
                 # A decode server that cannot prefill: nothing to weigh, every request goes remote.
-                always=settings.connector in REMOTE_ONLY_CONNECTORS,
+                always=options.remote_only,
             ),
-            stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
-            half_life_s=settings.speed_half_life_s,
-            retest_s=settings.scheduler_retest_s,
+            stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
+            half_life_s=options.speed_half_life_s,
+            retest_s=options.scheduler_retest_s,
         )
         self._decider = self._planner.decider
         self.ranks = DecodeRanks(
-            settings.decode_ranks,
-            block_tokens=settings.prefix_block_tokens,
-            capacity_blocks=settings.prefix_cache_blocks,
-            stale_after_s=STALE_AFTER_SCRAPES * settings.scrape_interval_s,
+            options.decode_ranks,
+            block_tokens=options.prefix_block_tokens,
+            capacity_blocks=options.prefix_cache_blocks,
+            stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
             # Its own stream: placing on ranks never shifts the prefill policy's seeded choices.
-            rng=random.Random(settings.scheduler_seed),
+            rng=random.Random(options.scheduler_seed),
         )
         self._pool = self._planner.pool
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
-        self._scrape_timeout_s = min(settings.scrape_interval_s, 2.0)
+        self._scrape_timeout_s = min(options.scrape_interval_s, 2.0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -129,9 +174,9 @@ class Scheduler:
 
     def _new_health(self) -> Health:
         return Health(
-            eject_after=self._settings.eject_after_failures,
-            base_s=self._settings.eject_base_s,
-            max_s=self._settings.eject_max_s,
+            eject_after=self._options.eject_after_failures,
+            base_s=self._options.eject_base_s,
+            max_s=self._options.eject_max_s,
         )
 
     # --- the request path ------------------------------------------------------------------
@@ -309,13 +354,13 @@ class Scheduler:
 
     async def _discover(self) -> None:
         while True:
-            await asyncio.sleep(self._settings.discovery_interval_s)
+            await asyncio.sleep(self._options.discovery_interval_s)
             await self.refresh_pool()
 
     async def _scrape_forever(self) -> None:
         while True:
             await self.scrape_once()
-            await asyncio.sleep(self._settings.scrape_interval_s)
+            await asyncio.sleep(self._options.scrape_interval_s)
 
     async def scrape_once(self) -> None:
         states = list(self._pool.values())
@@ -408,10 +453,10 @@ class Scheduler:
         now, wall = time.monotonic(), time.time()
         view = self.backend.view()
         return {
-            "policy": self._settings.scheduler_policy,
-            "choices": self._settings.scheduler_choices,
-            "disagg_min_tokens": self._settings.disagg_min_tokens,
-            "disagg_ttft_ratio": self._settings.disagg_ttft_ratio,
+            "policy": self._options.scheduler_policy,
+            "choices": self._options.scheduler_choices,
+            "disagg_min_tokens": self._options.disagg_min_tokens,
+            "disagg_ttft_ratio": self._options.disagg_ttft_ratio,
             "discovery": self._discovery.describe(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 
 from sidecar.config import Settings
+from sidecar.defaults import QOE_CHOICES
 from sidecar.scheduling.model import Candidate, Speed, Transfer
 from sidecar.scheduling.policies import (
     POLICIES,
-    QOE_CHOICES,
     TOKENS_PER_WAITING,
     Qoe,
     make_policy,

@@ -11,7 +11,7 @@ from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
 from sidecar.metrics import Metrics
-from sidecar.scheduling.scheduler import Scheduler
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
 from sidecar.upstream import Engines
 from tests.conftest import (
@@ -216,12 +216,14 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
     await engines.open()
     discovery = Discovery((), Endpoint("svc", first.port), resolver=resolver)
     scheduler = Scheduler(
-        Settings(
-            decode_url=decode.url,
-            scrape_interval_s=60,
-            disagg_min_tokens=0,
-            disagg_ttft_ratio=1000,
-            scheduler_seed=3,
+        SchedulerOptions.from_settings(
+            Settings(
+                decode_url=decode.url,
+                scrape_interval_s=60,
+                disagg_min_tokens=0,
+                disagg_ttft_ratio=1000,
+                scheduler_seed=3,
+            )
         ),
         discovery=discovery,
         backend=MemoryState(),

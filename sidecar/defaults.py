@@ -1,0 +1,43 @@
+"""Defaults of settings that other modules use as their own defaults too: values, no imports.
+
+``config.py`` builds ``Settings`` from them and the modules that need them import them from here,
+never the other way round, so that ``import sidecar.config`` loads no engine client (aiohttp) and
+the pure modules (the scheduling policies the simulator runs, the injector) load no pydantic.
+Defaults that nothing else uses stay in ``Settings`` itself.
+"""
+
+from __future__ import annotations
+
+DECODE_URL = "http://127.0.0.1:8200"
+"""``SIDECAR_DECODE_URL``'s default: the local decode engine (the injector moves the engine to
+this port)."""
+
+PREFILLER_HOST_PORT = "x-prefiller-host-port"
+GATEWAY_PREFILL_ENDPOINTS = "x-gateway-prefill-endpoints"
+PREFILL_HEADERS = (PREFILLER_HOST_PORT, GATEWAY_PREFILL_ENDPOINTS)
+"""``SIDECAR_PREFILL_HEADERS``' default: where a gateway names the prefill server, in order of
+precedence (protocol.md §2). Other names are opt-in."""
+
+ENGINE_KEEPALIVE_S: float = 4
+"""``SIDECAR_ENGINE_KEEPALIVE_S``' default: below the 5 s after which vLLM's and SGLang's
+servers (uvicorn) close an idle connection. Past the engine's timeout, a request can go out on a
+connection whose close is already on its way back: the engine never reads it, and the sidecar
+sees "closed without an answer" (a KV release lost, a decode leg failed). Under it, the sidecar
+drops an idle connection before the engine can (aiohttp checks the idle time when it hands a
+connection out)."""
+
+QOE_CHOICES = 8
+"""``SIDECAR_SCHEDULER_CHOICES``' default, the candidates ``qoe`` compares: every endpoint of a
+pool of up to 8, a random 8 of a larger one. Two (best of two random) kept sidecars that decided
+on the same stale view from all picking one endpoint; since each decision reads the others'
+reservations one round trip old, the full comparison is better in every simulated scenario, the
+memory backend's included (docs/scheduling.md, "Results")."""
+
+SPEED_HALF_LIFE_S = 60.0
+"""``SIDECAR_SPEED_HALF_LIFE_S``' default: without a new observation, the evidence behind an
+endpoint's speed estimate weighs half as much after this long, the prior regaining the rest
+(a published speed: half-way back to the prior; docs/scheduling.md)."""
+
+RETEST_S = 15.0
+"""``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint this sidecar has sent no prefill
+for this long takes its next remote prefill, whatever the policy picked."""
