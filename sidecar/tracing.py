@@ -1,8 +1,9 @@
 """OpenTelemetry tracing (``SIDECAR_TRACING=true``): the only module that imports ``opentelemetry``.
 
 The SDK is the optional extra ``pd-sidecar[tracing]``; it is imported when a ``Tracing`` is built,
-never otherwise, so with tracing off the request path pays one ``None`` check per phase and the
-client's ``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
+never otherwise. With tracing off, a request's trace is ``NO_TRACE`` and its legs ``NO_LEG``, whose
+methods do nothing (no ``None`` checks on the request path), and the client's
+``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
 
 With tracing on, each generation request gets a server span, the child of the gateway's W3C trace
 context (or the root of a new trace), and one child span per phase::
@@ -35,7 +36,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from multidict import CIMultiDict
 from yarl import URL
@@ -362,6 +363,95 @@ class Leg:
         """``error``: why the call failed, which marks the span ERROR."""
         fields = {"pd_sidecar.outcome": outcome, "http.response.status_code": status}
         _end(self._tracing, self.span, {**fields, **(attributes or {})}, error)
+
+
+class NoTracing:
+    """Tracing off (``NO_TRACING``): every request's trace is ``NO_TRACE``."""
+
+    __slots__ = ()
+
+    def request(
+        self,
+        headers: Mapping[str, str],
+        method: str,
+        path: str,
+        request_id: str,
+        route: str | None = None,
+    ) -> RequestTrace:
+        return NO_TRACE
+
+
+class NoTrace(RequestTrace):
+    """A request's trace when tracing is off (``NO_TRACE``): every method does nothing, its
+    legs are ``NO_LEG``, and headers go out as they came."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        """Nothing to hold: no span, no provider."""
+
+    def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
+        return NO_LEG.headers(base)
+
+    def phase(self, name: str) -> Span:
+        return _NO_SPAN
+
+    def done(self, span: Span, attributes: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def leg(self, name: str, url: str, attributes: Mapping[str, Any] | None = None) -> Leg:
+        return NO_LEG
+
+    def placed(self, span: Span, placement: Placement) -> None:
+        pass
+
+    def end(self, record: RequestRecord) -> None:
+        pass
+
+    def finish(
+        self,
+        status: int | None,
+        state: str,
+        error: str | None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        pass
+
+
+class NoLeg(Leg):
+    """An engine call's span when tracing is off (``NO_LEG``): nothing recorded, the headers
+    as they came."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        """Nothing to hold."""
+
+    def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
+        return base if isinstance(base, CIMultiDict) else CIMultiDict(base)
+
+    def responded(self, status: int) -> None:
+        pass
+
+    def ended_by(self, exc: BaseException, attributes: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def end(
+        self,
+        outcome: str,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        pass
+
+
+NO_LEG = NoLeg()
+NO_TRACE = NoTrace()
+NO_TRACING = NoTracing()
+_NO_SPAN = cast("Span", None)
+"""What ``NoTrace.phase`` returns: only ``NoTrace`` ever sees it."""
 
 
 def _end(tracing: Tracing, span: Span, attributes: Mapping[str, Any], error: str | None) -> None:
