@@ -130,9 +130,8 @@ class Tracing:
                 f"{package}, which is not installed"
             ) from None
         exporter = module.OTLPSpanExporter()
-        endpoint = getattr(exporter, "_endpoint", "?")
         return cls.with_processor(
-            BatchSpanProcessor(exporter), exporter=f"OTLP {protocol} to {endpoint}"
+            BatchSpanProcessor(exporter), exporter=f"OTLP {protocol} to {otlp_endpoint(protocol)}"
         )
 
     @classmethod
@@ -200,6 +199,25 @@ class Tracing:
             await asyncio.wait_for(done, timeout_s)
         except TimeoutError:
             logger.warning("tracing: spans not exported within %.2gs were dropped", timeout_s)
+
+
+def otlp_endpoint(protocol: str) -> str:
+    """Where the OTLP exporter of ``protocol`` sends spans, by the OpenTelemetry specification's
+    exporter configuration ("OTLP Exporter Configuration"): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    as it is; else ``OTEL_EXPORTER_OTLP_ENDPOINT``, to which the HTTP exporter appends
+    ``v1/traces``; else the default, ``http://localhost:4318/v1/traces`` (HTTP) or
+    ``http://localhost:4317`` (gRPC). For the start log line only: the exporter reads them itself.
+    """
+    traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if traces:
+        return traces
+    grpc = protocol == "grpc"
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if not base:
+        return "http://localhost:4317" if grpc else "http://localhost:4318/v1/traces"
+    if grpc:
+        return base
+    return base + ("v1/traces" if base.endswith("/") else "/v1/traces")
 
 
 def _settle(future: asyncio.Future[None]) -> None:
