@@ -25,7 +25,7 @@ from typing import Any
 from sidecar.body import Wire
 from sidecar.errors import EngineNotConnected, SidecarError
 from sidecar.metrics import Metrics
-from sidecar.tracing import Leg, RequestTrace
+from sidecar.tracing import NO_TRACE, Leg, RequestTrace
 from sidecar.tracking import task_name
 from sidecar.upstream import EngineAnswer, Engines
 
@@ -81,7 +81,7 @@ class Aftercare:
         urls: Sequence[str],
         headers: Mapping[str, str],
         data: Wire,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace = NO_TRACE,
     ) -> bool:
         """Send ``data`` to ``urls[0]`` in the background to free request ``request_id``'s
         staged KV, its answer dropped; to the next URL when one cannot be connected to (any
@@ -90,15 +90,14 @@ class Aftercare:
         """
         if len(self._releases) >= MAX_RELEASES:
             return False
-        leg = trace.leg("kv_release", urls[0]) if trace is not None else None
-        if leg is not None:
-            headers = leg.headers(headers)
+        leg = trace.leg("kv_release", urls[0])
+        headers = leg.headers(headers)
         name = task_name(request_id, "release")
         _hold(self._releases, asyncio.create_task(self._send(urls, headers, data, leg), name=name))
         return True
 
     async def _send(
-        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg | None
+        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg
     ) -> None:
         if self._sending.locked():
             self._metrics.kv_release_waits.inc()
@@ -106,14 +105,13 @@ class Aftercare:
             await self._send_now(urls, headers, data, leg)
 
     async def _send_now(
-        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg | None
+        self, urls: Sequence[str], headers: Mapping[str, str], data: Wire, leg: Leg
     ) -> None:
         try:
             answer = await self._post(urls, headers, data)
             await answer.read()
         except BaseException as exc:
-            if leg is not None:
-                leg.ended_by(exc)
+            leg.ended_by(exc)
             if isinstance(exc, SidecarError):
                 self._metrics.kv_releases.labels("failed").inc()
                 logger.warning("releasing staged KV failed: %s", exc.message)
@@ -124,16 +122,14 @@ class Aftercare:
                 return
             raise
         if answer.status >= 400:
-            if leg is not None:
-                error = f"{answer.engine} answered {answer.status}"
-                leg.end("failed", status=answer.status, error=error)
+            error = f"{answer.engine} answered {answer.status}"
+            leg.end("failed", status=answer.status, error=error)
             self._metrics.kv_releases.labels("failed").inc()
             logger.warning(
                 "releasing staged KV failed: %s answered %d", answer.engine, answer.status
             )
             return
-        if leg is not None:
-            leg.end("sent", status=answer.status)
+        leg.end("sent", status=answer.status)
         self._metrics.kv_releases.labels("sent").inc()
 
     async def _post(

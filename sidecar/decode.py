@@ -64,9 +64,9 @@ class DecodeSend:
         by = loop.time() + self._first_byte_timeout_s
         if ex.deadline is not None:
             by = min(by, ex.deadline)
-        rank, leg = ex.placement.rank, None
-        if ex.trace is not None:  # the span ends at the first byte (the relay has its own)
-            leg = ex.trace.leg("decode", rank.url + ex.path)
+        rank = ex.placement.rank
+        # The span ends at the first byte (the relay has its own).
+        leg = ex.trace.leg("decode", rank.url + ex.path)
         try:
             upstream, first = await on_a_rank(
                 self._ranks,
@@ -75,7 +75,7 @@ class DecodeSend:
                 self._metrics,
                 "POST",
                 ex.path,
-                headers=ex.headers if leg is None else leg.headers(ex.headers),
+                headers=leg.headers(ex.headers),
                 data=data,
                 by=by,
                 limit=f"{self._first_byte_timeout_s:g}s "
@@ -83,17 +83,15 @@ class DecodeSend:
                 sending=ex.progress.decode_sent,
             )
         except BaseException as exc:
-            if leg is not None:
-                leg.ended_by(exc, attributes={"pd_sidecar.decode_rank": rank.index})
+            leg.ended_by(exc, attributes={"pd_sidecar.decode_rank": rank.index})
             raise
-        if leg is not None:
-            status = upstream.status
-            leg.end(
-                "first_byte",
-                status=status,
-                error=f"decode answered {status}" if status >= 400 else None,
-                attributes={"pd_sidecar.decode_rank": rank.index},
-            )
+        status = upstream.status
+        leg.end(
+            "first_byte",
+            status=status,
+            error=f"decode answered {status}" if status >= 400 else None,
+            attributes={"pd_sidecar.decode_rank": rank.index},
+        )
         ex.progress.first_byte()
         return Answer(upstream, first, patch)
 

@@ -39,10 +39,6 @@ class Drain:
         self._deadline: float | None = None
         self._handlers: set[asyncio.Task[object]] = set()
 
-    @property
-    def begun(self) -> bool:
-        return self._deadline is not None
-
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Knows every request in flight, so that the drain can wait for it or cut it."""

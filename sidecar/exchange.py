@@ -23,7 +23,7 @@ from sidecar.endpoints import Endpoint
 from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.metrics import ROUTES
 from sidecar.scheduling.placement import Placement
-from sidecar.tracing import RequestTrace
+from sidecar.tracing import NO_TRACE, RequestTrace
 from sidecar.upstream import EngineAnswer
 
 Body = dict[str, Any]
@@ -65,8 +65,8 @@ class Exchange:
     deadline: float | None
     """Loop time by which the whole request must be done (None: no limit)."""
     progress: Progress
-    trace: RequestTrace | None = None
-    """The request's spans (None: tracing is off); each leg's span comes from it."""
+    trace: RequestTrace = NO_TRACE
+    """The request's spans (``NO_TRACE``: tracing is off); each leg's span comes from it."""
     members: Members = field(default_factory=lambda: NO_MEMBERS)
     """A large body's big members (``sidecar.body.Parsed.members``): ``encode`` sends them
     from their own buffers."""

@@ -76,9 +76,6 @@ class KubeBadResponse(KubeError):
     kind = "invalid"
 
 
-ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
-
-
 @dataclass(frozen=True, slots=True)
 class WatchEvent:
     type: str

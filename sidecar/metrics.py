@@ -91,10 +91,6 @@ class Children(Generic[_Family]):
         return child
 
 
-def route_label(path: str) -> str:
-    return ROUTES.get(path, "other")
-
-
 def outcome_label(record: RequestRecord) -> str:
     if record.state == "cancelled":
         return "cancelled"

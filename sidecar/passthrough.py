@@ -30,7 +30,7 @@ from sidecar.metrics import Metrics
 from sidecar.paths import GUARDED_ROUTES
 from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
-from sidecar.tracing import Tracing
+from sidecar.tracing import NO_TRACING, NoTracing, Tracing
 from sidecar.tracking import name_this_task
 from sidecar.upstream import Body, Engines
 
@@ -64,7 +64,7 @@ class Passthrough:
     ) -> None:
         self._ranks = ranks
         self._bodies = bodies
-        self._tracing = tracing
+        self._tracing: Tracing | NoTracing = tracing or NO_TRACING
         self._first_byte_timeout_s = options.decode_first_byte_timeout_s
         self._idle_timeout_s = options.stream_idle_timeout_s
         self._engines = engines
@@ -81,10 +81,9 @@ class Passthrough:
         name_this_task(request_id, "passthrough")
         headers = self._gateway.passthrough(request.headers)
         headers[REQUEST_ID_HEADER] = request_id
-        trace = None
-        if self._tracing is not None:  # one span: the engine's traceparent names it
-            trace = self._tracing.request(request.headers, request.method, request.path, request_id)
-            headers = trace.headers(headers)
+        # One span: the engine's traceparent names it.
+        trace = self._tracing.request(request.headers, request.method, request.path, request_id)
+        headers = trace.headers(headers)
         claim = None
         held = self._bodies.budget.hold()  # a guarded route's body, until the engine answers
         try:
@@ -132,13 +131,12 @@ class Passthrough:
             if claim is not None:
                 claim.end()
             self._metrics.observe_passthrough(status, cancelled)
-            if trace is not None:
-                if error is None and status is not None and status >= 500:
-                    error = f"the engine answered {status}"
-                state = "cancelled" if cancelled else "failed" if error else "completed"
-                # A 4xx is the client's: not the span's error (HTTP server convention).
-                client_fault = status is not None and status < 500
-                trace.finish(status, state, None if cancelled or client_fault else error)
+            if error is None and status is not None and status >= 500:
+                error = f"the engine answered {status}"
+            state = "cancelled" if cancelled else "failed" if error else "completed"
+            # A 4xx is the client's: not the span's error (HTTP server convention).
+            client_fault = status is not None and status < 500
+            trace.finish(status, state, None if cancelled or client_fault else error)
 
     async def _checked_body(self, request: web.Request, held: Held) -> bytes:
         """The body of a request to a guarded generation route, as the client sent it; raises

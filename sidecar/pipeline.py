@@ -32,7 +32,7 @@ from sidecar.metrics import ROUTES, Metrics
 from sidecar.relay import Relayed, relay
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
-from sidecar.tracing import RequestTrace, Tracing
+from sidecar.tracing import NO_TRACING, NoTracing, RequestTrace, Tracing
 from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker, name_this_task
 from sidecar.trust import PrefillGuard
 
@@ -73,7 +73,7 @@ class Pipeline:
     ) -> None:
         self._options = options
         self._bodies = bodies
-        self._tracing = tracing
+        self._tracing: Tracing | NoTracing = tracing or NO_TRACING
         self._connector = connector
         self._scheduler = scheduler
         self._guard = guard
@@ -86,10 +86,8 @@ class Pipeline:
         name_this_task(request_id, "handler")
         key, record = self._tracker.start(request_id, request.path, engine_request_id(request_id))
         self._metrics.inflight.inc()
-        trace = None
-        if self._tracing is not None:
-            headers, method, path = request.headers, request.method, request.path
-            trace = self._tracing.request(headers, method, path, request_id, route=path)
+        headers, method, path = request.headers, request.method, request.path
+        trace = self._tracing.request(headers, method, path, request_id, route=path)
         try:
             return await self._serve(request, record, request_id, trace)
         except SidecarError as exc:  # raised before any byte of an answer went out
@@ -113,15 +111,14 @@ class Pipeline:
             self._metrics.observe_request(ROUTES[request.path], record)
             if self._options.log_requests:
                 _log_summary(record)
-            if trace is not None:
-                trace.end(record)
+            trace.end(record)
 
     async def _serve(
         self,
         request: web.Request,
         record: RequestRecord,
         request_id: str,
-        trace: RequestTrace | None,
+        trace: RequestTrace,
     ) -> web.StreamResponse:
         options = self._options
         loop = asyncio.get_running_loop()
@@ -142,7 +139,7 @@ class Pipeline:
         request: web.Request,
         record: RequestRecord,
         request_id: str,
-        trace: RequestTrace | None,
+        trace: RequestTrace,
         deadline: float | None,
         held: Held,
     ) -> tuple[Placement, _Progress, Answer | Refused]:
@@ -150,7 +147,7 @@ class Pipeline:
         engine's has started (or a refusal)."""
         parsed = await self._bodies.read(request, held)
         body = parsed.body
-        placing = trace.phase("placement") if trace is not None else None
+        placing = trace.phase("placement")
         header = self._gateway.prefill_target(request.headers)
         if header is not None:
             header = await self._guard.check(header)
@@ -158,8 +155,7 @@ class Pipeline:
         placement = await self._scheduler.place(
             body, header, local_reason=self._connector.unsupported(body), text=parsed.messages
         )
-        if trace is not None and placing is not None:
-            trace.placed(placing, placement)
+        trace.placed(placing, placement)
         with contextlib.ExitStack() as on_failure:  # the rank is the relay's once it answers
             on_failure.callback(placement.rank.end)
             _record_placement(record, placement)
@@ -192,7 +188,7 @@ class Pipeline:
         request_id: str,
         deadline: float | None,
         progress: _Progress,
-        trace: RequestTrace | None,
+        trace: RequestTrace,
     ) -> web.StreamResponse:
         if isinstance(answer, Refused):
             record.state, record.status, record.error = State.FAILED, answer.status, answer.error
@@ -201,7 +197,7 @@ class Pipeline:
                 body=answer.body,
                 headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
             )
-        relaying = trace.phase("relay") if trace is not None else None
+        relaying = trace.phase("relay")
         try:
             relayed = await relay(
                 request,
@@ -213,8 +209,7 @@ class Pipeline:
             )
         finally:
             answer.upstream.close()
-        if trace is not None and relaying is not None:
-            trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
+        trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
         _record_relayed(record, relayed)
         return relayed.response
 

@@ -169,7 +169,7 @@ class Prefill:
         locally)."""
         return Attempts(self, ex)
 
-    def ended(self, placement: Placement, started: float, leg: Leg | None, call: Call) -> None:
+    def ended(self, placement: Placement, started: float, leg: Leg, call: Call) -> None:
         """A call is over, whoever waited for it: tell the scheduler, count it, end its span."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
         outcome, error, cached = "cancelled", None, None
@@ -191,8 +191,7 @@ class Prefill:
             outcome, error = "error", repr(call.exception())
         seconds = asyncio.get_running_loop().time() - started
         self.scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
-        if leg is not None:
-            leg.end(outcome, error=error, attributes={"pd_sidecar.cached_tokens": cached})
+        leg.end(outcome, error=error, attributes={"pd_sidecar.cached_tokens": cached})
 
     async def call(
         self,
@@ -202,7 +201,7 @@ class Prefill:
         accept: Accept,
         read: Reader,
         answering: asyncio.Event,
-        leg: Leg | None,
+        leg: Leg,
     ) -> Result:
         """One prefill call; sets ``answering`` once the engine's status line is in."""
         options = self.options
@@ -215,15 +214,14 @@ class Prefill:
             upstream = await self.engines.send(
                 "POST",
                 self.engines.prefill_url(endpoint) + ex.path,
-                headers=ex.headers if leg is None else leg.headers(ex.headers),
+                headers=leg.headers(ex.headers),
                 data=data,
                 total_s=timeout_s,
                 role="the prefill engine",
                 server_name=self.engines.prefill_server_name(endpoint),
             )
             answering.set()
-            if leg is not None:
-                leg.responded(upstream.status)
+            leg.responded(upstream.status)
             if 200 <= upstream.status < 300:
                 answer = await read(upstream, options.max_answer_bytes)
             else:
@@ -407,16 +405,14 @@ class Attempt:
         ex.progress.prefill_sent(endpoint, self.number)
         self._progressing = True
         self.started = asyncio.get_running_loop().time()
-        leg = None
-        if ex.trace is not None:
-            leg = ex.trace.leg(
-                "prefill",
-                prefill.engines.prefill_url(endpoint) + ex.path,
-                {
-                    "pd_sidecar.prefill.endpoint": str(endpoint),
-                    "pd_sidecar.prefill.attempt": self.number,
-                },
-            )
+        leg = ex.trace.leg(
+            "prefill",
+            prefill.engines.prefill_url(endpoint) + ex.path,
+            {
+                "pd_sidecar.prefill.endpoint": str(endpoint),
+                "pd_sidecar.prefill.attempt": self.number,
+            },
+        )
         call = asyncio.create_task(
             prefill.call(ex, data, endpoint, accept, read, self.answering, leg),
             name=task_name(ex.request_id, "prefill"),

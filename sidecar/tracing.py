@@ -1,8 +1,9 @@
 """OpenTelemetry tracing (``SIDECAR_TRACING=true``): the only module that imports ``opentelemetry``.
 
 The SDK is the optional extra ``pd-sidecar[tracing]``; it is imported when a ``Tracing`` is built,
-never otherwise, so with tracing off the request path pays one ``None`` check per phase and the
-client's ``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
+never otherwise. With tracing off, a request's trace is ``NO_TRACE`` and its legs ``NO_LEG``, whose
+methods do nothing (no ``None`` checks on the request path), and the client's
+``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
 
 With tracing on, each generation request gets a server span, the child of the gateway's W3C trace
 context (or the root of a new trace), and one child span per phase::
@@ -35,7 +36,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from multidict import CIMultiDict
 from yarl import URL
@@ -129,9 +130,8 @@ class Tracing:
                 f"{package}, which is not installed"
             ) from None
         exporter = module.OTLPSpanExporter()
-        endpoint = getattr(exporter, "_endpoint", "?")
         return cls.with_processor(
-            BatchSpanProcessor(exporter), exporter=f"OTLP {protocol} to {endpoint}"
+            BatchSpanProcessor(exporter), exporter=f"OTLP {protocol} to {otlp_endpoint(protocol)}"
         )
 
     @classmethod
@@ -199,6 +199,25 @@ class Tracing:
             await asyncio.wait_for(done, timeout_s)
         except TimeoutError:
             logger.warning("tracing: spans not exported within %.2gs were dropped", timeout_s)
+
+
+def otlp_endpoint(protocol: str) -> str:
+    """Where the OTLP exporter of ``protocol`` sends spans, by the OpenTelemetry specification's
+    exporter configuration ("OTLP Exporter Configuration"): ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    as it is; else ``OTEL_EXPORTER_OTLP_ENDPOINT``, to which the HTTP exporter appends
+    ``v1/traces``; else the default, ``http://localhost:4318/v1/traces`` (HTTP) or
+    ``http://localhost:4317`` (gRPC). For the start log line only: the exporter reads them itself.
+    """
+    traces = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if traces:
+        return traces
+    grpc = protocol == "grpc"
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+    if not base:
+        return "http://localhost:4317" if grpc else "http://localhost:4318/v1/traces"
+    if grpc:
+        return base
+    return base + ("v1/traces" if base.endswith("/") else "/v1/traces")
 
 
 def _settle(future: asyncio.Future[None]) -> None:
@@ -362,6 +381,95 @@ class Leg:
         """``error``: why the call failed, which marks the span ERROR."""
         fields = {"pd_sidecar.outcome": outcome, "http.response.status_code": status}
         _end(self._tracing, self.span, {**fields, **(attributes or {})}, error)
+
+
+class NoTracing:
+    """Tracing off (``NO_TRACING``): every request's trace is ``NO_TRACE``."""
+
+    __slots__ = ()
+
+    def request(
+        self,
+        headers: Mapping[str, str],
+        method: str,
+        path: str,
+        request_id: str,
+        route: str | None = None,
+    ) -> RequestTrace:
+        return NO_TRACE
+
+
+class NoTrace(RequestTrace):
+    """A request's trace when tracing is off (``NO_TRACE``): every method does nothing, its
+    legs are ``NO_LEG``, and headers go out as they came."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        """Nothing to hold: no span, no provider."""
+
+    def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
+        return NO_LEG.headers(base)
+
+    def phase(self, name: str) -> Span:
+        return _NO_SPAN
+
+    def done(self, span: Span, attributes: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def leg(self, name: str, url: str, attributes: Mapping[str, Any] | None = None) -> Leg:
+        return NO_LEG
+
+    def placed(self, span: Span, placement: Placement) -> None:
+        pass
+
+    def end(self, record: RequestRecord) -> None:
+        pass
+
+    def finish(
+        self,
+        status: int | None,
+        state: str,
+        error: str | None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        pass
+
+
+class NoLeg(Leg):
+    """An engine call's span when tracing is off (``NO_LEG``): nothing recorded, the headers
+    as they came."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        """Nothing to hold."""
+
+    def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
+        return base if isinstance(base, CIMultiDict) else CIMultiDict(base)
+
+    def responded(self, status: int) -> None:
+        pass
+
+    def ended_by(self, exc: BaseException, attributes: Mapping[str, Any] | None = None) -> None:
+        pass
+
+    def end(
+        self,
+        outcome: str,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        pass
+
+
+NO_LEG = NoLeg()
+NO_TRACE = NoTrace()
+NO_TRACING = NoTracing()
+_NO_SPAN = cast("Span", None)
+"""What ``NoTrace.phase`` returns: only ``NoTrace`` ever sees it."""
 
 
 def _end(tracing: Tracing, span: Span, attributes: Mapping[str, Any], error: str | None) -> None:

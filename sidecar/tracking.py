@@ -26,8 +26,6 @@ class State(StrEnum):
     CANCELLED = "cancelled"
 
 
-FINAL_STATES = frozenset({State.COMPLETED, State.FAILED, State.CANCELLED})
-
 REQUEST_TASK_PREFIX = "pd-sidecar:request:"
 """Every task doing one request's work is named ``<prefix><request id>:<part>`` (``task_name``):
 its handler, its prefill call, its KV release. A task left behind is found by its name (tests,

@@ -23,6 +23,7 @@ import pytest
 from sidecar.__main__ import load_tracing
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
+from sidecar.tracing import otlp_endpoint
 from tests.conftest import (
     completion,
     engine_requests,
@@ -440,3 +441,40 @@ def test_without_the_extra(tracing: str) -> None:
         "pd-sidecar: SIDECAR_TRACING=true needs the OpenTelemetry SDK, which is not installed: "
         "pip install 'pd-sidecar[tracing]'\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("protocol", "environ", "expected"),
+    [
+        ("http/protobuf", {}, "http://localhost:4318/v1/traces"),
+        ("grpc", {}, "http://localhost:4317"),
+        (
+            "http/protobuf",
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+            "http://c:4318/v1/traces",
+        ),
+        (
+            "http/protobuf",
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/"},
+            "http://c:4318/v1/traces",
+        ),
+        ("grpc", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, "http://c:4317"),
+        (
+            "http/protobuf",
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x",
+            },
+            "http://t/x",
+        ),
+    ],
+)
+def test_the_start_line_names_the_exporters_endpoint_by_the_specification(
+    monkeypatch: pytest.MonkeyPatch, protocol: str, environ: dict[str, str], expected: str
+) -> None:
+    """Read from the OTEL_* variables as the exporter does, not from its private attribute."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert otlp_endpoint(protocol) == expected
