@@ -681,11 +681,6 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def listener_tls(self) -> bool:
-        """SIDECAR_PORT serves HTTPS."""
-        return self.tls_cert_file is not None
-
-    @property
     def decode_ranks(self) -> tuple[str, ...]:
         """The decode engine's base URLs, one per data-parallel rank (one without ranks)."""
         return self.decode_urls or (self.decode_url,)

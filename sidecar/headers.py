@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from sidecar.caches import BoundedCache
 from sidecar.defaults import PREFILL_HEADERS
 from sidecar.endpoints import Endpoint, parse_endpoint
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest
@@ -15,7 +16,7 @@ from sidecar.errors import REQUEST_ID_HEADER, BadRequest
 MAX_REQUEST_ID = 128
 PARSED_TARGETS_KEPT = 256
 """Prefill-header values whose parse is remembered (gateways name a handful of prefill pods;
-beyond this many distinct values the oldest half is forgotten)."""
+beyond this many distinct values the oldest is forgotten)."""
 _PRINTABLE = re.compile(r"[\x20-\x7e]+")
 
 PREFILLER_URL = "x-prefiller-url"
@@ -69,7 +70,7 @@ class GatewayHeaders:
         prefill = {*self.names, *PREFILL_HEADERS, PREFILLER_URL}
         self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
         self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS
-        self._parsed: dict[str, Endpoint | str] = {}
+        self._parsed: BoundedCache[str, Endpoint | str] = BoundedCache(PARSED_TARGETS_KEPT)
         """Header value → its endpoint, or why it is invalid (bounded: ``_parse``)."""
 
     def prefill_target(self, client: CIMultiDictProxy[str]) -> Endpoint | None:
@@ -96,10 +97,7 @@ class GatewayHeaders:
                 parsed = parse_endpoint(value)
             except ValueError as exc:
                 parsed = str(exc)
-            if len(self._parsed) >= PARSED_TARGETS_KEPT:
-                for old in list(self._parsed)[: PARSED_TARGETS_KEPT // 2]:
-                    del self._parsed[old]
-            self._parsed[value] = parsed
+            self._parsed.put(value, parsed)
         return parsed
 
     def engine_leg(self, client: CIMultiDictProxy[str], engine_id: str) -> CIMultiDict[str]:

@@ -18,16 +18,19 @@ Every failure becomes one of this module's errors, whose ``kind`` is a metric la
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import ssl
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
+from yarl import URL
+
+from sidecar.errors import EngineError
+from sidecar.upstream import EngineAnswer, HttpClient
 
 logger = logging.getLogger("sidecar.kube")
 
@@ -39,6 +42,8 @@ REQUEST_TIMEOUT_S = 30.0
 """Longest GET (a list of a few thousand pods is well within it)."""
 WATCH_READ_MARGIN_S = 30.0
 """A watch silent this long past its ``timeoutSeconds`` is taken for a dead connection."""
+_API = "the Kubernetes API"
+"""Who answers, in error messages."""
 
 
 class KubeError(Exception):
@@ -83,6 +88,9 @@ class WatchEvent:
 
 
 class KubeClient:
+    """The API's client, on the engines' HTTP boundary (``sidecar.upstream.HttpClient``): its
+    errors arrive as the sidecar's own, and become this module's here."""
+
     def __init__(
         self,
         base_url: str,
@@ -97,16 +105,19 @@ class KubeClient:
         self._connect_timeout_s = connect_timeout_s
         self._token: str | None = None
         self._token_read_at = float("-inf")
-        self._session: aiohttp.ClientSession | None = None
+        self._http: HttpClient | None = None
 
     async def open(self) -> None:
-        context: ssl.SSLContext | bool = True
+        context: ssl.SSLContext | None = None
         if self.base_url.startswith("https://"):
             context = await asyncio.to_thread(self._ssl_context)
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=context, limit=4, enable_cleanup_closed=True),
+        self._http = HttpClient(
+            connect_timeout_s=self._connect_timeout_s,
+            limit=4,
+            tls=None if context is None else (lambda: context),
             headers={"Accept": "application/json"},
         )
+        await self._http.open()
 
     def _ssl_context(self) -> ssl.SSLContext:
         context = ssl.create_default_context()
@@ -118,9 +129,9 @@ class KubeClient:
         return context
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
 
     async def _headers(self) -> dict[str, str]:
         now = time.monotonic()
@@ -133,50 +144,43 @@ class KubeClient:
         self._token_read_at = float("-inf")
 
     async def _open(
-        self, path: str, params: Mapping[str, str], limits: aiohttp.ClientTimeout
-    ) -> aiohttp.ClientResponse:
+        self, path: str, params: Mapping[str, str], total_s: float | None
+    ) -> EngineAnswer:
         """The answer's status line is in and is 200; otherwise the matching error. A 401 is
         tried once more with the token read again (it may just have been rotated)."""
-        if self._session is None:
+        if self._http is None:
             raise RuntimeError("KubeClient.open() was not awaited")
-        url = self.base_url + path
+        url = str(URL(self.base_url + path).with_query(params))
         for attempt in (1, 2):
             try:
-                response = await self._session.get(
-                    url, params=params, headers=await self._headers(), timeout=limits
+                answer = await self._http.send(
+                    "GET", url, headers=await self._headers(), total_s=total_s, role=_API
                 )
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                raise KubeUnreachable(
-                    f"the Kubernetes API at {self.base_url}: {_describe(exc)}"
-                ) from exc
-            if response.status == 200:
-                return response
-            body = await _read_small(response)
-            if response.status == 401 and attempt == 1:
+            except EngineError as exc:
+                raise KubeUnreachable(exc.message) from exc
+            if answer.status == 200:
+                return answer
+            body = await _read_small(answer)
+            if answer.status == 401 and attempt == 1:
                 self._forget_token()
                 continue
-            raise _status_error(response.status, body, path, self._token_file)
+            raise _status_error(answer.status, body, path, self._token_file)
         raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     async def get(self, path: str, params: Mapping[str, str] | None = None) -> dict[str, Any]:
         """One object or a list, as JSON."""
-        timeout = aiohttp.ClientTimeout(
-            total=REQUEST_TIMEOUT_S, sock_connect=self._connect_timeout_s
-        )
-        response = await self._open(path, params or {}, timeout)
+        answer = await self._open(path, params or {}, REQUEST_TIMEOUT_S)
         try:
-            body = await response.read()
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise KubeUnreachable(f"the Kubernetes API broke its answer: {_describe(exc)}") from exc
-        finally:
-            response.release()
+            body = await answer.read()
+        except EngineError as exc:
+            raise KubeUnreachable(exc.message) from exc
         try:
-            answer = orjson.loads(body)
+            parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             raise KubeBadResponse(f"GET {path}: the answer is not JSON") from None
-        if not isinstance(answer, dict):
+        if not isinstance(parsed, dict):
             raise KubeBadResponse(f"GET {path}: the answer is not an object")
-        return answer
+        return parsed
 
     async def watch(
         self, path: str, params: Mapping[str, str], *, timeout_s: float
@@ -184,34 +188,31 @@ class KubeClient:
         """Events of a watch from ``params["resourceVersion"]`` on, until the API ends it (about
         ``timeout_s``); ``KubeGone`` for a 410, ``KubeRefused`` for another ``ERROR`` event."""
         query = {**params, "watch": "true", "timeoutSeconds": str(max(1, round(timeout_s)))}
-        limits = aiohttp.ClientTimeout(
-            total=None,
-            sock_connect=self._connect_timeout_s,
-            sock_read=timeout_s + WATCH_READ_MARGIN_S,
-        )
-        response = await self._open(path, query, limits)
+        answer = await self._open(path, query, None)
+        idle_s = timeout_s + WATCH_READ_MARGIN_S
         try:
-            buffered = bytearray()
-            while True:
-                try:
-                    chunk = await response.content.readany()
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    raise KubeUnreachable(f"the watch of {path} broke: {_describe(exc)}") from exc
-                if not chunk:
-                    return  # the API ended the watch
-                searched = len(buffered)
-                buffered += chunk
-                end = buffered.find(b"\n", searched)
-                while end >= 0:
-                    line = bytes(buffered[:end])
-                    del buffered[: end + 1]
-                    if line.strip():
-                        yield _event(line, path)
-                    end = buffered.find(b"\n")
-                if len(buffered) > MAX_EVENT_BYTES:
-                    raise KubeBadResponse(f"the watch of {path} sent an event over 8 MiB")
+            async with contextlib.aclosing(answer.chunks(idle_timeout_s=idle_s)) as chunks:
+                buffered = bytearray()
+                while True:
+                    try:
+                        chunk = await anext(chunks, b"")
+                    except EngineError as exc:
+                        raise KubeUnreachable(f"the watch of {path}: {exc.message}") from exc
+                    if not chunk:
+                        return  # the API ended the watch
+                    searched = len(buffered)
+                    buffered += chunk
+                    end = buffered.find(b"\n", searched)
+                    while end >= 0:
+                        line = bytes(buffered[:end])
+                        del buffered[: end + 1]
+                        if line.strip():
+                            yield _event(line, path)
+                        end = buffered.find(b"\n")
+                    if len(buffered) > MAX_EVENT_BYTES:
+                        raise KubeBadResponse(f"the watch of {path} sent an event over 8 MiB")
         finally:
-            response.close()
+            answer.close()
 
 
 def _read_token(path: str) -> str | None:
@@ -222,13 +223,12 @@ def _read_token(path: str) -> str | None:
         return None
 
 
-async def _read_small(response: aiohttp.ClientResponse) -> bytes:
+async def _read_small(answer: EngineAnswer) -> bytes:
+    """An error answer's body, for its message: at most 4 KiB, else nothing."""
     try:
-        return (await response.content.read(4096))[:4096]
-    except (aiohttp.ClientError, TimeoutError, OSError):
+        return await answer.read(4096)
+    except EngineError:
         return b""
-    finally:
-        response.release()
 
 
 def _status_error(status: int, body: bytes, path: str, token_file: str) -> KubeError:
@@ -266,12 +266,3 @@ def _event(line: bytes, path: str) -> WatchEvent:
             raise KubeGone(message)
         raise KubeRefused(message, code if isinstance(code, int) else 500)
     return WatchEvent(kind, obj)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
-        return os.strerror(exc.os_error.errno).lower()  # e.g. "connection refused"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

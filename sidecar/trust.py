@@ -22,11 +22,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 from typing import Protocol
 
+from sidecar.caches import BoundedCache
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest, Forbidden
@@ -76,7 +76,9 @@ class PrefillGuard:
         self._allowlist = allowlist
         self.enforced = bool(cidrs or hosts or pool_configured or allowlist is not None)
         self._resolver = resolver
-        self._cache: OrderedDict[str, tuple[float, tuple[IPAddress, ...]]] = OrderedDict()
+        self._cache: BoundedCache[str, tuple[float, tuple[IPAddress, ...]]] = BoundedCache(
+            _CACHE_SIZE
+        )
         self._own_port: int | None = None
         self._own_names: frozenset[str] = frozenset()
         self._own_addresses: frozenset[IPAddress] = frozenset()
@@ -182,10 +184,7 @@ class PrefillGuard:
             )
         except OSError:
             found = ()
-        self._cache[key] = (now, found)
-        self._cache.move_to_end(key)
-        while len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        self._cache.put(key, (now, found))
         return found
 
 

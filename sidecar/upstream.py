@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from sidecar.body import Pieces, Wire
+from sidecar.caches import BoundedCache
 from sidecar.defaults import ENGINE_KEEPALIVE_S
 from sidecar.endpoints import Endpoint
 from sidecar.errors import (
@@ -227,79 +229,67 @@ class _IdleWatch:
         self._handle.cancel()
 
 
-class Engines:
-    """HTTP access to the engines: one keep-alive pool for requests, one small one for polls.
+class HttpClient:
+    """One keep-alive pool, and the boundary where aiohttp's and asyncio's exceptions become the
+    sidecar's own: the engines' pools (``Engines``) and the Kubernetes API's (``sidecar.kube``).
 
-    Health and metrics polls have a pool of their own: going through the request pool, a poll
-    every second or two would reuse its idle connections in turn and keep every one of them
-    alive, so the pool would never shrink back after a burst.
-
-    ``https://`` URLs are verified with ``tls`` (``sidecar.tls.ClientTls``; None: the system's
-    CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the scheme
-    ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
-    checked against.
+    ``https://`` URLs are verified with ``tls()``'s context (asked at each request: a watched
+    CA bundle may be replaced; None: the system's CAs).
     """
+
+    __slots__ = (
+        "_headers",
+        "_keepalive_s",
+        "_limit",
+        "_limit_per_host",
+        "_session",
+        "_timeouts",
+        "_tls",
+        "connect_timeout_s",
+    )
 
     def __init__(
         self,
         *,
         connect_timeout_s: float,
         keepalive_s: float = ENGINE_KEEPALIVE_S,
-        tls: ClientTls | None = None,
-        prefill_tls: bool = False,
-        prefill_server_name: str | None = None,
+        limit: int = 100,
+        limit_per_host: int = 0,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        self._connect_timeout_s = connect_timeout_s
+        """``limit``, ``limit_per_host``: connections at most (0: no cap; 100 in all is
+        aiohttp's default)."""
+        self.connect_timeout_s = connect_timeout_s
         self._keepalive_s = keepalive_s
+        self._limit = limit
+        self._limit_per_host = limit_per_host
         self._tls = tls
-        self._prefill_scheme = "https" if prefill_tls else "http"
-        self._prefill_server_name = prefill_server_name
+        self._headers = headers
         self._session: aiohttp.ClientSession | None = None
-        self._polls: aiohttp.ClientSession | None = None
-        self._timeouts: dict[float | None, aiohttp.ClientTimeout] = {}
-        """One ``ClientTimeout`` per ``total_s`` asked for (immutable, so shared; bounded:
-        ``_timeout``)."""
-
-    def prefill_url(self, endpoint: Endpoint) -> str:
-        """The base URL of a prefill engine."""
-        return f"{self._prefill_scheme}://{endpoint}"
-
-    def prefill_server_name(self, endpoint: Endpoint) -> str | None:
-        """The name a prefill engine's certificate must carry (and its SNI): the configured one,
-        else the host name the endpoint was pinned from (``sidecar.trust``), else None — the
-        URL's host itself, a name or an IP address."""
-        if self._prefill_scheme != "https":
-            return None
-        return self._prefill_server_name or endpoint.tls_name
+        self._timeouts: BoundedCache[float | None, aiohttp.ClientTimeout] = BoundedCache(
+            _TIMEOUTS_KEPT
+        )
+        """One ``ClientTimeout`` per ``total_s`` asked for (immutable, so shared)."""
 
     async def open(self) -> None:
-        self._session = self._new_session(
-            # In-flight requests bound the connections; a cap here would queue silently.
-            aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=self._keepalive_s, enable_cleanup_closed=True
-            )
-        )
-        self._polls = self._new_session(
-            aiohttp.TCPConnector(
-                limit_per_host=POLL_CONNECTIONS_PER_ENGINE,
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=self._limit,
+                limit_per_host=self._limit_per_host,
                 keepalive_timeout=self._keepalive_s,
                 enable_cleanup_closed=True,
-            )
-        )
-
-    def _new_session(self, connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s),
+            ),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+            headers=self._headers,
             auto_decompress=False,  # relay bytes as the engine wrote them
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
 
     async def close(self) -> None:
-        for session in (self._session, self._polls):
-            if session is not None:
-                await session.close()
-        self._session = self._polls = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def send(
         self,
@@ -310,23 +300,13 @@ class Engines:
         data: Body = None,
         total_s: float | None = None,
         role: str = "engine",
-        poll: bool = False,
         server_name: str | None = None,
     ) -> EngineAnswer:
-        """Send a request and return once the status line and headers are in.
-
-        ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
-        bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
-        ``url`` is sent as written: its path is the canonical one the request was routed on
-        (``sidecar.paths``), which yarl would otherwise re-normalise (resolving dot segments,
-        decoding escapes such as ``%3B``). ``role`` names the engine in error messages ("the
-        decode engine"); ``poll`` sends a
-        health or metrics poll through the poll pool. ``server_name``: for ``https://``, the
-        name the certificate is verified against and sent as SNI (None: the URL's host).
-        """
-        session = self._polls if poll else self._session
+        """Send a request and return once the status line and headers are in (``Engines.send``
+        says what the arguments mean)."""
+        session = self._session
         if session is None:
-            raise RuntimeError("Engines.open() was not awaited")
+            raise RuntimeError("open() was not awaited")
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = Pieces((data,))
         payload = _PiecesPayload(data) if isinstance(data, Pieces) else data
@@ -334,7 +314,7 @@ class Engines:
         tls: dict[str, Any] = {}
         if url.startswith("https://"):
             if self._tls is not None:
-                tls["ssl"] = self._tls.context
+                tls["ssl"] = self._tls()
             if server_name is not None:
                 tls["server_hostname"] = server_name
         name = _engine_name(url)
@@ -359,13 +339,103 @@ class Engines:
 
     def _timeout(self, total_s: float | None) -> aiohttp.ClientTimeout:
         # The settings give a few values; a deadline-bounded prefill gives a new one per
-        # request, which is built each time once the small table is full.
+        # request, which pushes the oldest out.
         timeout = self._timeouts.get(total_s)
         if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self._connect_timeout_s)
-            if len(self._timeouts) < _TIMEOUTS_KEPT:
-                self._timeouts[total_s] = timeout
+            timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=self.connect_timeout_s)
+            self._timeouts.put(total_s, timeout)
         return timeout
+
+
+class Engines:
+    """HTTP access to the engines: one keep-alive pool for requests, one small one for polls.
+
+    Health and metrics polls have a pool of their own: going through the request pool, a poll
+    every second or two would reuse its idle connections in turn and keep every one of them
+    alive, so the pool would never shrink back after a burst.
+
+    ``https://`` URLs are verified with ``tls`` (``sidecar.tls.ClientTls``; None: the system's
+    CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the scheme
+    ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
+    checked against.
+    """
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        keepalive_s: float = ENGINE_KEEPALIVE_S,
+        tls: ClientTls | None = None,
+        prefill_tls: bool = False,
+        prefill_server_name: str | None = None,
+    ) -> None:
+        self._prefill_scheme = "https" if prefill_tls else "http"
+        self._prefill_server_name = prefill_server_name
+        context = None if tls is None else (lambda: tls.context)
+        # In-flight requests bound the connections; a cap here would queue silently.
+        self._requests = HttpClient(
+            connect_timeout_s=connect_timeout_s, keepalive_s=keepalive_s, limit=0, tls=context
+        )
+        self._polls = HttpClient(
+            connect_timeout_s=connect_timeout_s,
+            keepalive_s=keepalive_s,
+            limit_per_host=POLL_CONNECTIONS_PER_ENGINE,
+            tls=context,
+        )
+
+    def prefill_url(self, endpoint: Endpoint) -> str:
+        """The base URL of a prefill engine."""
+        return f"{self._prefill_scheme}://{endpoint}"
+
+    def prefill_server_name(self, endpoint: Endpoint) -> str | None:
+        """The name a prefill engine's certificate must carry (and its SNI): the configured one,
+        else the host name the endpoint was pinned from (``sidecar.trust``), else None — the
+        URL's host itself, a name or an IP address."""
+        if self._prefill_scheme != "https":
+            return None
+        return self._prefill_server_name or endpoint.tls_name
+
+    async def open(self) -> None:
+        await self._requests.open()
+        await self._polls.open()
+
+    async def close(self) -> None:
+        await self._requests.close()
+        await self._polls.close()
+
+    async def send(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: CIMultiDict[str] | Mapping[str, str],
+        data: Body = None,
+        total_s: float | None = None,
+        role: str = "engine",
+        poll: bool = False,
+        server_name: str | None = None,
+    ) -> EngineAnswer:
+        """Send a request and return once the status line and headers are in.
+
+        ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
+        bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
+        ``url`` is sent as written: its path is the canonical one the request was routed on
+        (``sidecar.paths``), which yarl would otherwise re-normalise (resolving dot segments,
+        decoding escapes such as ``%3B``). ``role`` names the engine in error messages ("the
+        decode engine"); ``poll`` sends a
+        health or metrics poll through the poll pool. ``server_name``: for ``https://``, the
+        name the certificate is verified against and sent as SNI (None: the URL's host).
+        """
+        client = self._polls if poll else self._requests
+        return await client.send(
+            method,
+            url,
+            headers=headers,
+            data=data,
+            total_s=total_s,
+            role=role,
+            server_name=server_name,
+        )
 
 
 _TIMEOUTS_KEPT = 16
