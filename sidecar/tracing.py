@@ -388,14 +388,8 @@ class NoTracing:
 
     __slots__ = ()
 
-    def request(
-        self,
-        headers: Mapping[str, str],
-        method: str,
-        path: str,
-        request_id: str,
-        route: str | None = None,
-    ) -> RequestTrace:
+    def request(self, *args: object, **kwargs: object) -> RequestTrace:
+        """``Tracing.request``'s arguments (the callers' types are checked against it)."""
         return NO_TRACE
 
 
