@@ -468,7 +468,7 @@ class RunningSidecar:
             await site.stop()
         if main.server is not None:
             main.server.pre_shutdown()  # keep-alive connections close after their answer
-        cut = await self.app[DRAIN].settle()
+        cut = await self.app[DRAIN].wait_then_cut()
         for runner in self.runners:
             await runner.cleanup()
         return cut

@@ -4,8 +4,9 @@ The sequence (``RunningSidecar.close``, docs/behavior.md "Graceful drain"):
 
 1. ``begin()`` fixes the deadline; ``/ready`` answers 503.
 2. The listeners stop accepting; keep-alive connections close once their request is answered.
-3. ``settle()`` waits for the requests in flight until the deadline, then cancels the rest and
-   gives them ``CUT_GRACE_S`` to unwind (their engine calls are handled as when a client leaves).
+3. ``wait_then_cut()`` waits for the requests in flight until the deadline, then cancels the
+   rest and gives them ``CUT_GRACE_S`` to unwind (their engine calls are handled as when a
+   client leaves).
 4. Background work (KV releases, finishing prefills) gets ``background_s()``: what is left of the
    budget, and at least ``CUT_GRACE_S`` so that the releases of the requests just cut can go out.
 5. Sessions and the state backend close; each of those steps is bounded on its own.
@@ -66,7 +67,7 @@ class Drain:
     def background_s(self) -> float:
         return max(self.remaining(), CUT_GRACE_S)
 
-    async def settle(self) -> int:
+    async def wait_then_cut(self) -> int:
         """Wait for the requests in flight until the deadline; cancel the rest. Returns how
         many were cancelled."""
         self.begin()

@@ -176,7 +176,7 @@ class Pipeline:
             try:
                 answer = await self._connector.run(exchange)
             finally:
-                progress.settle()
+                progress.exchange_ended()
             on_failure.pop_all()
         return placement, progress, answer
 
@@ -262,7 +262,7 @@ class _Progress:
     def status_sent(self, status: int) -> None:
         self._record.status = status
 
-    def settle(self) -> None:
+    def exchange_ended(self) -> None:
         """The exchange ended: a local prefill that produced no first byte still leaves the
         scheduler's local queue."""
         self._tell(None)

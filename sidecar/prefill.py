@@ -173,7 +173,8 @@ class Prefill:
         """A call is over, whoever waited for it: tell the scheduler, count it, end its span."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
         outcome, error, cached = "cancelled", None, None
-        # (An exception is a bug, logged by whoever awaits the call, or by StagedKv._salvage.)
+        # (An exception is a bug, logged by whoever awaits the call, or by
+        # StagedKv._release_when_done.)
         if not call.cancelled() and call.exception() is None:
             result = call.result()
             if isinstance(result, Failed):
@@ -544,7 +545,7 @@ class StagedKv:
     def _client_left(self, call: Call) -> None:
         """Abort the call or let it finish; synchronous on purpose."""
         if call.done():  # its answer came in with the cancellation
-            self._salvage(call)
+            self._release_when_done(call)
             return
         attempt = self._attempt
         prefill = attempt._prefill
@@ -553,7 +554,7 @@ class StagedKv:
         answering = attempt.answering.is_set()
         action = "finish" if answering else self._action()
         if action == "finish" and attempt.hand_over(call):
-            call.add_done_callback(self._salvage)
+            call.add_done_callback(self._release_when_done)
             prefill.metrics.prefill_disconnects.labels("finish").inc()
         elif answering and self._release is not None:
             # Aborted on exit (and counted there), its staged KV cannot be read now: left to
@@ -576,7 +577,7 @@ class StagedKv:
             return "finish"  # little compute to save, whatever the fitted overhead says
         return "finish" if outlook.remaining_s <= AUTO_FINISH_WITHIN_S else "abort"
 
-    def _salvage(self, call: Call) -> None:
+    def _release_when_done(self, call: Call) -> None:
         """The KV of a call that delivered after its client left is released."""
         if call.cancelled():
             return

@@ -192,7 +192,7 @@ class Tracing:
                 self._provider.shutdown()
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop is closed already
-                    loop.call_soon_threadsafe(_settle, done)
+                    loop.call_soon_threadsafe(_set_done, done)
 
         threading.Thread(target=shut, name="tracing-shutdown", daemon=True).start()
         try:
@@ -220,7 +220,7 @@ def otlp_endpoint(protocol: str) -> str:
     return base + ("v1/traces" if base.endswith("/") else "/v1/traces")
 
 
-def _settle(future: asyncio.Future[None]) -> None:
+def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
