@@ -53,7 +53,6 @@ from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
-from sidecar.upstream import Engines
 
 ENDPOINTS = 8
 PROMPT_TOKENS = 2000
@@ -94,12 +93,10 @@ async def time_placements(
         SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, None),
         backend=backend,
-        engines=Engines(connect_timeout_s=1.0),
         metrics=Metrics(),
     )
-    # Not scheduler.start(): its scraper would eject the 8 endpoints nobody listens on.
-    await backend.start()
-    await scheduler.refresh_pool()
+    # No engine monitor: its scrapes would eject the 8 endpoints nobody listens on.
+    await scheduler.start()
     reasons: Counter[str] = Counter()
     held: deque[Placement] = deque()
     samples: list[int] = []

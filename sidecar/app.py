@@ -27,6 +27,7 @@ from sidecar.debug_page import DebugPage
 from sidecar.decode import DecodeOptions, DecodeSend
 from sidecar.discovery import Discovery
 from sidecar.drain import CUT_GRACE_S, Drain
+from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.kube import KubeClient
@@ -61,6 +62,7 @@ ENGINES = web.AppKey("engines", Engines)
 TRACKER = web.AppKey("tracker", Tracker)
 METRICS = web.AppKey("metrics", Metrics)
 READINESS = web.AppKey("readiness", Readiness)
+MONITOR = web.AppKey("monitor", EngineMonitor)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 GUARD = web.AppKey("guard", PrefillGuard)
@@ -128,18 +130,22 @@ def create_app(
         SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
         backend=_state_backend(settings, metrics),
-        engines=engines,
         metrics=metrics,
     )
     metrics.zero_ranks(len(scheduler.ranks))
-    readiness = Readiness(
+    readiness = Readiness(ranks=scheduler.ranks, metrics=metrics)
+    # The one poller of every engine: readiness, the scheduler and /debug/scheduler read what
+    # it publishes.
+    monitor = EngineMonitor(
+        MonitorOptions.from_settings(settings),
         engines=engines,
         ranks=scheduler.ranks,
-        interval_s=settings.ready_interval_s,
-        metrics=metrics,
+        readiness=readiness,
+        pool=scheduler,
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
+    app[MONITOR] = monitor
 
     pool_watch = _pool_watch(app, settings, metrics)
     guard = PrefillGuard(
@@ -238,7 +244,8 @@ def create_app(
     app.cleanup_ctx.append(_engines_ctx)
     app.cleanup_ctx.append(_scheduler_ctx)
     app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
-    app.cleanup_ctx.append(_readiness_ctx)
+    # After the scheduler: its first scrape round polls the pool discovery found.
+    app.cleanup_ctx.append(_monitor_ctx)
     app.cleanup_ctx.append(_tls_ctx)
     app.cleanup_ctx.append(_pool_watch_ctx)
     return app
@@ -360,10 +367,10 @@ async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[ENGINES].close()
 
 
-async def _readiness_ctx(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(app[READINESS].run(), name="readiness-poller")
+async def _monitor_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[MONITOR].start()
     yield
-    await stop_task(task)
+    await app[MONITOR].close()
 
 
 async def _tls_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -21,6 +21,7 @@ from sidecar.aftercare import Aftercare
 from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
+from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.metrics import Metrics
 from sidecar.readiness import Readiness
 from sidecar.scheduling.ranks import DecodeRanks
@@ -517,9 +518,10 @@ async def test_a_decode_leg_leaves_a_rank_that_turned_unready_during_its_prefill
 async def test_a_health_poll_that_times_out_keeps_the_ranks_history(
     http, start_engine: StartEmulator
 ) -> None:
-    """Readiness against real sockets: a /health that does not answer in time makes the rank
-    unready but keeps its prefix index (a busy engine keeps its KV); a 503 or a refused
-    connection means the engine lost it, and the index goes."""
+    """Readiness against real sockets, through the engine monitor's /health polls: a /health
+    that does not answer in time makes the rank unready but keeps its prefix index (a busy
+    engine keeps its KV); a 503 or a refused connection means the engine lost it, and the
+    index goes."""
     answer = asyncio.Event()
     status = [200]
 
@@ -543,26 +545,31 @@ async def test_a_health_poll_that_times_out_keeps_the_ranks_history(
     )
     engines = Engines(connect_timeout_s=1.0)
     await engines.open()
-    readiness = Readiness(engines=engines, ranks=decode, interval_s=0.2, metrics=Metrics())
+    monitor = EngineMonitor(
+        MonitorOptions(ready_interval_s=0.2, scrape_interval_s=1.0),
+        engines=engines,
+        ranks=decode,
+        readiness=Readiness(ranks=decode, metrics=Metrics()),
+    )
     rank = decode[0]
     try:
         answer.set()
-        assert await readiness.poll()
+        assert await monitor.poll_health()
         decode.claim(LONG, 600)[0].end()
         remembered = len(rank.prefix)
         assert remembered > 0
         answer.clear()  # the next poll gets no answer within its timeout (1 s)
-        assert not await readiness.poll()
+        assert not await monitor.poll_health()
         assert len(rank.prefix) == remembered
         answer.set()
         status[0] = 503  # its engine failed: vLLM answers 503
-        assert not await readiness.poll()
+        assert not await monitor.poll_health()
         assert len(rank.prefix) == 0
         status[0] = 200
-        assert await readiness.poll()
+        assert await monitor.poll_health()
         decode.claim(LONG, 600)[0].end()
         await runner.cleanup()  # nothing listens any more
-        assert not await readiness.poll()
+        assert not await monitor.poll_health()
         assert len(rank.prefix) == 0
     finally:
         answer.set()

@@ -13,6 +13,7 @@ re-tests), ``placement.reserved_tokens``, and learns with ``Planner.prefill_obse
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
 from sidecar.endpoints import Endpoint
+from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, Planner
@@ -74,7 +76,8 @@ class Sidecar:
             clock=clock,
         )
         self.rank = self.ranks[0]
-        self.rank.ready = True
+        # Ready throughout: the model has no /health polls.
+        self.ranks.publish(self.rank, EngineSnapshot(health=EngineHealth.UP))
         self._staleness = scenario.staleness_s
         self._scrape = scenario.stale_mode == "scrape"
         drawn = rng.random() * scenario.staleness_s
@@ -95,4 +98,5 @@ class Sidecar:
         for key, (waiting, running) in loads.items():
             if key in pool:
                 pool[key].load = EngineLoad(float(waiting), float(running), None, at)
-        self.rank.load = EngineLoad(float(local[0]), float(local[1]), None, at)
+        load = EngineLoad(float(local[0]), float(local[1]), None, at)
+        self.ranks.publish(self.rank, dataclasses.replace(self.rank.engine, load=load, at=at))

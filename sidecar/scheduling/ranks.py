@@ -19,6 +19,10 @@ many choosers, which is why the prefill side samples candidates instead).
 
 Each rank has its own prefix index; together they stay within ``SIDECAR_PREFIX_CACHE_BLOCKS``
 (each rank gets an equal share).
+
+What a rank's engine said when last polled (ready or not, its scraped queue) is the engine
+monitor's snapshot (``DecodeRank.engine``, ``sidecar.engines``), published here and read by
+readiness and ``/debug/scheduler`` as it is by the choice; the rest is written by the claims.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.engines.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
 from sidecar.scheduling.policies import TOKENS_PER_WAITING
 from sidecar.scheduling.prompts import PrefixIndex
 from sidecar.scheduling.scrape import EngineLoad, describe_load
@@ -66,19 +71,34 @@ def choose_rank(views: Sequence[RankView], prompt_tokens: int, rng: random.Rando
 
 @dataclass(slots=True, eq=False)
 class DecodeRank:
-    """What the sidecar knows of one rank; written by the readiness poller (``ready``), the
-    scraper (``load``) and the claims of requests (``inflight``, ``ahead_tokens``)."""
+    """What the sidecar knows of one rank. Each part has one writer:
+
+    - ``engine``, what its engine said when polled: replaced by the engine monitor alone
+      (``DecodeRanks.publish``), never changed in place; ``ready`` and ``load`` read it;
+    - ``inflight``, ``ahead_tokens``, ``placed``: the claims of requests (``RankClaim``);
+    - ``prefix``, what this sidecar placed there: grown by the claims, forgotten by
+      ``DecodeRanks.lost`` on evidence that the engine's cache is gone.
+    """
 
     index: int
     url: str
     prefix: PrefixIndex
-    ready: bool = False
+    engine: EngineSnapshot = NOT_POLLED
     inflight: int = 0
     ahead_tokens: int = 0
     """Prompt tokens of local prefills on this rank that have not produced a first byte yet."""
-    load: EngineLoad | None = None
     placed: int = 0
     """Requests placed on it since start (generation and passthrough)."""
+
+    @property
+    def ready(self) -> bool:
+        """Its last ``/health`` poll answered 200."""
+        return self.engine.ready
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """Its last scrape's gauges (None: none yet, or the last scrape got none)."""
+        return self.engine.load
 
 
 class RankClaim:
@@ -174,17 +194,21 @@ class DecodeRanks:
         """At least one rank is ready: the pod is."""
         return any(rank.ready for rank in self._ranks)
 
-    def mark(self, rank: DecodeRank, ready: bool, *, lost: bool = False) -> None:
-        """A poll of ``rank``'s ``/health``. ``lost``: the poll says the engine's cache is gone
-        (nothing listens, or its health check failed: a vLLM whose engine core died comes back
-        empty), so its prefix index is forgotten. A poll that only timed out keeps the index:
-        a busy engine still holds its KV."""
-        if lost:
+    def publish(self, rank: DecodeRank, snapshot: EngineSnapshot) -> None:
+        """The engine monitor's new snapshot of ``rank``'s engine (the monitor alone calls
+        this). A new ``/health`` poll that says the engine's cache is gone (``LOST``: nothing
+        listens, or its health check failed: a vLLM whose engine core died comes back empty)
+        forgets the rank's prefix index. A poll that only timed out (``DOWN``) keeps it: a busy
+        engine still holds its KV."""
+        new_poll = snapshot.health_at != rank.engine.health_at
+        if new_poll and snapshot.health is EngineHealth.LOST:
             self.lost(rank)
-        rank.ready = ready
+        rank.engine = snapshot
 
     def lost(self, rank: DecodeRank) -> None:
-        """``rank``'s engine lost its cache (its process is gone or its engine died)."""
+        """``rank``'s engine lost its cache (its process is gone or its engine died): a
+        ``/health`` poll said so (``publish``), or a request's connection was refused (the
+        decode send)."""
         rank.prefix.clear()
 
     def candidates(self, exclude: Sequence[DecodeRank] = ()) -> list[DecodeRank]:
@@ -243,16 +267,17 @@ class DecodeRanks:
 
     def describe(self, now: float) -> list[dict[str, Any]]:
         """For /debug/scheduler: one entry per rank, in index order."""
-        return [
-            {
-                "decode_rank": rank.index,
-                "decode_url": rank.url,
-                "ready": rank.ready,
-                "inflight": rank.inflight,
-                "placed": rank.placed,
-                "ahead_tokens": rank.ahead_tokens,
-                "scraped": describe_load(rank.load, now),
-                "prefix_index_blocks": len(rank.prefix),
-            }
-            for rank in self._ranks
-        ]
+        return [self._describe(rank, rank.engine, now) for rank in self._ranks]
+
+    @staticmethod
+    def _describe(rank: DecodeRank, engine: EngineSnapshot, now: float) -> dict[str, Any]:
+        return {
+            "decode_rank": rank.index,
+            "decode_url": rank.url,
+            "ready": engine.ready,
+            "inflight": rank.inflight,
+            "placed": rank.placed,
+            "ahead_tokens": rank.ahead_tokens,
+            "scraped": describe_load(engine.load, now),
+            "prefix_index_blocks": len(rank.prefix),
+        }

@@ -5,9 +5,11 @@ The pure part (per-endpoint knowledge, candidates, the decision, what is reserve
 health transitions (ejection with growing backoff, re-admission after a successful probe, logged
 and published), reservations in the state backend, metrics. Each request is first given a rank
 of the local decode engine (``ranks``: the prefix index per rank, then load); the decision to
-prefill locally weighs that rank. Background tasks re-resolve discovery and scrape every
-engine's /metrics (every decode rank's too; probing ejected endpoints' /health); the request path
-does no I/O but the backend's single bounded ``reserve``.
+prefill locally weighs that rank. A background task re-resolves discovery; the engines are polled
+by the engine monitor (``sidecar.engines.monitor``), which asks the scheduler what to poll in the
+pool (``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it
+found (``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
+path does no I/O but the backend's single bounded ``reserve``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from sidecar.config import Settings
 from sidecar.connectors.facts import CONNECTORS
 from sidecar.discovery import Discovery
 from sidecar.endpoints import Endpoint
-from sidecar.errors import EngineError, EngineUnreachable
+from sidecar.engines.monitor import PrefillPoll
+from sidecar.engines.snapshot import EngineSnapshot
 from sidecar.metrics import Metrics
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import Availability, Health
@@ -42,11 +45,10 @@ from sidecar.scheduling.placement import (
 )
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import estimate_tokens, prompt_text
-from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
-from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads, parse_engine_load
+from sidecar.scheduling.ranks import DecodeRanks, RankClaim
+from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads
 from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.tasks import stop_task
-from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.scheduling")
 
@@ -103,13 +105,11 @@ class Scheduler:
         *,
         discovery: Discovery,
         backend: StateBackend,
-        engines: Engines,
         metrics: Metrics,
     ) -> None:
         self._options = options
         self._discovery = discovery
         self.backend = backend
-        self._engines = engines
         self._metrics = metrics
         self._rng = random.Random(options.scheduler_seed)
         self._planner = Planner(
@@ -136,7 +136,6 @@ class Scheduler:
         self._pool = self._planner.pool
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
-        self._scrape_timeout_s = min(options.scrape_interval_s, 2.0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -145,7 +144,6 @@ class Scheduler:
         await self.refresh_pool()
         if self._discovery.uses_dns:
             self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
-        self._tasks.append(asyncio.create_task(self._scrape_forever(), name="scraper"))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -350,85 +348,41 @@ class Scheduler:
         kind = "local" if decision.endpoint is None else "remote"
         self._metrics.scheduler_decisions_by(kind, decision.reason).inc()
 
-    # --- background: discovery and scraping ----------------------------------------------
+    # --- background: discovery; what the engine monitor polls in the pool ------------------
 
     async def _discover(self) -> None:
         while True:
             await asyncio.sleep(self._options.discovery_interval_s)
             await self.refresh_pool()
 
-    async def _scrape_forever(self) -> None:
-        while True:
-            await self.scrape_once()
-            await asyncio.sleep(self._options.scrape_interval_s)
+    def prefill_polls(self) -> list[PrefillPoll]:
+        """The pool's polls in the monitor's scrape round: an endpoint in service is scraped,
+        one whose ejection ran out is probed on ``/health``, an ejected one is left alone."""
+        polls = []
+        for state in list(self._pool.values()):
+            availability = state.health.refresh(time.monotonic())
+            if availability == Availability.EJECTED:
+                continue
+            probe = availability == Availability.PROBING
+            polls.append(PrefillPoll(state.key, state.endpoint, probe))
+        return polls
 
-    async def scrape_once(self) -> None:
-        states = list(self._pool.values())
-        await asyncio.gather(
-            self._scrape_decode(), *(self._scrape_endpoint(state) for state in states)
-        )
-
-    async def _scrape_decode(self) -> None:
-        await asyncio.gather(*(self._scrape_rank(rank) for rank in self.ranks))
-
-    async def _scrape_rank(self, rank: DecodeRank) -> None:
-        rank.load = await self._load(rank.url)
-
-    async def _scrape_endpoint(self, state: EndpointState) -> None:
-        now = time.monotonic()
-        availability = state.health.refresh(now)
-        if availability == Availability.EJECTED:
+    def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
+        """What the monitor found: a probe re-admits the endpoint or ejects it again; a scrape
+        brings its load, and one that could not reach it (refused or reset) is a failure."""
+        state = self._pool.get(poll.key)
+        if state is None:  # it left the pool while polled
             return
-        base = self._engines.prefill_url(state.endpoint)
-        server_name = self._engines.prefill_server_name(state.endpoint)
-        if availability == Availability.PROBING:
-            if await self._probe(base + "/health", server_name):
+        if poll.probe:
+            if snapshot.ready:
                 state.health.success()
                 logger.info("prefill endpoint %s passed its probe: re-admitted", state.key)
             else:
                 self._failure(state)
             return
-        try:
-            state.load = await self._load(base, raise_unreachable=True, server_name=server_name)
-        except EngineUnreachable:  # refused or reset: a failure; merely slow is not
-            state.load = None
+        state.load = snapshot.load
+        if snapshot.unreachable:
             self._failure(state)
-
-    async def _load(
-        self, base_url: str, *, raise_unreachable: bool = False, server_name: str | None = None
-    ) -> EngineLoad | None:
-        try:
-            response = await self._engines.send(
-                "GET",
-                base_url + "/metrics",
-                headers={},
-                total_s=self._scrape_timeout_s,
-                poll=True,
-                server_name=server_name,
-            )
-            body = await response.read()
-        except EngineError as exc:
-            if raise_unreachable and isinstance(exc, EngineUnreachable):
-                raise
-            return None
-        if response.status != 200:
-            return None  # metrics disabled or not served: schedule by reservations alone
-        return parse_engine_load(body.decode(errors="replace"), time.monotonic())
-
-    async def _probe(self, url: str, server_name: str | None) -> bool:
-        try:
-            response = await self._engines.send(
-                "GET",
-                url,
-                headers={},
-                total_s=self._scrape_timeout_s,
-                poll=True,
-                server_name=server_name,
-            )
-            await response.read()
-        except EngineError:
-            return False
-        return response.status == 200
 
     def publish_gauges(self) -> None:
         """Per-endpoint gauges, brought up to date when /metrics is read."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 from collections import Counter
 
+from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import (
     TOKENS_PER_REQUEST,
     DecodeRanks,
@@ -15,6 +18,16 @@ from sidecar.scheduling.scrape import EngineLoad
 
 BLOCK_TOKENS = 16
 HISTORY = "A conversation's earlier turns, long enough to fill several blocks. " * 60
+_POLLS = itertools.count(1)
+
+
+def polled(decode: DecodeRanks, index: int, health: EngineHealth | bool) -> None:
+    """What the engine monitor publishes after a /health poll of rank ``index`` (True: it
+    answered 200; False: it timed out)."""
+    if isinstance(health, bool):
+        health = EngineHealth.UP if health else EngineHealth.DOWN
+    at = float(next(_POLLS))
+    decode.publish(decode[index], EngineSnapshot(health=health, health_at=at, at=at))
 
 
 def ranks(count: int = 3, *, capacity_blocks: int = 65536, clock=lambda: 0.0) -> DecodeRanks:
@@ -76,12 +89,14 @@ def test_a_continuation_goes_back_to_the_rank_that_holds_its_history() -> None:
 
 def test_unready_ranks_get_nothing_while_another_is_ready() -> None:
     decode = ranks()
-    decode[0].ready, decode[1].ready, decode[2].ready = False, True, False
+    for index, ready in enumerate([False, True, False]):
+        polled(decode, index, ready)
     assert decode.ready  # the pod is ready: one rank is
     history, _ = decode.claim(HISTORY, 1000)
     assert history.index == 1
     history.end()
-    decode[0].ready, decode[1].ready = True, False
+    polled(decode, 0, True)
+    polled(decode, 1, False)
     # Rank 1 holds the history, but an unready rank is never a candidate.
     claim, cached = decode.claim(HISTORY + " Next?", 1000)
     assert (claim.index, cached) == (0, 0)
@@ -95,7 +110,7 @@ def test_unready_ranks_get_nothing_while_another_is_ready() -> None:
     passthrough.end()
     assert decode.least_loaded(exclude=[decode[0]]) is None  # nowhere else is ready
     # None ready: the pod is unready; a request that comes anyway may go to any rank.
-    decode[0].ready = False
+    polled(decode, 0, False)
     assert not decode.ready
     placed = set()
     for i in range(30):
@@ -141,21 +156,38 @@ def test_a_request_passed_to_another_rank_leaves_its_history_there() -> None:
 def test_a_rank_forgets_its_history_only_when_its_engine_lost_it() -> None:
     decode = ranks(2)
     for rank in decode:
-        decode.mark(rank, True)
+        polled(decode, rank.index, True)
     claim, _ = decode.claim(HISTORY, 1000)
     claim.end()
     rank = claim.rank
     assert len(rank.prefix) > 0
-    decode.mark(rank, True)  # still ready: kept
+    polled(decode, rank.index, True)  # still ready: kept
     assert len(rank.prefix) > 0
-    decode.mark(rank, False)  # a poll that timed out: unready, but a busy engine keeps its KV
+    polled(decode, rank.index, False)  # a poll timed out: unready, but a busy engine keeps its KV
     assert not rank.ready
     assert len(rank.prefix) > 0
-    decode.mark(rank, False, lost=True)  # its health check failed, or nothing listens
+    polled(decode, rank.index, EngineHealth.LOST)  # its health check failed, or nothing listens
     assert len(rank.prefix) == 0
-    decode.mark(rank, True)
+    polled(decode, rank.index, True)
     _, cached = decode.claim(HISTORY + " Again?", 1000)
     assert cached == 0
+
+
+def test_only_a_new_health_poll_forgets_a_ranks_history() -> None:
+    """A snapshot keeps its last /health poll until the next one: a scrape published after a
+    poll that found the engine lost says nothing new of its cache."""
+    decode = ranks(1)
+    polled(decode, 0, EngineHealth.LOST)
+    decode.claim(HISTORY, 1000)[0].end()  # none ready: placed anyway, and remembered
+    rank = decode[0]
+    remembered = len(rank.prefix)
+    assert remembered > 0
+    load = EngineLoad(waiting=0, running=1, kv_usage=None, at=1.0)
+    decode.publish(rank, dataclasses.replace(rank.engine, load=load))  # a scrape
+    assert (rank.load, rank.engine.health) == (load, EngineHealth.LOST)
+    assert len(rank.prefix) == remembered
+    polled(decode, 0, EngineHealth.LOST)  # the next poll: still lost
+    assert len(rank.prefix) == 0
 
 
 def test_a_rank_refusing_connections_forgets_its_history() -> None:
@@ -173,7 +205,8 @@ def test_a_rank_refusing_connections_forgets_its_history() -> None:
 def test_a_scraped_queue_counts_while_fresh() -> None:
     now = [100.0]
     decode = ranks(2, clock=lambda: now[0])
-    decode[0].load = EngineLoad(waiting=5, running=1, kv_usage=0.1, at=99.0)
+    load = EngineLoad(waiting=5, running=1, kv_usage=0.1, at=99.0)
+    decode.publish(decode[0], EngineSnapshot(load=load, at=99.0))  # a scrape
     assert decode.waiting(decode[0]) == 5
     assert decode.claim_any().index == 1
     now[0] = 103.5  # older than three scrape intervals: unknown

@@ -13,7 +13,6 @@ from sidecar.endpoints import Endpoint
 from sidecar.metrics import Metrics
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
-from sidecar.upstream import Engines
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -212,8 +211,6 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
     async def resolver(name: str, port: int) -> list[str]:
         return list(answer)  # what the headless Service's DNS says right now
 
-    engines = Engines(connect_timeout_s=1)
-    await engines.open()
     discovery = Discovery((), Endpoint("svc", first.port), resolver=resolver)
     scheduler = Scheduler(
         SchedulerOptions.from_settings(
@@ -227,7 +224,6 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
         ),
         discovery=discovery,
         backend=MemoryState(),
-        engines=engines,
         metrics=Metrics(),
     )
     await scheduler.start()
@@ -249,7 +245,6 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
         assert [e["state"] for e in scheduler.snapshot()["endpoints"]] == ["healthy"]
     finally:
         await scheduler.close()
-        await engines.close()
 
 
 @pytest.mark.parametrize("policy", ["qoe", "power_of_two", "least_loaded", "round_robin", "random"])

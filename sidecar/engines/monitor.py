@@ -1,0 +1,246 @@
+"""The engine monitor: the one place that polls the engines.
+
+Two rounds, each repeated an interval after the previous one ended, every poll of a round at once:
+
+- **health** (every ``SIDECAR_READY_INTERVAL_S``): every decode rank's ``/health``; a poll may
+  take one interval (at least a second) before it counts as no answer;
+- **scrape** (every ``SIDECAR_SCRAPE_INTERVAL_S``): every decode rank's ``/metrics``, and for
+  each prefill endpoint of the pool what the scheduler asks for — its ``/metrics``, its
+  ``/health`` while it is probed after an ejection, nothing while it is ejected; a poll may take
+  the interval, at most 2 s.
+
+What a poll finds is published as an immutable ``EngineSnapshot``. A decode rank's becomes the
+rank's ``engine`` (``DecodeRanks.publish``, which also forgets the rank's prefix index when a
+``/health`` poll says the engine lost its cache): the one value readiness (``/ready``), the rank
+choice and ``/debug/scheduler`` read; readiness then reports what changed (logs, gauges). A
+prefill endpoint's goes to the scheduler (``PrefillPool.prefill_polled``), which owns what it
+means for the endpoint (ejection, re-admission, its load). The monitor decides nothing itself.
+
+Nothing here blocks the event loop: every poll is bounded by its timeout, the rounds are two
+tasks, and ``close()`` stops them (the app's cleanup, before the scheduler and the engine pool
+close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.config import Settings
+from sidecar.endpoints import Endpoint
+from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.errors import EngineError, EngineNotConnected, EngineUnreachable
+from sidecar.readiness import Readiness
+from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
+from sidecar.scheduling.scrape import EngineLoad, parse_engine_load
+from sidecar.tasks import stop_task
+from sidecar.upstream import Engines
+
+SCRAPE_TIMEOUT_MAX_S = 2.0
+"""A scrape or a probe waits the scrape interval for its answer, and never longer than this."""
+HEALTH_TIMEOUT_MIN_S = 1.0
+"""A decode rank's ``/health`` poll waits the ready interval for its answer, and at least this."""
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorOptions:
+    """The settings the monitor reads, under their own names (``from_settings``)."""
+
+    ready_interval_s: float
+    scrape_interval_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> MonitorOptions:
+        return cls(
+            ready_interval_s=settings.ready_interval_s,
+            scrape_interval_s=settings.scrape_interval_s,
+        )
+
+    @property
+    def health_timeout_s(self) -> float:
+        return max(HEALTH_TIMEOUT_MIN_S, self.ready_interval_s)
+
+    @property
+    def scrape_timeout_s(self) -> float:
+        return min(self.scrape_interval_s, SCRAPE_TIMEOUT_MAX_S)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPoll:
+    """One prefill endpoint's poll in a scrape round, as the scheduler asks for it."""
+
+    key: str
+    """The endpoint's key in the pool (``host:port``)."""
+    endpoint: Endpoint
+    probe: bool
+    """True: its ``/health`` (it is probed after an ejection); False: its ``/metrics``."""
+
+
+class PrefillPool(Protocol):
+    """What the monitor asks of whoever owns the prefill pool (the scheduler)."""
+
+    def prefill_polls(self) -> list[PrefillPoll]:
+        """This scrape round's polls: one per endpoint of the pool but the ejected ones."""
+        ...
+
+    def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
+        """What ``poll`` found."""
+        ...
+
+
+class _NoPrefillPool:
+    """A monitor of the decode engine alone."""
+
+    def prefill_polls(self) -> list[PrefillPoll]:
+        return []
+
+    def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
+        raise AssertionError("no prefill endpoint was polled")
+
+
+NO_PREFILL_POOL: PrefillPool = _NoPrefillPool()
+
+
+class EngineMonitor:
+    """Polls every engine (the decode ranks, the prefill pool) and publishes snapshots; the only
+    writer of a decode rank's ``engine``."""
+
+    def __init__(
+        self,
+        options: MonitorOptions,
+        *,
+        engines: Engines,
+        ranks: DecodeRanks,
+        readiness: Readiness,
+        pool: PrefillPool = NO_PREFILL_POOL,
+    ) -> None:
+        self._options = options
+        self._engines = engines
+        self._ranks = ranks
+        self._readiness = readiness
+        self._pool = pool
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start both rounds; each polls at once, then every interval."""
+        self._tasks = [
+            asyncio.create_task(
+                self._every(self._options.ready_interval_s, self.poll_health),
+                name="engine-monitor:health",
+            ),
+            asyncio.create_task(
+                self._every(self._options.scrape_interval_s, self.scrape),
+                name="engine-monitor:scrape",
+            ),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            await stop_task(task)
+        self._tasks.clear()
+
+    @staticmethod
+    async def _every(interval_s: float, poll: Callable[[], Awaitable[object]]) -> None:
+        """``poll``, then ``interval_s`` after it ended, forever; cancelled at shutdown."""
+        while True:
+            await poll()
+            await asyncio.sleep(interval_s)
+
+    # --- the health round ------------------------------------------------------------------
+
+    async def poll_health(self) -> bool:
+        """Poll every decode rank's ``/health`` once; whether the engine (a rank at least) is
+        ready now."""
+        was = self._ranks.ready
+        await asyncio.gather(*(self._poll_health(rank) for rank in self._ranks))
+        self._readiness.polled(was)
+        return self._ranks.ready
+
+    async def _poll_health(self, rank: DecodeRank) -> None:
+        health = await self._health(rank.url, self._options.health_timeout_s)
+        was, now = rank.ready, time.monotonic()
+        self._ranks.publish(
+            rank, dataclasses.replace(rank.engine, health=health, health_at=now, at=now)
+        )
+        self._readiness.rank_polled(rank, was)
+
+    # --- the scrape round ------------------------------------------------------------------
+
+    async def scrape(self) -> None:
+        """Scrape every decode rank, and poll the prefill endpoints the scheduler asks for."""
+        polls = self._pool.prefill_polls()
+        await asyncio.gather(
+            *(self._scrape_rank(rank) for rank in self._ranks),
+            *(self._poll_prefill(poll) for poll in polls),
+        )
+
+    async def _scrape_rank(self, rank: DecodeRank) -> None:
+        load, unreachable = await self._load(rank.url)
+        self._ranks.publish(
+            rank,
+            dataclasses.replace(
+                rank.engine, load=load, unreachable=unreachable, at=time.monotonic()
+            ),
+        )
+
+    async def _poll_prefill(self, poll: PrefillPoll) -> None:
+        base = self._engines.prefill_url(poll.endpoint)
+        server_name = self._engines.prefill_server_name(poll.endpoint)
+        if poll.probe:
+            health = await self._health(base, self._options.scrape_timeout_s, server_name)
+            now = time.monotonic()
+            snapshot = EngineSnapshot(health=health, health_at=now, at=now)
+        else:
+            load, unreachable = await self._load(base, server_name)
+            snapshot = EngineSnapshot(load=load, unreachable=unreachable, at=time.monotonic())
+        self._pool.prefill_polled(poll, snapshot)
+
+    # --- one poll --------------------------------------------------------------------------
+
+    async def _health(
+        self, base_url: str, timeout_s: float, server_name: str | None = None
+    ) -> EngineHealth:
+        try:
+            response = await self._engines.send(
+                "GET",
+                base_url + "/health",
+                headers={},
+                total_s=timeout_s,
+                poll=True,
+                server_name=server_name,
+            )
+            await response.read()
+        except EngineNotConnected:
+            return EngineHealth.LOST
+        except EngineError:  # a timeout, a broken answer: its cache presumably kept
+            return EngineHealth.DOWN
+        return EngineHealth.UP if response.status == 200 else EngineHealth.LOST
+
+    async def _load(
+        self, base_url: str, server_name: str | None = None
+    ) -> tuple[EngineLoad | None, bool]:
+        """The engine's scraped gauges (None when it served none), and whether it could not be
+        reached (refused or reset; merely slow is not)."""
+        try:
+            response = await self._engines.send(
+                "GET",
+                base_url + "/metrics",
+                headers={},
+                total_s=self._options.scrape_timeout_s,
+                poll=True,
+                server_name=server_name,
+            )
+            body = await response.read()
+        except EngineUnreachable:
+            return None, True
+        except EngineError:
+            return None, False
+        if response.status != 200:
+            return None, False  # metrics disabled or not served: schedule by reservations alone
+        return parse_engine_load(body.decode(errors="replace"), time.monotonic()), False

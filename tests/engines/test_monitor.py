@@ -1,0 +1,254 @@
+"""The engine monitor through real sockets: one place polls each engine, and readiness, the
+scheduler and /debug/scheduler read the snapshots it publishes.
+
+The engines here are small fake servers on port 0 (the emulator does not log its ``/health`` and
+``/metrics`` polls): each counts the polls it receives and notes which sidecar code sent them —
+the module where the await chain of every task then waiting in ``Engines.send`` enters the
+sidecar (the sidecar runs in this process, on this loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar.app import SCHEDULER, RunningSidecar, start_sidecar
+from sidecar.config import Settings
+from tests.conftest import awaiting, eventually, get_json
+from tests.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MONITOR = "sidecar/engines/monitor.py"
+SEND = "sidecar/upstream.py:send"
+LONG_S = 3600.0
+"""An interval no test outlasts: what it governs happens once, at start."""
+
+
+def sidecar_pollers() -> set[str]:
+    """The sidecar modules waiting on an engine's answer right now: for every task inside
+    ``Engines.send``, the first module of the sidecar along its await chain."""
+    found: set[str] = set()
+    for task in asyncio.all_tasks():
+        chain = [_relative(link) for link in awaiting(task)]
+        if SEND in chain:
+            found.add(next(link for link in chain if link.startswith("sidecar/")).split(":")[0])
+    return found
+
+
+def _relative(link: str) -> str:
+    """``file:function`` with the file relative to the project (as is outside it)."""
+    path, _, function = link.rpartition(":")
+    return f"{_project_path(path)}:{function}"
+
+
+@functools.cache
+def _project_path(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:  # outside the project (asyncio, aiohttp)
+        return path
+
+
+class FakeEngine:
+    """``/health`` answers ``health_status``; ``/metrics`` serves vLLM's waiting and running
+    gauges (``waiting``, 1)."""
+
+    def __init__(self) -> None:
+        self.health_status = 200
+        self.waiting = 7.0
+        self.polls: Counter[str] = Counter()
+        self.pollers: set[str] = set()
+        """Every sidecar module that had a poll in flight when this engine got one."""
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
+        self.port = self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _polled(self, path: str) -> None:
+        self.polls[path] += 1
+        self.pollers |= sidecar_pollers()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self._polled("/health")
+        return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._polled("/metrics")
+        text = f"vllm:num_requests_waiting {self.waiting}\nvllm:num_requests_running 1.0\n"
+        return web.Response(text=text, content_type="text/plain")
+
+
+Start = Callable[..., Awaitable[RunningSidecar]]
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[list[FakeEngine]]:
+    """Started fake engines go here; closed at teardown."""
+    engines: list[FakeEngine] = []
+    yield engines
+    for engine in engines:
+        await engine.close()
+
+
+async def fake(fakes: list[FakeEngine], port: int = 0) -> FakeEngine:
+    engine = FakeEngine()
+    await engine.start(port)
+    fakes.append(engine)
+    return engine
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    """A sidecar in front of ``decode``; keywords override Settings."""
+    started: list[RunningSidecar] = []
+
+    async def start(decode: FakeEngine, **overrides: Any) -> RunningSidecar:
+        values: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "decode_url": decode.url}
+        values.update(overrides)
+        sidecar = await start_sidecar(Settings(**values))
+        started.append(sidecar)
+        return sidecar
+
+    yield start
+    for sidecar in started:
+        await sidecar.close()
+
+
+async def ready_status(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> int:
+    async with http.get(sidecar.url + "/ready") as response:
+        await response.read()
+        return response.status
+
+
+async def scheduler_view(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> Any:
+    return await get_json(http, sidecar.url + "/debug/scheduler")
+
+
+async def test_one_monitor_polls_every_engine(
+    http: aiohttp.ClientSession, fakes: list[FakeEngine], start: Start
+) -> None:
+    """The decode engine's /health and /metrics, a prefill endpoint's /metrics and, after it was
+    ejected, its /health probe: every poll comes from the engine monitor (before it, readiness
+    polled /health and the scheduler /metrics and the probes: two pollers of each engine)."""
+    decode = await fake(fakes)
+    prefill_port = free_port()  # nothing listens there yet: its scrapes are refused
+    sidecar = await start(
+        decode,
+        prefill_endpoints=f"127.0.0.1:{prefill_port}",
+        ready_interval_s=0.05,
+        scrape_interval_s=0.05,
+        eject_after_failures=1,
+        eject_base_s=0.05,
+    )
+
+    async def endpoint_state() -> str:
+        return str((await scheduler_view(http, sidecar))["endpoints"][0]["state"])
+
+    async def out_of_service() -> bool:
+        return await endpoint_state() in ("ejected", "probing")
+
+    await eventually(out_of_service)
+    prefill = await fake(fakes, prefill_port)  # it comes up: probed, re-admitted, scraped
+
+    async def polled_both_ways() -> bool:
+        healthy = await endpoint_state() == "healthy"
+        return healthy and all(
+            engine.polls["/health"] >= 1 and engine.polls["/metrics"] >= 2
+            for engine in (decode, prefill)
+        )
+
+    await eventually(polled_both_ways)
+    assert decode.pollers == {MONITOR}
+    assert prefill.pollers == {MONITOR}
+
+
+async def test_readiness_and_the_scheduler_read_one_snapshot(
+    http: aiohttp.ClientSession, fakes: list[FakeEngine], start: Start
+) -> None:
+    """One /health poll and one scrape, at start (the intervals outlast the test): /ready, the
+    scheduler and /debug/scheduler all answer from the snapshot they made, whatever the engine
+    says afterwards."""
+    decode = await fake(fakes)
+    sidecar = await start(decode, ready_interval_s=LONG_S, scrape_interval_s=LONG_S)
+    rank = sidecar.app[SCHEDULER].ranks[0]
+
+    async def both_polled() -> bool:
+        return rank.ready and rank.load is not None
+
+    await eventually(both_polled)
+    snapshot = rank.engine
+    assert (decode.polls["/health"], decode.polls["/metrics"]) == (1, 1)
+    decode.health_status, decode.waiting = 503, 9.0  # unseen: nobody polls it again
+    assert await ready_status(http, sidecar) == 200
+    [described] = (await scheduler_view(http, sidecar))["decode_ranks"]
+    assert described["ready"] is True
+    assert described["scraped"]["waiting"] == 7.0
+    assert rank.engine is snapshot  # what the three of them read
+    assert snapshot.ready
+    assert snapshot.load is not None
+    assert snapshot.load.waiting == 7.0
+    assert sidecar.app[SCHEDULER].ranks.waiting(rank) == 7.0  # what the rank choice weighs
+    assert (decode.polls["/health"], decode.polls["/metrics"]) == (1, 1)
+    assert decode.pollers == {MONITOR}
+
+
+@pytest.mark.parametrize("fast", ["health", "scrape"])
+async def test_each_poll_keeps_its_interval(
+    http: aiohttp.ClientSession, fakes: list[FakeEngine], start: Start, fast: str
+) -> None:
+    """SIDECAR_READY_INTERVAL_S paces the /health polls and SIDECAR_SCRAPE_INTERVAL_S the
+    scrapes, one poller each: with the other interval outlasting the test, an engine gets one
+    poll of that kind while the other kind comes every few milliseconds. A snapshot made by one
+    kind keeps what the other kind last found."""
+    decode = await fake(fakes)
+    ready_s, scrape_s = (0.05, LONG_S) if fast == "health" else (LONG_S, 0.05)
+    sidecar = await start(decode, ready_interval_s=ready_s, scrape_interval_s=scrape_s)
+
+    async def agreed(ready: int, waiting: float) -> bool:
+        [described] = (await scheduler_view(http, sidecar))["decode_ranks"]
+        scraped = described["scraped"]
+        return (
+            await ready_status(http, sidecar) == ready
+            and described["ready"] is (ready == 200)
+            and scraped is not None
+            and scraped["waiting"] == waiting
+        )
+
+    await eventually(lambda: agreed(200, 7.0))
+    decode.health_status, decode.waiting = 503, 9.0
+    if fast == "health":  # /ready follows the engine; the one scrape stays in the snapshot
+        await eventually(lambda: agreed(503, 7.0))
+        slow, many = "/metrics", "/health"
+    else:  # the scrape follows the engine; the one /health poll still says ready
+        await eventually(lambda: agreed(200, 9.0))
+        slow, many = "/health", "/metrics"
+    await eventually(lambda: _at_least(decode, many, 5))
+    assert decode.polls[slow] == 1
+    assert decode.pollers == {MONITOR}
+
+
+async def _at_least(engine: FakeEngine, path: str, count: int) -> bool:
+    return engine.polls[path] >= count
