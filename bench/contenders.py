@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.overhead_load import DirectTarget, ProxyTarget, Target
+from bench.client import DirectTarget, ProxyTarget, Target
 from devkit.processes import Child, Launcher, environment, free_port
 
 ROUTER_VERSION = "0.1.17"

@@ -6,8 +6,8 @@
     python bench/overhead.py --profile docs/profiles   # py-spy flame graphs at c=16 instead
 
 Every request is a full P/D exchange on the same two zero-latency emulators and the same load
-generator (bench/overhead_load.py): the **floor** (the client sends the prefill leg and the decode
-leg itself), the **sidecar** (the client names the prefill in ``x-prefiller-host-port``), the
+generator (``drive`` in bench/client.py): the **floor** (the client sends the prefill leg and the
+decode leg itself), the **sidecar** (the client names the prefill in ``x-prefiller-host-port``), the
 **aiohttp floor** (bench/floor_proxy.py: the smallest two-leg proxy on the same stack) and
 **vllm-router** (Rust, from PyPI; skipped with a note when it cannot be installed). The proxy
 under test has a core of its own (``taskset``); the emulators and the client share the other
@@ -45,6 +45,7 @@ import orjson
 from aiohttp import http_parser
 
 from bench import decision_cost
+from bench.client import Tally, Target, Workload, client_session, drive
 from bench.cluster import raise_open_files_limit, run
 from bench.contenders import (
     BASELINE_VARIANT,
@@ -57,7 +58,6 @@ from bench.contenders import (
     start_emulators,
     start_proxy,
 )
-from bench.overhead_load import PointStats, Target, Workload, client_session, drive
 from bench.overhead_report import Point, medians, table, target_lines, targets
 from bench.profiling import profile
 from bench.readings import cpu_pressure_us, load_average, own_cpu_s, read_proc
@@ -179,8 +179,8 @@ async def measure_point(
     next_index: list[int],
 ) -> Point:
     """Warm up, then time ``args.requests`` requests while reading the processes."""
-    async with client_session() as session:
-        warm = PointStats()
+    async with client_session(lean=True) as session:
+        warm = Tally()
         warmup = max(args.warmup, 2 * concurrency)
         await drive(
             session, target, workload, count=warmup, concurrency=concurrency,
@@ -194,7 +194,7 @@ async def measure_point(
         client_before = own_cpu_s()
         emulators_before = sum(read_proc(e.pid).cpu_s for e in emulators)
         psi_before, start = cpu_pressure_us(), time.monotonic()
-        stats = PointStats()
+        stats = Tally()
         await drive(
             session, target, workload, count=args.requests, concurrency=concurrency,
             first_index=next_index[0], stats=stats,

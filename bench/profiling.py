@@ -22,8 +22,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from bench.client import Tally, Target, Workload, client_session, drive
 from bench.contenders import Pinning, start_proxy
-from bench.overhead_load import PointStats, Target, Workload, client_session, drive
 from devkit.processes import Child, Launcher
 
 RATE_HZ = 250
@@ -124,8 +124,8 @@ async def _profile_load(
     slug = f"{child.name}-{'stream' if workload.stream else 'nonstream'}-c{CONCURRENCY}"
     status = 0
     index = 10**9  # prompts distinct from any measurement's
-    async with client_session() as session:
-        stats = PointStats()
+    async with client_session(lean=True) as session:
+        stats = Tally()
         await drive(
             session, target, workload, count=500, concurrency=CONCURRENCY,
             first_index=index, stats=stats,

@@ -275,15 +275,15 @@ async def main(args: argparse.Namespace) -> int:
         f" {stats.aborted} abandoned by the client, {stats.error_count} errors"
         f" {dict(stats.errors) or ''}"
     )
-    for kind, example in stats.error_examples.items():
+    for kind, example in stats.examples.items():
         print(f"  e.g. {kind}: {example!r}")
     print(
         f"throughput            {stats.finished / elapsed:.1f} req/s; max streams open at once"
         f" {stats.max_open_streams}"
     )
     print(
-        f"client TTFT           p50 {ms(percentile(stats.ttfts, 50))},"
-        f" p99 {ms(percentile(stats.ttfts, 99))}"
+        f"client TTFT           p50 {ms(percentile(stats.ttfbs, 50))},"
+        f" p99 {ms(percentile(stats.ttfbs, 99))}"
     )
     outcomes = metrics.by_label("pd_sidecar_requests_total", "decision", "outcome")
     print(
