@@ -16,7 +16,7 @@ Two ways to send, on one set of loops, sessions and counts:
   events) because it shares a core with the emulators: its own limit shows in the floor's
   figures.
 
-Both keep their requests going with :func:`run_workers`.
+Both keep their requests going with :func:`run_loops`.
 """
 
 from __future__ import annotations
@@ -129,15 +129,25 @@ async def run_workers(
     """``concurrency`` loops, started evenly over ``ramp_s``, each sending ``next_item()`` one
     after the other until it returns None."""
 
-    async def worker(delay: float) -> None:
-        await asyncio.sleep(delay)
+    async def worker() -> None:
         while (item := next_item()) is not None:
             await send(item)
+
+    await run_loops(concurrency, ramp_s, worker)
+
+
+async def run_loops(concurrency: int, ramp_s: float, loop: Callable[[], Awaitable[None]]) -> None:
+    """``concurrency`` runs of ``loop()`` at once, started evenly over ``ramp_s``; returns when
+    all of them have (the first that raises cancels the others)."""
+
+    async def staggered(delay: float) -> None:
+        await asyncio.sleep(delay)
+        await loop()
 
     step = ramp_s / concurrency if concurrency else 0.0
     async with asyncio.TaskGroup() as group:
         for i in range(concurrency):
-            group.create_task(worker(i * step))
+            group.create_task(staggered(i * step))
 
 
 def client_session(*, lean: bool = False) -> aiohttp.ClientSession:
@@ -399,25 +409,26 @@ async def drive(
     not."""
     indexes = iter(range(first_index, first_index + count))
 
-    async def one(index: int) -> None:
-        start = time.perf_counter()
-        try:
-            async with asyncio.timeout(REQUEST_TIMEOUT_S):
-                status, body, first_at = await target.send(session, workload, index)
-        except TimeoutError:
-            stats.fail("timeout", f"no answer within {REQUEST_TIMEOUT_S:g} s")
-            return
-        except (aiohttp.ClientError, OSError) as exc:
-            stats.fail(f"connection: {type(exc).__name__}", repr(exc))
-            return
-        end = time.perf_counter()
-        problem = workload.check(status, body)
-        if problem is not None:
-            stats.fail(problem, body[-300:].decode(errors="replace"))
-            return
-        stats.latencies.append(end - start)
-        stats.ttfbs.append(first_at - start)
-        if workload.stream:
-            stats.events += workload.output_tokens + 1
+    async def loop() -> None:  # the hot path: inline, one coroutine per loop, not per request
+        while (index := next(indexes, None)) is not None:
+            start = time.perf_counter()
+            try:
+                async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                    status, body, first_at = await target.send(session, workload, index)
+            except TimeoutError:
+                stats.fail("timeout", f"no answer within {REQUEST_TIMEOUT_S:g} s")
+                continue
+            except (aiohttp.ClientError, OSError) as exc:
+                stats.fail(f"connection: {type(exc).__name__}", repr(exc))
+                continue
+            end = time.perf_counter()
+            problem = workload.check(status, body)
+            if problem is not None:
+                stats.fail(problem, body[-300:].decode(errors="replace"))
+                continue
+            stats.latencies.append(end - start)
+            stats.ttfbs.append(first_at - start)
+            if workload.stream:
+                stats.events += workload.output_tokens + 1
 
-    await run_workers(concurrency, 0.0, lambda: next(indexes, None), one)
+    await run_loops(concurrency, 0.0, loop)
