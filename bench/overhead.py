@@ -46,7 +46,7 @@ from aiohttp import http_parser
 
 from bench import decision_cost
 from bench.client import Tally, Target, Workload, client_session, drive
-from bench.cluster import raise_open_files_limit, run
+from bench.cluster import BenchLauncher, add_launcher_arguments, raise_open_files_limit, run
 from bench.contenders import (
     BASELINE_VARIANT,
     PYTHON_PROXIES,
@@ -61,7 +61,7 @@ from bench.contenders import (
 from bench.overhead_report import Point, medians, table, target_lines, targets
 from bench.profiling import profile
 from bench.readings import cpu_pressure_us, load_average, own_cpu_s, read_proc
-from devkit.processes import Child, Launcher, LaunchError
+from devkit.processes import Child, LaunchError
 from devkit.stats import percentile
 from sidecar.scheduling.policies import POLICIES
 
@@ -95,7 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CI smoke: 1 run, c=16, 300 requests, 50 warm-up, 200 placements",
     )
     parser.add_argument("--json", type=Path, default=None, help="report path (default: log dir)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--vllm-router", type=Path, default=None, help="the vllm-router program")
     parser.add_argument(
@@ -117,13 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f" the variant {BASELINE_VARIANT}, right before the sidecar in every run: before and"
         " after in one run",
     )
-    parser.add_argument(
-        "--sidecar-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra sidecar variable (repeatable)",
-    )
+    add_launcher_arguments(parser)
     parser.add_argument(
         "--profile",
         type=Path,
@@ -287,7 +280,7 @@ async def main(args: argparse.Namespace) -> int:
     print("\n".join(header_lines(pinning, router_note)), flush=True)
     pinning.pin_self()
     sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
-    launcher = Launcher(args.log_dir, prefix="pd-sidecar-overhead-", keep_logs=True, grace_s=5)
+    launcher = BenchLauncher(args.log_dir, prefix="pd-sidecar-overhead-")
     failures: list[str] = []
     points: list[Point] = []
     checks: dict[str, dict[str, bool]] = {}

@@ -23,8 +23,9 @@ from collections import Counter
 from pathlib import Path
 
 from bench.client import Tally, Target, Workload, client_session, drive
+from bench.cluster import BenchLauncher
 from bench.contenders import Pinning, start_proxy
-from devkit.processes import Child, Launcher
+from devkit.processes import Child
 
 RATE_HZ = 250
 CONCURRENCY = 16
@@ -90,7 +91,8 @@ async def _record(
         *(["--native"] if native else []),
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        *pinning.argv(pinning.client, argv),
+        *pinning.taskset(pinning.client),
+        *argv,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -155,7 +157,7 @@ async def _profile_load(
 
 
 async def profile(
-    launcher: Launcher,
+    launcher: BenchLauncher,
     pinning: Pinning,
     prefill: Child,
     decode: Child,
