@@ -138,6 +138,17 @@ class ClusterConfig:
     log_dir: Path | None = None
     """Where the children's logs go; None: a new directory under the system temp dir."""
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, decode_s_per_token: float) -> ClusterConfig:
+        """What the flags of :func:`add_cluster_arguments` ask for."""
+        return cls(
+            prefill_s_per_token=args.prefill_s_per_token,
+            decode_s_per_token=decode_s_per_token,
+            emulator_args=tuple(args.emulator_arg),
+            sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
+            log_dir=args.log_dir,
+        )
+
 
 class Cluster(BenchLauncher):
     """Prefill emulator, decode emulator and sidecar, started and stopped together."""

@@ -192,13 +192,7 @@ async def drive(
 
 async def main(args: argparse.Namespace) -> int:
     nofile = raise_open_files_limit()
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
-        emulator_args=tuple(args.emulator_arg),
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
-        log_dir=args.log_dir,
-    )
+    config = ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token)
     print(
         f"pd-sidecar load benchmark: {args.concurrency} concurrent streams, {args.requests}"
         f" requests, {args.output_tokens} tokens x {args.decode_s_per_token * 1000:.0f} ms,"

@@ -173,13 +173,7 @@ async def sampler(
 async def main(args: argparse.Namespace) -> int:
     nofile = raise_open_files_limit()
     rng = random.Random(args.seed)
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
-        emulator_args=tuple(args.emulator_arg),
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
-        log_dir=args.log_dir,
-    )
+    config = ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token)
     stream_s = args.output_tokens * args.decode_s_per_token
     print(
         f"pd-sidecar soak: {args.duration:.0f} s, {args.concurrency} concurrent streams,"
