@@ -2,7 +2,7 @@
 
 Two ways to send, on one set of loops, sessions and counts:
 
-- **Checked streams** (load, soak, bodies): :func:`stream_one` sends a :class:`RequestSpec`, a
+- **Checked streams** (load, soak): :func:`stream_one` sends a :class:`RequestSpec`, a
   streaming completion or chat completion, and checks the whole answer: status 200, the expected
   number of token events, every event parsed and none an error, ``data: [DONE]`` last. It may
   abandon a request on purpose (soak disconnects). :class:`ClientStats` counts what is open at
@@ -16,7 +16,9 @@ Two ways to send, on one set of loops, sessions and counts:
   events) because it shares a core with the emulators: its own limit shows in the floor's
   figures.
 
-Both keep their requests going with :func:`run_loops`.
+Both keep their requests going with :func:`run_loops` (load and soak through :func:`run_workers`,
+which sends what a function hands out until it hands out None); the bodies benchmark uses the
+session and the names only.
 """
 
 from __future__ import annotations

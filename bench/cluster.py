@@ -7,7 +7,9 @@ that also knows how to start the project's own programs: an emulator, a prefill 
 emulator together, and a sidecar, as subprocesses of ``sys.executable`` on free loopback ports;
 each is ready when it answers (``/health`` for the emulators, ``/ready`` for the sidecar, which
 waits for its decode engine). A command line to run them under (``taskset -c 1`` to pin a core)
-may be put in front. Every benchmark that starts an emulator or a sidecar does it here.
+may be put in front. The load, soak, bodies, prefill-answer, overhead and calibration benchmarks
+start theirs here; bench/connections.py (a sidecar with no reachable engine, under ``prlimit``)
+and bench/instructions.py (a sidecar under callgrind) start theirs their own way.
 
 :class:`Cluster` is the load benchmarks' set: one prefill emulator, one decode emulator and one
 sidecar, started on entering its ``async with`` block. Leaving it, by any route (an error,
