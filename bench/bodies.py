@@ -42,7 +42,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -314,11 +314,9 @@ async def run_shape(args: argparse.Namespace, shape: str) -> ShapeResult:
         str(args.block_size),
         *args.emulator_arg,
     )
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
+    config = replace(
+        ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token),
         emulator_args=emulator_args,
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
         log_dir=args.log_dir / shape if args.log_dir is not None else None,
     )
     async with Cluster(config) as cluster, client_session() as http:

@@ -37,12 +37,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import aiohttp
 import orjson
 
-from bench.cluster import raise_open_files_limit, run
+from bench.cluster import BenchLauncher, raise_open_files_limit, run
 from bench.readings import Contention, Metrics, load_average
 from bench.sim.run import simulate
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.workload import Shape, shapes
-from devkit.processes import Child, Launcher, environment, free_port, tcp_open
+from devkit.processes import STOP_GRACE_S, Child, free_port, tcp_open
 from devkit.stats import percentile
 from sidecar.emulator.engine import prefill_seconds
 from sidecar.scheduling.policies import POLICIES
@@ -168,7 +168,9 @@ class RealCluster:
     """Redis and the emulators, started once; the sidecars, per run."""
 
     def __init__(self, log_dir: Path | None) -> None:
-        self._launcher = Launcher(log_dir, prefix="pd-sidecar-calibrate-", keep_logs=True)
+        self._launcher = BenchLauncher(
+            log_dir, prefix="pd-sidecar-calibrate-", grace_s=STOP_GRACE_S
+        )
         self.log_dir = self._launcher.log_dir
         self.redis_url = ""
         self.prefill: list[Child] = []
@@ -180,31 +182,20 @@ class RealCluster:
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         redis = self._launcher.spawn("redis", [*argv, "--appendonly", "no"])
         for i, speed in enumerate(CALIBRATION.speeds()):
-            self.prefill.append(self._emulator(f"prefill-{i}", prefill_flags(speed)))
+            self.prefill.append(self._launcher.spawn_emulator(f"prefill-{i}", prefill_flags(speed)))
         for i in range(CALIBRATION.decode_engines):
-            self.decode.append(self._emulator(f"decode-{i}", decode_flags()))
+            self.decode.append(self._launcher.spawn_emulator(f"decode-{i}", decode_flags()))
         await redis.wait_ready(lambda: tcp_open("127.0.0.1", port))
         for child in (*self.prefill, *self.decode):
             await child.wait_ready("/health")
 
-    def _emulator(self, name: str, flags: list[str]) -> Child:
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "sidecar.emulator", "--port", str(port),
-            "--side-channel-port", str(free_port()), *flags,
-        ]  # fmt: skip
-        return self._launcher.spawn(name, argv, url=f"http://127.0.0.1:{port}")
-
     async def sidecars(self, policy: str, run_id: str) -> list[Child]:
         pool = ",".join(child.endpoint for child in self.prefill)
-        started = []
-        for i, decode in enumerate(self.decode):
-            port = free_port()
-            env = environment(
-                {
-                    "SIDECAR_HOST": "127.0.0.1",
-                    "SIDECAR_PORT": str(port),
-                    "SIDECAR_DECODE_URL": decode.url,
+        started = [
+            self._launcher.spawn_sidecar(
+                f"sidecar-{run_id}-{i}",
+                decode_url=decode.url,
+                settings={
                     "SIDECAR_PREFILL_ENDPOINTS": pool,
                     "SIDECAR_STATE_BACKEND": "redis",
                     "SIDECAR_REDIS_URL": self.redis_url,
@@ -214,16 +205,9 @@ class RealCluster:
                     "SIDECAR_SCRAPE_INTERVAL_S": repr(CALIBRATION.staleness_s),
                     "SIDECAR_LOG_LEVEL": "WARNING",
                 },
-                drop=["SIDECAR_"],
             )
-            started.append(
-                self._launcher.spawn(
-                    f"sidecar-{run_id}-{i}",
-                    [sys.executable, "-m", "sidecar"],
-                    env=env,
-                    url=f"http://127.0.0.1:{port}",
-                )
-            )
+            for i, decode in enumerate(self.decode)
+        ]
         for child in started:
             await child.wait_ready("/ready")
         return started

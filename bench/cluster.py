@@ -1,15 +1,21 @@
-"""The benchmark's processes: one prefill emulator, one decode emulator and one sidecar.
+"""The benchmarks' processes, on the shared launcher (devkit/processes.py).
 
-:class:`Cluster` starts them on the shared launcher (devkit/processes.py) as subprocesses of
-``sys.executable`` on free loopback ports, each in its own process group with its output in a
-log file, and waits until each one answers (``/health`` for the emulators, ``/ready`` for the
-sidecar, which waits for its decode engine). Leaving the ``async with`` block, by any route (an
-error, Ctrl-C, a SIGTERM turned into a cancellation by :func:`run`), sends SIGTERM to every
-process group, then SIGKILL to whatever is left after a grace period. An ``atexit`` hook and
-``PR_SET_PDEATHSIG`` are the last resorts: no emulator survives the benchmark that started it.
+:class:`BenchLauncher` is devkit's :class:`~devkit.processes.Launcher` (each child in its own
+process group with its output in a log file, stopped by SIGTERM then SIGKILL, an ``atexit`` hook
+and ``PR_SET_PDEATHSIG`` as the last resorts: no emulator survives the benchmark that started it)
+that also knows how to start the project's own programs: an emulator, a prefill and a decode
+emulator together, and a sidecar, as subprocesses of ``sys.executable`` on free loopback ports;
+each is ready when it answers (``/health`` for the emulators, ``/ready`` for the sidecar, which
+waits for its decode engine). A command line to run them under (``taskset -c 1`` to pin a core)
+may be put in front. The load, soak, bodies, prefill-answer, overhead and calibration benchmarks
+start theirs here; bench/connections.py (a sidecar with no reachable engine, under ``prlimit``)
+and bench/instructions.py (a sidecar under callgrind) start theirs their own way.
 
-It also holds what the benchmarks judge the idle sidecar by: its sockets, its logs, the slack
-allowed above the baseline.
+:class:`Cluster` is the load benchmarks' set: one prefill emulator, one decode emulator and one
+sidecar, started on entering its ``async with`` block. Leaving it, by any route (an error,
+Ctrl-C, a SIGTERM turned into a cancellation by :func:`run`), stops them all. It also holds what
+the benchmarks judge the idle sidecar by: its sockets, its logs, the slack allowed above the
+baseline.
 """
 
 from __future__ import annotations
@@ -20,10 +26,9 @@ import resource
 import signal
 import sys
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 import aiohttp
@@ -44,6 +49,84 @@ def raise_open_files_limit() -> int:
     return hard
 
 
+class BenchLauncher(Launcher):
+    """A :class:`~devkit.processes.Launcher` that keeps its logs and starts our programs.
+
+    ``under``, where a method takes it, is a command line the program runs under, in front of
+    its own (``taskset -c 1``: pinned to CPU 1); it execs the program, so the child's pid is the
+    program's.
+    """
+
+    def __init__(
+        self,
+        log_dir: Path | None = None,
+        *,
+        prefix: str = "pd-sidecar-bench-",
+        grace_s: float = STOP_GRACE_S,
+    ) -> None:
+        super().__init__(log_dir, prefix=prefix, keep_logs=True, grace_s=grace_s)
+
+    def spawn_emulator(
+        self, name: str, flags: Sequence[str] = (), *, under: Sequence[str] = ()
+    ) -> Child:
+        """``python -m sidecar.emulator`` on free ports (API, side channel); returns at once."""
+        port = free_port()
+        argv = [
+            *under, sys.executable, "-m", "sidecar.emulator", "--port", str(port),
+            "--side-channel-port", str(free_port()), *flags,
+        ]  # fmt: skip
+        return self.spawn(name, argv, url=f"http://127.0.0.1:{port}")
+
+    async def start_emulators(
+        self,
+        *,
+        prefill_flags: Sequence[str] = (),
+        decode_flags: Sequence[str] = (),
+        under: Sequence[str] = (),
+    ) -> tuple[Child, Child]:
+        """A prefill and a decode emulator, started together; returns once both answer."""
+        prefill = self.spawn_emulator("prefill", prefill_flags, under=under)
+        decode = self.spawn_emulator("decode", decode_flags, under=under)
+        for child in (prefill, decode):
+            await child.wait_ready("/health")
+        return prefill, decode
+
+    def spawn_sidecar(
+        self,
+        name: str = "sidecar",
+        *,
+        decode_url: str,
+        settings: Mapping[str, str] | None = None,
+        under: Sequence[str] = (),
+        checkout: Path | None = None,
+    ) -> Child:
+        """``python -m sidecar`` on a free loopback port with ``decode_url`` as its engine and
+        ``settings`` (``SIDECAR_*`` variables) on top; none of this process's ``SIDECAR_*``
+        variables reach it. Returns at once; it is ready when ``/ready`` answers (once its decode
+        engine does).
+
+        ``checkout``: run the sidecar of that checkout instead (started in its directory, so
+        that ``-m sidecar`` imports its code; with its ``.venv``'s Python when it has one)."""
+        port = free_port()
+        python, cwd = sys.executable, None
+        if checkout is not None:
+            own = checkout / ".venv" / "bin" / "python"
+            python, cwd = str(own) if own.exists() else sys.executable, checkout
+        env = {
+            "SIDECAR_HOST": "127.0.0.1",
+            "SIDECAR_PORT": str(port),
+            "SIDECAR_DECODE_URL": decode_url,
+            **(settings or {}),
+        }
+        return self.spawn(
+            name,
+            [*under, python, "-m", "sidecar"],
+            env=environment(env, drop=["SIDECAR_"]),
+            cwd=cwd,
+            url=f"http://127.0.0.1:{port}",
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """The three processes of a benchmark. Emulator delays are in seconds (see emulator.md)."""
@@ -57,22 +140,25 @@ class ClusterConfig:
     log_dir: Path | None = None
     """Where the children's logs go; None: a new directory under the system temp dir."""
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, decode_s_per_token: float) -> ClusterConfig:
+        """What the flags of :func:`add_cluster_arguments` ask for."""
+        return cls(
+            prefill_s_per_token=args.prefill_s_per_token,
+            decode_s_per_token=decode_s_per_token,
+            emulator_args=tuple(args.emulator_arg),
+            sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
+            log_dir=args.log_dir,
+        )
 
-class Cluster:
+
+class Cluster(BenchLauncher):
     """Prefill emulator, decode emulator and sidecar, started and stopped together."""
 
     def __init__(self, config: ClusterConfig) -> None:
+        super().__init__(config.log_dir)
         self.config = config
-        self._launcher = Launcher(
-            config.log_dir, prefix="pd-sidecar-bench-", keep_logs=True, grace_s=STOP_GRACE_S
-        )
-        self.log_dir = self._launcher.log_dir
         self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def children(self) -> list[Child]:
-        """Prefill, decode, sidecar: in that order, as far as they were started."""
-        return self._launcher.children
 
     @property
     def prefill(self) -> Child:
@@ -101,50 +187,27 @@ class Cluster:
             raise
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def _start(self) -> None:
         config = self.config
-        python = sys.executable
-        for name, delays in (
-            ("prefill", ("--prefill-s-per-token", str(config.prefill_s_per_token))),
-            ("decode", ("--decode-s-per-token", str(config.decode_s_per_token))),
-        ):
-            port = free_port()
-            argv = [
-                python, "-m", "sidecar.emulator", "--port", str(port),
-                "--side-channel-port", str(free_port()), *delays, *config.emulator_args,
-            ]  # fmt: skip
-            self._launcher.spawn(name, argv, url=f"http://127.0.0.1:{port}")
-        for child in self.children:
-            await child.wait_ready("/health")
-        port = free_port()
-        env = {
-            "SIDECAR_HOST": "127.0.0.1",
-            "SIDECAR_PORT": str(port),
-            "SIDECAR_DECODE_URL": self.decode.url,
-            "SIDECAR_LOG_LEVEL": "WARNING",
-            **config.sidecar_env,
-        }
-        await self._launcher.start(
-            "sidecar",
-            [python, "-m", "sidecar"],
-            env=environment(env, drop=["SIDECAR_"]),
-            url=f"http://127.0.0.1:{port}",
-            ready="/ready",
+        _, decode = await self.start_emulators(
+            prefill_flags=(
+                "--prefill-s-per-token", str(config.prefill_s_per_token), *config.emulator_args
+            ),
+            decode_flags=(
+                "--decode-s-per-token", str(config.decode_s_per_token), *config.emulator_args
+            ),
+        )  # fmt: skip
+        sidecar = self.spawn_sidecar(
+            decode_url=decode.url,
+            settings={"SIDECAR_LOG_LEVEL": "WARNING", **config.sidecar_env},
         )
+        await sidecar.wait_ready("/ready")
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        await self._launcher.close()
+        await super().close()
 
     async def get_json(self, url: str) -> Any:
         async with self.session.get(url) as response:
@@ -262,16 +325,9 @@ FD_SLACK = 5
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every benchmark shares: the emulated cluster and where its logs go."""
+    """The flags every load benchmark shares: the emulated cluster and where its logs go."""
     parser.add_argument(
         "--prefill-s-per-token", type=float, default=0.0002, help="prefill emulator delay"
-    )
-    parser.add_argument(
-        "--sidecar-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra sidecar variable (repeatable)",
     )
     parser.add_argument(
         "--emulator-arg",
@@ -279,5 +335,17 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ARG",
         help="extra flag for both emulators (repeatable; e.g. --emulator-arg=--jitter=0.1)",
+    )
+    add_launcher_arguments(parser)
+
+
+def add_launcher_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every benchmark that starts a sidecar: its settings and where logs go."""
+    parser.add_argument(
+        "--sidecar-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra sidecar variable (repeatable)",
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")

@@ -1,5 +1,6 @@
 """The overhead benchmark's processes: the emulators and each proxy under test, pinned to cores.
 
+All of them are started on the benchmarks' launcher (bench/cluster.py, :class:`BenchLauncher`).
 The two zero-latency emulators (prefill, decode) share the client's core; the proxy under test
 gets the other core to itself (``taskset -c``), so that its CPU seconds and its latency are its
 own. Proxies are started one at a time, on the same emulators:
@@ -28,8 +29,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.overhead_load import DirectTarget, ProxyTarget, Target
-from devkit.processes import Child, Launcher, environment, free_port
+from bench.client import DirectTarget, ProxyTarget, Target
+from bench.cluster import BenchLauncher
+from devkit.processes import Child, free_port
 
 ROUTER_VERSION = "0.1.17"
 ROUTER_VENV = Path.home() / ".cache" / "pd-sidecar" / "vllm-router"
@@ -60,8 +62,9 @@ class Pinning:
             cpus[0], cpus[1], f"client and emulators on CPU {cpus[0]}, proxy on CPU {cpus[1]}"
         )
 
-    def argv(self, cpu: int | None, argv: list[str]) -> list[str]:
-        return argv if cpu is None else ["taskset", "-c", str(cpu), *argv]
+    def taskset(self, cpu: int | None) -> list[str]:
+        """The command line that runs a program on ``cpu`` (None: nothing, not pinned)."""
+        return [] if cpu is None else ["taskset", "-c", str(cpu)]
 
     def pin_self(self) -> None:
         """The benchmark process is the client: on the client's core."""
@@ -69,21 +72,9 @@ class Pinning:
             os.sched_setaffinity(0, {self.client})
 
 
-async def start_emulators(launcher: Launcher, pinning: Pinning) -> tuple[Child, Child]:
+async def start_emulators(launcher: BenchLauncher, pinning: Pinning) -> tuple[Child, Child]:
     """Prefill and decode emulators with no delays, on the client's core."""
-    children = []
-    for name in ("prefill", "decode"):
-        port = free_port()
-        argv = [
-            sys.executable, "-m", "sidecar.emulator", "--port", str(port),
-            "--side-channel-port", str(free_port()),
-        ]  # fmt: skip
-        children.append(
-            launcher.spawn(name, pinning.argv(pinning.client, argv), url=f"http://127.0.0.1:{port}")
-        )
-    for child in children:
-        await child.wait_ready("/health")
-    return children[0], children[1]
+    return await launcher.start_emulators(under=pinning.taskset(pinning.client))
 
 
 def _executable(path: Path) -> bool:
@@ -129,7 +120,7 @@ async def locate_router(explicit: Path | None, install: bool) -> tuple[Path | No
 
 
 async def start_proxy(
-    launcher: Launcher,
+    launcher: BenchLauncher,
     variant: str,
     *,
     pinning: Pinning,
@@ -143,33 +134,29 @@ async def start_proxy(
     """Start ``variant`` on the proxy's core; the process (None for the floor) and how the
     client reaches it. ``router_policy``: vllm-router's ``--policy`` (its default,
     ``cache_aware``, renders every prompt on both engines first: two more calls per request).
-    ``baseline``: the checkout whose sidecar the ``sidecar-base`` variant runs (started in that
-    directory, so ``-m sidecar`` imports its code; with its own ``.venv`` when it has one), to
-    compare two versions in one run."""
+    ``baseline``: the checkout whose sidecar the ``sidecar-base`` variant runs, to compare two
+    versions in one run."""
     if variant == "floor":
         return None, DirectTarget(prefill.url, decode.url)
+    under = pinning.taskset(pinning.proxy)
+    if variant in ("sidecar", BASELINE_VARIANT):
+        if variant == BASELINE_VARIANT and baseline is None:
+            raise ValueError(f"{BASELINE_VARIANT} needs a baseline checkout")
+        child = launcher.spawn_sidecar(
+            variant,
+            decode_url=decode.url,
+            settings=sidecar_env,
+            under=under,
+            checkout=baseline if variant == BASELINE_VARIANT else None,
+        )
+        await child.wait_ready("/ready", timeout_s=60)
+        return child, ProxyTarget(variant, child.url, prefill.endpoint)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env: dict[str, str] | None = None
-    cwd: Path | None = None
-    if variant in ("sidecar", BASELINE_VARIANT):
-        argv = [sys.executable, "-m", "sidecar"]
-        if variant == BASELINE_VARIANT:
-            if baseline is None:
-                raise ValueError(f"{BASELINE_VARIANT} needs a baseline checkout")
-            python = baseline / ".venv" / "bin" / "python"
-            argv[0], cwd = str(python) if python.exists() else sys.executable, baseline
-        settings = {
-            "SIDECAR_HOST": "127.0.0.1",
-            "SIDECAR_PORT": str(port),
-            "SIDECAR_DECODE_URL": decode.url,
-            **sidecar_env,
-        }
-        env, ready, target = environment(settings, drop=["SIDECAR_"]), "/ready", prefill.endpoint
-    elif variant == "aiohttp-floor":
+    if variant == "aiohttp-floor":
         script = str(REPO / "bench" / "floor_proxy.py")
         argv = [sys.executable, script, "--port", str(port), "--decode-url", decode.url]
-        ready, target = "/health", prefill.endpoint
+        target: str | None = prefill.endpoint
     elif variant == "vllm-router":
         assert router is not None
         argv = [
@@ -177,18 +164,10 @@ async def start_proxy(
             "--prefill", prefill.url, "--decode", decode.url,
             "--prometheus-port", str(free_port()), "--policy", router_policy,
         ]  # fmt: skip
-        ready, target = "/health", None
+        target = None
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    child = await launcher.start(
-        variant,
-        pinning.argv(pinning.proxy, argv),
-        env=env,
-        cwd=cwd,
-        url=url,
-        ready=ready,
-        timeout_s=60,
-    )
+    child = await launcher.start(variant, [*under, *argv], url=url, ready="/health", timeout_s=60)
     return child, ProxyTarget(variant, url, target)
 
 

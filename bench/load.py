@@ -192,13 +192,7 @@ async def drive(
 
 async def main(args: argparse.Namespace) -> int:
     nofile = raise_open_files_limit()
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
-        emulator_args=tuple(args.emulator_arg),
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
-        log_dir=args.log_dir,
-    )
+    config = ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token)
     print(
         f"pd-sidecar load benchmark: {args.concurrency} concurrent streams, {args.requests}"
         f" requests, {args.output_tokens} tokens x {args.decode_s_per_token * 1000:.0f} ms,"
@@ -223,7 +217,7 @@ async def main(args: argparse.Namespace) -> int:
             first_index=0,
         )
         if warm.error_count:
-            print(f"warm-up failed: {dict(warm.errors)} {warm.error_examples}")
+            print(f"warm-up failed: {dict(warm.errors)} {warm.examples}")
             return 1
         before = await cluster.read_sidecar()
 
@@ -340,19 +334,19 @@ def report(
         f" sidecar saw {peaks.inflight:.0f} in flight (max of {peaks.samples // 4 + 1} scrapes)"
     )
     print(f"errors                {stats.error_count} {dict(stats.errors) or ''}")
-    for kind, example in stats.error_examples.items():
+    for kind, example in stats.examples.items():
         print(f"  e.g. {kind}: {example!r}")
     print(
         f"throughput            {stats.finished / elapsed:.1f} req/s,"
         f" {stats.events / elapsed:.0f} events/s over {elapsed:.1f} s"
     )
     print(
-        f"client TTFT           p50 {ms(percentile(stats.ttfts, 50))},"
-        f" p99 {ms(percentile(stats.ttfts, 99))}, max {ms(percentile(stats.ttfts, 100))}"
+        f"client TTFT           p50 {ms(percentile(stats.ttfbs, 50))},"
+        f" p99 {ms(percentile(stats.ttfbs, 99))}, max {ms(percentile(stats.ttfbs, 100))}"
     )
     print(
-        f"stream duration       p50 {ms(percentile(stats.durations, 50))},"
-        f" p99 {ms(percentile(stats.durations, 99))} (ideal {ideal_s * 1000:.0f} ms)"
+        f"stream duration       p50 {ms(percentile(stats.latencies, 50))},"
+        f" p99 {ms(percentile(stats.latencies, 99))} (ideal {ideal_s * 1000:.0f} ms)"
     )
     print(
         f"sidecar RSS           peak {mib(hwm)} (VmHWM; sampled max {mib(peaks.rss)}),"

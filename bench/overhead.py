@@ -6,8 +6,8 @@
     python bench/overhead.py --profile docs/profiles   # py-spy flame graphs at c=16 instead
 
 Every request is a full P/D exchange on the same two zero-latency emulators and the same load
-generator (bench/overhead_load.py): the **floor** (the client sends the prefill leg and the decode
-leg itself), the **sidecar** (the client names the prefill in ``x-prefiller-host-port``), the
+generator (``drive`` in bench/client.py): the **floor** (the client sends the prefill leg and the
+decode leg itself), the **sidecar** (the client names the prefill in ``x-prefiller-host-port``), the
 **aiohttp floor** (bench/floor_proxy.py: the smallest two-leg proxy on the same stack) and
 **vllm-router** (Rust, from PyPI; skipped with a note when it cannot be installed). The proxy
 under test has a core of its own (``taskset``); the emulators and the client share the other
@@ -45,7 +45,8 @@ import orjson
 from aiohttp import http_parser
 
 from bench import decision_cost
-from bench.cluster import raise_open_files_limit, run
+from bench.client import Tally, Target, Workload, client_session, drive
+from bench.cluster import BenchLauncher, add_launcher_arguments, raise_open_files_limit, run
 from bench.contenders import (
     BASELINE_VARIANT,
     PYTHON_PROXIES,
@@ -57,11 +58,10 @@ from bench.contenders import (
     start_emulators,
     start_proxy,
 )
-from bench.overhead_load import PointStats, Target, Workload, client_session, drive
 from bench.overhead_report import Point, medians, table, target_lines, targets
 from bench.profiling import profile
 from bench.readings import cpu_pressure_us, load_average, own_cpu_s, read_proc
-from devkit.processes import Child, Launcher, LaunchError
+from devkit.processes import Child, LaunchError
 from devkit.stats import percentile
 from sidecar.scheduling.policies import POLICIES
 
@@ -95,7 +95,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="CI smoke: 1 run, c=16, 300 requests, 50 warm-up, 200 placements",
     )
     parser.add_argument("--json", type=Path, default=None, help="report path (default: log dir)")
-    parser.add_argument("--log-dir", type=Path, default=None, help="children's logs")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--vllm-router", type=Path, default=None, help="the vllm-router program")
     parser.add_argument(
@@ -117,13 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f" the variant {BASELINE_VARIANT}, right before the sidecar in every run: before and"
         " after in one run",
     )
-    parser.add_argument(
-        "--sidecar-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra sidecar variable (repeatable)",
-    )
+    add_launcher_arguments(parser)
     parser.add_argument(
         "--profile",
         type=Path,
@@ -179,8 +172,8 @@ async def measure_point(
     next_index: list[int],
 ) -> Point:
     """Warm up, then time ``args.requests`` requests while reading the processes."""
-    async with client_session() as session:
-        warm = PointStats()
+    async with client_session(lean=True) as session:
+        warm = Tally()
         warmup = max(args.warmup, 2 * concurrency)
         await drive(
             session, target, workload, count=warmup, concurrency=concurrency,
@@ -194,7 +187,7 @@ async def measure_point(
         client_before = own_cpu_s()
         emulators_before = sum(read_proc(e.pid).cpu_s for e in emulators)
         psi_before, start = cpu_pressure_us(), time.monotonic()
-        stats = PointStats()
+        stats = Tally()
         await drive(
             session, target, workload, count=args.requests, concurrency=concurrency,
             first_index=next_index[0], stats=stats,
@@ -287,7 +280,7 @@ async def main(args: argparse.Namespace) -> int:
     print("\n".join(header_lines(pinning, router_note)), flush=True)
     pinning.pin_self()
     sidecar_env = dict(item.split("=", 1) for item in args.sidecar_env)
-    launcher = Launcher(args.log_dir, prefix="pd-sidecar-overhead-", keep_logs=True, grace_s=5)
+    launcher = BenchLauncher(args.log_dir, prefix="pd-sidecar-overhead-")
     failures: list[str] = []
     points: list[Point] = []
     checks: dict[str, dict[str, bool]] = {}

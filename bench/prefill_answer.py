@@ -34,13 +34,7 @@ MIB = 1024 * 1024
 
 
 async def main(args: argparse.Namespace) -> int:
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=0.0,
-        emulator_args=tuple(args.emulator_arg),
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
-        log_dir=args.log_dir,
-    )
+    config = ClusterConfig.from_args(args, decode_s_per_token=0.0)
     async with Cluster(config) as cluster:
         http = cluster.session
         fault = {"kind": "bloat", "role": "prefill", "size": args.size_mib * MIB}

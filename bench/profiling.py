@@ -22,9 +22,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from bench.client import Tally, Target, Workload, client_session, drive
+from bench.cluster import BenchLauncher
 from bench.contenders import Pinning, start_proxy
-from bench.overhead_load import PointStats, Target, Workload, client_session, drive
-from devkit.processes import Child, Launcher
+from devkit.processes import Child
 
 RATE_HZ = 250
 CONCURRENCY = 16
@@ -90,7 +91,8 @@ async def _record(
         *(["--native"] if native else []),
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        *pinning.argv(pinning.client, argv),
+        *pinning.taskset(pinning.client),
+        *argv,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -124,8 +126,8 @@ async def _profile_load(
     slug = f"{child.name}-{'stream' if workload.stream else 'nonstream'}-c{CONCURRENCY}"
     status = 0
     index = 10**9  # prompts distinct from any measurement's
-    async with client_session() as session:
-        stats = PointStats()
+    async with client_session(lean=True) as session:
+        stats = Tally()
         await drive(
             session, target, workload, count=500, concurrency=CONCURRENCY,
             first_index=index, stats=stats,
@@ -155,7 +157,7 @@ async def _profile_load(
 
 
 async def profile(
-    launcher: Launcher,
+    launcher: BenchLauncher,
     pinning: Pinning,
     prefill: Child,
     decode: Child,

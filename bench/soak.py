@@ -173,13 +173,7 @@ async def sampler(
 async def main(args: argparse.Namespace) -> int:
     nofile = raise_open_files_limit()
     rng = random.Random(args.seed)
-    config = ClusterConfig(
-        prefill_s_per_token=args.prefill_s_per_token,
-        decode_s_per_token=args.decode_s_per_token,
-        emulator_args=tuple(args.emulator_arg),
-        sidecar_env=dict(item.split("=", 1) for item in args.sidecar_env),
-        log_dir=args.log_dir,
-    )
+    config = ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token)
     stream_s = args.output_tokens * args.decode_s_per_token
     print(
         f"pd-sidecar soak: {args.duration:.0f} s, {args.concurrency} concurrent streams,"
@@ -275,15 +269,15 @@ async def main(args: argparse.Namespace) -> int:
         f" {stats.aborted} abandoned by the client, {stats.error_count} errors"
         f" {dict(stats.errors) or ''}"
     )
-    for kind, example in stats.error_examples.items():
+    for kind, example in stats.examples.items():
         print(f"  e.g. {kind}: {example!r}")
     print(
         f"throughput            {stats.finished / elapsed:.1f} req/s; max streams open at once"
         f" {stats.max_open_streams}"
     )
     print(
-        f"client TTFT           p50 {ms(percentile(stats.ttfts, 50))},"
-        f" p99 {ms(percentile(stats.ttfts, 99))}"
+        f"client TTFT           p50 {ms(percentile(stats.ttfbs, 50))},"
+        f" p99 {ms(percentile(stats.ttfbs, 99))}"
     )
     outcomes = metrics.by_label("pd_sidecar_requests_total", "decision", "outcome")
     print(

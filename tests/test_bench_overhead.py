@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.overhead_load import Workload
+from bench.client import Workload
 from bench.overhead_report import Point, medians, targets
 from bench.profiling import heaviest
 
