@@ -36,7 +36,7 @@ import orjson
 
 from bench.readings import Metrics, SidecarReading, read_proc, tcp_sockets
 from devkit.processes import Child, Launcher, environment, free_port
-from sidecar.upstream import POLL_CONNECTIONS_PER_ENGINE
+from sidecar.engines.upstream import POLL_CONNECTIONS_PER_ENGINE
 
 STOP_GRACE_S = 5.0
 
@@ -257,7 +257,7 @@ class Cluster(BenchLauncher):
 
     def decode_pool_bound(self) -> int:
         """How many idle connections to the decode engine the sidecar may keep for good: the
-        poll pool's cap, ``sidecar.upstream.POLL_CONNECTIONS_PER_ENGINE`` (2).
+        poll pool's cap, ``sidecar.engines.upstream.POLL_CONNECTIONS_PER_ENGINE`` (2).
 
         Its readiness ``/health`` (every ``SIDECAR_READY_INTERVAL_S``) and its scheduler's
         ``/metrics`` scrape (every ``SIDECAR_SCRAPE_INTERVAL_S``) go through that pool and keep

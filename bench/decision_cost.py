@@ -43,9 +43,9 @@ from devkit.processes import Launcher, free_port, tcp_open
 from devkit.stats import percentile
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
-from sidecar.endpoints import Endpoint
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.model import Candidate, LocalView
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.policies import POLICIES, make_policy

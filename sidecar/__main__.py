@@ -12,12 +12,13 @@ import sys
 from pydantic import ValidationError
 
 from sidecar import __version__
-from sidecar.app import DRAIN, CannotListen, RunningSidecar, start_sidecar
+from sidecar.app import DRAIN
 from sidecar.config import Settings, describe_fields, explain
-from sidecar.drain import BUDGET_SLACK_S
-from sidecar.listener import raise_open_files_limit
-from sidecar.tls import TlsFilesError
-from sidecar.tracing import Tracing, TracingUnavailable
+from sidecar.observability.tracing import Tracing, TracingUnavailable
+from sidecar.security.tls import TlsFilesError
+from sidecar.server.drain import BUDGET_SLACK_S
+from sidecar.server.listener import raise_open_files_limit
+from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 
 logger = logging.getLogger("sidecar")
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
     if tracing is not None:
         logger.info("tracing on: %s", tracing.description)
-    # Before the listener sizes its cap to it (sidecar.listener.connection_budget).
+    # Before the listener sizes its cap to it (sidecar.server.listener.connection_budget).
     raise_open_files_limit()
     try:
         import uvloop
@@ -141,7 +142,7 @@ def _settle_heap(gen0_threshold: int) -> None:
 
 async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:
     """Fail readiness, stop accepting, let streams finish, cancel stragglers, close: all within
-    ``timeout_s`` + 1 s (``sidecar.drain``)."""
+    ``timeout_s`` + 1 s (``sidecar.server.drain``)."""
     sidecar.begin_drain()
     inflight = sidecar.app[DRAIN].in_flight()
     logger.info("draining: %d request(s) in flight, up to %gs", inflight, timeout_s)

@@ -1,59 +1,52 @@
-"""``create_app(settings)``: routes, resources and their lifecycles; ``start_sidecar`` serves it."""
+"""``create_app(settings)``: the application — its parts built once from the settings, its routes,
+its resources behind typed ``AppKey``s and their lifecycles (``cleanup_ctx``).
+
+``sidecar.server.runner.start_sidecar`` serves it (as aiohttp keeps ``web_app`` and
+``web_runner`` apart); ``sidecar.server.admin`` holds the probes and views beside the routes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import ssl
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
-import orjson
 from aiohttp import web
 
-from sidecar.aftercare import Aftercare
 from sidecar.body import Bodies
 from sidecar.config import Settings
 from sidecar.connectors import Connector, ConnectorFactory
+from sidecar.connectors.background import BackgroundWork
+from sidecar.connectors.decode import DecodeOptions, DecodeSend
 from sidecar.connectors.nixl import NixlConnector
 from sidecar.connectors.nixl_push import NixlPushConnector
 from sidecar.connectors.parts import Parts
+from sidecar.connectors.prefill import Prefill, PrefillOptions
 from sidecar.connectors.sglang import SglangConnector
 from sidecar.connectors.shared_storage import SharedStorageConnector
-from sidecar.debug import DebugViews
-from sidecar.debug_page import DebugPage
-from sidecar.decode import DecodeOptions, DecodeSend
 from sidecar.discovery import Discovery
-from sidecar.drain import CUT_GRACE_S, Drain
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
-from sidecar.errors import REQUEST_ID_HEADER, EngineUnreachable, NotFound, error_response
+from sidecar.engines.readiness import Readiness
+from sidecar.engines.upstream import Engines
+from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.headers import GatewayHeaders, request_id_from
-from sidecar.kube import KubeClient
-from sidecar.listener import (
-    ADMIN_MAX_CONNECTIONS,
-    ConnectionLimits,
-    Connections,
-    ListenerRunner,
-    connection_budget,
-)
-from sidecar.metrics import ROUTES, Metrics
+from sidecar.observability.debug import DebugViews
+from sidecar.observability.debug_page import DebugPage
+from sidecar.observability.metrics import ROUTES, Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.observability.tracking import Tracker
 from sidecar.passthrough import Passthrough, PassthroughOptions
 from sidecar.paths import canonical_paths
 from sidecar.pipeline import Pipeline, PipelineOptions
-from sidecar.poolwatch import InferencePoolWatch
-from sidecar.prefill import Prefill, PrefillOptions
-from sidecar.readiness import Readiness
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
-from sidecar.serverlog import ServerLog
+from sidecar.security.kube import KubeClient
+from sidecar.security.poolwatch import InferencePoolWatch
+from sidecar.security.tls import ClientTls, FileWatch, ServerTls
+from sidecar.security.trust import PrefillGuard
+from sidecar.server.admin import AdminViews
+from sidecar.server.drain import Drain
 from sidecar.tasks import stop_task
-from sidecar.tls import ClientTls, FileWatch, ServerTls
-from sidecar.tracing import Tracing
-from sidecar.tracking import Tracker
-from sidecar.trust import PrefillGuard
-from sidecar.upstream import Engines
 
 logger = logging.getLogger("sidecar.app")
 
@@ -66,7 +59,7 @@ MONITOR = web.AppKey("monitor", EngineMonitor)
 SCHEDULER = web.AppKey("scheduler", Scheduler)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 GUARD = web.AppKey("guard", PrefillGuard)
-AFTERCARE = web.AppKey("aftercare", Aftercare)
+BACKGROUND = web.AppKey("background", BackgroundWork)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 DRAIN = web.AppKey("drain", Drain)
 SERVER_TLS = web.AppKey("server_tls", ServerTls)
@@ -74,10 +67,6 @@ TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
 POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
 TRACING = web.AppKey("tracing", Tracing)
-
-LISTEN_BACKLOG = 2048
-"""Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
-thousand clients connect at once; vLLM's API server uses 2048 too)."""
 
 
 def create_app(
@@ -156,7 +145,7 @@ def create_app(
         allowlist=pool_watch,
     )
     guard.warn_if_open()
-    aftercare = Aftercare(
+    background = BackgroundWork(
         engines=engines,
         metrics=metrics,
         enabled=settings.release_on_disconnect,
@@ -174,11 +163,11 @@ def create_app(
             engines=engines,
             scheduler=scheduler,
             metrics=metrics,
-            aftercare=aftercare,
+            background=background,
             release_urls=decode.release_urls,
         ),
         decode=decode,
-        aftercare=aftercare,
+        background=background,
     )
     gateway = GatewayHeaders(settings.prefill_headers)
     bodies = Bodies(
@@ -199,7 +188,7 @@ def create_app(
         metrics=metrics,
         tracing=tracing,
     )
-    app[GUARD], app[AFTERCARE] = guard, aftercare
+    app[GUARD], app[BACKGROUND] = guard, background
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
         PassthroughOptions.from_settings(settings),
@@ -212,24 +201,27 @@ def create_app(
     )
     debug = DebugViews(tracker, DebugPage())
 
+    views = AdminViews(
+        readiness=readiness,
+        scheduler=scheduler,
+        metrics=metrics,
+        tracker=tracker,
+        pool_watch=pool_watch,
+    )
     admin = app
     if settings.admin_port is not None:
         admin = web.Application(middlewares=[canonical_paths])
-        admin[TRACKER], admin[METRICS], admin[SCHEDULER] = tracker, metrics, scheduler
-        admin[READINESS] = readiness
-        if pool_watch is not None:
-            admin[POOL_WATCH] = pool_watch
-        admin.router.add_get("/health", _health)
-        admin.router.add_get("/ready", _ready)
-        app.router.add_route("*", "/metrics", _admin_elsewhere)
-        app.router.add_route("*", "/debug/{tail:.*}", _admin_elsewhere)
+        admin.router.add_get("/health", views.health)
+        admin.router.add_get("/ready", views.ready)
+        app.router.add_route("*", "/metrics", views.elsewhere)
+        app.router.add_route("*", "/debug/{tail:.*}", views.elsewhere)
         app[ADMIN_APP] = admin
         admin.on_response_prepare.append(_stamp_request_id)
     app.on_response_prepare.append(_stamp_request_id)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    admin.router.add_get("/metrics", _metrics)
-    admin.router.add_get("/debug/scheduler", _debug_scheduler)
+    app.router.add_get("/health", views.health)
+    app.router.add_get("/ready", views.ready)
+    admin.router.add_get("/metrics", views.metrics)
+    admin.router.add_get("/debug/scheduler", views.debug_scheduler)
     admin.router.add_get("/debug/requests", debug.requests)
     admin.router.add_get("/debug/requests/{id}", debug.request)
     admin.router.add_get("/debug/ui", debug.ui)
@@ -243,7 +235,7 @@ def create_app(
     app.cleanup_ctx.append(_tracing_ctx)  # closed last: the releases' spans end before it
     app.cleanup_ctx.append(_engines_ctx)
     app.cleanup_ctx.append(_scheduler_ctx)
-    app.cleanup_ctx.append(_aftercare_ctx)  # closed first: its work uses scheduler and engines
+    app.cleanup_ctx.append(_background_ctx)  # closed first: its work uses scheduler and engines
     # After the scheduler: its first scrape round polls the pool discovery found.
     app.cleanup_ctx.append(_monitor_ctx)
     app.cleanup_ctx.append(_tls_ctx)
@@ -350,9 +342,9 @@ async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[SCHEDULER].close()
 
 
-async def _aftercare_ctx(app: web.Application) -> AsyncIterator[None]:
+async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
-    await app[AFTERCARE].close(app[DRAIN].background_s())
+    await app[BACKGROUND].close(app[DRAIN].background_s())
 
 
 async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -400,190 +392,3 @@ async def _stamp_request_id(request: web.Request, response: web.StreamResponse) 
     else a new one (aiohttp's own 404s and 405s included)."""
     if REQUEST_ID_HEADER not in response.headers:
         response.headers[REQUEST_ID_HEADER] = request_id_from(request.headers)
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
-
-
-async def _ready(request: web.Request) -> web.Response:
-    readiness = request.app[READINESS]
-    if readiness.draining:
-        return error_response(EngineUnreachable("the sidecar is shutting down"), None)
-    pool = request.app.get(POOL_WATCH)
-    if pool is not None and not pool.synced:
-        return error_response(EngineUnreachable(pool.reason), None)
-    if readiness.ready:
-        return web.Response(body=b'{"status":"ready"}', content_type="application/json")
-    return error_response(EngineUnreachable("the decode engine is not ready"), None)
-
-
-async def _admin_elsewhere(request: web.Request) -> web.Response:
-    return error_response(NotFound("served on the admin port (SIDECAR_ADMIN_PORT)"), None)
-
-
-async def _debug_scheduler(request: web.Request) -> web.Response:
-    view = request.app[SCHEDULER].snapshot()
-    pool = request.app.get(POOL_WATCH)
-    # The allowlist that follows an InferencePool: a section of its own, beside the scheduler's.
-    view["inference_pool"] = pool.snapshot() if pool is not None else None
-    return web.Response(body=orjson.dumps(view), content_type="application/json")
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    metrics = request.app[METRICS]
-    metrics.inflight.set(request.app[TRACKER].inflight_count())
-    request.app[SCHEDULER].publish_gauges()
-    response = web.Response(body=metrics.render())
-    response.headers["Content-Type"] = metrics.content_type
-    return response
-
-
-@dataclass(slots=True)
-class RunningSidecar:
-    app: web.Application
-    runners: list[web.AppRunner]
-    host: str
-    port: int
-    admin_port: int | None
-    tls: bool = False
-    """SIDECAR_PORT serves HTTPS."""
-    admin_tls: bool = False
-
-    @property
-    def url(self) -> str:
-        return _url(self.host, self.port, self.tls)
-
-    @property
-    def admin_url(self) -> str:
-        if self.admin_port is None:
-            return self.url
-        return _url(self.host, self.admin_port, self.admin_tls)
-
-    def begin_drain(self) -> None:
-        """SIGTERM's first step: /ready turns 503 at once, and the drain's clock starts."""
-        self.app[READINESS].draining = True
-        self.app[DRAIN].begin()
-
-    async def close(self) -> int:
-        """The shutdown sequence of ``sidecar.drain``, within the drain timeout + 1 s: stop
-        listening, let requests in flight finish until the deadline, cancel the rest, and close
-        every resource; the admin listener goes last. Returns how many requests were cut."""
-        self.begin_drain()
-        main = self.runners[0]
-        for site in list(main.sites):
-            await site.stop()
-        if main.server is not None:
-            main.server.pre_shutdown()  # keep-alive connections close after their answer
-        cut = await self.app[DRAIN].wait_then_cut()
-        for runner in self.runners:
-            await runner.cleanup()
-        return cut
-
-
-class CannotListen(Exception):
-    """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
-
-
-async def start_sidecar(
-    settings: Settings,
-    *,
-    tracing: Tracing | None = None,
-    connector: ConnectorFactory | None = None,
-) -> RunningSidecar:
-    """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
-    free one) until ``close()``.
-
-    Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
-    """
-    app = create_app(settings, tracing=tracing, connector=connector)
-    context = app[SERVER_TLS].context if SERVER_TLS in app else None
-    admin_context = context if settings.admin_tls else None
-    runner = ListenerRunner(
-        app,
-        _connections(settings, app[METRICS], "api", connection_budget(settings.max_connections)),
-        handler_cancellation=True,  # a client that leaves cancels its request's work at once
-        shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
-        logger=ServerLog(),  # a malformed request: one rate-limited line, not a traceback
-    )
-    runners: list[web.AppRunner] = [runner]
-    await runner.setup()
-    try:
-        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT", context)
-        host, port = runner.addresses[0][:2]
-        app[GUARD].listening(port, **await _own_identity(settings.host))
-        admin_port = None
-        if ADMIN_APP in app:
-            admin_runner = ListenerRunner(
-                app[ADMIN_APP],
-                _connections(settings, app[METRICS], "admin", ADMIN_MAX_CONNECTIONS),
-                shutdown_timeout=CUT_GRACE_S,
-                logger=ServerLog(),
-            )
-            runners.append(admin_runner)
-            await admin_runner.setup()
-            await _listen(
-                admin_runner,
-                settings.host,
-                settings.admin_port,
-                "SIDECAR_ADMIN_PORT",
-                admin_context,
-            )
-            admin_port = admin_runner.addresses[0][1]
-    except BaseException:
-        for started in reversed(runners):
-            await started.cleanup()
-        raise
-    return RunningSidecar(
-        app, runners, host, port, admin_port, context is not None, admin_context is not None
-    )
-
-
-def _connections(settings: Settings, metrics: Metrics, listener: str, cap: int) -> Connections:
-    """One listener's connection book, counted under ``listener`` in the metrics."""
-    book = Connections(
-        ConnectionLimits(
-            head_timeout_s=settings.client_header_timeout_s,
-            keepalive_s=settings.client_keepalive_s,
-            max_connections=cap,
-        ),
-        on_refused=lambda how: metrics.client_connections_refused.labels(listener, how).inc(),
-        on_closed=lambda why: metrics.client_connections_closed.labels(listener, why).inc(),
-    )
-    metrics.client_connections.labels(listener).set_function(lambda: book.open)
-    return book
-
-
-async def _listen(
-    runner: web.AppRunner,
-    host: str,
-    port: int | None,
-    variable: str,
-    context: ssl.SSLContext | None,
-) -> None:
-    try:
-        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=context)
-        await site.start()
-    except OSError as exc:
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-        address = _url(host, port or 0).removeprefix("http://")
-        raise CannotListen(f"cannot listen on {address} ({variable}): {reason}") from exc
-
-
-async def _own_identity(listen_host: str) -> dict[str, list[str]]:
-    """This pod's host name and addresses, so a prefill target naming the sidecar itself is
-    recognised (the listen address, and what the host name resolves to: the pod IP in
-    Kubernetes)."""
-    name = socket.gethostname()
-    addresses = [listen_host]
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(name, None)
-    except OSError:
-        infos = []
-    addresses += [str(info[4][0]) for info in infos]
-    return {"names": [name, listen_host], "addresses": addresses}
-
-
-def _url(host: str, port: int, tls: bool = False) -> str:
-    scheme = "https" if tls else "http"
-    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

@@ -43,7 +43,7 @@ import orjson
 from aiohttp import web
 
 from sidecar.errors import BadRequest, Busy, PayloadTooLarge, RequestTimeout
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 
 LARGE_BODY_BYTES = 1 << 20
 """From this size on, a body is parsed alone and its big members are kept as JSON text."""

@@ -25,7 +25,7 @@ from yarl import URL
 
 from sidecar import defaults
 from sidecar.connectors import facts
-from sidecar.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
+from sidecar.scheduling.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""

@@ -14,9 +14,9 @@ import sys
 import aiohttp
 import orjson
 
-from sidecar.app import start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, start_emulator
+from sidecar.server.runner import start_sidecar
 
 PROMPT = "Explain in one paragraph why LLM serving splits prefill from decode."
 

@@ -21,8 +21,8 @@
         │   └── EngineAnswerTooLarge  an answer over the size the sidecar reads
         └── EngineStreamBroken        the answer broke after it started -> 502
 
-Foreign exceptions (aiohttp, asyncio) become these in ``sidecar.upstream`` only. Every body the
-sidecar writes uses vLLM's own error shape, so a client sees one format whoever failed::
+Foreign exceptions (aiohttp, asyncio) become these in ``sidecar.engines.upstream`` only. Every body
+the sidecar writes uses vLLM's own error shape, so a client sees one format whoever failed::
 
     {"error": {"message": str, "type": str, "param": null, "code": <HTTP status>}}
 """
@@ -82,7 +82,7 @@ class Busy(SidecarError):
 
 
 class TooManyConnections(Busy):
-    """The sidecar holds as many client connections as it may (``sidecar.listener``)."""
+    """The sidecar holds as many client connections as it may (``sidecar.server.listener``)."""
 
 
 class EngineError(SidecarError):

@@ -21,18 +21,18 @@ from aiohttp import web
 
 from sidecar.body import Bodies, Held
 from sidecar.config import Settings
+from sidecar.connectors.decode import on_a_rank
+from sidecar.connectors.exchange import Answer
 from sidecar.connectors.sglang import CLIENT_FIELDS
-from sidecar.decode import on_a_rank
+from sidecar.engines.upstream import Body, Engines
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest, SidecarError, error_response
-from sidecar.exchange import Answer
 from sidecar.headers import GatewayHeaders, request_id_from
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import NO_TRACING, NoTracing, Tracing
+from sidecar.observability.tracking import name_this_task
 from sidecar.paths import GUARDED_ROUTES
 from sidecar.relay import relay
 from sidecar.scheduling.ranks import DecodeRanks
-from sidecar.tracing import NO_TRACING, NoTracing, Tracing
-from sidecar.tracking import name_this_task
-from sidecar.upstream import Body, Engines
 
 
 @dataclass(frozen=True, slots=True)

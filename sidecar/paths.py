@@ -33,7 +33,7 @@ from yarl import URL
 
 from sidecar.errors import BadRequest, error_response
 from sidecar.headers import request_id_from
-from sidecar.metrics import ROUTES
+from sidecar.observability.metrics import ROUTES
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -19,22 +19,29 @@ from aiohttp import web
 from sidecar.body import Bodies, Held
 from sidecar.config import Settings
 from sidecar.connectors import Connector
-from sidecar.endpoints import Endpoint
+from sidecar.connectors.exchange import Answer, Exchange, Refused
 from sidecar.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
     SidecarError,
     error_response,
 )
-from sidecar.exchange import Answer, Exchange, Refused
 from sidecar.headers import GatewayHeaders, engine_request_id, request_id_from
-from sidecar.metrics import ROUTES, Metrics
+from sidecar.observability.metrics import ROUTES, Metrics
+from sidecar.observability.tracing import NO_TRACING, NoTracing, RequestTrace, Tracing
+from sidecar.observability.tracking import (
+    Decision,
+    Phase,
+    RequestRecord,
+    State,
+    Tracker,
+    name_this_task,
+)
 from sidecar.relay import Relayed, relay
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
-from sidecar.tracing import NO_TRACING, NoTracing, RequestTrace, Tracing
-from sidecar.tracking import Decision, Phase, RequestRecord, State, Tracker, name_this_task
-from sidecar.trust import PrefillGuard
+from sidecar.security.trust import PrefillGuard
 
 logger = logging.getLogger("sidecar.pipeline")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from sidecar.connectors.exchange import Answer, Patch
 from sidecar.errors import (
     REQUEST_ID_HEADER,
     EngineStreamBroken,
@@ -26,7 +27,6 @@ from sidecar.errors import (
     SidecarError,
     sse_error_event,
 )
-from sidecar.exchange import Answer, Patch
 from sidecar.headers import client_response_headers
 
 _EVENT_END = b"\n\n"

@@ -9,11 +9,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
-from sidecar.tracing import Tracing
-from sidecar.tracking import REQUEST_TASK_PREFIX
+from sidecar.observability.tracing import Tracing
+from sidecar.observability.tracking import REQUEST_TASK_PREFIX
+from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.otlp import Receiver
 
 StartSidecar = Callable[..., Awaitable[RunningSidecar]]

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from sidecar.tracing import Tracing
+from sidecar.observability.tracing import Tracing
 
 SERVER, CLIENT, INTERNAL = "server", "client", "internal"
 _KINDS = {1: INTERNAL, 2: SERVER, 3: CLIENT, 4: "producer", 5: "consumer"}

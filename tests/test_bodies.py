@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from sidecar import body as bodies
-from sidecar.app import RunningSidecar
 from sidecar.body import LARGE_BODY_BYTES, ElementCount, set_aside
 from sidecar.emulator import RunningEmulator
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

@@ -8,7 +8,7 @@ import contextlib
 import aiohttp
 import pytest
 
-from sidecar.tracking import task_name
+from sidecar.observability.tracking import task_name
 from tests.conftest import completion, eventually, get_json, inject
 
 

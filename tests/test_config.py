@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from sidecar.__main__ import load_settings
 from sidecar.config import Settings, describe_fields, explain
-from sidecar.endpoints import Endpoint
+from sidecar.scheduling.endpoints import Endpoint
 from tests.imports import imported
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """Client connections: the request-head deadline, the idle keep-alive timeout and the cap
-(``sidecar.listener``). The slow clients are raw asyncio streams; the timeouts are injected small
-through Settings, so that a test waits a fraction of a second, not the defaults' minutes."""
+(``sidecar.server.listener``). The slow clients are raw asyncio streams; the timeouts are injected
+small through Settings, so that a test waits a fraction of a second, not the defaults' minutes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 import pytest
 
-from sidecar.app import RunningSidecar
-from sidecar.listener import ConnectionLimits, Connections, Slot
+from sidecar.server.listener import ConnectionLimits, Connections, Slot
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

@@ -16,7 +16,6 @@ import aiohttp
 import orjson
 import pytest
 
-from sidecar.app import RunningSidecar
 from sidecar.config import Settings
 from sidecar.connectors.facts import CONNECTORS
 from sidecar.connectors.nixl import NixlConnector
@@ -31,6 +30,7 @@ from sidecar.connectors.sglang import (
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.emulator import RunningEmulator
 from sidecar.errors import BadRequest
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

@@ -24,10 +24,10 @@ import aiohttp
 import orjson
 import pytest
 
-from sidecar.app import RunningSidecar
 from sidecar.connectors.nixl import PREFILL_REQUEST_PARAMS
 from sidecar.connectors.sglang import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM
 from sidecar.emulator import RunningEmulator
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

@@ -32,9 +32,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
-from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
+from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

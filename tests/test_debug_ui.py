@@ -13,8 +13,8 @@ from pathlib import Path, PurePosixPath
 import aiohttp
 import pytest
 
-from sidecar.debug import SERVER_TIME_HEADER
-from sidecar.debug_page import ASSETS, DOCUMENT, PAGE_HEADERS, prefers_html
+from sidecar.observability.debug import SERVER_TIME_HEADER
+from sidecar.observability.debug_page import ASSETS, DOCUMENT, PAGE_HEADERS, prefers_html
 from tests.conftest import StartSidecar, completion
 
 BROWSER = (

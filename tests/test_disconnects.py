@@ -8,7 +8,7 @@ import random
 import aiohttp
 import pytest
 
-from sidecar.tracking import REQUEST_TASK_PREFIX
+from sidecar.observability.tracking import REQUEST_TASK_PREFIX
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

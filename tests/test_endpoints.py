@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.endpoints import Endpoint, parse_endpoint
+from sidecar.scheduling.endpoints import Endpoint, parse_endpoint
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
-from sidecar.app import RunningSidecar
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import StartEmulator, StartSidecar, chat, eventually, metric
 from tests.k8s import validate
 from tests.kubefake import NAMESPACE, V1, V1ALPHA2, FakeKubernetes, fake_kubernetes

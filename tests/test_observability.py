@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sidecar as sidecar_package
-from sidecar import metrics
+from sidecar.observability import metrics
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -278,7 +278,7 @@ _LITERAL_LABELS = {
 
 
 def test_the_kubernetes_error_kinds_are_the_metric_vocabulary() -> None:
-    from sidecar import kube
+    from sidecar.security import kube
 
     kinds = {cls.kind for cls in (kube.KubeUnreachable, kube.KubeRefused, kube.KubeGone,
                                   kube.KubeBadResponse)}  # fmt: skip

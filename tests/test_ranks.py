@@ -17,15 +17,15 @@ import orjson
 import pytest
 from aiohttp import web
 
-from sidecar.aftercare import Aftercare
-from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
+from sidecar.connectors.background import BackgroundWork
 from sidecar.emulator import RunningEmulator
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
-from sidecar.metrics import Metrics
-from sidecar.readiness import Readiness
+from sidecar.engines.readiness import Readiness
+from sidecar.engines.upstream import Engines
+from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRanks
-from sidecar.upstream import Engines
+from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import (
     StartEmulator,
     chat,
@@ -428,7 +428,7 @@ async def test_a_release_passes_to_the_next_rank_when_its_own_refuses_connection
     metrics = Metrics()
     engines = Engines(connect_timeout_s=1)
     await engines.open()
-    aftercare = Aftercare(engines=engines, metrics=metrics, enabled=True, timeout_s=5)
+    background = BackgroundWork(engines=engines, metrics=metrics, enabled=True, timeout_s=5)
     try:
         async with http.post(
             prefill.url + "/v1/completions",
@@ -438,8 +438,8 @@ async def test_a_release_passes_to_the_next_rank_when_its_own_refuses_connection
         assert await staged_blocks(http, prefill) > 0
         body = completion(LONG, max_tokens=1, kv_transfer_params=params)
         urls = ["http://127.0.0.9:1/v1/completions", decode.url + "/v1/completions"]
-        aftercare.release("r1", urls, {"x-request-id": "r1-release"}, orjson.dumps(body))
-        await aftercare.close(10)
+        background.release("r1", urls, {"x-request-id": "r1-release"}, orjson.dumps(body))
+        await background.close(10)
         assert "r1-release" in await _ids(http, decode)
         assert await staged_blocks(http, prefill) == 0
         assert 'pd_sidecar_kv_releases_total{outcome="sent"} 1.0' in metrics.render().decode()

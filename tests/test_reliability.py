@@ -294,7 +294,7 @@ async def test_allowlists(
 async def test_gateway_mode_accepts_any_target_and_warns(
     http, start_sidecar_with: StartSidecar, prefill, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="sidecar.trust"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.security.trust"):
         sidecar = await start_sidecar_with()
     assert sum("any prefill target" in r.message for r in caplog.records) == 1
     assert await _status_via(http, sidecar, prefill.endpoint) == 200

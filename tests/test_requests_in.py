@@ -12,10 +12,10 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.defaults import PREFILLER_HOST_PORT
-from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest
 from sidecar.headers import PARSED_TARGETS_KEPT, GatewayHeaders
-from sidecar.serverlog import LINES_PER_WINDOW, ServerLog
+from sidecar.scheduling.endpoints import Endpoint
+from sidecar.server.serverlog import LINES_PER_WINDOW, ServerLog
 from tests.conftest import StartSidecar, completion, engine_requests, get_json
 
 

@@ -14,14 +14,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.app import RunningSidecar, start_sidecar
 from sidecar.config import Settings
 from sidecar.connectors import Connector
+from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.nixl import NixlConnector
 from sidecar.connectors.parts import Parts
+from sidecar.connectors.prefill import Release
 from sidecar.emulator import RunningEmulator
-from sidecar.exchange import Answer, Exchange, Prefilled, Refused
-from sidecar.prefill import Release
+from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import completion, engine_requests, eventually, get_json, metric, staged_blocks
 
 SENT = 'pd_sidecar_kv_releases_total{outcome="sent"}'

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.app import RunningSidecar
 from sidecar.config import Settings
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import StartEmulator, StartSidecar, chat, eventually
 from tests.processes import free_port, sidecar_process
 from tests.tlsfiles import Pki, SecretDir, serial_of_der
@@ -189,7 +189,7 @@ async def test_a_bad_new_pair_keeps_the_old_certificate(
     secret = secret_with(tmp_path / "secret", first)
     sidecar = await start_sidecar_with(**listener_settings(secret))
     failed = 'pd_sidecar_tls_reloads_total{files="listener",outcome="failed"}'
-    with caplog.at_level(logging.ERROR, logger="sidecar.tls"):
+    with caplog.at_level(logging.ERROR, logger="sidecar.security.tls"):
         # A certificate with another certificate's key: OpenSSL refuses the pair.
         secret.write({"tls.crt": second[0], "tls.key": first[1]})
 
@@ -213,7 +213,7 @@ async def test_a_bad_new_pair_keeps_the_old_certificate(
 async def test_certificate_files_that_do_not_load_stop_the_start(
     start_sidecar_with: StartSidecar, tmp_path: Path
 ) -> None:
-    from sidecar.tls import TlsFilesError
+    from sidecar.security.tls import TlsFilesError
 
     missing = str(tmp_path / "missing.pem")
     with pytest.raises(TlsFilesError, match=r"missing\.pem.*no such file"):
@@ -298,7 +298,7 @@ async def test_an_untrusted_prefill_certificate_is_a_failed_prefill(
     prefill = await https_engine(start_engine, stranger)
     local = await start_sidecar_with(prefill_tls=True, tls_ca_file=pki.ca_file)
     headers = {HEADER: prefill.endpoint}
-    with caplog.at_level(logging.WARNING, logger="sidecar.prefill"):
+    with caplog.at_level(logging.WARNING, logger="sidecar.connectors.prefill"):
         async with http.post(
             local.url + "/v1/chat/completions", json=chat(max_tokens=2), headers=headers
         ) as response:

@@ -23,7 +23,7 @@ import pytest
 from sidecar.__main__ import load_tracing
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
-from sidecar.tracing import otlp_endpoint
+from sidecar.observability.tracing import otlp_endpoint
 from tests.conftest import (
     completion,
     engine_requests,

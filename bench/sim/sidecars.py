@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
-from sidecar.endpoints import Endpoint
+from sidecar.engines.scrape import EngineLoad
 from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, Planner
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.ranks import DecodeRanks
-from sidecar.scheduling.scrape import EngineLoad
 
 BLOCK_TOKENS = 16
 """``SIDECAR_PREFIX_BLOCK_TOKENS``' default."""

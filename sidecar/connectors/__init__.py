@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the package itself stays light: config imports its facts (``facts.py``)
     from sidecar.config import Settings
+    from sidecar.connectors.exchange import Answer, Body, Exchange, Refused
     from sidecar.connectors.parts import Parts
-    from sidecar.exchange import Answer, Body, Exchange, Refused
 
 
 class Connector(Protocol):

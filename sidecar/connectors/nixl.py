@@ -27,11 +27,11 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.parts import Parts
+from sidecar.connectors.prefill import Release
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
-from sidecar.endpoints import Endpoint
-from sidecar.exchange import Answer, Exchange, Prefilled, Refused
-from sidecar.prefill import Release
+from sidecar.scheduling.endpoints import Endpoint
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 REMOTE_HOST = "remote_host"

@@ -13,8 +13,8 @@ so this release is what frees it.
 
 from __future__ import annotations
 
+from sidecar.connectors.exchange import Exchange
 from sidecar.connectors.nixl import NixlConnector
-from sidecar.exchange import Exchange
 
 
 class NixlPushConnector(NixlConnector):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.aftercare import Aftercare
-from sidecar.decode import DecodeSend
-from sidecar.prefill import Prefill
+from sidecar.connectors.background import BackgroundWork
+from sidecar.connectors.decode import DecodeSend
+from sidecar.connectors.prefill import Prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,5 +15,5 @@ class Parts:
     """The prefill attempts: the retry, fallback and disconnect policy, and the staged KV."""
     decode: DecodeSend
     """One send to the local decode engine, returned once its answer started."""
-    aftercare: Aftercare
+    background: BackgroundWork
     """Background work that outlives the request: releases, prefills finishing, aborted legs."""

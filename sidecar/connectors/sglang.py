@@ -32,13 +32,13 @@ from asyncio import FIRST_COMPLETED
 from typing import Any
 
 from sidecar.body import Wire
+from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
-from sidecar.endpoints import Endpoint
+from sidecar.connectors.prefill import drained
 from sidecar.errors import BadRequest, PrefillFailed
-from sidecar.exchange import Answer, Exchange, Prefilled, Refused
-from sidecar.prefill import drained
-from sidecar.tracking import task_name
+from sidecar.observability.tracking import task_name
+from sidecar.scheduling.endpoints import Endpoint
 
 BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
@@ -178,7 +178,7 @@ class _DecodeLeg:
         task = self.task
         if not task.done():
             task.cancel()
-            self._parts.aftercare.watch(task)
+            self._parts.background.watch(task)
         elif not self.kept and not task.cancelled() and task.exception() is None:
             task.result().upstream.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.nixl import (
     KV_TRANSFER_PARAMS,
     PROMPT_LOGPROBS,
@@ -21,8 +22,7 @@ from sidecar.connectors.nixl import (
 )
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
-from sidecar.endpoints import Endpoint
-from sidecar.exchange import Answer, Exchange, Prefilled, Refused
+from sidecar.scheduling.endpoints import Endpoint
 
 
 class SharedStorageConnector:

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.config import Settings
-from sidecar.endpoints import Endpoint
+from sidecar.engines.readiness import Readiness
+from sidecar.engines.scrape import EngineLoad, parse_engine_load
 from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.engines.upstream import Engines
 from sidecar.errors import EngineError, EngineNotConnected, EngineUnreachable
-from sidecar.readiness import Readiness
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
-from sidecar.scheduling.scrape import EngineLoad, parse_engine_load
 from sidecar.tasks import stop_task
-from sidecar.upstream import Engines
 
 SCRAPE_TIMEOUT_MAX_S = 2.0
 """A scrape or a probe waits the scrape interval for its answer, and never longer than this."""

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
-from sidecar.endpoints import Endpoint
+from sidecar.engines.scrape import EngineLoad, describe_load
 from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import (
     Availability,
     Health,
@@ -29,7 +30,6 @@ from sidecar.scheduling.estimates import (
 )
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
 from sidecar.scheduling.ranks import DecodeRank, RankClaim
-from sidecar.scheduling.scrape import EngineLoad, describe_load
 from sidecar.scheduling.state import Reservation, SharedView
 
 PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)

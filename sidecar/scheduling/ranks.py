@@ -33,10 +33,10 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.engines.scrape import EngineLoad, describe_load
 from sidecar.engines.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
 from sidecar.scheduling.policies import TOKENS_PER_WAITING
 from sidecar.scheduling.prompts import PrefixIndex
-from sidecar.scheduling.scrape import EngineLoad, describe_load
 
 TOKENS_PER_REQUEST = TOKENS_PER_WAITING
 """Prompt tokens one request in flight or waiting on a rank weighs against a prefix-cache hit

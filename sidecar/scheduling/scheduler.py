@@ -27,11 +27,12 @@ from typing import Any
 from sidecar.config import Settings
 from sidecar.connectors.facts import CONNECTORS
 from sidecar.discovery import Discovery
-from sidecar.endpoints import Endpoint
 from sidecar.engines.monitor import PrefillPoll
+from sidecar.engines.scrape import EngineLoad, describe_load, merge_loads
 from sidecar.engines.snapshot import EngineSnapshot
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Availability, Health
 from sidecar.scheduling.model import Candidate, Decision
 from sidecar.scheduling.placement import (
@@ -46,7 +47,6 @@ from sidecar.scheduling.placement import (
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRanks, RankClaim
-from sidecar.scheduling.scrape import EngineLoad, describe_load, merge_loads
 from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.tasks import stop_task
 

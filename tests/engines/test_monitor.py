@@ -20,14 +20,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.app import SCHEDULER, RunningSidecar, start_sidecar
+from sidecar.app import SCHEDULER
 from sidecar.config import Settings
+from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import awaiting, eventually, get_json
 from tests.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITOR = "sidecar/engines/monitor.py"
-SEND = "sidecar/upstream.py:send"
+SEND = "sidecar/engines/upstream.py:send"
 LONG_S = 3600.0
 """An interval no test outlasts: what it governs happens once, at start."""
 

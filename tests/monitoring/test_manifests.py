@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from tests.k8s import MANIFESTS, crd_schemas, documents, kustomize, validate
 from tests.monitoring.assets import (
     DASHBOARD,

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from sidecar.endpoints import Endpoint
+from sidecar.engines.scrape import EngineLoad
 from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.model import Decision, Speed
 from sidecar.scheduling.placement import (
@@ -19,7 +20,6 @@ from sidecar.scheduling.placement import (
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import PrefixIndex, tokens_of_text
 from sidecar.scheduling.ranks import DecodeRanks
-from sidecar.scheduling.scrape import EngineLoad
 from sidecar.scheduling.state import Load, Reservation, SharedView
 
 EMPTY = SharedView({}, {}, {})

@@ -7,6 +7,7 @@ import itertools
 import random
 from collections import Counter
 
+from sidecar.engines.scrape import EngineLoad
 from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import (
     TOKENS_PER_REQUEST,
@@ -14,7 +15,6 @@ from sidecar.scheduling.ranks import (
     RankView,
     choose_rank,
 )
-from sidecar.scheduling.scrape import EngineLoad
 
 BLOCK_TOKENS = 16
 HISTORY = "A conversation's earlier turns, long enough to fill several blocks. " * 60

@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.app import RunningSidecar
 from sidecar.emulator import RunningEmulator
 from sidecar.scheduling.state.redis import RedisState
+from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
     StartSidecar,

@@ -9,8 +9,8 @@ import pytest
 from sidecar.app import SCHEDULER
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
-from sidecar.endpoints import Endpoint
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
 from tests.conftest import (

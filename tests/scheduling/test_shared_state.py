@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from sidecar.app import start_sidecar
 from sidecar.config import Settings
 from sidecar.scheduling.state import Load
 from sidecar.scheduling.state.redis import MAX_ENTRIES, RedisState
+from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
 from tests.processes import RedisServer, free_port, sidecar_process
 

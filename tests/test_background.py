@@ -12,10 +12,10 @@ import aiohttp
 import orjson
 import pytest
 
-from sidecar.aftercare import RELEASES_AT_ONCE, Aftercare
+from sidecar.connectors.background import RELEASES_AT_ONCE, BackgroundWork
 from sidecar.emulator import RunningEmulator
-from sidecar.metrics import Metrics
-from sidecar.upstream import Engines
+from sidecar.engines.upstream import Engines
+from sidecar.observability.metrics import Metrics
 from tests.conftest import (
     StartEmulator,
     StartSidecar,
@@ -28,8 +28,8 @@ from tests.conftest import (
 )
 
 ABANDONED = 1024
-"""Prefills adopted at once at most (sidecar.aftercare.MAX_ADOPTED; before it, the one bound on
-all background work, releases included)."""
+"""Prefills adopted at once at most (sidecar.connectors.background.MAX_ADOPTED; before it, the one
+bound on all background work, releases included)."""
 BATCH = 64
 """Clients that connect at once: well under a listener's backlog (128), so that no connection
 waits for a SYN to be sent again."""
@@ -121,21 +121,21 @@ async def test_releases_beyond_those_sent_at_once_wait_counted(
     # after a second.
     engines = Engines(connect_timeout_s=10)
     await engines.open()
-    aftercare = Aftercare(engines=engines, metrics=metrics, enabled=True, timeout_s=30)
+    background = BackgroundWork(engines=engines, metrics=metrics, enabled=True, timeout_s=30)
     try:
         await inject(http, decode, kind="hang", count=RELEASES_AT_ONCE)
         body = orjson.dumps(completion("a release", max_tokens=1))
         urls = [decode.url + "/v1/completions"]
         for index in range(RELEASES_AT_ONCE):
-            aftercare.release(f"r{index}", urls, {"x-request-id": f"r{index}-release"}, body)
+            background.release(f"r{index}", urls, {"x-request-id": f"r{index}-release"}, body)
         await eventually(lambda: _all_held(http, decode, RELEASES_AT_ONCE), within=30)
         assert _sample(metrics, "pd_sidecar_kv_release_waits_total") == 0
-        aftercare.release("last", urls, {"x-request-id": "last-release"}, body)
+        background.release("last", urls, {"x-request-id": "last-release"}, body)
         await asyncio.sleep(0)  # the release's task starts and finds every place taken
         assert _sample(metrics, "pd_sidecar_kv_release_waits_total") == 1
         async with http.post(decode.url + "/emulator/release") as response:
             assert response.status == 200
-        await aftercare.close(30)
+        await background.close(30)
         sent = 'pd_sidecar_kv_releases_total{outcome="sent"}'
         assert _sample(metrics, sent) == RELEASES_AT_ONCE + 1
     finally:

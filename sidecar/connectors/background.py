@@ -10,7 +10,7 @@ KV release.
 - Releases: at most ``RELEASES_AT_ONCE`` sent at once; more wait for a place, in order (each
   wait counted in ``pd_sidecar_kv_release_waits_total``), up to ``MAX_RELEASES`` sent or
   waiting; beyond that a release is refused (the engine's own expiry frees that KV later; its
-  owner, ``sidecar.prefill.StagedKv``, counts it ``skipped``).
+  owner, ``sidecar.connectors.prefill.StagedKv``, counts it ``skipped``).
 - Cancelled tasks held until they end (``watch``): not bounded here — each is already cancelled
   and ends at its next step, and each belongs to a request that ended.
 """
@@ -23,13 +23,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sidecar.body import Wire
+from sidecar.engines.upstream import EngineAnswer, Engines
 from sidecar.errors import EngineNotConnected, SidecarError
-from sidecar.metrics import Metrics
-from sidecar.tracing import NO_TRACE, Leg, RequestTrace
-from sidecar.tracking import task_name
-from sidecar.upstream import EngineAnswer, Engines
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import NO_TRACE, Leg, RequestTrace
+from sidecar.observability.tracking import task_name
 
-logger = logging.getLogger("sidecar.aftercare")
+logger = logging.getLogger("sidecar.connectors.background")
 
 MAX_ADOPTED = 1024
 """Prefill calls finishing for clients who left at once; beyond it a prefill is aborted."""
@@ -40,7 +40,7 @@ MAX_RELEASES = 1024
 its body (the client's prompt) while it waits: this bounds that memory as before."""
 
 
-class Aftercare:
+class BackgroundWork:
     def __init__(
         self,
         *,

@@ -22,8 +22,8 @@ endpoint when the scheduler chose it, on the same one when the gateway named it.
 **Staged KV** (``StagedKv``) has one owner: the handle the attempt gives the connector. Its
 ``taken()`` (the decode leg has it) and ``release()`` are idempotent, and its exit releases KV
 that was not taken — a decode that failed, was refused, or whose client left — by scheduling the
-release in the background work that outlives the request (``sidecar.aftercare``), never by
-awaiting it. Each outcome is counted once: ``sent``/``failed`` by the release itself, ``skipped``
+release in the background work that outlives the request (``sidecar.connectors.background``), never
+by awaiting it. Each outcome is counted once: ``sent``/``failed`` by the release itself, ``skipped``
 here.
 
 **A client that leaves while the prefill runs** (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort``
@@ -46,10 +46,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
-from sidecar.aftercare import Aftercare
 from sidecar.body import Wire
 from sidecar.config import Settings
-from sidecar.endpoints import Endpoint
+from sidecar.connectors.background import BackgroundWork
+from sidecar.connectors.exchange import Body, Exchange, Prefilled, Refused
+from sidecar.engines.upstream import EngineAnswer, Engines, parse_json
 from sidecar.errors import (
     REQUEST_ID_HEADER,
     EngineAnswerTooLarge,
@@ -60,15 +61,14 @@ from sidecar.errors import (
     foreign_refusal,
     is_error_body,
 )
-from sidecar.exchange import Body, Exchange, Prefilled, Refused
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Leg
+from sidecar.observability.tracking import task_name
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
-from sidecar.tracing import Leg
-from sidecar.tracking import task_name
-from sidecar.upstream import EngineAnswer, Engines, parse_json
 
-logger = logging.getLogger("sidecar.prefill")
+logger = logging.getLogger("sidecar.connectors.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
 AUTO_FINISH_WITHIN_S = 0.5
@@ -153,7 +153,7 @@ class Prefill:
         engines: Engines,
         scheduler: Scheduler,
         metrics: Metrics,
-        aftercare: Aftercare,
+        background: BackgroundWork,
         release_urls: Callable[[Exchange], list[str]],
     ) -> None:
         """``release_urls``: where a release of a request's staged KV may go, in order."""
@@ -161,7 +161,7 @@ class Prefill:
         self.engines = engines
         self.scheduler = scheduler
         self.metrics = metrics
-        self.aftercare = aftercare
+        self.background = background
         self.release_urls = release_urls
 
     def attempts(self, ex: Exchange) -> Attempts:
@@ -434,7 +434,7 @@ class Attempt:
         """Let the running call end in the background, the request's own part over; False when
         the background is full (the exit aborts it then)."""
         self.prefill_done()
-        if call.done() or self._prefill.aftercare.adopt(call):
+        if call.done() or self._prefill.background.adopt(call):
             self._handed_over = True
         return self._handed_over
 
@@ -457,7 +457,7 @@ class Attempt:
         self.prefill_done()
         if not call.done() and not self._handed_over:
             call.cancel()
-            self._prefill.aftercare.watch(call)
+            self._prefill.background.watch(call)
             if left:
                 self._prefill.metrics.prefill_disconnects.labels("abort").inc()
 
@@ -519,13 +519,13 @@ class StagedKv:
         self._state = _State.RELEASED
         recipe, prefilled = self._release, self._prefilled
         prefill = self._attempt._prefill
-        if recipe is None or prefilled is None or not prefill.aftercare.releasing:
+        if recipe is None or prefilled is None or not prefill.background.releasing:
             return
         ex = self._attempt._ex
         headers = ex.headers.copy()
         headers[REQUEST_ID_HEADER] = recipe.request_id
         data = ex.encode(recipe.body(prefilled))
-        if not prefill.aftercare.release(
+        if not prefill.background.release(
             ex.request_id, prefill.release_urls(ex), headers, data, ex.trace
         ):
             prefill.metrics.kv_releases.labels("skipped").inc()
@@ -567,7 +567,7 @@ class StagedKv:
         mode = prefill.options.on_disconnect
         if mode != "auto":
             return mode
-        if not prefill.aftercare.releasing:
+        if not prefill.background.releasing:
             return "abort"  # finishing would only stage KV that nobody releases
         elapsed = asyncio.get_running_loop().time() - attempt.started
         outlook = prefill.scheduler.prefill_outlook(attempt.placement, elapsed)

@@ -4,8 +4,8 @@ A header any client can set must not make the sidecar call an arbitrary host. A 
 when it is a member of the known prefill pool (same host string and port, or a resolved address of
 a member), lies in ``SIDECAR_PREFILL_ALLOWED_CIDRS``, or has a name in
 ``SIDECAR_PREFILL_ALLOWED_HOSTS``, or has an address of a pod the InferencePool of
-``SIDECAR_INFERENCE_POOL`` selects (``sidecar.poolwatch``; until that pool is first listed, it
-allows nothing). A host name checked through its addresses is pinned to the
+``SIDECAR_INFERENCE_POOL`` selects (``sidecar.security.poolwatch``; until that pool is first listed,
+it allows nothing). A host name checked through its addresses is pinned to the
 address that passed, so a DNS answer that changes between check and call (rebinding) cannot
 redirect the call. With no pool and no allowlist (pure gateway mode, llm-d's default) every target
 is allowed, and the start-up log says so once.
@@ -28,10 +28,10 @@ from typing import Protocol
 
 from sidecar.caches import BoundedCache
 from sidecar.discovery import Resolver, system_resolver
-from sidecar.endpoints import Endpoint
 from sidecar.errors import BadRequest, Forbidden
+from sidecar.scheduling.endpoints import Endpoint
 
-logger = logging.getLogger("sidecar.trust")
+logger = logging.getLogger("sidecar.security.trust")
 
 IPAddress = IPv4Address | IPv6Address
 _CACHE_SIZE = 1024
@@ -39,7 +39,7 @@ _CACHE_TTL_S = 30.0
 
 
 class AddressAllowlist(Protocol):
-    """Addresses allowed from elsewhere (``sidecar.poolwatch.InferencePoolWatch``)."""
+    """Addresses allowed from elsewhere (``sidecar.security.poolwatch.InferencePoolWatch``)."""
 
     @property
     def name(self) -> str:

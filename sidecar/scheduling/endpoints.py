@@ -23,8 +23,8 @@ class Endpoint:
     ``bootstrap_port``: where an SGLang prefill server takes KV rendezvous, when a pool entry
     names it (``host:port#bootstrap_port``); not part of the address (equality, ``str``).
     ``tls_name``: the host name a target was given before it was pinned to one of its
-    addresses (``sidecar.trust``), which its TLS certificate is verified against; not part of
-    the address either.
+    addresses (``sidecar.security.trust``), which its TLS certificate is verified against; not part
+    of the address either.
     """
 
     host: str

@@ -21,7 +21,6 @@ from yarl import URL
 from sidecar.body import Pieces, Wire
 from sidecar.caches import BoundedCache
 from sidecar.defaults import ENGINE_KEEPALIVE_S
-from sidecar.endpoints import Endpoint
 from sidecar.errors import (
     EngineAnswerTooLarge,
     EngineBadResponse,
@@ -32,7 +31,8 @@ from sidecar.errors import (
     EngineUnreachable,
     EngineUntrusted,
 )
-from sidecar.tls import ClientTls
+from sidecar.scheduling.endpoints import Endpoint
+from sidecar.security.tls import ClientTls
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -231,7 +231,8 @@ class _IdleWatch:
 
 class HttpClient:
     """One keep-alive pool, and the boundary where aiohttp's and asyncio's exceptions become the
-    sidecar's own: the engines' pools (``Engines``) and the Kubernetes API's (``sidecar.kube``).
+    sidecar's own: the engines' pools (``Engines``) and the Kubernetes API's
+    (``sidecar.security.kube``).
 
     ``https://`` URLs are verified with ``tls()``'s context (asked at each request: a watched
     CA bundle may be replaced; None: the system's CAs).
@@ -354,9 +355,9 @@ class Engines:
     every second or two would reuse its idle connections in turn and keep every one of them
     alive, so the pool would never shrink back after a burst.
 
-    ``https://`` URLs are verified with ``tls`` (``sidecar.tls.ClientTls``; None: the system's
-    CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the scheme
-    ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
+    ``https://`` URLs are verified with ``tls`` (``sidecar.security.tls.ClientTls``; None: the
+    system's CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the
+    scheme ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
     checked against.
     """
 
@@ -389,8 +390,8 @@ class Engines:
 
     def prefill_server_name(self, endpoint: Endpoint) -> str | None:
         """The name a prefill engine's certificate must carry (and its SNI): the configured one,
-        else the host name the endpoint was pinned from (``sidecar.trust``), else None — the
-        URL's host itself, a name or an IP address."""
+        else the host name the endpoint was pinned from (``sidecar.security.trust``), else None —
+        the URL's host itself, a name or an IP address."""
         if self._prefill_scheme != "https":
             return None
         return self._prefill_server_name or endpoint.tls_name

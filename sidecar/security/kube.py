@@ -29,10 +29,10 @@ from typing import Any
 import orjson
 from yarl import URL
 
+from sidecar.engines.upstream import EngineAnswer, HttpClient
 from sidecar.errors import EngineError
-from sidecar.upstream import EngineAnswer, HttpClient
 
-logger = logging.getLogger("sidecar.kube")
+logger = logging.getLogger("sidecar.security.kube")
 
 TOKEN_MAX_AGE_S = 60.0
 """The token file is read again when the copy in memory is this old."""
@@ -88,8 +88,8 @@ class WatchEvent:
 
 
 class KubeClient:
-    """The API's client, on the engines' HTTP boundary (``sidecar.upstream.HttpClient``): its
-    errors arrive as the sidecar's own, and become this module's here."""
+    """The API's client, on the engines' HTTP boundary (``sidecar.engines.upstream.HttpClient``):
+    its errors arrive as the sidecar's own, and become this module's here."""
 
     def __init__(
         self,

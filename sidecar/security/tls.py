@@ -33,7 +33,7 @@ import os
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
-logger = logging.getLogger("sidecar.tls")
+logger = logging.getLogger("sidecar.security.tls")
 
 Fingerprint = tuple[tuple[str, int, int, int, int] | None, ...]
 """Per watched file: resolved path, device, inode, size, modification time (None: unreadable)."""

@@ -6,7 +6,7 @@ hands it to ``connector.run``; the connector's parts report their progress throu
 outcomes, never aiohttp objects:
 
 - a prefill call ends ``Prefilled`` (KV staged, its instructions), ``Refused`` (the engine's own
-  4xx, for the client) or ``sidecar.prefill.Failed`` (another attempt, or the fallback);
+  4xx, for the client) or ``sidecar.connectors.prefill.Failed`` (another attempt, or the fallback);
 - ``connector.run`` ends with an ``Answer`` to relay (the decode engine's status line is in and
   its first body byte too) or a ``Refused`` to send as is; or it raises a ``SidecarError``.
 """
@@ -19,12 +19,12 @@ from typing import Any, Protocol
 from multidict import CIMultiDict
 
 from sidecar.body import NO_MEMBERS, Members, Wire, encode
-from sidecar.endpoints import Endpoint
+from sidecar.engines.upstream import EngineAnswer
 from sidecar.errors import REQUEST_ID_HEADER
-from sidecar.metrics import ROUTES
+from sidecar.observability.metrics import ROUTES
+from sidecar.observability.tracing import NO_TRACE, RequestTrace
+from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
-from sidecar.tracing import NO_TRACE, RequestTrace
-from sidecar.upstream import EngineAnswer
 
 Body = dict[str, Any]
 

@@ -1,5 +1,5 @@
 """``/debug/*`` views: lifecycle records in flight and recently finished, as JSON or as the page
-of ``sidecar.debug_page``."""
+of ``sidecar.observability.debug_page``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import orjson
 from aiohttp import web
 from multidict import MultiMapping
 
-from sidecar.debug_page import DebugPage, prefers_html
 from sidecar.errors import BadRequest, NotFound, error_response
-from sidecar.tracking import State, Tracker
+from sidecar.observability.debug_page import DebugPage, prefers_html
+from sidecar.observability.tracking import State, Tracker
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT_DIGITS = 9

@@ -45,7 +45,7 @@ from aiohttp.web_request import BaseRequest
 
 from sidecar.errors import TooManyConnections, error_response
 
-logger = logging.getLogger("sidecar.listener")
+logger = logging.getLogger("sidecar.server.listener")
 
 PROBE_PATHS = frozenset({"/health", "/ready"})
 """Paths answered on a probe-only connection: the kubelet's liveness and readiness probes."""
@@ -392,7 +392,8 @@ class ListenerRunner(web.AppRunner):
         logger: Any = None,
     ) -> None:
         """``logger``: what stands for aiohttp's server logger on these connections (parse
-        errors, exceptions escaping a handler; ``sidecar.serverlog.ServerLog``), else its own."""
+        errors, exceptions escaping a handler; ``sidecar.server.serverlog.ServerLog``), else its
+        own."""
         super().__init__(
             app,
             handler_cancellation=handler_cancellation,

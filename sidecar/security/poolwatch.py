@@ -32,9 +32,16 @@ from collections.abc import Callable
 from ipaddress import IPv4Address, IPv6Address
 from typing import Any
 
-from sidecar.kube import KubeBadResponse, KubeClient, KubeError, KubeGone, KubeRefused, WatchEvent
+from sidecar.security.kube import (
+    KubeBadResponse,
+    KubeClient,
+    KubeError,
+    KubeGone,
+    KubeRefused,
+    WatchEvent,
+)
 
-logger = logging.getLogger("sidecar.poolwatch")
+logger = logging.getLogger("sidecar.security.poolwatch")
 
 IPAddress = IPv4Address | IPv6Address
 API_GROUPS = (

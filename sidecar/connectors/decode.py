@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 from sidecar.body import Wire
 from sidecar.config import Settings
+from sidecar.connectors.exchange import Answer, Exchange, Patch
+from sidecar.engines.upstream import Body, EngineAnswer, Engines
 from sidecar.errors import EngineNotConnected, EngineTimeout
-from sidecar.exchange import Answer, Exchange, Patch
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
-from sidecar.upstream import Body, EngineAnswer, Engines
 
-logger = logging.getLogger("sidecar.decode")
+logger = logging.getLogger("sidecar.connectors.decode")
 
 
 @dataclass(frozen=True, slots=True)

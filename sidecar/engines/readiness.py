@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 
-from sidecar.metrics import Metrics
+from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 
-logger = logging.getLogger("sidecar.readiness")
+logger = logging.getLogger("sidecar.engines.readiness")
 
 
 class Readiness:

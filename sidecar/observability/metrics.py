@@ -21,7 +21,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from sidecar.tracking import RequestRecord
+from sidecar.observability.tracking import RequestRecord
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 """Paths the pipeline serves, by their ``route`` label; everything else is ``other``."""

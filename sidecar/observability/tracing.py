@@ -42,8 +42,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar import __version__
+from sidecar.observability.tracking import RequestRecord, State
 from sidecar.scheduling.placement import Placement
-from sidecar.tracking import RequestRecord, State
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
-logger = logging.getLogger("sidecar.tracing")
+logger = logging.getLogger("sidecar.observability.tracing")
 
 EXTRA = "pip install 'pd-sidecar[tracing]'"
 SERVICE_NAME = "pd-sidecar"

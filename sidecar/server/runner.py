@@ -1,0 +1,183 @@
+"""Serving the application (``sidecar.app.create_app``) on its ports until ``close()``: the API
+listener and, with ``SIDECAR_ADMIN_PORT``, the admin one, each on ``ListenerRunner`` (the
+connection bounds of ``sidecar.server.listener``); the shutdown sequence of
+``sidecar.server.drain``. ``python -m sidecar`` runs it (``sidecar.__main__``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from sidecar.app import ADMIN_APP, DRAIN, GUARD, METRICS, READINESS, SERVER_TLS, create_app
+from sidecar.config import Settings
+from sidecar.connectors import ConnectorFactory
+from sidecar.observability.metrics import Metrics
+from sidecar.observability.tracing import Tracing
+from sidecar.server.drain import CUT_GRACE_S
+from sidecar.server.listener import (
+    ADMIN_MAX_CONNECTIONS,
+    ConnectionLimits,
+    Connections,
+    ListenerRunner,
+    connection_budget,
+)
+from sidecar.server.serverlog import ServerLog
+
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
+thousand clients connect at once; vLLM's API server uses 2048 too)."""
+
+
+@dataclass(slots=True)
+class RunningSidecar:
+    app: web.Application
+    runners: list[web.AppRunner]
+    host: str
+    port: int
+    admin_port: int | None
+    tls: bool = False
+    """SIDECAR_PORT serves HTTPS."""
+    admin_tls: bool = False
+
+    @property
+    def url(self) -> str:
+        return _url(self.host, self.port, self.tls)
+
+    @property
+    def admin_url(self) -> str:
+        if self.admin_port is None:
+            return self.url
+        return _url(self.host, self.admin_port, self.admin_tls)
+
+    def begin_drain(self) -> None:
+        """SIGTERM's first step: /ready turns 503 at once, and the drain's clock starts."""
+        self.app[READINESS].draining = True
+        self.app[DRAIN].begin()
+
+    async def close(self) -> int:
+        """The shutdown sequence of ``sidecar.server.drain``, within the drain timeout + 1 s: stop
+        listening, let requests in flight finish until the deadline, cancel the rest, and close
+        every resource; the admin listener goes last. Returns how many requests were cut."""
+        self.begin_drain()
+        main = self.runners[0]
+        for site in list(main.sites):
+            await site.stop()
+        if main.server is not None:
+            main.server.pre_shutdown()  # keep-alive connections close after their answer
+        cut = await self.app[DRAIN].wait_then_cut()
+        for runner in self.runners:
+            await runner.cleanup()
+        return cut
+
+
+class CannotListen(Exception):
+    """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
+
+
+async def start_sidecar(
+    settings: Settings,
+    *,
+    tracing: Tracing | None = None,
+    connector: ConnectorFactory | None = None,
+) -> RunningSidecar:
+    """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
+    free one) until ``close()``.
+
+    Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
+    """
+    app = create_app(settings, tracing=tracing, connector=connector)
+    context = app[SERVER_TLS].context if SERVER_TLS in app else None
+    admin_context = context if settings.admin_tls else None
+    runner = ListenerRunner(
+        app,
+        _connections(settings, app[METRICS], "api", connection_budget(settings.max_connections)),
+        handler_cancellation=True,  # a client that leaves cancels its request's work at once
+        shutdown_timeout=CUT_GRACE_S,  # by then the drain has already cut what was in flight
+        logger=ServerLog(),  # a malformed request: one rate-limited line, not a traceback
+    )
+    runners: list[web.AppRunner] = [runner]
+    await runner.setup()
+    try:
+        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT", context)
+        host, port = runner.addresses[0][:2]
+        app[GUARD].listening(port, **await _own_identity(settings.host))
+        admin_port = None
+        if ADMIN_APP in app:
+            admin_runner = ListenerRunner(
+                app[ADMIN_APP],
+                _connections(settings, app[METRICS], "admin", ADMIN_MAX_CONNECTIONS),
+                shutdown_timeout=CUT_GRACE_S,
+                logger=ServerLog(),
+            )
+            runners.append(admin_runner)
+            await admin_runner.setup()
+            await _listen(
+                admin_runner,
+                settings.host,
+                settings.admin_port,
+                "SIDECAR_ADMIN_PORT",
+                admin_context,
+            )
+            admin_port = admin_runner.addresses[0][1]
+    except BaseException:
+        for started in reversed(runners):
+            await started.cleanup()
+        raise
+    return RunningSidecar(
+        app, runners, host, port, admin_port, context is not None, admin_context is not None
+    )
+
+
+def _connections(settings: Settings, metrics: Metrics, listener: str, cap: int) -> Connections:
+    """One listener's connection book, counted under ``listener`` in the metrics."""
+    book = Connections(
+        ConnectionLimits(
+            head_timeout_s=settings.client_header_timeout_s,
+            keepalive_s=settings.client_keepalive_s,
+            max_connections=cap,
+        ),
+        on_refused=lambda how: metrics.client_connections_refused.labels(listener, how).inc(),
+        on_closed=lambda why: metrics.client_connections_closed.labels(listener, why).inc(),
+    )
+    metrics.client_connections.labels(listener).set_function(lambda: book.open)
+    return book
+
+
+async def _listen(
+    runner: web.AppRunner,
+    host: str,
+    port: int | None,
+    variable: str,
+    context: ssl.SSLContext | None,
+) -> None:
+    try:
+        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=context)
+        await site.start()
+    except OSError as exc:
+        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+        address = _url(host, port or 0).removeprefix("http://")
+        raise CannotListen(f"cannot listen on {address} ({variable}): {reason}") from exc
+
+
+async def _own_identity(listen_host: str) -> dict[str, list[str]]:
+    """This pod's host name and addresses, so a prefill target naming the sidecar itself is
+    recognised (the listen address, and what the host name resolves to: the pod IP in
+    Kubernetes)."""
+    name = socket.gethostname()
+    addresses = [listen_host]
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(name, None)
+    except OSError:
+        infos = []
+    addresses += [str(info[4][0]) for info in infos]
+    return {"names": [name, listen_host], "addresses": addresses}
+
+
+def _url(host: str, port: int, tls: bool = False) -> str:
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
