@@ -1,15 +1,27 @@
 """The shared-state protocol without I/O (sidecar/scheduling/state/protocol.py): its rules, with
-the clock and the answers as inputs."""
+the clock and the answers as inputs; and the simulator's model of the script (bench/sim/state.py)
+held to the real script on a real redis-server."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 
+from bench.sim.state import RedisServer as ModelledScript
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, Reservation
-from sidecar.scheduling.state.protocol import Reply, Sync, SyncProtocol, decode_reply
+from sidecar.scheduling.state.protocol import (
+    SCRIPT,
+    Reply,
+    Sync,
+    SyncProtocol,
+    decode_reply,
+    keys,
+)
+from tests.processes import RedisServer, free_port
 
 A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 SPEED = Speed(0.0001, 0.02)
@@ -158,3 +170,52 @@ def test_an_answer_is_checked_entry_by_entry() -> None:
     assert reply.skipped == {"over_limit": 3, "load": 2, "speed": 2, "ejection": 2}
     with pytest.raises(ValueError, match="unpack"):  # of the wrong shape: the sync failed
         decode_reply([b"", b""], now=0.0, max_ejection_s=60)
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    server = RedisServer(free_port())
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_the_simulators_script_answers_as_the_real_one(redis_server) -> None:
+    """The same syncs of two sidecars, sent to the real script and to the simulator's model of
+    it: the same answers (reservations replaced whole, speeds, an ejection kept at its latest
+    end and forgotten once ended, a sidecar that holds nothing)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    script = client.register_script(SCRIPT)
+    model = ModelledScript()
+    now = time.time()
+    one, two = protocol("one", lease_s=600), protocol("two", lease_s=600)
+
+    async def both(state: SyncProtocol, at: float) -> Reply:
+        sync = state.begin(at)
+        raw = await script(keys=keys("model"), args=sync.args())
+        real = decode_reply(raw, now=at, max_ejection_s=3600)
+        assert model.script(sync) == real, sync
+        state.received(sync, real)
+        return real
+
+    try:
+        held = one.reserve(A, 100)
+        one.reserve(B, 50)
+        one.publish_speed(A, SPEED)
+        one.publish_ejection(B, now + 30)
+        await both(one, now)
+        mine = two.reserve(A, 10)
+        two.publish_ejection(B, now + 10)  # ends earlier than the one stored: not kept
+        two.publish_ejection(C, now + 1)
+        reply = await both(two, now + 0.5)
+        assert reply.totals == {A: Load(110, 2), B: Load(50, 1)}
+        assert reply.ejections == {B: now + 30, C: now + 1}
+        one.release(held)
+        one.publish_speed(A, Speed(0.0002, 0.01))
+        reply = await both(one, now + 2)  # C's ejection has ended
+        assert reply.ejections == {B: now + 30}
+        two.release(mine)
+        reply = await both(two, now + 3)  # two holds nothing now
+        assert reply.totals == {B: Load(50, 1)}
+    finally:
+        await client.aclose()
