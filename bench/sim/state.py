@@ -1,20 +1,21 @@
 """Modelled state backends: what a sidecar's ``SharedView`` holds when it decides.
 
-``redis`` follows ``sidecar.scheduling.state.redis.RedisState`` step by step in virtual time:
+``redis`` is ``sidecar.scheduling.state.redis.RedisState`` in virtual time: the same protocol
+(``sidecar.scheduling.state.protocol.SyncProtocol``: the table and the view, what a sync sends
+and makes of the answer, when the refresh and the worker sync) driven by this module instead of
+asyncio and redis-py. What is modelled here is only what production gets from the network:
 
-- the view is the other sidecars' reservations as the last sync's reply gave them, plus this
-  sidecar's own (always fresh);
-- a sync sends this sidecar's whole table; the script runs half a round trip later (Redis then
-  holds that table and answers the pool's totals and published speeds), and the reply is
-  applied a whole round trip after the send;
-- ``refresh``, before a decision, joins the sync in flight or starts one, and the decision is
-  made when its reply is applied (or at the state timeout, on the view there is);
-- ``reserve``, ``release`` and ``publish_speed`` change the local table at once; the first two
-  wake the background worker. The worker, woken or after a heartbeat (a third of the lease),
-  first waits for a sync in flight that is not its own (a decision's refresh, which may have
-  left before the change), then starts a sync unless one started since, waits for it and goes
-  back to waiting;
-- waiters of one reply run in the order they came, the decisions before the worker.
+- the round trip: a sync's script runs half a round trip after it is sent (Redis then holds this
+  sidecar's table and answers the pool's totals and published speeds), and the answer reaches
+  the protocol a whole round trip after the send;
+- the script (``RedisServer``, the sidecars' tables, speeds and ejections; no leases: modelled
+  sidecars never die), held to the real script by tests/scheduling/test_state_protocol.py;
+- the waits: ``refresh``, before a decision, makes the decision when the answer of the sync it
+  joined or began arrives, or at the state timeout, on the view there is; the worker waits for a
+  wake or its heartbeat, then for the syncs it is owed. Waiters of one answer run in the order
+  they came, the decisions before the worker.
+
+Not modelled: Redis failures (so neither the backoff), leases running out.
 
 ``shared`` is the idealisation (one table, every change seen at once by everyone); ``local`` is
 the memory backend (each sidecar's own reservations only).
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 from bench.sim.engines import Loop
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
+from sidecar.scheduling.state.protocol import Reply, Sync, SyncProtocol
 
 
 class ModelledState(Protocol):
@@ -75,30 +77,37 @@ class LocalTable(SharedTable):
 
 
 class RedisServer:
-    """Redis as the sync script sees it: each sidecar's table as it last sent it, the speeds."""
+    """The sync script as the simulator models it: each sidecar's table as it last sent it, the
+    speeds, the ejections; the totals kept up to date as tables are replaced."""
 
     def __init__(self) -> None:
-        self.tables: dict[int, dict[str, Load]] = {}
+        self.tables: dict[str, dict[str, Load]] = {}
         self.totals: dict[str, Load] = {}
         self.speeds: dict[str, Speed] = {}
+        self.ejections: dict[str, float] = {}
 
-    def sync(
-        self, sidecar: int, table: dict[str, Load], speeds: dict[str, Speed]
-    ) -> tuple[dict[str, Load], dict[str, Speed]]:
+    def script(self, sync: Sync) -> Reply:
         totals = self.totals
-        for endpoint, load in self.tables.get(sidecar, {}).items():
+        for endpoint, load in self.tables.get(sync.sidecar, {}).items():
             old = totals[endpoint]
             totals[endpoint] = Load(old.tokens - load.tokens, old.requests - load.requests)
-        for endpoint, load in table.items():
+        for endpoint, load in sync.table.items():
             old = totals.get(endpoint, Load())
             totals[endpoint] = Load(old.tokens + load.tokens, old.requests + load.requests)
-        self.tables[sidecar] = table
-        self.speeds.update(speeds)
-        return dict(totals), dict(self.speeds)
+        self.tables[sync.sidecar] = sync.table
+        self.speeds.update(sync.speeds)
+        for endpoint, until in sync.ejections.items():
+            if until > self.ejections.get(endpoint, 0.0):
+                self.ejections[endpoint] = until
+        if self.ejections:
+            self.ejections = {e: until for e, until in self.ejections.items() if until > sync.now}
+        held = {endpoint: load for endpoint, load in totals.items() if load.requests > 0}
+        return Reply(held, dict(self.speeds), dict(self.ejections))
 
 
 class RedisClient:
-    """One sidecar's ``RedisState`` (see the module docstring)."""
+    """One sidecar's ``RedisState``: its ``SyncProtocol`` over a modelled network (see the
+    module's docstring)."""
 
     def __init__(
         self,
@@ -116,24 +125,15 @@ class RedisClient:
         self._loop = loop
         self._refresh_s = refresh_s
         self._server = server
-        self._id = sidecar
         self._rtt_s = rtt_s
         self._timeout_s = timeout_s
-        self._heartbeat_s = lease_s / 3
-        self.own = OwnReservations()
-        self._others: dict[str, Load] = {}
-        self._speeds: dict[str, Speed] = {}
-        self._pending: dict[str, Speed] = {}
-        self._syncing = False
+        self._protocol = SyncProtocol(f"sidecar-{sidecar}", lease_s=lease_s, wake=self._wake_worker)
         self._decisions: list[_Waiter] = []
         """Refreshes waiting for the sync in flight."""
         self._wake = False
         self._worker_waiting = True
-        """The worker waits for a wake or its heartbeat; False while it awaits a sync."""
-        self._worker_awaits: str | None = None
-        """The sync the worker awaits: ``other`` (in flight when it woke), ``own``, or None."""
+        """The worker waits for a wake or its heartbeat; False while it waits for syncs."""
         self._heartbeat_version = 0
-        self.syncs = 0
         self._arm_heartbeat()
         if refresh_s > 0:
             loop.at(loop.now + refresh_s * (1 + sidecar % 7) / 7, self._refresh)
@@ -143,74 +143,41 @@ class RedisClient:
         self._loop.at(self._loop.now + self._refresh_s, self._refresh)
 
     def view(self) -> SharedView:
-        loads = dict(self._others)
-        for endpoint, own in self.own.loads.items():
-            other = loads.get(endpoint, Load())
-            loads[endpoint] = Load(other.tokens + own.tokens, other.requests + own.requests)
-        return SharedView(loads, self._speeds, {})
+        return self._protocol.view()
 
     def refresh(self, then: Callable[[], None]) -> None:
-        if not self._syncing:
-            self._start_sync()
+        if self._protocol.in_flight is None:
+            self._send()
         waiter = _Waiter(then)
         self._decisions.append(waiter)
         self._loop.at(self._loop.now + self._timeout_s, waiter.run)
 
     def reserve(self, endpoint: str, tokens: int) -> Reservation:
-        ahead = self.view().loads.get(endpoint, Load()).tokens
-        self.own.add(endpoint, tokens, 1)
-        self._wake_worker()
-        return Reservation(endpoint, tokens, ahead)
+        return self._protocol.reserve(endpoint, tokens)
 
     def release(self, reservation: Reservation) -> None:
-        self.own.add(reservation.endpoint, -reservation.tokens, -1)
-        self._wake_worker()
+        self._protocol.release(reservation)
 
     def publish_speed(self, endpoint: str, speed: Speed) -> None:
-        # Stored and sent with the next sync; production does not wake the worker for it.
-        self._pending[endpoint] = speed
-        self._speeds[endpoint] = speed
+        self._protocol.publish_speed(endpoint, speed)
 
-    # The sync and the worker.
+    # The network and the worker.
 
-    def _start_sync(self) -> None:
-        self._syncing = True
-        self.syncs += 1
-        table = dict(self.own.loads)
-        speeds, self._pending = self._pending, {}
+    def _send(self) -> None:
         loop = self._loop
-        loop.at(loop.now + self._rtt_s / 2, self._execute, (table, speeds))
+        loop.at(loop.now + self._rtt_s / 2, self._execute, self._protocol.begin(loop.now))
 
-    def _execute(self, sent: tuple[dict[str, Load], dict[str, Speed]]) -> None:
-        table, speeds = sent
-        totals, published = self._server.sync(self._id, table, speeds)
-        self._loop.at(self._loop.now + self._rtt_s / 2, self._reply, (table, totals, published))
+    def _execute(self, sync: Sync) -> None:
+        reply = self._server.script(sync)
+        self._loop.at(self._loop.now + self._rtt_s / 2, self._answer, (sync, reply))
 
-    def _reply(self, reply: tuple[dict[str, Load], dict[str, Load], dict[str, Speed]]) -> None:
-        table, totals, published = reply
-        others = {}
-        for endpoint, total in totals.items():
-            mine = table.get(endpoint, Load())
-            if total.requests - mine.requests > 0:
-                others[endpoint] = Load(total.tokens - mine.tokens, total.requests - mine.requests)
-        self._others = others
-        self._speeds = published
-        self._syncing = False
+    def _answer(self, answer: tuple[Sync, Reply]) -> None:
+        self._protocol.received(*answer)
         decisions, self._decisions = self._decisions, []
         for waiter in decisions:
             waiter.run(None)
-        if self._worker_awaits == "other":
-            # Its wait for the sync in flight is over: one of its own, unless one started since.
-            if not self._syncing:
-                self._start_sync()
-            self._worker_awaits = "own"
-        elif self._worker_awaits == "own":
-            self._worker_awaits = None
-            self._worker_waiting = True
-            if self._wake:
-                self._run_worker()
-            else:
-                self._arm_heartbeat()
+        if not self._worker_waiting:
+            self._worker_step()
 
     def _wake_worker(self) -> None:
         self._wake = True
@@ -218,20 +185,29 @@ class RedisClient:
             self._run_worker()
 
     def _run_worker(self) -> None:
-        """One turn of ``RedisState._work`` after its wait: clear the wake, then wait for the
-        sync in flight if there is one, else start one and wait for it."""
+        """``RedisState._work`` after its wait: clear the wake, then wait for the syncs owed."""
         self._wake = False
         self._worker_waiting = False
-        if self._syncing:
-            self._worker_awaits = "other"
+        self._protocol.worker_woke(syncing=self._protocol.in_flight is not None)
+        self._worker_step()
+
+    def _worker_step(self) -> None:
+        """While owed a sync, begin one when none is in flight (else wait for it); then wait for
+        the next wake (at once if one came meanwhile) or heartbeat."""
+        if self._protocol.worker_owed:
+            if self._protocol.in_flight is None:
+                self._send()
+            return
+        self._worker_waiting = True
+        if self._wake:
+            self._run_worker()
         else:
-            self._start_sync()
-            self._worker_awaits = "own"
+            self._arm_heartbeat()
 
     def _arm_heartbeat(self) -> None:
         self._heartbeat_version += 1
         version = self._heartbeat_version
-        self._loop.at(self._loop.now + self._heartbeat_s, self._heartbeat, version)
+        self._loop.at(self._loop.now + self._protocol.heartbeat_s, self._heartbeat, version)
 
     def _heartbeat(self, version: Any) -> None:
         if version == self._heartbeat_version and self._worker_waiting:

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from sidecar.config import Settings
 from sidecar.scheduling.state import Load
-from sidecar.scheduling.state.redis import MAX_ENTRIES, RedisState
+from sidecar.scheduling.state.protocol import MAX_ENTRIES
+from sidecar.scheduling.state.redis import RedisState
 from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
 from tests.processes import RedisServer, free_port, sidecar_process

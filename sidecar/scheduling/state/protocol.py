@@ -1,0 +1,436 @@
+"""The shared-state sync protocol without I/O (as h11 is HTTP's): what a sidecar sends Redis,
+what it makes of the answer, and when it syncs.
+
+Inputs: this sidecar's changes (``reserve``, ``release``, ``publish_speed``,
+``publish_ejection``), the clock (``now``, passed to every call that reads it) and how each sync
+ended (``received`` with the script's answer, ``failed``). Outputs: the command to send (``begin``
+returns a ``Sync``; its ``args()`` are the script's ARGV), the ``view()``, and when to sync (the
+``wake`` callback, ``decision_waits``, the worker's ``worker_woke`` / ``worker_owed``,
+``heartbeat_s``, ``backoff_left``). Nothing here awaits, connects or sleeps. ``RedisState``
+(``redis.py``) drives it with redis-py and asyncio; the simulator (``bench/sim/state.py``) drives
+it in virtual time against a model of the script: the simulator cannot drift from production.
+
+The rules, which every driver follows:
+
+- The view is the other sidecars' reservations as the last answer gave them (the pool's totals
+  less this sidecar's table as that sync sent it), plus this sidecar's own table as it is now;
+  the speeds and ejections of the last answer, with this sidecar's published since.
+- One sync at a time. A sync sends this sidecar's whole table (absolute values: Redis heals
+  itself after a restart, a failover or a lost update) and what was published since the last
+  sync; a failed sync's publications go with the next one, which is not tried before a backoff
+  (``BACKOFF_FIRST_S`` doubling to ``BACKOFF_MAX_S``; an answer resets it).
+- A decision's refresh joins the sync in flight or begins one, unless Redis is down (backing
+  off): waiting would only cost the decision its timeout.
+- A reservation, a release or an ejection calls ``wake``: the background worker publishes it off
+  the request path (a speed waits for the next sync). The worker wakes on that or on its
+  heartbeat (``HEARTBEATS_PER_LEASE`` per lease), waits out the backoff, and is then owed a sync
+  that begins after the one in flight, if any (which may have been sent before the change): it
+  begins one whenever none is in flight and waits, until that sync has ended.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.scheduling.model import Speed
+from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
+
+# The wire: one Lua script does a whole sync in one round trip. It replaces this sidecar's
+# reservations with their current absolute values, renews its lease, drops sidecars whose lease
+# ran out (a dead sidecar's reservations stop counting within the lease), stores published
+# speeds and ejections, and returns the pool's totals. It touches only the keys it is given as
+# ``KEYS`` (nothing by a name built inside it), so it runs as it is on a Redis Cluster.
+_SYNC = """
+local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
+local skipped = 0
+local lease_ms = math.ceil(lease * 1000)
+if ARGV[4] == '' then
+  redis.call('HDEL', KEYS[4], sid)
+else
+  redis.call('HSET', KEYS[4], sid, ARGV[4])
+end
+redis.call('ZADD', KEYS[1], now + lease, sid)
+local i = 5
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]); i = i + 2 end
+if n > 0 then redis.call('PEXPIRE', KEYS[2], lease_ms * 100) end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  local current = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0') or 0
+  if tonumber(ARGV[i + 1]) > current then redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+  i = i + 2
+end
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+if #dead > 0 then
+  redis.call('HDEL', KEYS[4], unpack(dead))
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+end
+-- Gone with the lease when every sidecar is: nobody is left to read them.
+redis.call('PEXPIRE', KEYS[1], lease_ms)
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
+-- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
+-- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
+local totals, order = {}, {}
+local held = redis.call('HGETALL', KEYS[4])
+for j = 1, #held, 2 do
+  if redis.call('ZSCORE', KEYS[1], held[j]) then
+    for ep, tok, req in string.gmatch(held[j + 1], '(%S+) (%d+) (%d+)') do
+      if totals[ep] == nil then
+        if #order < limit and #ep <= key_bytes then
+          totals[ep] = {0, 0}; order[#order + 1] = ep
+        else
+          skipped = skipped + 1
+        end
+      end
+      if totals[ep] ~= nil then
+        totals[ep][1] = totals[ep][1] + tonumber(tok)
+        totals[ep][2] = totals[ep][2] + tonumber(req)
+      end
+    end
+  end
+end
+local lines = {}
+for _, ep in ipairs(order) do
+  lines[#lines + 1] = string.format('%s %.0f %.0f', ep, totals[ep][1], totals[ep][2])
+end
+local function bounded(flat)
+  local kept = {}
+  for j = 1, #flat, 2 do
+    if #kept < 2 * limit and #flat[j] <= key_bytes and #flat[j + 1] <= value_bytes then
+      kept[#kept + 1] = flat[j]; kept[#kept + 1] = flat[j + 1]
+    else
+      skipped = skipped + 1
+    end
+  end
+  return kept
+end
+local ejections = redis.call('HGETALL', KEYS[3])
+local live = {}
+for j = 1, #ejections, 2 do
+  local until_unix = tonumber(ejections[j + 1])
+  if until_unix == nil or until_unix > now then  -- not a time: the reader skips it, counted
+    live[#live + 1] = ejections[j]; live[#live + 1] = ejections[j + 1]
+  else
+    redis.call('HDEL', KEYS[3], ejections[j])
+  end
+end
+return {
+  table.concat(lines, '\\n'),
+  table.concat(bounded(redis.call('HGETALL', KEYS[2])), '\\n'),
+  table.concat(bounded(live), '\\n'),
+  skipped,
+}
+"""
+"""KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
+reservations (lines), then speeds and ejections, each a count and that many pairs. The reply is
+three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds and the
+live ejections (an endpoint's line, then its value's): three bulk strings rather than arrays of
+every field, which redis-py's parser would read element by element (most of a sync's cost on
+the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a kind,
+or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
+
+MAX_ENTRIES = 1024
+"""Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
+pool holds, and few enough that a sync's reply stays small (tens of KiB) whatever the keys
+hold."""
+MAX_KEY_BYTES = 300
+"""An endpoint is ``host:port``: a DNS name is at most 253 bytes."""
+MAX_VALUE_BYTES = 64
+"""A speed (two floats' ``repr``) or an ejection's time; anything longer is not ours."""
+MAX_S_PER_TOKEN = 1.0
+"""Prefill speeds beyond a second per token, or an overhead beyond ``MAX_OVERHEAD_S``, are no
+engine's: read back, they are skipped."""
+MAX_OVERHEAD_S = 600.0
+MAX_LOAD = 10**12
+"""Reserved tokens (and requests) of one endpoint beyond which a total is not believed."""
+EJECTION_SKEW_S = 60.0
+"""Slack for the clocks of two pods when an ejection's end is checked against the longest
+ejection (an ejection is published as the Unix time it ends)."""
+
+SCRIPT = (
+    _SYNC.replace("@LIMIT@", str(MAX_ENTRIES))
+    .replace("@KEY_BYTES@", str(MAX_KEY_BYTES))
+    .replace("@VALUE_BYTES@", str(MAX_VALUE_BYTES))
+)
+"""The sync script, as sent to Redis."""
+
+HEARTBEATS_PER_LEASE = 3
+"""Syncs per lease at least, so that a live sidecar's lease never runs out between two."""
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 5.0
+"""After a failed sync the next is not tried for the backoff: 0.5 s, doubling to 5 s."""
+
+
+def keys(prefix: str) -> tuple[str, str, str, str]:
+    """Every key of a pool (``SIDECAR_REDIS_KEY_PREFIX``), in the script's ``KEYS`` order: one
+    hash tag, so that on a Redis Cluster they live in one slot."""
+    tag = "{" + prefix + "}"
+    return (f"{tag}:sidecars", f"{tag}:speeds", f"{tag}:ejections", f"{tag}:reservations")
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """One call of the sync script: what it carries, and what its end needs back."""
+
+    number: int
+    """Syncs are numbered from 1 in the order they begin."""
+    sidecar: str
+    now: float
+    """The sender's clock (Unix time): the script renews the lease and judges the others' by it."""
+    lease_s: float
+    table: dict[str, Load]
+    """This sidecar's reservations as sent; the answer's totals include them."""
+    speeds: dict[str, Speed]
+    ejections: dict[str, float]
+    """Published since the last sync (Unix time each ejection ends)."""
+
+    def args(self) -> list[str | int]:
+        """The script's ARGV."""
+        held = "\n".join(f"{e} {load.tokens} {load.requests}" for e, load in self.table.items())
+        args: list[str | int] = [self.sidecar, repr(self.now), repr(self.lease_s), held]
+        args.append(len(self.speeds))
+        for endpoint, speed in self.speeds.items():
+            args += [endpoint, f"{speed.s_per_token!r} {speed.overhead_s!r}"]
+        args.append(len(self.ejections))
+        for endpoint, until in self.ejections.items():
+            args += [endpoint, repr(until)]
+        return args
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What one sync read back, every entry checked."""
+
+    totals: dict[str, Load]
+    """Every live sidecar's reservations summed by endpoint, this sidecar's (as sent) included;
+    only endpoints someone holds."""
+    speeds: dict[str, Speed]
+    ejections: dict[str, float]
+    """The ejections that had not ended (Unix time each ends)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Entries left out, by kind: ``over_limit`` (by the script, beyond the bounds), ``load``,
+    ``speed``, ``ejection`` (they did not parse or were out of range); only kinds with some."""
+
+
+class SyncProtocol:
+    """One sidecar's side of the protocol (see the module's docstring for its rules)."""
+
+    def __init__(self, sidecar: str, *, lease_s: float, wake: Callable[[], None]) -> None:
+        """``sidecar``: this sidecar's id in Redis. ``wake``: called when a change is to be
+        published off the request path (it wakes the driver's worker); it may begin a sync."""
+        self.sidecar = sidecar
+        self.lease_s = lease_s
+        self.heartbeat_s = lease_s / HEARTBEATS_PER_LEASE
+        self._wake = wake
+        self._own = OwnReservations()
+        self._others: dict[str, Load] = {}
+        self._speeds: dict[str, Speed] = {}
+        self._ejected: dict[str, float] = {}
+        self._pending_speeds: dict[str, Speed] = {}
+        self._pending_ejections: dict[str, float] = {}
+        self._in_flight: Sync | None = None
+        self._begun = 0
+        self._ended = 0
+        """The number of the last sync that ended (syncs end in the order they begin)."""
+        self._owed = 0
+        """The worker waits until a sync numbered this or higher has ended."""
+        self._down_until = -math.inf
+        self._backoff_s = BACKOFF_FIRST_S
+
+    # This sidecar's changes, and the view.
+
+    def view(self) -> SharedView:
+        loads = dict(self._others)
+        for endpoint, own in self._own.loads.items():
+            other = loads.get(endpoint, Load())
+            loads[endpoint] = Load(other.tokens + own.tokens, other.requests + own.requests)
+        return SharedView(loads, dict(self._speeds), dict(self._ejected))
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
+        none = Load()
+        ahead = self._others.get(endpoint, none).tokens + self._own.loads.get(endpoint, none).tokens
+        self._own.add(endpoint, tokens, 1)
+        self._wake()
+        return Reservation(endpoint, tokens, ahead)
+
+    def release(self, reservation: Reservation) -> None:
+        self._own.add(reservation.endpoint, -reservation.tokens, -1)
+        self._wake()
+
+    def publish_speed(self, endpoint: str, speed: Speed) -> None:
+        self._pending_speeds[endpoint] = speed
+        self._speeds[endpoint] = speed
+
+    def publish_ejection(self, endpoint: str, until_unix: float) -> None:
+        self._pending_ejections[endpoint] = until_unix
+        self._ejected[endpoint] = until_unix
+        self._wake()
+
+    # Syncs.
+
+    @property
+    def in_flight(self) -> Sync | None:
+        """The sync begun and not yet ended."""
+        return self._in_flight
+
+    def decision_waits(self, now: float) -> bool:
+        """Whether a decision's refresh waits for a sync: not while Redis is down (backing off),
+        when waiting would only cost the decision its timeout."""
+        return now >= self._down_until
+
+    def backoff_left(self, now: float) -> float:
+        """Seconds until a failed sync may be followed by another (zero or less: now)."""
+        return self._down_until - now
+
+    def begin(self, now: float) -> Sync:
+        """The next sync to send: this sidecar's table now, and what was published since the
+        last one. One at a time: the one in flight must have ended."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"sync {self._in_flight.number} is still in flight")
+        self._begun += 1
+        speeds, self._pending_speeds = self._pending_speeds, {}
+        ejections, self._pending_ejections = self._pending_ejections, {}
+        sync = Sync(
+            self._begun, self.sidecar, now, self.lease_s, dict(self._own.loads), speeds, ejections
+        )
+        self._in_flight = sync
+        return sync
+
+    def received(self, sync: Sync, reply: Reply) -> None:
+        """``sync`` was answered: the others' reservations are the totals less this sidecar's
+        as sent (its own count from the table as it is now)."""
+        others: dict[str, Load] = {}
+        for endpoint, total in reply.totals.items():
+            mine = sync.table.get(endpoint, Load())
+            if total.requests - mine.requests > 0:
+                others[endpoint] = Load(total.tokens - mine.tokens, total.requests - mine.requests)
+        self._others = others
+        self._speeds = dict(reply.speeds)
+        self._ejected = dict(reply.ejections)
+        self._backoff_s = BACKOFF_FIRST_S
+        self._end(sync)
+
+    def failed(self, sync: Sync, now: float) -> None:
+        """``sync`` got no usable answer (a connection, a cluster's routing, a reply of the
+        wrong shape): its publications go with the next one, after the backoff."""
+        self._keep_publications(sync)
+        self._down_until = now + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, BACKOFF_MAX_S)
+        self._end(sync)
+
+    def cancelled(self, sync: Sync) -> None:
+        """``sync`` was given up without an answer (the backend closing)."""
+        self._keep_publications(sync)
+        self._end(sync)
+
+    def _keep_publications(self, sync: Sync) -> None:
+        # Newer publications of the same endpoints win.
+        self._pending_speeds = {**sync.speeds, **self._pending_speeds}
+        self._pending_ejections = {**sync.ejections, **self._pending_ejections}
+
+    def _end(self, sync: Sync) -> None:
+        self._ended = sync.number
+        if self._in_flight is sync:
+            self._in_flight = None
+
+    # The background worker.
+
+    def worker_woke(self, *, syncing: bool) -> None:
+        """The worker woke (a change, or its heartbeat) and waited out the backoff. ``syncing``:
+        whether a sync is in flight (or about to begin: the driver's own bookkeeping), which may
+        have been sent before the change; the worker is owed the one after it."""
+        self._owed = self._ended + (2 if syncing else 1)
+
+    @property
+    def worker_owed(self) -> bool:
+        """Whether the worker still waits for the sync it is owed: while it does, it begins one
+        whenever none is in flight, and waits for it."""
+        return self._ended < self._owed
+
+
+def decode_reply(raw: Any, *, now: float, max_ejection_s: float) -> Reply:
+    """The script's answer, checked. Each entry is checked (types, finite numbers in range) and
+    one that fails is skipped and counted, never the whole answer: whoever can write the keys
+    (another version of the sidecar, a person) cannot stall or steer every sidecar. An answer
+    of the wrong shape raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
+    ``max_ejection_s`` is the longest ejection a sidecar publishes: one that ends later is not
+    believed."""
+    totals, speeds, ejections = (_lines(part) for part in raw[:3])
+    skipped: dict[str, int] = {}
+    if raw[3]:
+        skipped["over_limit"] = int(raw[3])
+    loads: dict[str, Load] = {}
+    bad = 0
+    for line in totals:
+        load = _load(line)
+        if load is None:
+            bad += 1
+        else:
+            loads[load[0]] = load[1]
+    _count(skipped, "load", bad)
+    parsed_speeds = {}
+    bad = 0
+    for endpoint, text in zip(speeds[::2], speeds[1::2], strict=False):
+        speed = _speed(text)
+        if speed is None:
+            bad += 1
+        else:
+            parsed_speeds[endpoint] = speed
+    _count(skipped, "speed", bad)
+    latest = now + max_ejection_s + EJECTION_SKEW_S
+    ejected = {}
+    bad = 0
+    for endpoint, text in zip(ejections[::2], ejections[1::2], strict=False):
+        until = _number(text, 0.0, latest)
+        if until is None:
+            bad += 1
+        else:
+            ejected[endpoint] = until
+    _count(skipped, "ejection", bad)
+    return Reply(loads, parsed_speeds, ejected, skipped)
+
+
+def _count(skipped: dict[str, int], kind: str, count: int) -> None:
+    if count:
+        skipped[kind] = count
+
+
+def _lines(value: Any) -> list[str]:
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return text.split("\n") if text else []
+
+
+def _number(text: str, low: float, high: float) -> float | None:
+    """``text`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if low <= value <= high else None
+
+
+def _speed(text: str) -> Speed | None:
+    parts = text.split(" ")
+    if len(parts) != 2:
+        return None
+    s_per_token = _number(parts[0], 0.0, MAX_S_PER_TOKEN)
+    overhead_s = _number(parts[1], 0.0, MAX_OVERHEAD_S)
+    if s_per_token is None or overhead_s is None or s_per_token == 0.0:
+        return None
+    return Speed(s_per_token, overhead_s)
+
+
+def _load(line: str) -> tuple[str, Load] | None:
+    parts = line.split(" ")
+    if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdigit()):
+        return None
+    if not (parts[2].isascii() and parts[2].isdigit()) or max(len(parts[1]), len(parts[2])) > 13:
+        return None
+    tokens, requests = int(parts[1]), int(parts[2])
+    if tokens > MAX_LOAD or requests > MAX_LOAD:
+        return None
+    return parts[0], Load(tokens, requests)

@@ -1,0 +1,221 @@
+"""The shared-state protocol without I/O (sidecar/scheduling/state/protocol.py): its rules, with
+the clock and the answers as inputs; and the simulator's model of the script (bench/sim/state.py)
+held to the real script on a real redis-server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from bench.sim.state import RedisServer as ModelledScript
+from sidecar.scheduling.model import Speed
+from sidecar.scheduling.state import Load, Reservation
+from sidecar.scheduling.state.protocol import (
+    SCRIPT,
+    Reply,
+    Sync,
+    SyncProtocol,
+    decode_reply,
+    keys,
+)
+from tests.processes import RedisServer, free_port
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+SPEED = Speed(0.0001, 0.02)
+
+
+class Wakes:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+def protocol(sidecar: str = "me", lease_s: float = 30.0) -> SyncProtocol:
+    return SyncProtocol(sidecar, lease_s=lease_s, wake=lambda: None)
+
+
+def answer(sync: Sync, **totals: Load) -> Reply:
+    """An answer to ``sync``: the pool's totals (this sidecar's as sent included)."""
+    return Reply(totals, {}, {})
+
+
+def test_a_sync_sends_the_whole_table_and_what_was_published_since() -> None:
+    state = protocol()
+    state.reserve(A, 100)
+    state.reserve(A, 50)
+    state.reserve(B, 10)
+    state.publish_speed(A, SPEED)
+    state.publish_ejection(C, 130.5)
+    sync = state.begin(100.0)
+    assert sync.number == 1
+    assert sync.args() == [
+        "me", "100.0", "30.0", f"{A} 150 2\n{B} 10 1", 1, A, "0.0001 0.02", 1, C, "130.5",
+    ]  # fmt: skip
+    state.received(sync, Reply({A: Load(150, 2), B: Load(10, 1)}, {A: SPEED}, {C: 130.5}))
+    # Published once: the next sync carries the table alone.
+    assert state.begin(101.0).args() == ["me", "101.0", "30.0", f"{A} 150 2\n{B} 10 1", 0, 0]
+
+
+def test_the_view_is_the_others_as_last_answered_and_this_sidecars_own_as_now() -> None:
+    state = protocol()
+    first = state.reserve(A, 100)
+    sync = state.begin(0.0)
+    state.reserve(A, 10)  # after the send: not in the answer's totals
+    # Another sidecar holds 40 tokens of A, one request, and B.
+    state.received(sync, Reply({A: Load(140, 2), B: Load(5, 1)}, {B: SPEED}, {C: 9.0}))
+    view = state.view()
+    assert view.loads == {A: Load(150, 3), B: Load(5, 1)}
+    assert (view.speeds, view.ejected_until) == ({B: SPEED}, {C: 9.0})
+    assert state.reserve(B, 1) == Reservation(B, 1, 5)  # the others' tokens are ahead of it
+    state.release(first)
+    assert state.view().loads == {A: Load(50, 2), B: Load(6, 2)}
+
+
+def test_a_change_to_publish_wakes_the_worker_a_speed_waits_for_the_next_sync() -> None:
+    wakes = Wakes()
+    state = SyncProtocol("me", lease_s=30.0, wake=wakes)
+    state.release(state.reserve(A, 100))
+    state.publish_ejection(A, 10.0)
+    assert wakes.count == 3
+    state.publish_speed(A, SPEED)
+    assert wakes.count == 3
+    assert state.view().speeds == {A: SPEED}
+
+
+def test_one_sync_at_a_time() -> None:
+    state = protocol()
+    sync = state.begin(0.0)
+    with pytest.raises(RuntimeError):
+        state.begin(0.0)
+    state.received(sync, answer(sync))
+    assert state.begin(0.0).number == 2
+
+
+def test_a_failed_sync_backs_off_and_its_publications_go_with_the_next() -> None:
+    state = protocol()
+    state.publish_speed(A, Speed(0.0001, 0.02))
+    state.publish_ejection(C, 50.0)
+    sync = state.begin(10.0)
+    newer = Speed(0.0002, 0.03)
+    state.publish_speed(A, newer)  # published while the sync was in flight: it wins
+    state.publish_speed(B, SPEED)
+    state.failed(sync, 10.0)
+    assert state.in_flight is None
+    assert not state.decision_waits(10.4)  # Redis is down: a decision does not wait for it
+    assert state.backoff_left(10.2) == pytest.approx(0.3)
+    assert state.decision_waits(10.5)
+    retry = state.begin(10.5)
+    assert (retry.speeds, retry.ejections) == ({A: newer, B: SPEED}, {C: 50.0})
+    # The backoff doubles with each failure, up to 5 s; an answer resets it.
+    backoffs = []
+    for now in (20.0, 30.0, 40.0, 50.0, 60.0):
+        state.failed(retry, now)
+        backoffs.append(state.backoff_left(now))
+        retry = state.begin(now)
+    assert backoffs == [1.0, 2.0, 4.0, 5.0, 5.0]
+    state.received(retry, answer(retry))
+    state.failed(state.begin(70.0), 70.0)
+    assert state.backoff_left(70.0) == 0.5
+
+
+def test_a_cancelled_sync_keeps_its_publications_without_backing_off() -> None:
+    state = protocol()
+    state.publish_speed(A, SPEED)
+    sync = state.begin(0.0)
+    state.cancelled(sync)
+    assert state.decision_waits(0.0)
+    assert state.begin(0.0).speeds == {A: SPEED}
+
+
+def test_the_worker_is_owed_a_sync_begun_after_the_one_in_flight() -> None:
+    """A sync in flight when the worker wakes may have been sent before the change that woke
+    it: the worker waits for it, then for one more (its own, or one a decision began)."""
+    state = protocol()
+    assert not state.worker_owed
+    # Nothing in flight: the worker's own sync is the one it is owed.
+    state.worker_woke(syncing=False)
+    own = state.begin(0.0)
+    assert state.worker_owed
+    state.received(own, answer(own))
+    assert not state.worker_owed
+    # A decision's sync in flight: owed the one after it, whoever begins it.
+    earlier = state.begin(1.0)
+    state.worker_woke(syncing=True)
+    state.received(earlier, answer(earlier))
+    assert state.worker_owed
+    later = state.begin(1.1)
+    state.failed(later, 1.2)  # ended all the same
+    assert not state.worker_owed
+
+
+def test_an_answer_is_checked_entry_by_entry() -> None:
+    reply = decode_reply(
+        [
+            f"{A} 100 2\n{B} -1 1\n{C} 5".encode(),
+            f"{A}\n0.0001 0.02\n{B}\nnan 0.1\n{C}\n0 0.1".encode(),
+            f"{A}\n{time.time() + 10!r}\n{B}\n1e18\n{C}\nsoon".encode(),
+            3,
+        ],
+        now=time.time(),
+        max_ejection_s=60,
+    )
+    assert reply.totals == {A: Load(100, 2)}
+    assert reply.speeds == {A: SPEED}
+    assert set(reply.ejections) == {A}
+    assert reply.skipped == {"over_limit": 3, "load": 2, "speed": 2, "ejection": 2}
+    with pytest.raises(ValueError, match="unpack"):  # of the wrong shape: the sync failed
+        decode_reply([b"", b""], now=0.0, max_ejection_s=60)
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    server = RedisServer(free_port())
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_the_simulators_script_answers_as_the_real_one(redis_server) -> None:
+    """The same syncs of two sidecars, sent to the real script and to the simulator's model of
+    it: the same answers (reservations replaced whole, speeds, an ejection kept at its latest
+    end and forgotten once ended, a sidecar that holds nothing)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    script = client.register_script(SCRIPT)
+    model = ModelledScript()
+    now = time.time()
+    one, two = protocol("one", lease_s=600), protocol("two", lease_s=600)
+
+    async def both(state: SyncProtocol, at: float) -> Reply:
+        sync = state.begin(at)
+        raw = await script(keys=keys("model"), args=sync.args())
+        real = decode_reply(raw, now=at, max_ejection_s=3600)
+        assert model.script(sync) == real, sync
+        state.received(sync, real)
+        return real
+
+    try:
+        held = one.reserve(A, 100)
+        one.reserve(B, 50)
+        one.publish_speed(A, SPEED)
+        one.publish_ejection(B, now + 30)
+        await both(one, now)
+        mine = two.reserve(A, 10)
+        two.publish_ejection(B, now + 10)  # ends earlier than the one stored: not kept
+        two.publish_ejection(C, now + 1)
+        reply = await both(two, now + 0.5)
+        assert reply.totals == {A: Load(110, 2), B: Load(50, 1)}
+        assert reply.ejections == {B: now + 30, C: now + 1}
+        one.release(held)
+        one.publish_speed(A, Speed(0.0002, 0.01))
+        reply = await both(one, now + 2)  # C's ejection has ended
+        assert reply.ejections == {B: now + 30}
+        two.release(mine)
+        reply = await both(two, now + 3)  # two holds nothing now
+        assert reply.totals == {B: Load(50, 1)}
+    finally:
+        await client.aclose()
