@@ -6,7 +6,7 @@ owns the KV fields) or not at all. The engines' servers (uvicorn and Starlette, 
 SGLang) decode every percent-escape before routing, ``%2F`` included, so ``/v1%2Fcompletions``
 is ``/v1/completions`` to them; the HTTP client re-normalises paths too (yarl resolves dot
 segments). So every request is routed on one spelling, and that spelling is what an engine is
-sent (``Engines.send`` builds its URL encoded, untouched):
+sent (``HttpClient.send`` builds its URL encoded, untouched):
 
 1. an absolute-form target (``http://host/x``) stands for its path (``/x``); any other target
    that does not start with ``/`` is refused;

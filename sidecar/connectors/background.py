@@ -143,7 +143,7 @@ class BackgroundWork:
         return await self._send_one(urls[-1], headers, data)
 
     async def _send_one(self, url: str, headers: Mapping[str, str], data: Wire) -> EngineAnswer:
-        return await self._engines.send(
+        return await self._engines.requests.send(
             "POST",
             url,
             headers=headers,

@@ -157,7 +157,7 @@ async def started(
     ``EngineTimeout`` naming ``limit`` (the time and the setting that set it)."""
     try:
         async with asyncio.timeout_at(by):
-            upstream = await engines.send(
+            upstream = await engines.requests.send(
                 method, url, headers=headers, data=data, role="the decode engine"
             )
             with contextlib.ExitStack() as on_failure:

@@ -212,7 +212,7 @@ class Prefill:
             timeout_s = max(0.001, min(timeout_s, remaining))
         answer: object = b""
         try:
-            upstream = await self.engines.send(
+            upstream = await self.engines.requests.send(
                 "POST",
                 self.engines.prefill_url(endpoint) + ex.path,
                 headers=leg.headers(ex.headers),

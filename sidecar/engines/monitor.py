@@ -207,12 +207,11 @@ class EngineMonitor:
         self, base_url: str, timeout_s: float, server_name: str | None = None
     ) -> EngineHealth:
         try:
-            response = await self._engines.send(
+            response = await self._engines.polls.send(
                 "GET",
                 base_url + "/health",
                 headers={},
                 total_s=timeout_s,
-                poll=True,
                 server_name=server_name,
             )
             await response.read()
@@ -228,12 +227,11 @@ class EngineMonitor:
         """The engine's scraped gauges (None when it served none), and whether it could not be
         reached (refused or reset; merely slow is not)."""
         try:
-            response = await self._engines.send(
+            response = await self._engines.polls.send(
                 "GET",
                 base_url + "/metrics",
                 headers={},
                 total_s=self._options.scrape_timeout_s,
-                poll=True,
                 server_name=server_name,
             )
             body = await response.read()

@@ -303,8 +303,16 @@ class HttpClient:
         role: str = "engine",
         server_name: str | None = None,
     ) -> EngineAnswer:
-        """Send a request and return once the status line and headers are in (``Engines.send``
-        says what the arguments mean)."""
+        """Send a request and return once the status line and headers are in.
+
+        ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
+        bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
+        ``url`` is sent as written: its path is the canonical one the request was routed on
+        (``sidecar.paths``), which yarl would otherwise re-normalise (resolving dot segments,
+        decoding escapes such as ``%3B``). ``role`` names the engine in error messages ("the
+        decode engine"). ``server_name``: for ``https://``, the name the certificate is
+        verified against and sent as SNI (None: the URL's host).
+        """
         session = self._session
         if session is None:
             raise RuntimeError("open() was not awaited")
@@ -349,7 +357,8 @@ class HttpClient:
 
 
 class Engines:
-    """HTTP access to the engines: one keep-alive pool for requests, one small one for polls.
+    """HTTP access to the engines: one keep-alive pool for requests (``requests``), one small one
+    for health and metrics polls (``polls``).
 
     Health and metrics polls have a pool of their own: going through the request pool, a poll
     every second or two would reuse its idle connections in turn and keep every one of them
@@ -374,10 +383,10 @@ class Engines:
         self._prefill_server_name = prefill_server_name
         context = None if tls is None else (lambda: tls.context)
         # In-flight requests bound the connections; a cap here would queue silently.
-        self._requests = HttpClient(
+        self.requests = HttpClient(
             connect_timeout_s=connect_timeout_s, keepalive_s=keepalive_s, limit=0, tls=context
         )
-        self._polls = HttpClient(
+        self.polls = HttpClient(
             connect_timeout_s=connect_timeout_s,
             keepalive_s=keepalive_s,
             limit_per_host=POLL_CONNECTIONS_PER_ENGINE,
@@ -397,46 +406,12 @@ class Engines:
         return self._prefill_server_name or endpoint.tls_name
 
     async def open(self) -> None:
-        await self._requests.open()
-        await self._polls.open()
+        await self.requests.open()
+        await self.polls.open()
 
     async def close(self) -> None:
-        await self._requests.close()
-        await self._polls.close()
-
-    async def send(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: CIMultiDict[str] | Mapping[str, str],
-        data: Body = None,
-        total_s: float | None = None,
-        role: str = "engine",
-        poll: bool = False,
-        server_name: str | None = None,
-    ) -> EngineAnswer:
-        """Send a request and return once the status line and headers are in.
-
-        ``total_s`` bounds the whole exchange, body included (None: no bound here; callers
-        bound the wait with their own deadlines). Connecting is bounded by the connect timeout.
-        ``url`` is sent as written: its path is the canonical one the request was routed on
-        (``sidecar.paths``), which yarl would otherwise re-normalise (resolving dot segments,
-        decoding escapes such as ``%3B``). ``role`` names the engine in error messages ("the
-        decode engine"); ``poll`` sends a
-        health or metrics poll through the poll pool. ``server_name``: for ``https://``, the
-        name the certificate is verified against and sent as SNI (None: the URL's host).
-        """
-        client = self._polls if poll else self._requests
-        return await client.send(
-            method,
-            url,
-            headers=headers,
-            data=data,
-            total_s=total_s,
-            role=role,
-            server_name=server_name,
-        )
+        await self.requests.close()
+        await self.polls.close()
 
 
 _TIMEOUTS_KEPT = 16

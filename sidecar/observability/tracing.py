@@ -395,7 +395,8 @@ class NoTracing:
 
 class NoTrace(RequestTrace):
     """A request's trace when tracing is off (``NO_TRACE``): every method does nothing, its
-    legs are ``NO_LEG``, and headers go out as they came."""
+    legs are ``NO_LEG``, and headers go out as they came. (Each takes ``RequestTrace``'s
+    arguments, against which the callers' types are checked.)"""
 
     __slots__ = ()
 
@@ -405,28 +406,22 @@ class NoTrace(RequestTrace):
     def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
         return NO_LEG.headers(base)
 
-    def phase(self, name: str) -> Span:
+    def phase(self, *args: object, **kwargs: object) -> Span:
         return _NO_SPAN
 
-    def done(self, span: Span, attributes: Mapping[str, Any] | None = None) -> None:
-        pass
-
-    def leg(self, name: str, url: str, attributes: Mapping[str, Any] | None = None) -> Leg:
+    def leg(self, *args: object, **kwargs: object) -> Leg:
         return NO_LEG
 
-    def placed(self, span: Span, placement: Placement) -> None:
+    def done(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def end(self, record: RequestRecord) -> None:
+    def placed(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def finish(
-        self,
-        status: int | None,
-        state: str,
-        error: str | None,
-        attributes: Mapping[str, Any] | None = None,
-    ) -> None:
+    def end(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def finish(self, *args: object, **kwargs: object) -> None:
         pass
 
 
@@ -442,20 +437,13 @@ class NoLeg(Leg):
     def headers(self, base: Mapping[str, str]) -> CIMultiDict[str]:
         return base if isinstance(base, CIMultiDict) else CIMultiDict(base)
 
-    def responded(self, status: int) -> None:
+    def responded(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def ended_by(self, exc: BaseException, attributes: Mapping[str, Any] | None = None) -> None:
+    def ended_by(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def end(
-        self,
-        outcome: str,
-        *,
-        status: int | None = None,
-        error: str | None = None,
-        attributes: Mapping[str, Any] | None = None,
-    ) -> None:
+    def end(self, *args: object, **kwargs: object) -> None:
         pass
 
 

@@ -3,7 +3,7 @@ scheduler and /debug/scheduler read the snapshots it publishes.
 
 The engines here are small fake servers on port 0 (the emulator does not log its ``/health`` and
 ``/metrics`` polls): each counts the polls it receives and notes which sidecar code sent them —
-the module where the await chain of every task then waiting in ``Engines.send`` enters the
+the module where the await chain of every task then waiting in ``HttpClient.send`` enters the
 sidecar (the sidecar runs in this process, on this loop).
 """
 
@@ -35,7 +35,7 @@ LONG_S = 3600.0
 
 def sidecar_pollers() -> set[str]:
     """The sidecar modules waiting on an engine's answer right now: for every task inside
-    ``Engines.send``, the first module of the sidecar along its await chain."""
+    ``HttpClient.send``, the first module of the sidecar along its await chain."""
     found: set[str] = set()
     for task in asyncio.all_tasks():
         chain = [_relative(link) for link in awaiting(task)]
