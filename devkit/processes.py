@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -61,6 +62,39 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+QUIET_PORTS = (10000, 32768)
+"""Where ``quiet_port`` looks when the kernel's ephemeral range cannot be read (Linux's default
+range starts at 32768)."""
+_HANDED: set[int] = set()
+
+
+def quiet_port() -> int:
+    """A loopback TCP port free right now and outside the kernel's ephemeral range, for a child
+    that binds it only after seconds of start-up (vLLM: its API and NIXL side-channel ports, some
+    30 s later). ``free_port`` hands out an ephemeral port, which an outgoing connection of any
+    process may take meanwhile: once on CI, a vLLM engine's side channel found its port taken
+    ("Address already in use") and the engine never started. Never the same port twice in one
+    process."""
+    low, high = QUIET_PORTS
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        high = min(high, ephemeral_low)
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(low, high)
+        if port in _HANDED:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    return free_port()
 
 
 class LaunchError(RuntimeError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from devkit.processes import Child, LaunchError, environment, free_port
+from devkit.processes import Child, LaunchError, environment, free_port, quiet_port
 
 SERVED_MODEL = "tiny-llama"
 MAX_MODEL_LEN = 4096
@@ -110,8 +110,9 @@ class VllmEngine:
     kv_connector: KvConnector = "NixlConnector"
     shared_storage_path: Path | None = None
     """ExampleConnector only: the directory both engines of the pair save KV to and load it from."""
-    port: int = field(default_factory=free_port)
-    side_channel_port: int = field(default_factory=free_port)
+    # Bound some 30 s after they are chosen: outside the ephemeral range (``quiet_port``).
+    port: int = field(default_factory=quiet_port)
+    side_channel_port: int = field(default_factory=quiet_port)
     cpu: int | None = None
     """The one core for all of the engine's processes (see ``argv``), None: any core."""
     extra_env: dict[str, str] = field(default_factory=dict)
