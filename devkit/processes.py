@@ -74,7 +74,7 @@ def quiet_port() -> int:
     """A loopback TCP port free right now and outside the kernel's ephemeral range, for a child
     that binds it only after seconds of start-up (vLLM: its API and NIXL side-channel ports, some
     30 s later). ``free_port`` hands out an ephemeral port, which an outgoing connection of any
-    process may take meanwhile: once on CI, a vLLM engine's side channel found its port taken
+    process may take meanwhile: once here, a vLLM engine's side channel found its port taken
     ("Address already in use") and the engine never started. Never the same port twice in one
     process."""
     low, high = QUIET_PORTS
