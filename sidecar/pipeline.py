@@ -9,7 +9,6 @@ prefills, and is the only writer of the request's lifecycle record — from the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -42,6 +41,7 @@ from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.security.trust import PrefillGuard
+from sidecar.tasks import OnFailure
 
 logger = logging.getLogger("sidecar.pipeline")
 
@@ -163,8 +163,7 @@ class Pipeline:
             body, header, local_reason=self._connector.unsupported(body), text=parsed.messages
         )
         trace.placed(placing, placement)
-        with contextlib.ExitStack() as on_failure:  # the rank is the relay's once it answers
-            on_failure.callback(placement.rank.end)
+        with OnFailure(placement.rank.end):  # the rank is the relay's once it answers
             _record_placement(record, placement)
             progress = _Progress(record, self._scheduler, placement)
             exchange = Exchange(
@@ -184,7 +183,6 @@ class Pipeline:
                 answer = await self._connector.run(exchange)
             finally:
                 progress.exchange_ended()
-            on_failure.pop_all()
         return placement, progress, answer
 
     async def _relay(

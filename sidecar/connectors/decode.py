@@ -14,7 +14,6 @@ before its next ``/health`` poll marks it unready. With one rank there is nowher
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from sidecar.engines.upstream import Body, EngineAnswer, Engines
 from sidecar.errors import EngineNotConnected, EngineTimeout
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
+from sidecar.tasks import OnFailure
 
 logger = logging.getLogger("sidecar.connectors.decode")
 
@@ -160,10 +160,8 @@ async def started(
             upstream = await engines.requests.send(
                 method, url, headers=headers, data=data, role="the decode engine"
             )
-            with contextlib.ExitStack() as on_failure:
-                on_failure.callback(upstream.close)
+            with OnFailure(upstream.close):
                 first = await upstream.first_chunk()
-                on_failure.pop_all()
     except TimeoutError:
         raise EngineTimeout(f"the decode engine sent nothing within {limit}") from None
     return upstream, first

@@ -15,7 +15,6 @@ path does no I/O but the backend's single bounded ``reserve``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -48,7 +47,7 @@ from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prompts import estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
-from sidecar.tasks import stop_task
+from sidecar.tasks import OnFailure, stop_task
 
 logger = logging.getLogger("sidecar.scheduling")
 
@@ -196,11 +195,8 @@ class Scheduler:
         tokens = estimate_tokens(body, prompt)
         # The chosen rank will hold this prompt's KV either way (computed or pulled).
         claim, cached = self.ranks.claim(prompt, tokens)
-        with contextlib.ExitStack() as on_failure:
-            on_failure.callback(claim.end)
-            placement = await self._place(claim, tokens, cached, header, local_reason)
-            on_failure.pop_all()
-        return placement
+        with OnFailure(claim.end):
+            return await self._place(claim, tokens, cached, header, local_reason)
 
     async def _place(
         self,
