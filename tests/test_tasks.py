@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from sidecar.tasks import stop_task
+from sidecar.tasks import OnFailure, stop_task
 
 
 @pytest.mark.asyncio
@@ -48,3 +48,17 @@ async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
         await stopper
     release.set()
     await task
+
+
+async def test_on_failure_undoes_only_when_the_block_fails() -> None:
+    undone: list[str] = []
+    with OnFailure(lambda: undone.append("completed")):
+        pass
+    with (
+        pytest.raises(ValueError, match="a step failed"),
+        OnFailure(lambda: undone.append("raised")),
+    ):
+        raise ValueError("a step failed")
+    with pytest.raises(asyncio.CancelledError), OnFailure(lambda: undone.append("cancelled")):
+        raise asyncio.CancelledError
+    assert undone == ["raised", "cancelled"]
