@@ -33,7 +33,7 @@ LEASE_S = 600.0
 """Heartbeats 200 s apart: a sidecar syncs only when a case makes it (a change, a refresh)."""
 TIMEOUT_S = 5.0
 """How long a refresh waits for its sync: on a loaded machine an answer can take a while."""
-A, B = "10.0.0.1:8000", "10.0.0.2:8000"
+A, B = "127.0.0.11:8000", "127.0.0.12:8000"
 SPEED = Speed(0.0001, 0.02)
 
 

@@ -23,7 +23,7 @@ from sidecar.scheduling.state.protocol import (
 )
 from tests.processes import RedisServer, free_port
 
-A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+A, B, C = "127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000"
 SPEED = Speed(0.0001, 0.02)
 
 
