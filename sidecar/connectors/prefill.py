@@ -199,12 +199,14 @@ class Prefill:
         ex: Exchange,
         data: Wire,
         endpoint: Endpoint,
+        url: str,
         accept: Accept,
         read: Reader,
         answering: asyncio.Event,
         leg: Leg,
     ) -> Result:
-        """One prefill call; sets ``answering`` once the engine's status line is in."""
+        """One prefill call to ``url`` (``endpoint``'s); sets ``answering`` once the engine's
+        status line is in."""
         options = self.options
         timeout_s = options.timeout_s
         if ex.deadline is not None:
@@ -214,7 +216,7 @@ class Prefill:
         try:
             upstream = await self.engines.requests.send(
                 "POST",
-                self.engines.prefill_url(endpoint) + ex.path,
+                url,
                 headers=leg.headers(ex.headers),
                 data=data,
                 total_s=timeout_s,
@@ -406,22 +408,26 @@ class Attempt:
         ex.progress.prefill_sent(endpoint, self.number)
         self._progressing = True
         self.started = asyncio.get_running_loop().time()
+        url = prefill.engines.prefill_url(endpoint) + ex.path
         leg = ex.trace.leg(
             "prefill",
-            prefill.engines.prefill_url(endpoint) + ex.path,
+            url,
             {
                 "pd_sidecar.prefill.endpoint": str(endpoint),
                 "pd_sidecar.prefill.attempt": self.number,
             },
         )
         call = asyncio.create_task(
-            prefill.call(ex, data, endpoint, accept, read, self.answering, leg),
+            prefill.call(ex, data, endpoint, url, accept, read, self.answering, leg),
             name=task_name(ex.request_id, "prefill"),
         )
-        call.add_done_callback(functools.partial(prefill.ended, self.placement, self.started, leg))
-        call.add_done_callback(lambda _: self.prefill_done())
+        call.add_done_callback(functools.partial(self._call_ended, leg))
         self._call = call
         return call
+
+    def _call_ended(self, leg: Leg, call: Call) -> None:
+        self._prefill.ended(self.placement, self.started, leg, call)
+        self.prefill_done()
 
     def prefill_done(self) -> None:
         """The record counts the prefill done (once): its call ended, its client left, or the
