@@ -131,6 +131,47 @@ class Settings(BaseSettings):
         description="Blocks remembered by the local prefix-cache estimate (LRU); with "
         "SIDECAR_DECODE_URLS, shared equally by the ranks' indexes.",
     )
+    # Issue 23: what each prefill server holds of the prompts (docs/scheduling.md, "Prefix-aware
+    # prefill placement").
+    prefill_prefix_index: bool = Field(
+        True,
+        description="Predict what each prefill endpoint holds in its prefix cache (the prompts "
+        "placed there, aged against its capacity) and count only the tokens it would compute; "
+        "false: every endpoint computes the whole prompt (prefix-blind).",
+    )
+    prefill_prefix_block_tokens: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Block size, in estimated tokens (4 characters each), of the prefill "
+        "prefix index: a prediction's granularity.",
+    )
+    prefill_cache_tokens: int = Field(
+        262144,
+        ge=0,
+        description="Tokens a prefill endpoint's prefix cache holds when its metrics do not "
+        "say (vLLM exports vllm:cache_config_info; its num_gpu_blocks x block_size wins).",
+    )
+    prefill_prefix_trust: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Share of a predicted prefix-cache hit on a prefill endpoint that the "
+        "decision counts (0: placement ignores the index, which still learns).",
+    )
+    prefix_index_memory_mib: float = Field(
+        48,
+        gt=0,
+        description="Memory, in MiB, that all prefill prefix indexes of a sidecar hold at most "
+        "together (each endpoint an equal share).",
+    )
+    prefix_hash_key: SecretStr | None = Field(
+        None,
+        description="Secret key (at least 16 bytes; from a Kubernetes Secret) of the prefill "
+        "prefix index's block hashes; the same on every sidecar of a pool. With "
+        "SIDECAR_STATE_BACKEND=redis the sidecars share what they placed only when it is "
+        "set; unset, each sidecar draws a key of its own and learns alone.",
+    )
     eject_after_failures: int = Field(
         3, ge=1, description="Consecutive failures that eject a prefill endpoint."
     )
@@ -450,6 +491,13 @@ class Settings(BaseSettings):
         base = info.data.get("eject_base_s")
         if base is not None and base > value:
             raise ValueError(f"{value:g} is below SIDECAR_EJECT_BASE_S ({base:g})")
+        return value
+
+    @field_validator("prefix_hash_key")
+    @classmethod
+    def _hash_key_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value().encode()) < 16:
+            raise ValueError("must be at least 16 bytes (e.g. openssl rand -hex 32)")
         return value
 
     @field_validator("admin_port")

@@ -117,6 +117,12 @@ INVALID = [
     ("SIDECAR_EJECT_BASE_S", "0"),
     ("SIDECAR_EJECT_MAX_S", "0"),
     ("SIDECAR_PREFIX_CACHE_BLOCKS", "-1"),
+    ("SIDECAR_PREFILL_PREFIX_INDEX", "maybe"),
+    ("SIDECAR_PREFILL_PREFIX_BLOCK_TOKENS", "0"),
+    ("SIDECAR_PREFILL_CACHE_TOKENS", "-1"),
+    ("SIDECAR_PREFILL_PREFIX_TRUST", "1.5"),
+    ("SIDECAR_PREFIX_INDEX_MEMORY_MIB", "0"),
+    ("SIDECAR_PREFIX_HASH_KEY", "short"),
     ("SIDECAR_PREFILL_ON_DISCONNECT", "later"),
     ("SIDECAR_PREFILL_HEADERS", "x-prefill-endpoint,bad header"),
     ("SIDECAR_TLS_CERT_FILE", "/etc/tls/tls.crt"),  # without its key

@@ -94,6 +94,9 @@ class Prefilled:
     endpoint: Endpoint
     kv_params: Body
     cached_tokens: int | None
+    """The prefill engine's ``usage.prompt_tokens_details.cached_tokens`` (None: not said)."""
+    prompt_tokens: int | None = None
+    """Its ``usage.prompt_tokens``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from typing import Any
 from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import Release
-from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
+from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
 from sidecar.scheduling.endpoints import Endpoint
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -150,7 +150,7 @@ class NixlConnector:
         params = self.kv_params(answer, endpoint)
         if params is None:
             return None
-        return Prefilled(endpoint, params, cached_tokens(answer))
+        return Prefilled(endpoint, params, cached_tokens(answer), prompt_tokens(answer))
 
     def release_id(self, ex: Exchange) -> str:
         """The ``x-request-id`` of a release: its own, from the engine id (the decode leg it

@@ -173,6 +173,7 @@ class Prefill:
         """A call is over, whoever waited for it: tell the scheduler, count it, end its span."""
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
         outcome, error, cached = "cancelled", None, None
+        counted: int | None = None
         # (An exception is a bug, logged by whoever awaits the call, or by
         # StagedKv._release_when_done.)
         if not call.cancelled() and call.exception() is None:
@@ -184,6 +185,7 @@ class Prefill:
             elif isinstance(result, Prefilled):
                 ok = True
                 outcome, cached = "success", result.cached_tokens
+                counted = result.prompt_tokens
                 self.metrics.prefill_requests_by("success").inc()
             else:
                 outcome, error = "client_error", result.error
@@ -191,7 +193,9 @@ class Prefill:
         elif not call.cancelled():
             outcome, error = "error", repr(call.exception())
         seconds = asyncio.get_running_loop().time() - started
-        self.scheduler.prefill_finished(placement, ok=ok, seconds=seconds)
+        self.scheduler.prefill_finished(
+            placement, ok=ok, seconds=seconds, prompt_tokens=counted, cached_tokens=cached
+        )
         leg.end(outcome, error=error, attributes={"pd_sidecar.cached_tokens": cached})
 
     async def call(

@@ -21,7 +21,7 @@ from sidecar.connectors.nixl import (
     one_token_leg,
 )
 from sidecar.connectors.parts import Parts
-from sidecar.connectors.usage import CachedTokensPatch, cached_tokens
+from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
 from sidecar.scheduling.endpoints import Endpoint
 
 
@@ -63,4 +63,4 @@ class SharedStorageConnector:
 
 def _accept(answer: object, endpoint: Endpoint) -> Prefilled:
     """Any 2xx JSON answer: the prompt's KV is in the store."""
-    return Prefilled(endpoint, {}, cached_tokens(answer))
+    return Prefilled(endpoint, {}, cached_tokens(answer), prompt_tokens(answer))

@@ -27,6 +27,13 @@ def cached_tokens(answer: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def prompt_tokens(answer: Any) -> int | None:
+    """``usage.prompt_tokens``: the prompt's tokens as the engine counted them."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    value = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 @dataclass(frozen=True, slots=True)
 class CachedTokensPatch:
     """Sets ``cached_tokens`` where the decode engine reported it (never adds the field)."""

@@ -53,7 +53,7 @@ FALLBACK_REASONS = (
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
 DISCONNECT_ACTIONS = ("abort", "finish")
 STATE_ERROR_KINDS = ("timeout", "connection")
-STATE_SKIPPED_KINDS = ("load", "speed", "ejection", "over_limit")
+STATE_SKIPPED_KINDS = ("load", "speed", "ejection", "over_limit", "prefix")
 TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
 INFERENCE_POOL_ERROR_KINDS = ("unreachable", "refused", "expired", "invalid")
@@ -237,6 +237,27 @@ class Metrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self.prefix_error = Histogram(
+            "pd_sidecar_prefill_prefix_error_tokens",
+            "Prefix-cache hit the prefill prefix index predicted for a prefill, less what the "
+            "engine reported (usage.prompt_tokens_details.cached_tokens), in engine tokens: "
+            "positive when the endpoint held less than predicted.",
+            buckets=(-16384, -4096, -1024, -256, -64, 0, 64, 256, 1024, 4096, 16384),
+            registry=self.registry,
+        )
+        self.prefix_cached_tokens = Counter(
+            "pd_sidecar_prefill_cached_tokens",
+            "Prompt tokens of remote prefills found in the prefill engine's prefix cache, as "
+            "predicted by the prefill prefix index and as reported by the engine (prefills "
+            "whose answer said, only).",
+            ["source"],
+            registry=self.registry,
+        )
+        self.prefix_index_blocks = Gauge(
+            "pd_sidecar_prefill_prefix_index_blocks",
+            "Blocks held by the prefill prefix indexes (every endpoint's together).",
+            registry=self.registry,
+        )
         self.state_backend_errors = Counter(
             "pd_sidecar_state_backend_errors",
             "Shared-state backend failures, by kind (timeout, connection).",
@@ -318,6 +339,7 @@ class Metrics:
             (self.state_entries_skipped, STATE_SKIPPED_KINDS),
             (self.inference_pool_errors, INFERENCE_POOL_ERROR_KINDS),
             (self.bodies_refused, BODY_REFUSAL_REASONS),
+            (self.prefix_cached_tokens, ("predicted", "reported")),
         ):
             for value in values:
                 family.labels(value)

@@ -6,7 +6,8 @@ is the price paid to keep long prefills out of the local decode batch (whose eve
 stalls while a local prefill runs); past it the pool counts as saturated.
 
 "Uncached" is relative to the local decode engine's prefix cache (``cached_tokens``); a prefill
-engine does not hold that cache, so a remote prefill is predicted for the whole prompt.
+engine does not hold that cache, so a remote prefill is predicted for the prompt less what the
+prefill prefix index predicts that endpoint holds (its candidate's ``cached_tokens``).
 The ratio trades goodput against prefill-queue length; docs/scheduling.md has the simulator's
 numbers for 2, 3, 4 and 6.
 """
@@ -61,7 +62,9 @@ class Decider:
         remote_s = self.remote_seconds(chosen, prompt_tokens)
         if not self._always and remote_s > self._ttft_ratio * local_s:
             return stay("pool_saturated")
-        return Decision(chosen.key, "scheduled", prompt_tokens, uncached, remote_s)
+        return Decision(
+            chosen.key, "scheduled", prompt_tokens, uncached, remote_s, chosen.cached_tokens
+        )
 
     def remote_seconds(self, candidate: Candidate, prompt_tokens: int) -> float:
         """Predicted time to first token of a prefill on ``candidate``."""

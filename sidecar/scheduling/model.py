@@ -49,6 +49,9 @@ class Candidate:
     running: float | None = None
     kv_usage: float | None = None
     speed: Speed = Speed(1e-4, 0.02)
+    cached_tokens: int = 0
+    """Tokens of this prompt the endpoint is predicted to hold in its prefix cache (the prefill
+    prefix index's match, weighed by how much a predicted hit is trusted): it computes the rest."""
 
     def scraped_requests(self) -> float | None:
         if self.waiting is None and self.running is None:
@@ -91,3 +94,6 @@ class Decision:
     uncached_tokens: int = 0
     predicted_s: float | None = None
     """Predicted time to first token where the prefill was placed (remote or local)."""
+    remote_cached_tokens: int = 0
+    """Tokens the chosen prefill endpoint was predicted to hold (its candidate's
+    ``cached_tokens``); 0 for a local prefill, or without the prefill prefix index."""

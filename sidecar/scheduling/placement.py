@@ -14,6 +14,7 @@ backend and metrics; the simulator (``bench/sim``) with a modelled cluster in vi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -29,6 +30,7 @@ from sidecar.scheduling.estimates import (
     toward,
 )
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Speed
+from sidecar.scheduling.prefixes import PrefillPrefixes, PrefixGuess
 from sidecar.scheduling.ranks import DecodeRank, RankClaim
 from sidecar.scheduling.state import Reservation, SharedView
 
@@ -73,8 +75,11 @@ class PrefillOutlook:
 
 def reserved_tokens(decision: Decision) -> int:
     """What a placement reserves on its prefill endpoint: the prompt's tokens not in the local
-    decode rank's cache (the decider's ``uncached_tokens``), as estimated at decision time."""
-    return decision.uncached_tokens
+    decode rank's cache (the decider's ``uncached_tokens``), as estimated at decision time, or
+    fewer when the endpoint is predicted to hold more of the prompt than that rank does."""
+    return min(
+        decision.uncached_tokens, max(0, decision.prompt_tokens - decision.remote_cached_tokens)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,8 @@ class Placement:
     ends the claim when the request ends."""
     reservation: Reservation | None = None
     local_tokens: int = 0
+    prefix: PrefixGuess | None = None
+    """The prefill prefix index's prediction for the endpoint, compared with its answer."""
 
 
 class Planner:
@@ -100,12 +107,15 @@ class Planner:
         stale_after_s: float,
         half_life_s: float | None = SPEED_HALF_LIFE_S,
         retest_s: float = RETEST_S,
+        prefixes: PrefillPrefixes | None = None,
     ) -> None:
         """``stale_after_s``: a scrape older than this is ignored (three scrape intervals).
         ``half_life_s``: prefill speed estimates decay toward the prior with this half-life
         (None: never). ``retest_s``: an endpoint sent nothing for this long is re-tested (0:
-        never)."""
+        never). ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate
+        computes the whole prompt)."""
         self.decider = decider
+        self.prefixes = prefixes
         self.pool: dict[str, EndpointState] = {}
         # One estimate for every decode rank: the same model on the same hardware. It does not
         # decay: short prompts always prefill locally, so it never runs out of evidence.
@@ -147,9 +157,19 @@ class Planner:
         if state is not None:
             state.last_sent = now
 
-    def candidates(self, view: SharedView, now: float, wall: float) -> list[Candidate]:
+    def leave(self, key: str) -> None:
+        """``key`` left the pool."""
+        self.pool.pop(key, None)
+        if self.prefixes is not None:
+            self.prefixes.forget(key)
+
+    def candidates(
+        self, view: SharedView, now: float, wall: float, hashes: Sequence[bytes] = ()
+    ) -> list[Candidate]:
         """Every available endpoint as a policy sees it: not draining, not ejected here, not
-        ejected by another sidecar (``view.ejected_until``, Unix time)."""
+        ejected by another sidecar (``view.ejected_until``, Unix time); with ``hashes`` (the
+        prompt's prefix blocks), what each is predicted to hold of it."""
+        prefixes = self.prefixes if hashes else None
         candidates = []
         for key, state in self.pool.items():
             if state.draining or not state.health.available(now):
@@ -166,15 +186,20 @@ class Planner:
                     running=self.fresh(state.load, "running", now),
                     kv_usage=self.fresh(state.load, "kv_usage", now),
                     speed=self.speed(state, view.speeds.get(key), now),
+                    cached_tokens=0
+                    if prefixes is None
+                    else prefixes.predicted_tokens(prefixes.matched_blocks(key, hashes)),
                 )
             )
         return candidates
 
-    def candidate(self, key: str, view: SharedView, now: float, wall: float) -> Candidate:
+    def candidate(
+        self, key: str, view: SharedView, now: float, wall: float, hashes: Sequence[bytes] = ()
+    ) -> Candidate:
         """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
         stranger: the prior speed, no load known."""
         if key in self.pool:
-            for found in self.candidates(view, now, wall):
+            for found in self.candidates(view, now, wall, hashes):
                 if found.key == key:
                     return found
         return Candidate(key=key, speed=PREFILL_PRIOR)
@@ -189,16 +214,18 @@ class Planner:
         view: SharedView,
         now: float,
         wall: float,
+        hashes: Sequence[bytes] = (),
     ) -> Decision:
         """Where a request placed on ``rank`` prefills: the decider on the pool's candidates and
         the rank's local view (its local prefills not at their first byte yet, its scraped
-        ``waiting`` queue, the observed local speed).
+        ``waiting`` queue, the observed local speed). ``hashes``: the prompt's prefix blocks
+        (``PrefixHasher``), looked up in every endpoint's prefix index.
 
         A request the decider sends remote goes instead to the candidate longest without a
         prefill from this sidecar when that is ``retest_s`` or more (reason ``retest``): an
         endpoint the policy stopped choosing gets one prefill per ``retest_s``, so its estimate
         learns whether it recovered. A re-test never turns a local decision into a remote one."""
-        candidates = self.candidates(view, now, wall)
+        candidates = self.candidates(view, now, wall, hashes)
         decision = self.decider.decide(
             candidates,
             LocalView(rank.ahead_tokens, waiting, self.local_speed.value),
@@ -212,7 +239,13 @@ class Planner:
         if due is not None and due.key != key:
             key = due.key
             predicted = self.decider.remote_seconds(due, prompt_tokens)
-            decision = replace(decision, endpoint=key, reason="retest", predicted_s=predicted)
+            decision = replace(
+                decision,
+                endpoint=key,
+                reason="retest",
+                predicted_s=predicted,
+                remote_cached_tokens=due.cached_tokens,
+            )
         self.sent(key, now)
         return decision
 

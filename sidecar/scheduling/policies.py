@@ -1,8 +1,9 @@
 """Prefill-partner policies: pure, synchronous, free of I/O (the simulator runs them as they are).
 
-Each gets the available candidates and the tokens the prefill engine will compute (the decider
-passes the whole prompt: a prefill engine does not hold the decode engine's prefix cache), and
-returns one candidate or None when there is none. Randomness comes from an injected
+Each gets the available candidates and the prompt's tokens (the decider passes the whole prompt:
+a prefill engine does not hold the decode engine's prefix cache; a candidate's ``cached_tokens``
+says what the prefill prefix index predicts it holds), and returns one candidate or None when
+there is none. Randomness comes from an injected
 ``random.Random`` (seeded in tests and the simulator).
 """
 
@@ -31,8 +32,10 @@ def predicted_ttft(
     transfer: Transfer,
     tokens_per_waiting: float = TOKENS_PER_WAITING,
 ) -> float:
-    """Queue ahead and this prompt at the endpoint's observed speed, plus the KV transfer."""
-    work = candidate.queued_tokens(tokens_per_waiting) + tokens
+    """Queue ahead and the prompt's tokens the endpoint does not hold, at its observed speed, plus
+    the KV transfer of the whole prompt (the decode engine pulls every block)."""
+    computed = max(0, tokens - candidate.cached_tokens)
+    work = candidate.queued_tokens(tokens_per_waiting) + computed
     return candidate.speed.seconds(work) + transfer.seconds(tokens)
 
 
@@ -97,9 +100,10 @@ class Qoe:
     """Lowest predicted time to first token among ``choices`` random candidates (all of them
     when there are no more).
 
-    Predicted TTFT = (tokens queued ahead + this prompt's uncached tokens) x the endpoint's
-    observed seconds per token + its overhead + the KV transfer estimate. A small ``choices``
-    (2) trades the best pick for less herding when sidecars decide on one stale view.
+    Predicted TTFT = (tokens queued ahead + the prompt's tokens it is not predicted to hold) x
+    the endpoint's observed seconds per token + its overhead + the KV transfer estimate. A small
+    ``choices`` (2) trades the best pick for less herding when sidecars decide on one stale
+    view; the candidate predicted to hold most of the prompt is compared whatever the sample.
     """
 
     name = "qoe"
@@ -119,6 +123,12 @@ class Qoe:
 
     def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
         sample = _sample(candidates, self._choices, self._rng)
+        if len(sample) < len(candidates):
+            # The endpoint predicted to hold most of the prompt is always compared: a sample
+            # without it would recompute a prefix the pool holds.
+            holder = max(candidates, key=lambda c: c.cached_tokens)
+            if holder.cached_tokens > 0 and holder not in sample:
+                sample = [*sample, holder]
         return _lowest(
             sample,
             lambda c: predicted_ttft(c, tokens, self._transfer, self._tokens_per_waiting),

@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from sidecar.scheduling.placement import (
     speed_dict,
 )
 from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.prefixes import PrefillPrefixes, PrefixGuess, PrefixHasher, blocks_within
 from sidecar.scheduling.prompts import estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
@@ -69,6 +71,12 @@ class SchedulerOptions:
     scheduler_retest_s: float
     prefix_block_tokens: int
     prefix_cache_blocks: int
+    prefill_prefix_index: bool
+    prefill_prefix_block_tokens: int
+    prefill_cache_tokens: int
+    prefill_prefix_trust: float
+    prefix_index_memory_mib: float
+    prefix_hash_key: bytes | None
     scrape_interval_s: float
     discovery_interval_s: float
     eject_after_failures: int
@@ -89,6 +97,14 @@ class SchedulerOptions:
             scheduler_retest_s=settings.scheduler_retest_s,
             prefix_block_tokens=settings.prefix_block_tokens,
             prefix_cache_blocks=settings.prefix_cache_blocks,
+            prefill_prefix_index=settings.prefill_prefix_index,
+            prefill_prefix_block_tokens=settings.prefill_prefix_block_tokens,
+            prefill_cache_tokens=settings.prefill_cache_tokens,
+            prefill_prefix_trust=settings.prefill_prefix_trust,
+            prefix_index_memory_mib=settings.prefix_index_memory_mib,
+            prefix_hash_key=None
+            if settings.prefix_hash_key is None
+            else settings.prefix_hash_key.get_secret_value().encode(),
             scrape_interval_s=settings.scrape_interval_s,
             discovery_interval_s=settings.discovery_interval_s,
             eject_after_failures=settings.eject_after_failures,
@@ -111,6 +127,17 @@ class Scheduler:
         self.backend = backend
         self._metrics = metrics
         self._rng = random.Random(options.scheduler_seed)
+        self._hasher: PrefixHasher | None = None
+        prefixes: PrefillPrefixes | None = None
+        if options.prefill_prefix_index:
+            block = options.prefill_prefix_block_tokens
+            self._hasher = PrefixHasher(options.prefix_hash_key, block_tokens=block)
+            prefixes = PrefillPrefixes(
+                block_tokens=block,
+                capacity_blocks=options.prefill_cache_tokens // block,
+                max_blocks=blocks_within(int(options.prefix_index_memory_mib * 2**20)),
+                trust=options.prefill_prefix_trust,
+            )
         self._planner = Planner(
             Decider(
                 make_policy(options.scheduler_policy, self._rng, choices=options.scheduler_choices),
@@ -122,7 +149,9 @@ class Scheduler:
             stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
             half_life_s=options.speed_half_life_s,
             retest_s=options.scheduler_retest_s,
+            prefixes=prefixes,
         )
+        self._prefixes = prefixes
         self._decider = self._planner.decider
         self.ranks = DecodeRanks(
             options.decode_ranks,
@@ -139,6 +168,27 @@ class Scheduler:
     # --- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
+        prefixes = self._prefixes
+        if prefixes is not None:
+            shared = self._options.prefix_hash_key is not None and self.backend.share_prefixes(
+                self.learned_prefix
+            )
+            logger.info(
+                "prefill prefix index on: blocks of %d tokens, %d blocks at most, %s; it learns "
+                "what the prefill servers evicted from their answers' "
+                "usage.prompt_tokens_details.cached_tokens (vLLM: --enable-prompt-tokens-details), "
+                "and runs open-loop without them",
+                prefixes.block_tokens,
+                prefixes.max_blocks,
+                "shared through the state backend"
+                if shared
+                else "not shared"
+                + (
+                    " (set SIDECAR_PREFIX_HASH_KEY, the same on every sidecar, to share it)"
+                    if self.backend.name != "memory"
+                    else ""
+                ),
+            )
         await self.backend.start()
         await self.refresh_pool()
         if self._discovery.uses_dns:
@@ -166,7 +216,7 @@ class Scheduler:
                 state.draining = True
                 logger.info("prefill endpoint %s left discovery: draining", key)
             if state.draining and state.inflight == 0:
-                del self._pool[key]
+                self._planner.leave(key)
                 self._metrics.forget_endpoint(key)
 
     def _new_health(self) -> Health:
@@ -196,7 +246,7 @@ class Scheduler:
         # The chosen rank will hold this prompt's KV either way (computed or pulled).
         claim, cached = self.ranks.claim(prompt, tokens)
         with OnFailure(claim.end):
-            return await self._place(claim, tokens, cached, header, local_reason)
+            return await self._place(claim, tokens, cached, header, local_reason, prompt)
 
     async def _place(
         self,
@@ -205,6 +255,7 @@ class Scheduler:
         cached: int,
         header: Endpoint | None,
         local_reason: str | None,
+        prompt: str | bytes,
     ) -> Placement:
         if local_reason is not None:
             uncached = max(0, tokens - cached)
@@ -212,14 +263,19 @@ class Scheduler:
             self._count(decision)
             claim.prefilling(uncached)
             return Placement(decision, None, claim, local_tokens=uncached)
+        # The prompt's prefix blocks, hashed once and looked up on every candidate.
+        prompt_bytes = prompt.encode() if isinstance(prompt, str) else prompt
+        hashes = self._hasher.hashes(prompt_bytes) if self._hasher is not None else ()
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
-            candidate = self._planner.candidate(str(header), *self._now())
+            candidate = self._planner.candidate(str(header), *self._now(), hashes)
             predicted = self._decider.remote_seconds(candidate, tokens)
             uncached = max(0, tokens - cached)
-            decision = Decision(str(header), "header", tokens, uncached, predicted)
+            decision = Decision(
+                str(header), "header", tokens, uncached, predicted, candidate.cached_tokens
+            )
             self._count(decision)
-            return self._reserve(decision, header, claim)
+            return self._reserve(decision, header, claim, hashes, len(prompt_bytes))
         rank = claim.rank
         await self.backend.refresh()  # the others' reservations as of now, not of our last sync
         view, now, wall = self._now()
@@ -231,12 +287,14 @@ class Scheduler:
             view=view,
             now=now,
             wall=wall,
+            hashes=hashes,
         )
         self._count(decision)
         if decision.endpoint is None:
             claim.prefilling(decision.uncached_tokens)
             return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
-        return self._reserve(decision, self._pool[decision.endpoint].endpoint, claim)
+        endpoint = self._pool[decision.endpoint].endpoint
+        return self._reserve(decision, endpoint, claim, hashes, len(prompt_bytes))
 
     async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
@@ -244,34 +302,61 @@ class Scheduler:
         decision = failed.decision
         if failed.endpoint is None:
             return None
+        guess = failed.prefix
+        hashes, size = (guess.hashes, guess.prompt_bytes) if guess is not None else ((), 0)
         if decision.reason == "header":
-            return self._reserve(decision, failed.endpoint, failed.rank)
+            return self._reserve(decision, failed.endpoint, failed.rank, hashes, size)
         await self.backend.refresh()
-        candidates = [c for c in self._candidates() if c.key not in tried]
-        chosen = self._decider.policy.choose(candidates, decision.uncached_tokens)
+        candidates = [c for c in self._candidates(hashes) if c.key not in tried]
+        chosen = self._decider.policy.choose(candidates, decision.prompt_tokens)
         if chosen is None:
             return None
-        retried = dataclasses.replace(decision, endpoint=chosen.key)
-        return self._reserve(retried, self._pool[chosen.key].endpoint, failed.rank)
+        retried = dataclasses.replace(
+            decision, endpoint=chosen.key, remote_cached_tokens=chosen.cached_tokens
+        )
+        endpoint = self._pool[chosen.key].endpoint
+        return self._reserve(retried, endpoint, failed.rank, hashes, size)
 
     def pool_endpoints(self) -> list[Endpoint]:
         """Every endpoint of the pool, draining ones included (for the header allowlist)."""
         return [state.endpoint for state in self._pool.values()]
 
-    def _reserve(self, decision: Decision, endpoint: Endpoint, rank: RankClaim) -> Placement:
+    def _reserve(
+        self,
+        decision: Decision,
+        endpoint: Endpoint,
+        rank: RankClaim,
+        hashes: tuple[bytes, ...] = (),
+        prompt_bytes: int = 0,
+    ) -> Placement:
         state = self._pool.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
         state.inflight += 1
         self._planner.sent(state.key, time.monotonic())
         reservation = self.backend.reserve(state.key, reserved_tokens(decision))
-        return Placement(decision, endpoint, rank, reservation)
+        guess = None
+        if self._prefixes is not None and hashes:
+            matched = self._prefixes.matched_blocks(state.key, hashes)
+            guess = PrefixGuess(hashes, prompt_bytes, matched)
+            # The endpoint is about to compute (or find) the whole prompt: it holds it next.
+            self._prefixes.placed(state.key, hashes)
+            self.backend.publish_prefix(state.key, hashes)
+        return Placement(decision, endpoint, rank, reservation, prefix=guess)
 
     def prefill_finished(
-        self, placement: Placement, *, ok: bool | None, seconds: float | None = None
+        self,
+        placement: Placement,
+        *,
+        ok: bool | None,
+        seconds: float | None = None,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         """The prefill leg ended: ``ok`` True (usable answer), False (the endpoint failed),
-        None (cancelled, or the client's own fault: says nothing about the endpoint)."""
+        None (cancelled, or the client's own fault: says nothing about the endpoint). With a
+        usable answer, ``prompt_tokens`` and ``cached_tokens`` are what the engine's usage said
+        (None: it did not): the prefill prefix index's feedback."""
         reservation = placement.reservation
         if reservation is None:
             return
@@ -281,6 +366,8 @@ class Scheduler:
             return
         state.inflight -= 1
         if ok is True:
+            if placement.prefix is not None:
+                self._prefix_answered(state.key, placement.prefix, prompt_tokens, cached_tokens)
             state.health.success()
             if seconds is not None:
                 speed = self._planner.prefill_observed(reservation, seconds, time.monotonic())
@@ -289,8 +376,34 @@ class Scheduler:
         elif ok is False:
             self._failure(state)
         if state.draining and state.inflight == 0:
-            del self._pool[state.key]
+            self._planner.leave(state.key)
             self._metrics.forget_endpoint(state.key)
+
+    def _prefix_answered(
+        self, key: str, guess: PrefixGuess, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> None:
+        assert self._prefixes is not None
+        feedback = self._prefixes.feedback()
+        error = self._prefixes.answered(key, guess, prompt_tokens, cached_tokens)
+        if error is None:
+            if feedback == "none" and self._prefixes.feedback() == "open":
+                logger.warning(
+                    "prefill endpoint %s answered without usage.prompt_tokens_details: the "
+                    "prefill prefix index runs open-loop (start the prefill engines with vLLM's "
+                    "--enable-prompt-tokens-details to let it learn what they evicted)",
+                    key,
+                )
+            return
+        assert cached_tokens is not None
+        self._metrics.prefix_error.observe(error)
+        self._metrics.prefix_cached_tokens.labels("predicted").inc(max(0.0, cached_tokens + error))
+        self._metrics.prefix_cached_tokens.labels("reported").inc(cached_tokens)
+
+    def learned_prefix(self, key: str, hashes: Sequence[bytes]) -> None:
+        """Another sidecar placed a prompt with these ``hashes`` on ``key`` (the state backend's
+        prefix share): only for endpoints of this pool."""
+        if self._prefixes is not None and key in self._pool:
+            self._prefixes.placed(key, hashes)
 
     def prefill_outlook(self, placement: Placement, elapsed_s: float) -> PrefillOutlook:
         """How a prefill stands ``elapsed_s`` after it was sent to ``placement``'s endpoint
@@ -333,8 +446,8 @@ class Scheduler:
         """The backend's view, the monotonic and the wall time: what a decision is made on."""
         return self.backend.view(), time.monotonic(), time.time()
 
-    def _candidates(self) -> list[Candidate]:
-        return self._planner.candidates(*self._now())
+    def _candidates(self, hashes: Sequence[bytes] = ()) -> list[Candidate]:
+        return self._planner.candidates(*self._now(), hashes)
 
     def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
         return self._planner.fresh(load, name, time.monotonic())
@@ -377,6 +490,9 @@ class Scheduler:
                 self._failure(state)
             return
         state.load = snapshot.load
+        capacity = getattr(snapshot.load, "cache_tokens", None)
+        if capacity and self._prefixes is not None:
+            self._prefixes.set_capacity(state.key, capacity)
         if snapshot.unreachable:
             self._failure(state)
 
@@ -396,6 +512,8 @@ class Scheduler:
             self._metrics.endpoint_ejections.labels(key)
         for rank in self.ranks:
             self._metrics.decode_rank_inflight.labels(str(rank.index)).set(rank.inflight)
+        if self._prefixes is not None:
+            self._metrics.prefix_index_blocks.set(len(self._prefixes))
 
     # --- /debug/scheduler ------------------------------------------------------------------
 
@@ -417,5 +535,8 @@ class Scheduler:
                 "prefix_index_blocks": sum(len(rank.prefix) for rank in self.ranks),
             },
             "decode_ranks": self.ranks.describe(now),
+            "prefill_prefixes": {"enabled": False}
+            if self._prefixes is None
+            else {"enabled": True, **self._prefixes.describe()},
             "endpoints": self._planner.describe(view, now, wall),
         }

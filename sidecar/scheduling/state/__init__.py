@@ -10,6 +10,7 @@ request path.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,6 +67,17 @@ class StateBackend(Protocol):
 
     def publish_ejection(self, endpoint: str, until_unix: float) -> None: ...
 
+    def share_prefixes(self, learnt: Callable[[str, Sequence[bytes]], None]) -> bool:
+        """Share the prefill prefix index from ``start`` on: ``publish_prefix`` sends, and
+        ``learnt(endpoint, hashes)`` is called with the other sidecars' placements. False when
+        the backend has nobody to share with (memory)."""
+        ...
+
+    def publish_prefix(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        """A prompt with these block hashes was sent to ``endpoint``; published off the request
+        path (nothing when not sharing)."""
+        ...
+
     def status(self) -> dict[str, Any]:
         """For /debug/scheduler."""
         ...
@@ -121,6 +133,12 @@ class MemoryState:
 
     def publish_ejection(self, endpoint: str, until_unix: float) -> None:
         self._ejected[endpoint] = until_unix
+
+    def share_prefixes(self, learnt: Callable[[str, Sequence[bytes]], None]) -> bool:
+        return False
+
+    def publish_prefix(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        return None
 
     def status(self) -> dict[str, Any]:
         return {"backend": self.name, "connected": True}

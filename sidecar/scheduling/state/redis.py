@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -39,8 +39,16 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.scheduling.model import Speed
-from sidecar.scheduling.state import Reservation, SharedView
-from sidecar.scheduling.state.protocol import SCRIPT, SyncProtocol, decode_reply, keys
+from sidecar.scheduling.state import Reservation, SharedView, prefix_share
+from sidecar.scheduling.state.prefix_share import PrefixShare, stream_key
+from sidecar.scheduling.state.protocol import (
+    BACKOFF_FIRST_S,
+    BACKOFF_MAX_S,
+    SCRIPT,
+    SyncProtocol,
+    decode_reply,
+    keys,
+)
 from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
@@ -81,6 +89,12 @@ class RedisState:
         self._clock = clock
         self._wake = asyncio.Event()
         self._protocol = SyncProtocol(uuid.uuid4().hex, lease_s=lease_s, wake=self._wake.set)
+        self._share: PrefixShare | None = None
+        self._stream = stream_key(prefix)
+        self._learnt: Callable[[str, Sequence[bytes]], None] = lambda endpoint, hashes: None
+        self._share_wake = asyncio.Event()
+        self._share_script: Any = None
+        self._sharer: asyncio.Task[None] | None = None
         self._client: aioredis.Redis | RedisCluster | None = None
         self._script: Any = None
         self._sync: asyncio.Task[None] | None = None
@@ -106,9 +120,12 @@ class RedisState:
             )
         self._script = self._client.register_script(SCRIPT)
         self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
+        if self._share is not None:
+            self._share_script = self._client.register_script(prefix_share.SCRIPT)
+            self._sharer = asyncio.create_task(self._share_work(), name="redis-prefix-share")
 
     async def close(self) -> None:
-        for task in (self._worker, self._sync):
+        for task in (self._sharer, self._worker, self._sync):
             if task is not None:
                 await stop_task(task)
         if self._client is not None:
@@ -146,9 +163,23 @@ class RedisState:
     def publish_ejection(self, endpoint: str, until_unix: float) -> None:
         self._protocol.publish_ejection(endpoint, until_unix)
 
+    def share_prefixes(self, learnt: Callable[[str, Sequence[bytes]], None]) -> bool:
+        self._share = PrefixShare(self._protocol.sidecar)
+        self._learnt = learnt
+        return True
+
+    def publish_prefix(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        if self._share is not None:
+            self._share.publish(endpoint, hashes)
+            self._share_wake.set()
+
     def status(self) -> dict[str, Any]:
+        share = self._share
         return {
             "backend": self.name,
+            "prefix_share": None
+            if share is None
+            else {"pending": share.pending, "dropped": share.dropped, "cursor": share.cursor},
             "connected": self.connected,
             "sidecar_id": self._protocol.sidecar,
             "last_sync_unix": self.last_sync_unix,
@@ -220,6 +251,36 @@ class RedisState:
             self.last_sync_unix = self._clock()
         finally:
             self._sync = None
+
+    async def _share_work(self) -> None:
+        """The prefix share's syncs: a batch of placements at most every ``SYNC_S``, and a read
+        of the others' every ``4 × SYNC_S`` when there is nothing to send; backs off on failure
+        as the state sync does. Off the request path: a decision never waits for it."""
+        share = self._share
+        assert share is not None
+        assert self._share_script is not None
+        backoff = 0.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(4 * prefix_share.SYNC_S):
+                    await self._share_wake.wait()
+            self._share_wake.clear()
+            await asyncio.sleep(max(backoff, prefix_share.SYNC_S))
+            args, sending = share.begin()
+            try:
+                reply = await self._share_script(keys=[self._stream], args=args)
+            except Exception as exc:
+                if not isinstance(exc, _ERRORS):
+                    logger.exception("prefix share sync failed unexpectedly")
+                share.failed(sending)
+                backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * backoff))
+                continue
+            backoff = 0.0
+            learnt, skipped = share.received(reply)
+            if skipped:
+                self._on_skipped("prefix", skipped)
+            for entry in learnt:
+                self._learnt(entry.endpoint, entry.hashes)
 
     def _record_error(self, kind: str, detail: str) -> None:
         if self.connected or self.last_error is None:

@@ -1,0 +1,154 @@
+"""Sharing the prefill prefix index through Redis, without I/O: what a sidecar placed goes out,
+what the others placed comes in.
+
+A placement publishes the prompt's block hashes (``prefixes.PrefixHasher``: keyed, so Redis holds
+digests nobody without the key can recompute) for its endpoint. They wait in a bounded queue
+(``MAX_PENDING`` placements; the oldest are dropped first, counted) until the share's own sync,
+off the decision's path: one script call that appends them to a stream (``{prefix}:prefixes``,
+capped at ``STREAM_ENTRIES`` entries, so Redis holds a few MiB at most) and reads the entries
+after this sidecar's cursor, at most ``REPLY_BYTES`` of them per call (the rest comes with the
+next). A new sidecar starts from the stream's beginning: it learns what the pool was sent lately.
+
+Everything read back is validated before use: an endpoint key of at most ``MAX_KEY_BYTES``, hashes
+a multiple of ``DIGEST_BYTES`` long and at most ``MAX_PROMPT_BLOCKS`` of them; anything else is
+skipped and counted. The stream key shares the pool's hash tag: on a Redis Cluster it lives in
+the pool's slot, with the other keys.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar.scheduling.prefixes import DIGEST_BYTES, MAX_PROMPT_BLOCKS
+from sidecar.scheduling.state.protocol import MAX_KEY_BYTES
+
+MAX_PENDING = 1024
+"""Placements waiting for the share's next sync."""
+STREAM_ENTRIES = 4096
+"""Placements the stream keeps (approximately: Redis trims whole nodes)."""
+REPLY_BYTES = 64 * 1024
+"""Bytes of hashes one sync reads back at most (8,192 blocks: a few milliseconds of the loop to
+apply)."""
+SYNC_S = 0.25
+"""How often the share syncs while there is something to send, and polls otherwise (4 × that)."""
+
+SCRIPT = """
+local sid, cursor, maxlen, budget = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = tonumber(ARGV[5])
+local i = 6
+for _ = 1, n do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 's', sid, 'e', ARGV[i], 'h', ARGV[i + 1])
+  i = i + 2
+end
+local range
+if cursor == '' then
+  range = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 512)
+else
+  range = redis.call('XRANGE', KEYS[1], '(' .. cursor, '+', 'COUNT', 512)
+end
+local out, used, last = {}, 0, cursor
+for _, entry in ipairs(range) do
+  local fields = entry[2]
+  local from, ep, hashes = nil, nil, nil
+  for j = 1, #fields, 2 do
+    if fields[j] == 's' then from = fields[j + 1]
+    elseif fields[j] == 'e' then ep = fields[j + 1]
+    elseif fields[j] == 'h' then hashes = fields[j + 1] end
+  end
+  local size = (ep and #ep or 0) + (hashes and #hashes or 0)
+  if used > 0 and used + size > budget then break end
+  last = entry[1]
+  if from ~= sid then
+    out[#out + 1] = ep or ''
+    out[#out + 1] = hashes or ''
+    used = used + size
+  end
+end
+redis.call('PEXPIRE', KEYS[1], 3600000)
+return {last, out}
+"""
+"""KEYS: the stream. ARGV: sidecar id, cursor ('' for the start), the stream's cap, the reply's
+byte budget, a count and that many (endpoint, hashes) pairs. Returns the last entry id read and
+the others' (endpoint, hashes) pairs, flat. The stream expires an hour after the last sync."""
+
+
+def stream_key(prefix: str) -> str:
+    return "{" + prefix + "}:prefixes"
+
+
+@dataclass(frozen=True, slots=True)
+class Learnt:
+    endpoint: str
+    hashes: tuple[bytes, ...]
+
+
+class PrefixShare:
+    """The share's state: placements waiting to go out, and the cursor in the stream."""
+
+    def __init__(self, sidecar: str) -> None:
+        self.sidecar = sidecar
+        self.cursor = ""
+        self._pending: deque[tuple[str, bytes]] = deque()
+        self.dropped = 0
+        """Placements dropped unsent (the queue was full)."""
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def publish(self, endpoint: str, hashes: Sequence[bytes]) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append((endpoint, b"".join(hashes[:MAX_PROMPT_BLOCKS])))
+
+    def begin(self) -> tuple[list[str | bytes | int], list[tuple[str, bytes]]]:
+        """The script's ARGV, and the placements it carries (given back by ``failed``)."""
+        sending = list(self._pending)
+        self._pending.clear()
+        args: list[str | bytes | int] = [
+            self.sidecar,
+            self.cursor,
+            STREAM_ENTRIES,
+            REPLY_BYTES,
+            len(sending),
+        ]
+        for endpoint, hashes in sending:
+            args += [endpoint, hashes]
+        return args, sending
+
+    def failed(self, sending: list[tuple[str, bytes]]) -> None:
+        """The sync failed: what it carried goes with the next one (within the queue's bound)."""
+        for endpoint, hashes in reversed(sending):
+            if len(self._pending) >= MAX_PENDING:
+                self.dropped += 1
+                continue
+            self._pending.appendleft((endpoint, hashes))
+
+    def received(self, reply: object) -> tuple[list[Learnt], int]:
+        """The others' placements in a reply, and how many entries were skipped (malformed)."""
+        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
+            return [], 1
+        last, flat = reply
+        if isinstance(last, bytes) and len(last) <= 64:
+            self.cursor = last.decode("ascii", "replace")
+        learnt: list[Learnt] = []
+        skipped = 0
+        for j in range(0, len(flat) - 1, 2):
+            endpoint, packed = flat[j], flat[j + 1]
+            if (
+                not isinstance(endpoint, bytes)
+                or not isinstance(packed, bytes)
+                or not 0 < len(endpoint) <= MAX_KEY_BYTES
+                or len(packed) % DIGEST_BYTES
+                or len(packed) > MAX_PROMPT_BLOCKS * DIGEST_BYTES
+            ):
+                skipped += 1
+                continue
+            hashes = tuple(
+                packed[k : k + DIGEST_BYTES] for k in range(0, len(packed), DIGEST_BYTES)
+            )
+            learnt.append(Learnt(endpoint.decode("utf-8", "replace"), hashes))
+        return learnt, skipped
