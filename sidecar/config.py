@@ -162,8 +162,9 @@ class Settings(BaseSettings):
     prefix_index_memory_mib: float = Field(
         48,
         gt=0,
-        description="Memory, in MiB, that all prefill prefix indexes of a sidecar hold at most "
-        "together (each endpoint an equal share).",
+        description="Memory, in MiB, that all prefix indexes of a sidecar hold at most "
+        "together: the local one's SIDECAR_PREFIX_CACHE_BLOCKS first, the prefill endpoints' "
+        "(each an equal share) in what is left.",
     )
     prefix_hash_key: SecretStr | None = Field(
         None,

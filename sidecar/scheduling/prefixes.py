@@ -35,14 +35,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.scheduling.prompts import CHARS_PER_TOKEN
+from sidecar.scheduling.prompts import CHARS_PER_TOKEN, INDEX_BYTES_PER_BLOCK
 
 DIGEST_BYTES = 8
 """Bytes of a block hash: two prefixes share one with a chance of ~2⁻⁶⁴."""
-BYTES_PER_BLOCK = 128
-"""Memory one indexed block costs at most (its digest and its place in an ordered dict: 116 bytes
-measured with ``tracemalloc``, which ``tests/scheduling/test_prefixes.py`` checks): what
-``max_blocks`` is derived from."""
+BYTES_PER_BLOCK = 176
+"""Memory one indexed block costs (its digest and its place in an ordered dict): 116 bytes
+allocated (``tracemalloc``, which ``tests/scheduling/test_prefixes.py`` checks), 167 bytes of
+resident memory filling 100,000 blocks: what ``max_blocks`` is derived from."""
 MAX_PROMPT_BLOCKS = 4096
 """Blocks hashed per prompt (262,144 estimated tokens at 64 per block): bounds a huge prompt's
 cost on the event loop and what one placement publishes; beyond it a prompt counts as uncached."""
@@ -51,9 +51,11 @@ MIN_BLOCKS = 16
 SHRINK = 0.9
 
 
-def blocks_within(memory_bytes: int) -> int:
-    """How many blocks the indexes may hold together within ``memory_bytes``."""
-    return max(MIN_BLOCKS, memory_bytes // BYTES_PER_BLOCK)
+def blocks_within(memory_bytes: int, local_blocks: int = 0) -> int:
+    """How many blocks the prefill indexes may hold together so that they and the local prefix
+    index of ``local_blocks`` (``SIDECAR_PREFIX_CACHE_BLOCKS``) stay within ``memory_bytes``."""
+    left = memory_bytes - local_blocks * INDEX_BYTES_PER_BLOCK
+    return max(MIN_BLOCKS, left // BYTES_PER_BLOCK)
 
 
 class PrefixHasher:

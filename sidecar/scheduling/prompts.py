@@ -15,6 +15,9 @@ from typing import Any
 import orjson
 
 CHARS_PER_TOKEN = 4
+INDEX_BYTES_PER_BLOCK = 350
+"""Resident memory one block of the local prefix index costs, as ``bench/soak.py`` measured it
+(docs/configuration.md): what it takes of ``SIDECAR_PREFIX_INDEX_MEMORY_MIB``."""
 MAX_HASHED_BLOCKS = 8192
 """Prefix blocks hashed per prompt (131,072 tokens at 16 per block): bounds the work a huge
 prompt costs on the event loop; a longer prompt counts as uncached beyond it."""

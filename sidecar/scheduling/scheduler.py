@@ -135,7 +135,9 @@ class Scheduler:
             prefixes = PrefillPrefixes(
                 block_tokens=block,
                 capacity_blocks=options.prefill_cache_tokens // block,
-                max_blocks=blocks_within(int(options.prefix_index_memory_mib * 2**20)),
+                max_blocks=blocks_within(
+                    int(options.prefix_index_memory_mib * 2**20), options.prefix_cache_blocks
+                ),
                 trust=options.prefill_prefix_trust,
             )
         self._planner = Planner(

@@ -127,6 +127,8 @@ def test_memory_per_block_within_the_documented_figure() -> None:
     assert len(prefixes) == 5000
     assert used / len(prefixes) <= BYTES_PER_BLOCK
     assert blocks_within(48 * 2**20) == 48 * 2**20 // BYTES_PER_BLOCK
+    # With the local index's default 65,536 blocks at 350 bytes: 26.1 MiB left, 155,648 blocks.
+    assert blocks_within(48 * 2**20, 65536) == (48 * 2**20 - 65536 * 350) // BYTES_PER_BLOCK
 
 
 def test_feedback_shrinks_an_endpoint_that_held_less_and_lets_it_grow_back() -> None:
