@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from sidecar.emulator import RunningEmulator
+from sidecar.scheduling.state.prefix_share import stream_key
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
@@ -65,7 +66,11 @@ async def _synced_since(http: aiohttp.ClientSession, sidecar: RunningSidecar, si
 async def test_a_master_failover_costs_no_request_and_shared_state_resumes(
     http, cluster: RedisCluster, start_engine: StartEmulator, start_sidecar_with: StartSidecar
 ) -> None:
-    keys = RedisState("redis://unused", prefix=PREFIX, lease_s=1, timeout_s=1).keys
+    # The state's keys and the prefill prefix index's stream (shared: a hash key is set).
+    keys = (
+        *RedisState("redis://unused", prefix=PREFIX, lease_s=1, timeout_s=1).keys,
+        stream_key(PREFIX),
+    )
     master, replica = await cluster.slot_owner(keys[0])
     held, busy = await start_engine(), await start_engine()  # reservations held / traffic
     settings = {
@@ -76,6 +81,7 @@ async def test_a_master_failover_costs_no_request_and_shared_state_resumes(
         "redis_key_prefix": PREFIX,
         "state_lease_s": 1.5,
         "prefill_endpoints": f"{held.endpoint},{busy.endpoint}",
+        "prefix_hash_key": "a-cluster-test-key-0123456789",
     }
     one, two = await start_sidecar_with(**settings), await start_sidecar_with(**settings)
     for sidecar in (one, two):
