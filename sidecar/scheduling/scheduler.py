@@ -265,9 +265,17 @@ class Scheduler:
             self._count(decision)
             claim.prefilling(uncached)
             return Placement(decision, None, claim, local_tokens=uncached)
-        # The prompt's prefix blocks, hashed once and looked up on every candidate.
-        prompt_bytes = prompt.encode() if isinstance(prompt, str) else prompt
-        hashes = self._hasher.hashes(prompt_bytes) if self._hasher is not None else ()
+        # The prompt's prefix blocks, hashed once and looked up on every candidate; not for a
+        # prompt too short to leave the decode engine (the decider keeps it local unasked).
+        hashes: tuple[bytes, ...] = ()
+        size = 0
+        if self._hasher is not None and (
+            header is not None
+            or self._options.remote_only
+            or tokens - cached >= self._options.disagg_min_tokens
+        ):
+            data = prompt.encode() if isinstance(prompt, str) else prompt
+            hashes, size = self._hasher.hashes(data), len(data)
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
             candidate = self._planner.candidate(str(header), *self._now(), hashes)
@@ -277,7 +285,7 @@ class Scheduler:
                 str(header), "header", tokens, uncached, predicted, candidate.cached_tokens
             )
             self._count(decision)
-            return self._reserve(decision, header, claim, hashes, len(prompt_bytes))
+            return self._reserve(decision, header, claim, hashes, size)
         rank = claim.rank
         await self.backend.refresh()  # the others' reservations as of now, not of our last sync
         view, now, wall = self._now()
@@ -296,7 +304,7 @@ class Scheduler:
             claim.prefilling(decision.uncached_tokens)
             return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
         endpoint = self._pool[decision.endpoint].endpoint
-        return self._reserve(decision, endpoint, claim, hashes, len(prompt_bytes))
+        return self._reserve(decision, endpoint, claim, hashes, size)
 
     async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
