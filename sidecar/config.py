@@ -631,6 +631,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "scheduler_seed",
+        "prefix_hash_key",
         "admin_port",
         "tls_cert_file",
         "tls_key_file",

@@ -271,6 +271,18 @@ def test_contradictory_settings_exit_2_naming_both(
     assert isinstance(load_settings(), Settings)
 
 
+def test_the_prefix_hash_key_is_a_secret_and_empty_means_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SIDECAR_PREFIX_HASH_KEY", "")
+    assert Settings().prefix_hash_key is None
+    monkeypatch.setenv("SIDECAR_PREFIX_HASH_KEY", "k" * 32)
+    settings = Settings()
+    assert settings.prefix_hash_key is not None
+    assert settings.prefix_hash_key.get_secret_value() == "k" * 32
+    assert "k" * 32 not in repr(settings)
+
+
 def test_decode_ranks_parse_in_order() -> None:
     ranks = Settings(decode_urls=" http://127.0.0.1:8200/, https://rank1:8443 ,http://[::1]:9")
     assert ranks.decode_urls == ("http://127.0.0.1:8200", "https://rank1:8443", "http://[::1]:9")

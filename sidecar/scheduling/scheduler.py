@@ -399,8 +399,9 @@ class Scheduler:
             if feedback == "none" and self._prefixes.feedback() == "open":
                 logger.warning(
                     "prefill endpoint %s answered without usage.prompt_tokens_details: the "
-                    "prefill prefix index runs open-loop (start the prefill engines with vLLM's "
-                    "--enable-prompt-tokens-details to let it learn what they evicted)",
+                    "prefill prefix index runs open-loop (start vLLM prefill engines with "
+                    "--enable-prompt-tokens-details to let it learn what they evicted; SGLang's "
+                    "prefill answers are not read, so never say)",
                     key,
                 )
             return
