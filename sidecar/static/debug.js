@@ -336,6 +336,7 @@
       ["discovery", brief(s.discovery) || "no pool configured"],
       ["shared state", brief(s.state_backend)],
       ["decisions", brief(s.decisions) || "none yet"],
+      ["prefill prefix index", prefixIndex(s.prefill_prefixes)],
     ]));
     parts.push(el("h3", "", "local decode engine"), definitions(el("dl", "kv"), [
       ["ahead", local.ahead_tokens === undefined ? null : `${local.ahead_tokens} prefill tokens`],
@@ -347,6 +348,7 @@
     parts.push(el("h3", "", `prefill endpoints (${endpoints.length})`));
     if (!endpoints.length) parts.push(el("p", "hint", "None in the pool."));
     const list = el("ul", "endpoints");
+    const held = (s.prefill_prefixes && s.prefill_prefixes.endpoints) || {};
     for (const e of endpoints) {
       const item = el("li");
       item.dataset.endpoint = e.endpoint;
@@ -357,6 +359,7 @@
         ["reserved", `${e.reserved_tokens} tokens · ${e.reserved_requests} requests (${e.inflight_here} from here)`],
         ["load", load(e.scraped) || "not scraped yet"],
         ["speed", speed(e.speed) && `${speed(e.speed)} · ${e.speed_samples} samples`],
+        ["prefix cache", prefixes(held[e.endpoint])],
         ["failures", e.consecutive_failures ? `${e.consecutive_failures} in a row` : null],
         ["ejected", away === null || away === undefined ? null : `${duration(away)} more`],
       ]));
@@ -364,6 +367,17 @@
     }
     if (endpoints.length) parts.push(list);
     $("scheduler-body").replaceChildren(...parts);
+  }
+  function prefixIndex(p) {
+    if (!p) return null;
+    if (!p.enabled) return "off (prefix-blind)";
+    const loop = p.feedback === "open" ? " · open-loop: the engines do not report cached tokens" : ` · feedback ${p.feedback}`;
+    return `${p.blocks} of ${p.max_blocks} blocks of ${p.block_tokens} tokens · trust ${p.trust}${loop}`;
+  }
+  function prefixes(p) {
+    if (!p) return null;
+    const error = p.mean_abs_error_tokens === null ? "" : ` · error ±${p.mean_abs_error_tokens} tokens`;
+    return `${p.blocks} of ${p.limit_blocks} blocks predicted held${error}`;
   }
   function load(scraped) {
     if (!scraped) return null;
