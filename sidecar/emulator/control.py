@@ -43,6 +43,8 @@ async def get_kv(request: web.Request) -> web.Response:
             "rooms_waiting": engine.rooms_waiting,
             "claims_waiting": rooms.claims_waiting if rooms else 0,
             "store_blocks": store_blocks,
+            "prefix_cache_blocks": len(engine.prefix_cache),
+            "prefix_cache_evicted_total": engine.prefix_cache.evicted_total,
             "staged": staged,
         }
     )
