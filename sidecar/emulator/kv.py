@@ -224,6 +224,9 @@ class PrefixCache:
             self._entries.popitem(last=False)
         self.evicted_total += max(0, excess)
 
+    def clear(self) -> None:
+        self._entries.clear()
+
     def _touch(self, hashes: Sequence[bytes]) -> None:
         entries = self._entries
         for block_hash in reversed(hashes):  # the head ends up most recent, evicted last

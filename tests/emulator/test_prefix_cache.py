@@ -117,3 +117,16 @@ async def test_the_cache_config_is_exported_as_vllm_does(
     assert 'engine="0"' in line
     assert "model_name" not in line  # vLLM's info gauge has none
     assert line.endswith(" 1.0")
+
+
+async def test_reset_prefix_cache_forgets_every_block(
+    emulator: RunningEmulator, session: aiohttp.ClientSession
+) -> None:
+    prompt = "r" * 4 * 40
+    await prefill(session, emulator, prompt)
+    assert cached_tokens(await prefill(session, emulator, prompt)) == 32
+    async with session.post(f"{emulator.url}/reset_prefix_cache") as response:
+        assert response.status == 200
+        assert await response.read() == b""
+    assert (await get_json(session, f"{emulator.url}/emulator/kv"))["prefix_cache_blocks"] == 0
+    assert cached_tokens(await prefill(session, emulator, prompt)) == 0
