@@ -42,6 +42,7 @@ import functools
 import math
 import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -75,7 +76,9 @@ TARGET = 0.8
 QUICK_SPEEDUP = 20.0
 """``--quick``: every engine delay divided by this."""
 INDEX_SETTING = "SIDECAR_PREFILL_PREFIX_INDEX"
-ERROR_METRIC = "pd_sidecar_prefix_prediction_error_tokens"
+ERROR_METRIC = "pd_sidecar_prefill_prefix_error_tokens"
+CACHED_METRIC = "pd_sidecar_prefill_cached_tokens_total"
+HASH_KEY_SETTING = "SIDECAR_PREFIX_HASH_KEY"
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -205,6 +208,7 @@ class LiveCluster:
         self._launcher = BenchLauncher(log_dir, prefix="pd-sidecar-prefix-", grace_s=STOP_GRACE_S)
         self.log_dir = self._launcher.log_dir
         self._sidecar_env = sidecar_env
+        self._hash_key = secrets.token_hex(16)  # one key for the pool: the sidecars share
         self.redis_url = ""
         self.prefill: list[Child] = []
         self.decode: list[Child] = []
@@ -248,6 +252,7 @@ class LiveCluster:
                     "SIDECAR_SCRAPE_INTERVAL_S": repr(CALIBRATION.staleness_s),
                     "SIDECAR_LOG_LEVEL": "WARNING",
                     INDEX_SETTING: "true" if aware else "false",
+                    HASH_KEY_SETTING: self._hash_key,
                     **self._sidecar_env,
                 },
             )
@@ -279,7 +284,25 @@ class RunResult:
     """Per prefill emulator: this run's prefix-cache hits and queries, in tokens."""
     error_sum: float
     error_count: float
+    """Of ``pd_sidecar_prefill_prefix_error_tokens``, both sidecars'."""
+    predicted: float
+    reported: float
+    """Prefix-cache hits on the prefill engines, predicted and reported, in tokens (prefills
+    whose answer said)."""
     prefixes_views: list[Any]
+    """Each sidecar's ``/debug/scheduler`` ``prefill_prefixes``."""
+
+    def mean_abs_error(self) -> float | None:
+        """Of every sidecar's endpoints, weighted by their answers."""
+        total = answers = 0.0
+        for view in self.prefixes_views:
+            endpoints = view.get("endpoints", {}) if isinstance(view, dict) else {}
+            for stats in endpoints.values():
+                count = stats.get("answers_with_cached_tokens") or 0
+                if count and stats.get("mean_abs_error_tokens") is not None:
+                    total += stats["mean_abs_error_tokens"] * count
+                    answers += count
+        return total / answers if answers else None
 
     def ttft(self, stat: str) -> float:
         if not self.ttfts:
@@ -366,7 +389,7 @@ async def run_once(
         )
         await contention.stop()
         after = [await counters(http, child) for child in cluster.prefill]
-        remote = error_sum = error_count = 0.0
+        remote = error_sum = error_count = predicted = reported = 0.0
         views = []
         for child in sidecars:
             async with http.get(child.url + "/metrics") as response:
@@ -374,6 +397,8 @@ async def run_once(
             remote += metrics.value("pd_sidecar_scheduler_decisions_total", decision="remote")
             error_sum += metrics.value(ERROR_METRIC + "_sum")
             error_count += metrics.value(ERROR_METRIC + "_count")
+            predicted += metrics.value(CACHED_METRIC, source="predicted")
+            reported += metrics.value(CACHED_METRIC, source="reported")
             async with http.get(child.url + "/debug/scheduler") as response:
                 views.append(orjson.loads(await response.read()).get("prefill_prefixes"))
     finally:
@@ -391,6 +416,8 @@ async def run_once(
         hits=[(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)],
         error_sum=error_sum,
         error_count=error_count,
+        predicted=predicted,
+        reported=reported,
         prefixes_views=views,
     )
     return result, contention.describe()
@@ -414,16 +441,21 @@ def report(results: list[RunResult]) -> list[str]:
         )
     for r in results:
         if r.error_count:
+            abs_error = r.mean_abs_error()
             error = (
-                f"mean {r.error_sum / r.error_count:+,.0f} tokens (predicted − reported) over "
-                f"{r.error_count:,.0f} prefills"
+                f"mean {r.error_sum / r.error_count:+,.0f} tokens (predicted - reported)"
+                + ("" if abs_error is None else f", mean |error| {abs_error:,.0f}")
+                + f" over {r.error_count:,.0f} prefills; hits predicted {r.predicted:,.0f}, "
+                f"reported {r.reported:,.0f} tokens"
+                + (f" ({r.predicted / r.reported - 1:+.1%})" if r.reported else "")
             )
         else:
-            error = f"none ({ERROR_METRIC} not exported or no sample)"
-        views = [orjson.dumps(view).decode()[:300] for view in r.prefixes_views if view is not None]
+            error = f"none ({ERROR_METRIC}: no sample)"
         lines.append(f"{r.name}: prediction error {error}")
-        for i, view in enumerate(views):
-            lines.append(f"  sidecar {i} /debug/scheduler prefill_prefixes: {view}")
+        if r.error_count:
+            for i, view in enumerate(r.prefixes_views):
+                text = orjson.dumps(view).decode()
+                lines.append(f"  sidecar {i} prefill_prefixes: {text[:400]}")
     return lines
 
 

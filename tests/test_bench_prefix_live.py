@@ -78,7 +78,9 @@ def test_the_rate_aims_at_the_uncached_pool() -> None:
 
 
 def _result(name: str, ttft: float, hits: float = 0.0, failed: int = 0) -> RunResult:
-    return RunResult(name, [ttft, ttft], failed, 1.0, None, [(hits, 1000.0)], 0.0, 0.0, [])
+    return RunResult(
+        name, [ttft, ttft], failed, 1.0, None, [(hits, 1000.0)], 0.0, 0.0, 0.0, 0.0, []
+    )
 
 
 def test_the_target_is_a_fifth_off_the_mean_with_hits_and_no_failure() -> None:
@@ -103,3 +105,18 @@ async def test_a_quick_run_goes_through_the_real_processes(
     for row in rows:
         assert row.split()[4] == "0"  # failed
     assert "TTFT prefix-aware / prefix-blind: mean" in out
+
+
+def test_the_mean_absolute_error_weighs_every_sidecars_endpoints_by_their_answers() -> None:
+    def endpoint(answers: int, error: float | None) -> dict[str, object]:
+        return {"answers_with_cached_tokens": answers, "mean_abs_error_tokens": error}
+
+    views = [
+        {"enabled": True, "endpoints": {"a": endpoint(3, 100.0), "b": endpoint(0, None)}},
+        {"enabled": True, "endpoints": {"a": endpoint(1, 500.0)}},
+        {"enabled": False},
+        None,
+    ]
+    result = RunResult("a", [1.0], 0, 1.0, None, [], 0.0, 0.0, 0.0, 0.0, views)
+    assert result.mean_abs_error() == 200.0
+    assert RunResult("a", [1.0], 0, 1.0, None, [], 0, 0, 0, 0, []).mean_abs_error() is None
