@@ -282,6 +282,8 @@ class RunResult:
     """Of the prompt tokens, those the client was told were cached (None: never told)."""
     hits: list[tuple[float, float]]
     """Per prefill emulator: this run's prefix-cache hits and queries, in tokens."""
+    reasons: dict[str, float]
+    """The sidecars' placements by decision and reason (``remote/scheduled``, ...)."""
     error_sum: float
     error_count: float
     """Of ``pd_sidecar_prefill_prefix_error_tokens``, both sidecars'."""
@@ -390,11 +392,17 @@ async def run_once(
         await contention.stop()
         after = [await counters(http, child) for child in cluster.prefill]
         remote = error_sum = error_count = predicted = reported = 0.0
+        reasons: dict[str, float] = {}
         views = []
         for child in sidecars:
             async with http.get(child.url + "/metrics") as response:
                 metrics = Metrics.parse(await response.text())
             remote += metrics.value("pd_sidecar_scheduler_decisions_total", decision="remote")
+            by = metrics.by_label("pd_sidecar_scheduler_decisions_total", "decision", "reason")
+            for (decision, reason), count in by.items():
+                if count:
+                    key = f"{decision}/{reason}"
+                    reasons[key] = reasons.get(key, 0.0) + count
             error_sum += metrics.value(ERROR_METRIC + "_sum")
             error_count += metrics.value(ERROR_METRIC + "_count")
             predicted += metrics.value(CACHED_METRIC, source="predicted")
@@ -414,6 +422,7 @@ async def run_once(
         remote_share=remote / max(1, len(outcomes)),
         cached_share=sum(cached) / prompt if prompt else None,
         hits=[(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)],
+        reasons=reasons,
         error_sum=error_sum,
         error_count=error_count,
         predicted=predicted,
@@ -439,6 +448,9 @@ def report(results: list[RunResult]) -> list[str]:
             f"{r.ttft('p90') * 1000:>6.0f}ms{r.failed:>8}{r.remote_share * 100:>7.0f}%"
             f"{cached:>8}  {hits}"
         )
+    for r in results:
+        placed = ", ".join(f"{k} {v:.0f}" for k, v in sorted(r.reasons.items()))
+        lines.append(f"{r.name}: placements {placed}")
     for r in results:
         if r.error_count:
             abs_error = r.mean_abs_error()

@@ -79,7 +79,7 @@ def test_the_rate_aims_at_the_uncached_pool() -> None:
 
 def _result(name: str, ttft: float, hits: float = 0.0, failed: int = 0) -> RunResult:
     return RunResult(
-        name, [ttft, ttft], failed, 1.0, None, [(hits, 1000.0)], 0.0, 0.0, 0.0, 0.0, []
+        name, [ttft, ttft], failed, 1.0, None, [(hits, 1000.0)], {}, 0.0, 0.0, 0.0, 0.0, []
     )
 
 
@@ -117,6 +117,6 @@ def test_the_mean_absolute_error_weighs_every_sidecars_endpoints_by_their_answer
         {"enabled": False},
         None,
     ]
-    result = RunResult("a", [1.0], 0, 1.0, None, [], 0.0, 0.0, 0.0, 0.0, views)
+    result = RunResult("a", [1.0], 0, 1.0, None, [], {}, 0.0, 0.0, 0.0, 0.0, views)
     assert result.mean_abs_error() == 200.0
-    assert RunResult("a", [1.0], 0, 1.0, None, [], 0, 0, 0, 0, []).mean_abs_error() is None
+    assert RunResult("a", [1.0], 0, 1.0, None, [], {}, 0, 0, 0, 0, []).mean_abs_error() is None
