@@ -170,6 +170,8 @@ class Shape:
     num_gpu_blocks: int
     speedup: float = 1.0
     """Every delay divided by this (``--quick``)."""
+    decode_num_gpu_blocks: int | None = None
+    """The decode emulators' blocks; None: ``num_gpu_blocks``."""
 
     def speeds(self) -> list[float]:
         return [speed * self.speedup for speed in CALIBRATION.speeds()]
@@ -195,7 +197,7 @@ class Shape:
             "--kv-transfer-s-per-block", repr(c.kv_transfer_s_per_block / self.speedup),
             "--prefill-crossover-tokens", str(c.crossover_tokens),
             "--block-size", str(c.block_size),
-            "--num-gpu-blocks", str(self.num_gpu_blocks),
+            "--num-gpu-blocks", str(self.decode_num_gpu_blocks or self.num_gpu_blocks),
             "--prompt-tokens-details",
         ]  # fmt: skip
 
@@ -486,7 +488,11 @@ def verdict(blind: RunResult, aware: RunResult) -> tuple[bool, str]:
 async def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     raise_open_files_limit()
-    shape = Shape(args.num_gpu_blocks, speedup=QUICK_SPEEDUP if args.quick else 1.0)
+    shape = Shape(
+        args.num_gpu_blocks,
+        speedup=QUICK_SPEEDUP if args.quick else 1.0,
+        decode_num_gpu_blocks=args.decode_num_gpu_blocks,
+    )
     capacity = pool_rate(args.seed, shape.speeds())
     rate = args.rate or args.load * capacity
     workload = make_workload(args.seed, rate, args.duration)
@@ -502,7 +508,12 @@ async def main(argv: Sequence[str] | None = None) -> int:
         f"{OUTPUT_TOKENS[0]}-{OUTPUT_TOKENS[1]} tokens; cluster: 4 prefill emulators ("
         + ", ".join(f"{s:,.0f}" for s in shape.speeds())
         + f" tokens/s), 2 decode emulators, {shape.num_gpu_blocks:,} blocks of 16 tokens each"
-        f", 2 sidecars, redis"
+        + (
+            f" ({shape.decode_num_gpu_blocks:,} on the decode emulators)"
+            if shape.decode_num_gpu_blocks
+            else ""
+        )
+        + ", 2 sidecars, redis"
         + (f" (--quick: {QUICK_SPEEDUP:g}x faster engines)" if args.quick else "")
     )
     cluster = LiveCluster(shape, args.log_dir, dict(v.split("=", 1) for v in args.sidecar_env))
@@ -545,6 +556,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="the workload's seed")
     parser.add_argument(
         "--num-gpu-blocks", type=int, default=4000, help="every emulator's KV blocks (16 tokens)"
+    )
+    parser.add_argument(
+        "--decode-num-gpu-blocks",
+        type=int,
+        default=None,
+        help="the decode emulators' KV blocks (default: --num-gpu-blocks)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="1 s at 4 req/s, 20x faster engines; no verdict"
