@@ -28,10 +28,10 @@ have synced and scraped every endpoint. Reported per run: time to first token
 (mean, p50, p90; every request, the cold start included), failures, the share of remote
 prefills, the share of prompt tokens the client saw cached (``usage.prompt_tokens_details``);
 per prefill emulator the run's ``vllm:prefix_cache_hits_total`` / ``queries_total``; the
-sidecars' prediction error (``pd_sidecar_prefix_prediction_error_tokens``, and ``/debug/
-scheduler``'s ``prefill_prefixes``). The target (issue 23): mean TTFT prefix-aware ≤ 0.8 × blind,
-with hits on the prefill emulators; the exit status is 1 when it is missed (never with
-``--quick``).
+placements by reason; the sidecars' prediction error (``pd_sidecar_prefill_prefix_error_tokens``,
+``pd_sidecar_prefill_cached_tokens_total``, ``/debug/scheduler``'s ``prefill_prefixes``). The
+target (issue 23): mean TTFT prefix-aware ≤ 0.8 × blind, with hits on the prefill emulators; the
+exit status is 1 when it is missed (never with ``--quick``).
 """
 
 from __future__ import annotations
