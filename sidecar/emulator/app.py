@@ -241,7 +241,9 @@ def create_api_app(
     )
     app[CONFIG] = config
     app[KV] = kv
-    app[METRICS] = EmulatorMetrics(config.model)
+    app[METRICS] = EmulatorMetrics(
+        config.model, block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks
+    )
     app[FAULTS] = FaultBoard(config.faults)
     app[REQUEST_LOG] = RequestLog(config.request_log_size)
     app[SIDE_CHANNEL_PORT] = side_channel_port

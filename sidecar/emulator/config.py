@@ -59,7 +59,11 @@ class EmulatorConfig:
         default=30.0, metadata=_doc("seconds staged prefill blocks wait for a pull before expiry")
     )
     num_gpu_blocks: int = field(
-        default=4096, metadata=_doc("KV blocks of the emulated GPU (for kv_cache_usage_perc)")
+        default=4096,
+        metadata=_doc(
+            "KV blocks of the emulated GPU: the prefix cache's capacity (LRU) and the "
+            "denominator of kv_cache_usage_perc"
+        ),
     )
     max_model_len: int = field(
         default=32768, metadata=_doc("context length; prompt + output beyond it is a 400")

@@ -1,4 +1,5 @@
-"""The emulator's own endpoints under /emulator/: KV state, request log and fault injection."""
+"""The emulator's own endpoints under /emulator/ (KV state, request log and fault injection), and
+the engines' admin paths it serves (SGLang's /abort_request, vLLM's /reset_prefix_cache)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ async def get_kv(request: web.Request) -> web.Response:
             "rooms_waiting": engine.rooms_waiting,
             "claims_waiting": rooms.claims_waiting if rooms else 0,
             "store_blocks": store_blocks,
+            "prefix_cache_blocks": len(engine.prefix_cache),
+            "prefix_cache_evicted_total": engine.prefix_cache.evicted_total,
             "staged": staged,
         }
     )
@@ -55,6 +58,14 @@ async def post_abort(request: web.Request) -> web.Response:
     if not isinstance(rid, str):
         raise EmulatorError(400, "rid must be a string")
     return web.json_response({"aborted": request.app[ENGINE].abort(rid)})
+
+
+async def post_reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's ``POST /reset_prefix_cache`` (served with ``VLLM_SERVER_DEV_MODE=1``, in
+    ``vllm/entrypoints/serve/cache/api_router.py``): forget every cached block; 200, no body.
+    Staged KV is not touched, and the counters keep counting."""
+    request.app[ENGINE].prefix_cache.clear()
+    return web.Response(status=200)
 
 
 async def get_requests(request: web.Request) -> web.Response:
@@ -104,3 +115,4 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_delete("/emulator/faults", delete_faults)
     app.router.add_post("/emulator/release", post_release)
     app.router.add_post("/abort_request", post_abort)
+    app.router.add_post("/reset_prefix_cache", post_reset_prefix_cache)

@@ -110,7 +110,7 @@ class Engine:
         self.config = config
         self.kv = kv
         self.metrics = metrics
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache(config.num_gpu_blocks)
         self.latency = LatencyModel(config)
         self._puller = puller
         self._side_channel_port = side_channel_port

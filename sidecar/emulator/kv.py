@@ -24,7 +24,6 @@ from enum import StrEnum
 Clock = Callable[[], float]
 
 HISTORY_SIZE = 10_000  # remembered pulled/expired request ids, to tell 410 from 404
-PREFIX_CACHE_SIZE = 10_000  # remembered block hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,28 +178,60 @@ def chain_hashes(blocks: Sequence[bytes]) -> list[bytes]:
 
 
 class PrefixCache:
-    """A bounded LRU of chained block hashes the engine has computed."""
+    """The engine's prefix cache: chained block hashes, at most ``capacity`` blocks (the
+    engine's ``--num-gpu-blocks``), evicted least recently used first.
 
-    def __init__(self, capacity: int = PREFIX_CACHE_SIZE) -> None:
+    What it models of vLLM's (v1 ``BlockPool``): a computed block stays cached until its GPU
+    block is needed for another one, and the free-block queue hands out the least recently used
+    block first. A request frees its blocks in reverse order, so that a prompt's tail blocks are
+    evicted before its head (``KVCacheManager.free``): here every block a request matched or
+    inserted becomes recently used, its first block the most recently. A chained hash makes a
+    block without its predecessors useless, so keeping heads keeps prefixes.
+
+    What it does not model: a real engine's cache shares the ``num_gpu_blocks`` with the blocks
+    of running requests and of KV staged for a remote decode, which cannot be evicted while held
+    (under load the cache holds fewer blocks than the capacity), and recency is the time of the
+    lookup or insert, not of the request's end. Memory: about 150 bytes per cached block.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._capacity = capacity
-        self._entries: OrderedDict[bytes, None] = OrderedDict()
+        self._entries: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self.evicted_total = 0
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
 
     def match(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading blocks present (they count as recently used)."""
+        """Number of leading blocks present; they become the most recently used."""
         matched = 0
         for block_hash in hashes:
             if block_hash not in self._entries:
                 break
-            self._entries.move_to_end(block_hash)
             matched += 1
+        self._touch(hashes[:matched])
         return matched
 
     def insert(self, hashes: Sequence[bytes]) -> None:
-        for block_hash in hashes:
-            self._entries[block_hash] = None
-            self._entries.move_to_end(block_hash)
-        while len(self._entries) > self._capacity:
+        """Cache a prompt's full blocks (the most recently used now), evicting beyond capacity:
+        a prompt longer than the capacity keeps its head."""
+        self._touch(hashes)
+        excess = len(self._entries) - self._capacity
+        for _ in range(max(0, excess)):
             self._entries.popitem(last=False)
+        self.evicted_total += max(0, excess)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _touch(self, hashes: Sequence[bytes]) -> None:
+        entries = self._entries
+        for block_hash in reversed(hashes):  # the head ends up most recent, evicted last
+            entries[block_hash] = None
+            entries.move_to_end(block_hash)
 
     def __len__(self) -> int:
         return len(self._entries)

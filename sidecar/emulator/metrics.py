@@ -17,11 +17,39 @@ XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def cache_config_labels(block_size: int, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's ``CacheConfig.metrics_info()`` is every
+    field of its cache config as a string (``vllm/config/cache.py``), plus ``engine``, the
+    engine index (``PrometheusStatLogger.log_metrics_info``, ``vllm/v1/metrics/loggers.py``).
+    These are a few of them, with vLLM's defaults where the emulator has no such setting; the
+    ones near ``block_size`` in name are there so that a reader must match names exactly."""
+    return {
+        "block_size": str(block_size),
+        "gpu_memory_utilization": "0.92",
+        "cache_dtype": "auto",
+        "num_gpu_blocks_override": "None",
+        "enable_prefix_caching": "True",
+        "mamba_block_size": "None",
+        "num_gpu_blocks": str(num_gpu_blocks),
+        "num_cpu_blocks": "None",
+        "engine": "0",
+    }
+
+
 class EmulatorMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, block_size: int, num_gpu_blocks: int) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         label = ["model_name"]
+        # vLLM emulates an Info metric with a gauge set to 1 (multiprocess mode has no Info);
+        # it carries no model_name label.
+        info = cache_config_labels(block_size, num_gpu_blocks)
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=reg,
+        ).labels(**info).set(1)
         self.running = Gauge(
             "vllm:num_requests_running", "Requests running.", label, registry=reg
         ).labels(model_name)

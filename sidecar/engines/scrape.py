@@ -1,19 +1,48 @@
-"""Engine load from vLLM's Prometheus text: the three gauges the scheduler reads.
+"""Engine load from vLLM's Prometheus text: the three gauges the scheduler reads, and the size
+of the engine's KV cache.
 
-Only the lines of those gauges are looked at (vLLM's /metrics is large: histograms per model); a
+Only the lines of those metrics are looked at (vLLM's /metrics is large: histograms per model); a
 gauge reported per label set (several models, data-parallel ranks) is summed, kv usage averaged.
 A missing gauge is None: an engine without metrics is scheduled by reservations alone.
+
+The cache's size comes from the labels of ``vllm:cache_config_info``, an info gauge (value 1)
+whose labels are every field of vLLM's ``CacheConfig`` as strings (``CacheConfig.metrics_info()``
+in ``vllm/config/cache.py``, exported by ``PrometheusStatLogger.log_metrics_info`` in
+``vllm/v1/metrics/loggers.py``), one line per engine (label ``engine``)::
+
+    vllm:cache_config_info{block_size="16",...,num_gpu_blocks="27000",...,engine="0"} 1.0
+
+Its capacity in tokens is ``kv_cache_size_tokens`` where vLLM exports it (newer versions: the
+group-aware size, right for hybrid models too), else ``num_gpu_blocks × block_size``. Label
+values are trusted only as ASCII digits within sane ranges; anything else (``"None"`` before the
+engine profiled its memory, a malformed line) makes the size unknown.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
 _NAMES = (WAITING, RUNNING, KV_USAGE)
+
+MAX_BLOCK_SIZE = 1 << 16
+"""Tokens per block; vLLM's are 16 by default, hybrid models' some thousands."""
+MAX_GPU_BLOCKS = 100_000_000
+MAX_CACHE_TOKENS = 10_000_000_000
+"""Per engine: far above any GPU's (a 10¹⁰-token cache would be petabytes of KV)."""
+_MAX_DIGITS = len(str(MAX_CACHE_TOKENS))
+_MAX_INFO_LINE = 16_384
+"""Characters of a ``vllm:cache_config_info`` line read at most (vLLM's is about 1,000)."""
+_MAX_ENGINES = 64
+"""``vllm:cache_config_info`` lines summed at most (one per data-parallel engine)."""
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
+"""One ``name="value"`` pair of the text format; a value escapes ``\\``, ``\"`` and newlines."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,35 +52,109 @@ class EngineLoad:
     kv_usage: float | None
     at: float
     """Monotonic time of the scrape."""
+    cache_tokens: int | None = None
+    """The engine's KV cache in tokens (``vllm:cache_config_info``; several engines' summed);
+    None when the engine does not say, or says it malformed."""
 
 
-def parse_engine_load(text: str, at: float) -> EngineLoad:
-    sums: dict[str, list[float]] = {name: [] for name in _NAMES}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        name = line[:name_end]
-        if name not in sums:
-            continue
+def _labels(line: str, start: int) -> dict[str, str] | None:
+    """The label set that opens at ``line[start] == "{"``; None unless it is well formed."""
+    labels: dict[str, str] = {}
+    pos = start + 1
+    while True:
+        if line.startswith("}", pos):
+            return labels
+        match = _LABEL.match(line, pos)
+        if match is None:
+            return None
+        labels[match[1]] = match[2]
+        pos = match.end()
+        if line.startswith(",", pos):
+            pos += 1
+        elif not line.startswith("}", pos):
+            return None
+
+
+def _count(labels: dict[str, str], name: str, limit: int) -> int | None:
+    """A label that is a whole number from 1 to ``limit``, in ASCII digits; else None."""
+    value = labels.get(name)
+    if value is None or not (0 < len(value) <= _MAX_DIGITS and value.isascii()):
+        return None
+    if not value.isdigit():
+        return None
+    number = int(value)
+    return number if 1 <= number <= limit else None
+
+
+def cache_tokens_of(line: str) -> int | None:
+    """One ``vllm:cache_config_info`` line's cache size in tokens, or None."""
+    start = line.find("{")
+    if start < 0 or len(line) > _MAX_INFO_LINE:
+        return None
+    labels = _labels(line, start)
+    if labels is None:
+        return None
+    tokens = _count(labels, "kv_cache_size_tokens", MAX_CACHE_TOKENS)
+    if tokens is not None:
+        return tokens
+    block_size = _count(labels, "block_size", MAX_BLOCK_SIZE)
+    blocks = _count(labels, "num_gpu_blocks", MAX_GPU_BLOCKS)
+    if block_size is None or blocks is None or block_size * blocks > MAX_CACHE_TOKENS:
+        return None
+    return block_size * blocks
+
+
+def _sample_lines(text: str, name: str) -> Iterator[str]:
+    """The lines of ``name``'s samples, found with ``str.find`` (the text is not split: vLLM's
+    is some hundreds of lines, of which a handful are wanted)."""
+    needle = "\n" + name
+    start = 0 if text.startswith(name) else text.find(needle) + 1
+    while start >= 0 and (start > 0 or text.startswith(name)):
+        end = text.find("\n", start)
+        if end < 0:
+            end = len(text)
+        if text.startswith(("{", " "), start + len(name)):  # not a longer name
+            yield text[start:end]
+        found = text.find(needle, end)
+        start = found + 1 if found >= 0 else -1
+
+
+def _values(text: str, name: str) -> list[float]:
+    """Every sample's value of the gauge ``name`` but NaNs (unknown) and unparsable ones."""
+    values = []
+    for line in _sample_lines(text, name):
         try:
             value = float(line.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
             continue
         if value == value:  # NaN is "unknown"
-            sums[name].append(value)
-    usage = sums[KV_USAGE]
+            values.append(value)
+    return values
+
+
+def parse_engine_load(text: str, at: float) -> EngineLoad:
+    waiting, running, usage = (_values(text, name) for name in _NAMES)
+    caches = [cache_tokens_of(line) for line in _sample_lines(text, CACHE_CONFIG)]
     return EngineLoad(
-        waiting=sum(sums[WAITING]) if sums[WAITING] else None,
-        running=sum(sums[RUNNING]) if sums[RUNNING] else None,
+        waiting=sum(waiting) if waiting else None,
+        running=sum(running) if running else None,
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=at,
+        cache_tokens=_total_cache(caches),
     )
 
 
+def _total_cache(caches: list[int | None]) -> int | None:
+    """Every engine's cache summed; unknown when any is, or when there are implausibly many."""
+    if not caches or len(caches) > _MAX_ENGINES or None in caches:
+        return None
+    return sum(c for c in caches if c is not None)
+
+
 def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
-    """Several data-parallel ranks' scrapes as one engine's: queues summed, KV usage averaged,
-    the oldest scrape's time; None while any rank has none (one rank's load is its own)."""
+    """Several data-parallel ranks' scrapes as one engine's: queues and caches summed (a cache
+    unknown while any rank's is), KV usage averaged, the oldest scrape's time; None while any
+    rank has none (one rank's load is its own)."""
     if len(loads) == 1:
         return loads[0]
     known = [load for load in loads if load is not None]
@@ -63,11 +166,13 @@ def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
         return sum(present) if present else None
 
     usage = [load.kv_usage for load in known if load.kv_usage is not None]
+    caches = [load.cache_tokens for load in known]
     return EngineLoad(
         waiting=total([load.waiting for load in known]),
         running=total([load.running for load in known]),
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=min(load.at for load in known),
+        cache_tokens=_total_cache(caches),
     )
 
 
@@ -79,5 +184,6 @@ def describe_load(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
         "waiting": load.waiting,
         "running": load.running,
         "kv_usage": load.kv_usage,
+        "cache_tokens": load.cache_tokens,
         "age_s": round(now - load.at, 3),
     }

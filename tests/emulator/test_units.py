@@ -141,6 +141,21 @@ def test_prefix_cache_lru() -> None:
     assert chain_hashes([b"b"]) != hashes[1:2]  # chained: a block's hash depends on its prefix
 
 
+def test_prefix_cache_evicts_a_prompts_tail_before_its_head() -> None:
+    """As vLLM frees a request's blocks in reverse order: the head stays, the prefix is kept."""
+    cache = PrefixCache(capacity=4)
+    first = chain_hashes([b"a", b"b", b"c"])
+    cache.insert(first)
+    cache.insert(chain_hashes([b"x", b"y"]))  # one over: the first prompt's last block goes
+    assert cache.match(first) == 2
+    assert cache.evicted_total == 1
+    cache.insert(chain_hashes([b"p", b"q", b"r", b"s", b"t"]))  # longer than the cache: its head
+    assert cache.match(chain_hashes([b"p", b"q", b"r", b"s"])) == 4
+    assert cache.match(first) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixCache(capacity=0)
+
+
 # --- faults -----------------------------------------------------------------------------------
 
 
