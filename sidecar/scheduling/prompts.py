@@ -72,8 +72,25 @@ class PrefixIndex:
     def __init__(self, *, block_tokens: int, capacity_blocks: int) -> None:
         self._block_chars = block_tokens * CHARS_PER_TOKEN
         self._block_tokens = block_tokens
+        self._configured = capacity_blocks
         self._capacity = capacity_blocks
         self._blocks: OrderedDict[Hashable, None] = OrderedDict()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def block_tokens(self) -> int:
+        return self._block_tokens
+
+    def engine_holds(self, tokens: int) -> None:
+        """The engine's KV cache holds ``tokens`` (its scrape): the index keeps no more blocks
+        than that, nor than it was configured with."""
+        self._capacity = min(self._configured, tokens // self._block_tokens)
+        blocks = self._blocks
+        while len(blocks) > self._capacity:
+            blocks.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -18,7 +18,9 @@ the moment of choice: the global minimum is safe here (herding comes from stale 
 many choosers, which is why the prefill side samples candidates instead).
 
 Each rank has its own prefix index; together they stay within ``SIDECAR_PREFIX_CACHE_BLOCKS``
-(each rank gets an equal share).
+(each rank gets an equal share), and each within what its engine's KV cache holds when the scrape
+says (``vllm:cache_config_info``): an index larger than the engine's cache would predict hits on
+blocks the engine evicted long ago.
 
 What a rank's engine said when last polled (ready or not, its scraped queue) is the engine
 monitor's snapshot (``DecodeRank.engine``, ``sidecar.engines``), published here and read by
@@ -203,6 +205,9 @@ class DecodeRanks:
         new_poll = snapshot.health_at != rank.engine.health_at
         if new_poll and snapshot.health is EngineHealth.LOST:
             self.lost(rank)
+        held = snapshot.load.cache_tokens if snapshot.load is not None else None
+        if held:
+            rank.prefix.engine_holds(held)
         rank.engine = snapshot
 
     def lost(self, rank: DecodeRank) -> None:

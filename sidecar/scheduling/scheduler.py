@@ -501,7 +501,7 @@ class Scheduler:
                 self._failure(state)
             return
         state.load = snapshot.load
-        capacity = getattr(snapshot.load, "cache_tokens", None)
+        capacity = snapshot.load.cache_tokens if snapshot.load is not None else None
         if capacity and self._prefixes is not None:
             self._prefixes.set_capacity(state.key, capacity)
         if snapshot.unreachable:

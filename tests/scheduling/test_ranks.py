@@ -232,3 +232,22 @@ def test_one_rank_holds_the_whole_index() -> None:
     for i in range(8):
         decode.claim(f"{i:04d}" + "x" * (10 * BLOCK_TOKENS * 4), 160)[0].end()
     assert len(decode[0].prefix) == 40
+
+
+def test_a_ranks_index_holds_no_more_than_its_engines_cache() -> None:
+    decode = ranks(1, capacity_blocks=100)
+    for i in range(10):
+        decode.claim(f"{i:04d}" + "x" * (10 * BLOCK_TOKENS * 4), 160)[0].end()
+    assert len(decode[0].prefix) == 100
+    # The engine's scrape says its KV cache holds 40 blocks' worth: older prompts are gone there.
+    load = EngineLoad(waiting=0, running=0, kv_usage=0.0, at=1.0, cache_tokens=40 * BLOCK_TOKENS)
+    decode.publish(decode[0], EngineSnapshot(load=load, at=1.0))
+    assert len(decode[0].prefix) == decode[0].prefix.capacity == 40
+    recent = f"{9:04d}" + "x" * (10 * BLOCK_TOKENS * 4)
+    assert decode[0].prefix.cached_tokens(decode[0].prefix.hashes(recent)) == 160
+    oldest = f"{0:04d}" + "x" * (10 * BLOCK_TOKENS * 4)
+    assert decode[0].prefix.cached_tokens(decode[0].prefix.hashes(oldest)) == 0
+    # A larger cache never lifts the index above its configured share.
+    load = dataclasses.replace(load, cache_tokens=10**6)
+    decode.publish(decode[0], EngineSnapshot(load=load, at=2.0))
+    assert decode[0].prefix.capacity == 100
