@@ -28,6 +28,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
 from bench.sim.goodput import Goodput, find_goodput
 from bench.sim.run import RunStats, simulate
@@ -48,14 +49,23 @@ QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 
 
 def parse_variant(text: str) -> Variant:
+    """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index), ``never``, or
+    an anchor's name (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
     if text == "never":
         return Variant("qoe", "never")
-    policy, _, mode = text.partition(":")
+    if text in ANCHORS:
+        return Variant(text, "anchor")
+    policy, *modes = text.split(":")
     if policy not in POLICIES:
-        raise argparse.ArgumentTypeError(f"unknown policy {policy!r}; one of {POLICIES}")
-    if mode not in ("", "conditional", "always"):
-        raise argparse.ArgumentTypeError(f"unknown mode {mode!r}; 'always' or none")
-    return Variant(policy, "always" if mode == "always" else "conditional")
+        choices = (*POLICIES, *ANCHORS)
+        raise argparse.ArgumentTypeError(f"unknown policy {policy!r}; one of {choices}")
+    unknown = set(modes) - {"conditional", "always", "blind"}
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind' or none"
+        )
+    always = "always" in modes
+    return Variant(policy, "always" if always else "conditional", blind="blind" in modes)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -78,6 +88,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated workload seeds (default 1,2,3)",
     )
     parser.add_argument("--no-checks", action="store_true", help="judge no check (exit 0)")
+    parser.add_argument(
+        "--trace",
+        help="a Mooncake-format trace (JSON lines: timestamp, input_length, output_length, "
+        "hash_ids): runs the mooncake scenario, skipped without it",
+    )
     model = parser.add_argument_group("the model (defaults: what production does)")
     model.add_argument("--plain", action="store_true", help="issue 4's idealised model: all below")
     model.add_argument("--state", choices=["redis", "shared", "local"])
@@ -87,6 +102,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--linear-prefill", action="store_true", help="no attention term")
     model.add_argument("--reserve-prompt", action="store_true", help="reserve whole prompts")
     model.add_argument("--ttft-ratio", type=float, help="the decider's ttft_ratio")
+    model.add_argument("--stall-weight", type=float, help="what-if: the decider's stall_weight")
     model.add_argument("--choices", type=int, help="candidates qoe compares (default 8)")
     model.add_argument(
         "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
@@ -101,6 +117,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     chosen = list(SCENARIOS.values()) if args.scenario == "all" else [SCENARIOS[args.scenario]]
+    traced = [scenario for scenario in chosen if scenario.workload == "trace"]
+    for scenario in traced:
+        if args.trace is None:
+            print(f"(scenario {scenario.name} skipped: it replays a trace, give --trace PATH)")
+            chosen.remove(scenario)
+        else:
+            chosen[chosen.index(scenario)] = replace(scenario, trace_path=args.trace)
     changes: dict[str, Any] = {}
     if args.policies:
         changes["variants"] = tuple(args.policies)
@@ -112,6 +135,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["ttft_ratio"] = args.ttft_ratio
     if args.choices is not None:
         changes["choices"] = args.choices
+    if args.stall_weight is not None:
+        changes["stall_weight"] = args.stall_weight
     if args.redis_refresh is not None:
         changes["redis_refresh_s"] = args.redis_refresh
     plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.sim.caches import PrefixCache
 from bench.sim.scenario import Scenario
 from bench.sim.workload import Shape
 from sidecar.emulator.engine import prefill_seconds
@@ -73,6 +74,11 @@ class Request:
     claim: Any = None
     """The decode rank's ``RankClaim``."""
     reservation: Any = None
+    engine_cached: int = 0
+    """True tokens the prefill engine found in its prefix cache (what vLLM's answer reports as
+    ``usage.prompt_tokens_details.cached_tokens``)."""
+    guess: Any = None
+    """The sidecar's ``PrefixGuess`` for the endpoint it chose (its feedback)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -113,6 +119,9 @@ class _PrefillQueue:
     budget: int
     tokens_per_s: float
     crossover_tokens: int
+    cache: PrefixCache | None = None
+    """A prefill engine's prefix cache: looked up when a prompt is first scheduled (its cached
+    tokens are not computed, but their attention is paid), filled when it is done."""
     jobs: deque[Job] = field(default_factory=deque)
     waiting: int = 0
     running: int = 0
@@ -130,6 +139,8 @@ class _PrefillQueue:
         for job in self.jobs:
             if left <= 0:
                 break
+            if not job.started and self.cache is not None:
+                _found(self.cache, job)
             tokens = min(job.remaining, left)
             taken.append((job, tokens))
             seconds += prefill_seconds(a, self.crossover_tokens, tokens, job.offset)
@@ -149,7 +160,22 @@ class _PrefillQueue:
         while jobs and jobs[0].remaining <= 0:  # chunks are taken in order: the done ones lead
             done.append(jobs.popleft())
         self.running -= len(done)
+        if self.cache is not None:
+            for job in done:
+                if job.request.shape.segments:
+                    self.cache.store(job.request.shape.segments)
         return done
+
+
+def _found(cache: PrefixCache, job: Job) -> None:
+    """A prompt is first scheduled: what the engine's prefix cache holds of it is not computed."""
+    shape = job.request.shape
+    if not shape.segments:
+        return
+    cached = cache.cached_tokens(shape.segments, shape.prompt_tokens)
+    job.request.engine_cached = cached
+    job.remaining -= cached
+    job.offset += cached
 
 
 class PrefillEngine:
@@ -164,8 +190,9 @@ class PrefillEngine:
         self.key = key
         self.gauge = Gauge()
         self._loop = loop
+        self.cache = PrefixCache(scenario.prefill_cache_tokens, scenario.block_size)
         self._queue = _PrefillQueue(
-            scenario.prefill_budget_tokens, tokens_per_s, scenario.crossover_tokens
+            scenario.prefill_budget_tokens, tokens_per_s, scenario.crossover_tokens, self.cache
         )
         self._on_done = on_done
         self._busy = False
@@ -321,6 +348,7 @@ class SlotPrefillEngine:
         self._scenario = scenario
         self._a = 1.0 / tokens_per_s
         self._on_done = on_done
+        self.cache = PrefixCache(scenario.prefill_cache_tokens, scenario.block_size)
         self._slots = scenario.prefill_max_num_seqs
         self._waiting: deque[Job] = deque()
         self._running = 0
@@ -339,11 +367,16 @@ class SlotPrefillEngine:
     def _start(self, job: Job) -> None:
         self._running += 1
         factor = 1 + self._scenario.concurrency_slowdown * (self._running - 1)
-        seconds = prefill_seconds(self._a, self._scenario.crossover_tokens, job.remaining)
+        _found(self.cache, job)
+        seconds = prefill_seconds(
+            self._a, self._scenario.crossover_tokens, job.remaining, job.offset
+        )
         self._loop.at(self._loop.now + seconds * factor, self._finish, job)
 
     def _finish(self, job: Job) -> None:
         self._running -= 1
+        if job.request.shape.segments:
+            self.cache.store(job.request.shape.segments)
         if self._waiting:
             self._start(self._waiting.popleft())
         self._record()

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from bench.sim.anchors import LlmdScorer, SglangCacheAware
 from bench.sim.engines import (
     DecodeEngine,
     Job,
@@ -19,11 +20,13 @@ from bench.sim.engines import (
     SlotPrefillEngine,
 )
 from bench.sim.scenario import Scenario, Variant
-from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key
-from bench.sim.state import state_factory
+from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key, prefill_hasher
+from bench.sim.state import PrefixShare, state_factory
+from bench.sim.texts import Segment, prompt_text
 from bench.sim.workload import Shape, shapes
 from devkit.stats import percentile
 from sidecar.scheduling.placement import reserved_tokens
+from sidecar.scheduling.prefixes import PrefixGuess
 from sidecar.scheduling.prompts import CHARS_PER_TOKEN, tokens_of_text
 
 SAMPLE_S = 0.05
@@ -58,6 +61,8 @@ class RunStats:
     """Average of the instantaneous max/mean ratio over samples where the mean is above 0."""
     local_prefill_share: float
     """Share of decode-engine time spent on local prefills (decode batch stalled)."""
+    prefill_hit_share: float
+    """Share of the prompt tokens sent to prefill engines that their prefix caches held."""
     unfinished: int
     wall_s: float
     sim_s: float
@@ -126,6 +131,21 @@ class Simulation:
             )
             for i in range(scenario.decode_engines)
         ]
+        self._hasher = prefill_hasher()
+        self._share = PrefixShare(self.loop, scenario, self.sidecars, seed)
+        self._sglang: SglangCacheAware | None = None
+        self._llmd: LlmdScorer | None = None
+        if variant.policy == "sglang_cache_aware":
+            self._sglang = SglangCacheAware(keys)
+        elif variant.policy == "llm-d_pd_scorer":
+            self._llmd = LlmdScorer(
+                keys,
+                scenario.prefill_cache_tokens // scenario.block_size,
+                random.Random(f"llm-d-{seed}"),
+                lambda key, at: float(self.prefill[key].gauge.at(at)[0]),
+            )
+        self._remote_tokens = 0
+        self._remote_cached = 0
         self.requests: list[Request] = []
         self._arrived = 0
         self._done = 0
@@ -176,6 +196,9 @@ class Simulation:
         tokens, blocks = self._estimate(sidecar, shape)
         claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
         request.claim = claim
+        if self.variant.mode == "anchor":
+            self._route(request, sidecar, tokens)
+            return
         sidecar.state.refresh(lambda: self._place(request, sidecar, tokens, cached))
 
     def _place(self, request: Request, sidecar: Sidecar, tokens: int, cached: int) -> None:
@@ -192,6 +215,11 @@ class Simulation:
         claim = request.claim
         assert claim is not None
         planner = sidecar.planner
+        # The prompt's prefix blocks, hashed once from its text (production's PrefixHasher);
+        # a prompt of unique text (no segments) matches nothing, so it is not hashed.
+        hashes: tuple[bytes, ...] = ()
+        if sidecar.prefixes is not None and shape.segments:
+            hashes = self._hasher.hashes(prompt_text(shape.segments))
         decision = planner.decide(
             sidecar.rank,
             sidecar.ranks.waiting(sidecar.rank),
@@ -200,26 +228,70 @@ class Simulation:
             view=sidecar.state.view(),
             now=now,
             wall=now,
+            hashes=hashes,
         )
         request.reason = decision.reason
         if decision.endpoint is None:
-            claim.prefilling(decision.uncached_tokens)
-            request.local_tokens = decision.uncached_tokens
-            # The engine computes what its own cache lacks, true tokens.
-            true_tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
-            request.prefill_tokens = true_tokens
-            self.decode[engine].submit_local(
-                Job(request, true_tokens, offset=shape.prompt_tokens - true_tokens)
-            )
+            self._local(request, decision.uncached_tokens)
             return
-        # A prefill engine does not hold the decode engine's cache: the whole prompt.
         key = decision.endpoint
-        request.endpoint = key
-        request.prefill_tokens = shape.prompt_tokens
         reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
         request.reservation = sidecar.state.reserve(key, reserve)
-        request.sent = now
+        prefixes = sidecar.prefixes
+        if prefixes is not None and hashes:
+            # Scheduler._reserve: the guess to compare with the answer, the endpoint holds the
+            # prompt next, and the other sidecars learn it through the prefix share.
+            matched = prefixes.matched_blocks(key, hashes)
+            request.guess = PrefixGuess(hashes, request.shape.prompt_chars, matched)
+            prefixes.placed(key, hashes)
+            self._share.publish(sidecar.index, key, hashes)
+        self._remote(request, key)
+
+    def _local(self, request: Request, uncached_estimate: int) -> None:
+        """Prefill on the request's decode engine, which computes what its own cache lacks
+        (true tokens): the history of a multi-turn continuation, nothing else."""
+        shape = request.shape
+        request.claim.prefilling(uncached_estimate)
+        request.local_tokens = uncached_estimate
+        true_tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
+        request.prefill_tokens = true_tokens
+        self.decode[request.engine].submit_local(
+            Job(request, true_tokens, offset=shape.prompt_tokens - true_tokens)
+        )
+
+    def _remote(self, request: Request, key: str) -> None:
+        """Send the whole prompt to prefill engine ``key`` (it holds none of the decode engine's
+        cache, and computes what its own prefix cache lacks)."""
+        shape = request.shape
+        request.endpoint = key
+        request.prefill_tokens = shape.prompt_tokens
+        request.sent = self.loop.now
         self.prefill[key].submit(Job(request, shape.prompt_tokens))
+
+    def _route(self, request: Request, sidecar: Sidecar, tokens: int) -> None:
+        """An anchor's central router decides (bench.sim.anchors), on the request's text."""
+        shape = request.shape
+        segments = shape.segments or (
+            Segment(-1 - request.id, shape.prompt_tokens, shape.prompt_chars),
+        )
+        if self._sglang is not None:
+            # SGLang's PD mode disaggregates every request.
+            request.reason = "scheduled"
+            self._remote(request, self._sglang.choose(segments, shape.prompt_chars, self.loop.now))
+            return
+        assert self._llmd is not None
+        llmd = self._llmd
+        hashes = llmd.hashes(prompt_text(segments))
+        decode_pod = f"decode-{request.engine}"
+        if llmd.disaggregates(decode_pod, hashes, shape.prompt_chars):
+            key = llmd.choose(hashes, self.loop.now)
+            llmd.record(key, hashes)
+            request.reason = "scheduled"
+            self._remote(request, key)
+        else:
+            request.reason = "prefix_cached"
+            self._local(request, tokens)
+        llmd.record(decode_pod, hashes)
 
     def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, list[bytes]]:
         """What the sidecar knows of a prompt: its token estimate, and stand-ins for its block
@@ -250,11 +322,21 @@ class Simulation:
         loop = self.loop
         assert request.endpoint is not None
         sidecar = self.sidecars[request.engine]
+        shape = request.shape
+        if shape.segments and request.measured:
+            self._remote_tokens += shape.prompt_tokens
+            self._remote_cached += request.engine_cached
         reservation = request.reservation
-        sidecar.state.release(reservation)
-        speed = sidecar.planner.prefill_observed(reservation, loop.now - request.sent, loop.now)
-        if speed is not None:
-            sidecar.state.publish_speed(request.endpoint, speed)
+        if reservation is not None:
+            sidecar.state.release(reservation)
+            speed = sidecar.planner.prefill_observed(reservation, loop.now - request.sent, loop.now)
+            if speed is not None:
+                sidecar.state.publish_speed(request.endpoint, speed)
+        if request.guess is not None and sidecar.prefixes is not None:
+            # The prefill answer's usage: prompt_tokens and prompt_tokens_details.cached_tokens.
+            sidecar.prefixes.answered(
+                request.endpoint, request.guess, shape.prompt_tokens, request.engine_cached
+            )
         decode = self.decode[request.engine]
         if self._transfer is None:
             decode.arrive_remote(request)
@@ -272,6 +354,8 @@ class Simulation:
 
     def _finished(self, request: Request) -> None:
         self.decode[request.engine].outstanding -= 1
+        if self._sglang is not None and request.endpoint is not None:
+            self._sglang.finished(request.endpoint)
         request.claim.end()
         if request.measured:
             self._done += 1
@@ -346,6 +430,9 @@ class Simulation:
                 self._sum_ratio / self._busy_samples if self._busy_samples else math.nan
             ),
             local_prefill_share=busy_decode / (len(self.decode) * self.loop.now),
+            prefill_hit_share=self._remote_cached / self._remote_tokens
+            if self._remote_tokens
+            else 0.0,
             unfinished=unfinished,
             wall_s=wall_s,
             sim_s=self.loop.now,

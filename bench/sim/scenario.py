@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 from sidecar.defaults import QOE_CHOICES
 from sidecar.emulator.config import ATTENTION_CROSSOVER_TOKENS
+from sidecar.emulator.engine import prefill_seconds
 from sidecar.scheduling.model import Transfer
 
 if TYPE_CHECKING:
@@ -17,7 +18,8 @@ StaleMode = Literal["delay", "scrape"]
 TokenMode = Literal["estimated", "exact"]
 ReserveMode = Literal["production", "prompt"]
 EngineModel = Literal["batched", "slots"]
-Mode = Literal["conditional", "always", "never"]
+Mode = Literal["conditional", "always", "never", "anchor"]
+Workload = Literal["mixed", "system_prompts", "trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,11 @@ class Scenario:
     decode_s_per_token: float = 0.02
     kv_transfer_s_per_block: float = 0.0
     block_size: int = 16
-    """``slots``: the emulators' settings of the same names."""
+    """``slots``: the emulators' settings of the same names; both models: the engines' KV
+    block, the granularity of their prefix caches."""
+    prefill_cache_tokens: int = 262_144
+    """Tokens each prefill engine's prefix cache holds (LRU, ``bench.sim.caches``): 16,384
+    blocks of 16, what ``SIDECAR_PREFILL_CACHE_TOKENS`` assumes by default."""
     # Sidecars.
     staleness_s: float = 1.0
     """The scrape interval (``SIDECAR_SCRAPE_INTERVAL_S``); with ``delay``, the gauges' age."""
@@ -83,9 +89,15 @@ class Scenario:
     does; ``prompt``: the whole prompt (the first simulator's choice)."""
     ttft_ratio: float | None = None
     """The decider's ``ttft_ratio``; None: the Decider's default."""
+    stall_weight: float | None = None
+    """The decider's ``stall_weight`` (what-if); None: the Decider's default."""
     choices: int = QOE_CHOICES
     """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
+    workload: Workload = "mixed"
+    """``mixed``: chat, RAG, multi-turn (below); ``system_prompts``: issue 23's shared system
+    prompts; ``trace``: a Mooncake-format trace (``trace_path``)."""
+    trace_path: str | None = None
     bursty: bool = False
     burst_cv: float = 3.0
     """Bursty arrivals: gamma inter-arrival times with this coefficient of variation."""
@@ -100,10 +112,19 @@ class Scenario:
     multi_history_tokens: tuple[int, int] = (2000, 6000)
     multi_new_tokens: int = 100
     multi_output_tokens: int = 150
+    system_prompts: int = 32
+    system_tokens: tuple[int, int] = (2000, 8000)
+    system_zipf_s: float = 1.1
+    system_user_tokens: tuple[int, int] = (50, 500)
+    system_output_tokens: tuple[int, int] = (100, 300)
     # SLOs.
     ttft_slo_s: float = 1.0
     long_ttft_slo_s: float = 3.0
     long_prompt_tokens: int = 4000
+    ttft_slo_per_prefill: float = 0.0
+    """When above 0, a prompt's TTFT SLO is at least this many times its prefill alone on an
+    idle engine at ``prefill_tokens_per_s`` (for a trace's prompts of up to 126,000 tokens,
+    which no fixed SLO suits)."""
     tpot_slo_s: float = 0.050
     target_attainment: float = 0.90
     # What runs by default, and what is checked.
@@ -117,9 +138,13 @@ class Scenario:
         return self.decode_step_s_at_1 + slope * (batch - 1)
 
     def ttft_slo(self, prompt_tokens: int) -> float:
-        if prompt_tokens > self.long_prompt_tokens:
-            return self.long_ttft_slo_s
-        return self.ttft_slo_s
+        slo = self.long_ttft_slo_s if prompt_tokens > self.long_prompt_tokens else self.ttft_slo_s
+        if self.ttft_slo_per_prefill > 0:
+            alone = prefill_seconds(
+                1.0 / self.prefill_tokens_per_s, self.crossover_tokens, prompt_tokens
+            )
+            slo = max(slo, self.ttft_slo_per_prefill * alone)
+        return slo
 
     def speeds(self) -> tuple[float, ...]:
         """Each prefill engine's linear speed in tokens/s."""
@@ -136,12 +161,18 @@ class Scenario:
             else f"{self.prefill_engines} prefill ({', '.join(f'{s:,.0f}' for s in speeds)} tok/s)"
         )
         prefill = "linear" if not self.crossover_tokens else f"b = a / {self.crossover_tokens:,}"
+        workload = {
+            "mixed": "",
+            "system_prompts": ", 32 shared system prompts (Zipf 1.1)",
+            "trace": f", trace {self.trace_path}",
+        }[self.workload]
         return (
             f"{self.name}: {fleet} + {self.decode_engines} decode engines, "
             f"{self.decode_engines} sidecars, state {self.state}, metrics scraped every "
             f"{self.staleness_s:g} s ({self.stale_mode}), tokens {self.tokens}, reserve "
-            f"{self.reserve}, prefill {prefill}, {arrivals} arrivals"
+            f"{self.reserve}, prefill {prefill}, {arrivals} arrivals{workload}"
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
+            + ("" if self.stall_weight is None else f", decider stall_weight {self.stall_weight:g}")
             + ("" if self.choices == QOE_CHOICES else f", qoe choices {self.choices}")
             + (
                 ""
@@ -170,15 +201,24 @@ class Variant:
 
     policy: str
     mode: Mode = "conditional"
+    blind: bool = False
+    """The sidecars run without the prefill prefix index (``SIDECAR_PREFILL_PREFIX_INDEX=false``:
+    every endpoint computes the whole prompt), as before issue 23."""
 
     @property
     def label(self) -> str:
         if self.mode == "never":
             return "never (all local)"
-        return self.policy if self.mode == "conditional" else f"{self.policy} always"
+        if self.mode == "anchor":
+            return self.policy
+        label = self.policy if self.mode == "conditional" else f"{self.policy} always"
+        return f"{label} prefix-blind" if self.blind else label
 
 
 QOE = Variant("qoe")
+QOE_BLIND = Variant("qoe", blind=True)
+SGLANG = Variant("sglang_cache_aware", "anchor")
+LLMD = Variant("llm-d_pd_scorer", "anchor")
 ROUND_ROBIN = Variant("round_robin")
 LEAST_LOADED = Variant("least_loaded")
 QOE_ALWAYS = Variant("qoe", "always")

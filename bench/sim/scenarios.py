@@ -8,11 +8,14 @@ from bench.sim.checks import GoodputRatio, QueueBalance
 from bench.sim.scenario import (
     ALL_VARIANTS,
     LEAST_LOADED,
+    LLMD,
     NEVER,
     QOE,
     QOE_ALWAYS,
+    QOE_BLIND,
     ROUND_ROBIN,
     ROUND_ROBIN_ALWAYS,
+    SGLANG,
     Scenario,
     Variant,
 )
@@ -55,4 +58,43 @@ WIDE = replace(
 )
 """16 decode engines and their sidecars sharing the standard 4 prefill engines."""
 
-SCENARIOS = {scenario.name: scenario for scenario in (STANDARD, MIXED, WIDE)}
+PREFIX_VARIANTS = (QOE, QOE_BLIND, SGLANG, LLMD, LEAST_LOADED)
+"""Issue 23: the prefill prefix index (production's default) against the scheduler without it,
+what users would run instead (``bench.sim.anchors``), and the peers' load-only choice."""
+
+SHARED_PROMPTS = replace(
+    STANDARD,
+    name="shared-prompts",
+    workload="system_prompts",
+    variants=PREFIX_VARIANTS,
+    checks=(
+        GoodputRatio(QOE, QOE_BLIND, 1.3),
+        GoodputRatio(QOE, SGLANG, 1.05),
+        GoodputRatio(QOE, LLMD, 1.05),
+        GoodputRatio(QOE, LEAST_LOADED, 1.5, ", same decider"),
+    ),
+    guess=14.0,
+)
+"""Issue 23's generated workload: 32 shared system prompts (Zipf), each with a user part of its
+own, on the standard fleet."""
+
+MOONCAKE = replace(
+    STANDARD,
+    name="mooncake",
+    workload="trace",
+    variants=PREFIX_VARIANTS,
+    ttft_slo_per_prefill=3.0,
+    checks=(
+        GoodputRatio(QOE, QOE_BLIND, 1.1),
+        GoodputRatio(QOE, SGLANG, 1.05),
+        GoodputRatio(QOE, LLMD, 1.05),
+        GoodputRatio(QOE, LEAST_LOADED, 1.3, ", same decider"),
+    ),
+    guess=4.0,
+)
+"""Mooncake's conversation trace (``--trace PATH``), time-scaled, on the standard fleet. Its
+prompts reach 126,000 tokens: the TTFT SLO is at least 3 x the prompt's prefill alone."""
+
+SCENARIOS = {
+    scenario.name: scenario for scenario in (STANDARD, MIXED, WIDE, SHARED_PROMPTS, MOONCAKE)
+}

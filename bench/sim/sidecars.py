@@ -17,9 +17,11 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
+from sidecar.config import Settings
 from sidecar.engines.scrape import EngineLoad
 from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.decider import Decider
@@ -27,12 +29,35 @@ from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, Planner
 from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.prefixes import PrefillPrefixes, PrefixHasher, blocks_within
 from sidecar.scheduling.ranks import DecodeRanks
 
 BLOCK_TOKENS = 16
 """``SIDECAR_PREFIX_BLOCK_TOKENS``' default."""
 INDEX_BLOCKS = 65536
 """``SIDECAR_PREFIX_CACHE_BLOCKS``' default."""
+HASH_KEY = b"simulated prefix hash key, shared"
+"""``SIDECAR_PREFIX_HASH_KEY``: one secret for the pool, so the sidecars share what they placed."""
+
+
+def _default(name: str) -> Any:
+    return Settings.model_fields[name].default
+
+
+def prefill_prefixes() -> PrefillPrefixes:
+    """The prefill prefix index as production builds it with the default settings (block
+    tokens, capacity when not scraped, trust, memory bound): ``Scheduler.__init__``."""
+    block = _default("prefill_prefix_block_tokens")
+    return PrefillPrefixes(
+        block_tokens=block,
+        capacity_blocks=_default("prefill_cache_tokens") // block,
+        max_blocks=blocks_within(int(_default("prefix_index_memory_mib") * 2**20)),
+        trust=_default("prefill_prefix_trust"),
+    )
+
+
+def prefill_hasher() -> PrefixHasher:
+    return PrefixHasher(HASH_KEY, block_tokens=_default("prefill_prefix_block_tokens"))
 
 
 def endpoint_key(index: int) -> str:
@@ -56,13 +81,24 @@ class Sidecar:
         rng = random.Random(f"sidecar-{seed}-{index}")
         self.index = index
         always = variant.mode == "always"
-        policy = make_policy(variant.policy, rng, choices=scenario.choices)
-        decider = (
-            Decider(policy, always=always)
-            if scenario.ttft_ratio is None
-            else Decider(policy, ttft_ratio=scenario.ttft_ratio, always=always)
+        # An anchor variant decides in its own router (bench.sim.anchors): the planner is idle.
+        name = "qoe" if variant.mode == "anchor" else variant.policy
+        policy = make_policy(name, rng, choices=scenario.choices)
+        options: dict[str, Any] = {"always": always}
+        if scenario.ttft_ratio is not None:
+            options["ttft_ratio"] = scenario.ttft_ratio
+        if scenario.stall_weight is not None:
+            options["stall_weight"] = scenario.stall_weight
+        decider = Decider(policy, **options)
+        # The prefill prefix index is on by default (SIDECAR_PREFILL_PREFIX_INDEX); a blind
+        # variant runs without it, as production did before issue 23.
+        aware = not variant.blind and variant.mode in ("conditional", "always")
+        self.prefixes = prefill_prefixes() if aware else None
+        self.planner = Planner(
+            decider,
+            stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s,
+            prefixes=self.prefixes,
         )
-        self.planner = Planner(decider, stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s)
         for key in keys:
             host, _, port = key.rpartition(":")
             self.planner.join(Endpoint(host, int(port)), Health())

@@ -23,12 +23,13 @@ the memory backend (each sidecar's own reservations only).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from bench.sim.engines import Loop
 from sidecar.scheduling.model import Speed
-from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView
+from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedView, prefix_share
 from sidecar.scheduling.state.protocol import Reply, Sync, SyncProtocol
 
 
@@ -248,3 +249,124 @@ class _Waiter:
         then, self._then = self._then, None
         if then is not None:
             then()
+
+
+class PrefixShare:
+    """The prefill prefix index's share (``sidecar.scheduling.state.prefix_share``) in virtual
+    time: what a sidecar placed reaches the others' indexes.
+
+    ``redis``: each sidecar runs production's ``PrefixShare`` (the pending queue, the script's
+    arguments, the reply's parsing) with the worker's timing (``RedisState._share_work``: wait
+    for a placement or ``4 × SYNC_S``, sleep ``SYNC_S``, sync); the script (the capped stream,
+    the read after the cursor within the reply's byte budget) is modelled here, run half a round
+    trip after the send, its reply applied a round trip after it. ``shared``: every placement
+    reaches the others at once; ``local`` (the memory backend): never."""
+
+    def __init__(self, loop: Loop, scenario: Any, sidecars: list[Any], seed: int) -> None:
+        self._loop = loop
+        self._mode = scenario.state
+        self._rtt = scenario.redis_rtt_s
+        self._sidecars = sidecars
+        self._workers: dict[int, _ShareWorker] = {}
+        self._stream: list[tuple[int, str, bytes, bytes]] = []
+        self._next_id = 0
+        if self._mode != "redis":
+            return
+        rng = random.Random(f"prefix-share-{seed}")
+        for sidecar in sidecars:
+            if sidecar.prefixes is not None:
+                worker = _ShareWorker(prefix_share.PrefixShare(str(sidecar.index)))
+                self._workers[sidecar.index] = worker
+                worker.waiting = True
+                # Sidecars started at different times: the first wait ends at its own phase.
+                loop.at(rng.random() * 4 * prefix_share.SYNC_S, self._timeout, (sidecar.index, 0))
+
+    def publish(self, index: int, endpoint: str, hashes: tuple[bytes, ...]) -> None:
+        if self._mode == "local":
+            return
+        if self._mode == "shared":
+            for sidecar in self._sidecars:
+                if sidecar.index != index and sidecar.prefixes is not None:
+                    sidecar.prefixes.placed(endpoint, hashes)
+            return
+        worker = self._workers[index]
+        worker.share.publish(endpoint, hashes)
+        if worker.waiting:
+            worker.waiting = False
+            worker.token += 1
+            self._loop.at(self._loop.now + prefix_share.SYNC_S, self._sync, index)
+        else:
+            worker.woken = True
+
+    def _wait(self, index: int) -> None:
+        worker = self._workers[index]
+        if worker.woken:
+            worker.woken = False
+            self._loop.at(self._loop.now + prefix_share.SYNC_S, self._sync, index)
+            return
+        worker.waiting = True
+        worker.token += 1
+        self._loop.at(
+            self._loop.now + 4 * prefix_share.SYNC_S, self._timeout, (index, worker.token)
+        )
+
+    def _timeout(self, argument: tuple[int, int]) -> None:
+        index, token = argument
+        worker = self._workers[index]
+        if token != worker.token:
+            return
+        worker.waiting = False
+        self._loop.at(self._loop.now + prefix_share.SYNC_S, self._sync, index)
+
+    def _sync(self, index: int) -> None:
+        args, _ = self._workers[index].share.begin()
+        loop = self._loop
+        loop.at(loop.now + self._rtt / 2, self._script, (index, args))
+
+    def _script(self, argument: tuple[int, list[Any]]) -> None:
+        """The share's script (``prefix_share.SCRIPT``), as the simulator models it."""
+        index, args = argument
+        sid, cursor, maxlen, budget, count = args[:5]
+        stream = self._stream
+        for j in range(count):
+            self._next_id += 1
+            stream.append((self._next_id, sid, args[5 + 2 * j].encode(), args[6 + 2 * j]))
+        if len(stream) > maxlen:
+            del stream[: len(stream) - maxlen]
+        after = int(cursor) if cursor else 0
+        out: list[bytes] = []
+        used, last = 0, cursor
+        read = 0
+        for entry_id, source, endpoint, hashes in stream:
+            if entry_id <= after:
+                continue
+            if read == 512:
+                break
+            read += 1
+            size = len(endpoint) + len(hashes)
+            if used > 0 and used + size > budget:
+                break
+            last = str(entry_id)
+            if source != sid:
+                out += [endpoint, hashes]
+                used += size
+        reply = [last.encode(), out]
+        self._loop.at(self._loop.now + self._rtt / 2, self._reply, (index, reply))
+
+    def _reply(self, argument: tuple[int, list[Any]]) -> None:
+        index, reply = argument
+        learnt, _ = self._workers[index].share.received(reply)
+        prefixes = self._sidecars[index].prefixes
+        for entry in learnt:
+            prefixes.placed(entry.endpoint, entry.hashes)
+        self._wait(index)
+
+
+class _ShareWorker:
+    __slots__ = ("share", "token", "waiting", "woken")
+
+    def __init__(self, share: prefix_share.PrefixShare) -> None:
+        self.share = share
+        self.waiting = False
+        self.woken = False
+        self.token = 0

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bench.sim.scenario import Scenario
+from bench.sim.texts import Segment, chars_per_token
 
-Kind = Literal["chat", "rag", "multi"]
+Kind = Literal["chat", "rag", "multi", "system", "trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +40,26 @@ class Shape:
     """Characters of this prompt's prefix that the home sidecar's prefix index holds: the
     previous turn's prompt (its answer is cached on the engine but was never hashed)."""
     conversation: int = -1
+    segments: tuple[Segment, ...] = ()
+    """The prompt's text as segments (``bench.sim.texts``) when it shares prefixes with other
+    prompts (system prompts, a trace's hash ids); empty: text unique to this prompt."""
 
 
 def shapes(scenario: Scenario, seed: int) -> Iterator[Shape]:
+    """The scenario's request stream for ``seed``."""
+    if scenario.workload == "system_prompts":
+        return system_prompts(scenario, seed)
+    if scenario.workload == "trace":
+        if scenario.trace_path is None:
+            raise ValueError(f"scenario {scenario.name} replays a trace: give its path")
+        from bench.sim.traces import mooncake
+
+        return iter(mooncake(scenario.trace_path, scenario, seed))
+    return mixed(scenario, seed)
+
+
+def mixed(scenario: Scenario, seed: int) -> Iterator[Shape]:
+    """Chat, long RAG and multi-turn continuations (issue 4's workload)."""
     rng = random.Random(f"workload-{seed}")
     text = random.Random(f"text-{seed}")
     gamma_shape = 1.0 / (scenario.burst_cv**2)
@@ -102,3 +120,45 @@ def shapes(scenario: Scenario, seed: int) -> Iterator[Shape]:
                 indexed_chars=chars(previous_prompt, ratio) if previous_prompt else 0,
                 conversation=conversation,
             )
+
+
+SYSTEM_KEYS = 1 << 40
+"""Segment keys of system prompts start here; a user part's key is its request's index."""
+
+
+def system_prompts(scenario: Scenario, seed: int) -> Iterator[Shape]:
+    """Issue 23's shared-system-prompt workload, its parameters fixed: ``system_prompts``
+    (32) system prompts of ``system_tokens`` (2,000-8,000, uniform) true tokens, each request
+    one of them chosen with Zipf popularity (``system_zipf_s``, 1.1: the k-th most popular
+    drawn with weight k^-1.1) followed by a user part of its own (``system_user_tokens``,
+    50-500) and answered with ``system_output_tokens`` (100-300); Poisson arrivals."""
+    rng = random.Random(f"system-{seed}")
+    median, sigma = scenario.chars_per_token_median, scenario.chars_per_token_sigma
+
+    def segment(key: int, tokens: int) -> Segment:
+        return Segment(
+            key, tokens, max(1, round(tokens * chars_per_token(key, seed, median, sigma)))
+        )
+
+    prompts = [
+        segment(SYSTEM_KEYS + k, rng.randint(*scenario.system_tokens))
+        for k in range(scenario.system_prompts)
+    ]
+    weights = [(k + 1) ** -scenario.system_zipf_s for k in range(scenario.system_prompts)]
+    index = 0
+    while True:
+        gap = rng.expovariate(1.0)
+        system = rng.choices(prompts, weights)[0]
+        user = segment(index, rng.randint(*scenario.system_user_tokens))
+        output = rng.randint(*scenario.system_output_tokens)
+        index += 1
+        yield Shape(
+            "system",
+            system.tokens + user.tokens,
+            0,
+            output,
+            None,
+            gap,
+            prompt_chars=system.chars + user.chars,
+            segments=(system, user),
+        )

@@ -1,0 +1,81 @@
+"""Replaying a trace in the Mooncake format (FAST'25; kvcache-ai/Mooncake, its
+``FAST25-release/traces``).
+
+One JSON object a line: ``timestamp`` (ms since the first request), ``input_length`` and
+``output_length`` (tokens), ``hash_ids`` (one id per 512-token block of the prompt; two requests
+that share leading ids share that prefix). Each id becomes a segment of text of its own
+(``bench.sim.texts``): 512 true tokens, its characters drawn per id, the prompt's last block
+partial (the tokens left of ``input_length``), so the sidecars' text hashing sees the trace's
+sharing. The trace is never copied into the project: the benchmark takes its path.
+
+Gaps are scaled so that the trace's mean rate is 1 request/s: at rate ``r`` the replay runs
+``r`` requests/s on average, keeping the trace's burstiness (the time scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from bench.sim.scenario import Scenario
+from bench.sim.texts import Segment, chars_per_token
+from bench.sim.workload import Shape
+
+BLOCK_TOKENS = 512
+"""Tokens per hash id in the Mooncake traces."""
+
+
+@functools.lru_cache(maxsize=2)
+def _records(path: str) -> tuple[tuple[float, int, int, tuple[int, ...]], ...]:
+    records = []
+    with Path(path).open() as lines:
+        for line in lines:
+            if line.strip():
+                item = json.loads(line)
+                records.append(
+                    (
+                        float(item["timestamp"]) / 1000.0,
+                        int(item["input_length"]),
+                        int(item["output_length"]),
+                        tuple(int(i) for i in item["hash_ids"]),
+                    )
+                )
+    if len(records) < 2:
+        raise ValueError(f"{path}: a trace needs at least two requests")
+    return tuple(records)
+
+
+def mooncake(path: str, scenario: Scenario, seed: int) -> list[Shape]:
+    """The trace's requests as shapes, in order (every seed replays the same requests; the seed
+    draws the characters per token of each block's text)."""
+    records = _records(path)
+    span = records[-1][0] - records[0][0]
+    scale = (len(records) - 1) / span if span > 0 else 1.0
+    median, sigma = scenario.chars_per_token_median, scenario.chars_per_token_sigma
+    shapes = []
+    previous = records[0][0]
+    for at, tokens, output, ids in records:
+        segments = []
+        left = tokens
+        for i, key in enumerate(ids):
+            block = BLOCK_TOKENS if i < len(ids) - 1 else max(1, left)
+            left -= block
+            ratio = chars_per_token(key, seed, median, sigma)
+            # A partial block is a prefix of the full block's text (same key, fewer characters).
+            segments.append(Segment(key, block, max(1, round(block * ratio))))
+        true_tokens = sum(segment.tokens for segment in segments)
+        shapes.append(
+            Shape(
+                "trace",
+                true_tokens,
+                0,
+                max(1, output),
+                None,
+                (at - previous) * scale,
+                prompt_chars=sum(segment.chars for segment in segments),
+                segments=tuple(segments),
+            )
+        )
+        previous = at
+    return shapes
