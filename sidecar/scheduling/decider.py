@@ -1,9 +1,10 @@
 """Disaggregate or prefill locally, and where: pure and synchronous.
 
 Disaggregate iff the prompt's uncached tokens reach ``min_tokens`` and the best candidate's
-predicted time to first token is at most ``ttft_ratio`` times that of a local prefill. The ratio
-is the price paid to keep long prefills out of the local decode batch (whose every running request
-stalls while a local prefill runs); past it the pool counts as saturated.
+predicted time to first token is at most ``ttft_ratio`` times that of a local prefill, plus the
+stall a local prefill would impose: every request running on the local engine waits while it
+computes (``stall_weight`` × running × its compute seconds). The ratio is the price paid to keep
+long prefills out of the local decode batch; past it the pool counts as saturated.
 
 "Uncached" is relative to the local decode engine's prefix cache (``cached_tokens``); a prefill
 engine does not hold that cache, so a remote prefill is predicted for the prompt less what the
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Transfer
 from sidecar.scheduling.policies import TOKENS_PER_WAITING, Policy, predicted_ttft
 
+STALL_WEIGHT = 0.0
+
 
 class Decider:
     def __init__(
@@ -29,12 +32,16 @@ class Decider:
         ttft_ratio: float = 2.0,
         transfer: Transfer = Transfer(),
         always: bool = False,
+        stall_weight: float = STALL_WEIGHT,
     ) -> None:
         """``always`` disaggregates every request a candidate exists for (the simulator's
-        "always disaggregate" baseline; also what a pure round-robin proxy does)."""
+        "always disaggregate" baseline; also what a pure round-robin proxy does).
+        ``stall_weight``: seconds of time to first token one second of stall on one running
+        request is worth (0: the stall is not weighed)."""
         self.policy = policy
         self._min_tokens = min_tokens
         self._ttft_ratio = ttft_ratio
+        self._stall_weight = stall_weight
         self._transfer = transfer
         self._always = always
 
@@ -60,7 +67,8 @@ class Decider:
         if chosen is None:
             return stay("pool_empty")
         remote_s = self.remote_seconds(chosen, prompt_tokens)
-        if not self._always and remote_s > self._ttft_ratio * local_s:
+        stall_s = self._stall_weight * local.running * local.speed.s_per_token * uncached
+        if not self._always and remote_s > self._ttft_ratio * local_s + stall_s:
             return stay("pool_saturated")
         return Decision(
             chosen.key, "scheduled", prompt_tokens, uncached, remote_s, chosen.cached_tokens
