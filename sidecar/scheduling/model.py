@@ -71,12 +71,14 @@ class LocalView:
 
     ``ahead_tokens``: prompt tokens of this sidecar's local requests that have not produced their
     first byte yet. ``waiting``: the engine's scraped ``vllm:num_requests_waiting``.
-    ``speed``: observed local time to first token per prompt token.
+    ``speed``: observed local time to first token per prompt token. ``running``: other requests
+    of this sidecar on the engine (placed, not finished): the decodes a local prefill stalls.
     """
 
     ahead_tokens: int = 0
     waiting: float | None = None
     speed: Speed = Speed(1e-4, 0.01)
+    running: int = 0
 
 
 @dataclass(frozen=True, slots=True)
