@@ -228,7 +228,10 @@ class Planner:
         candidates = self.candidates(view, now, wall, hashes)
         decision = self.decider.decide(
             candidates,
-            LocalView(rank.ahead_tokens, waiting, self.local_speed.value),
+            # The request itself is claimed on the rank already: the others run there.
+            LocalView(
+                rank.ahead_tokens, waiting, self.local_speed.value, max(0, rank.inflight - 1)
+            ),
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
         )
