@@ -102,6 +102,9 @@ class Sidecar:
         for key in keys:
             host, _, port = key.rpartition(":")
             self.planner.join(Endpoint(host, int(port)), Health())
+            if self.prefixes is not None:
+                # What the engine monitor's scrape of vllm:cache_config_info tells the index.
+                self.prefixes.set_capacity(key, scenario.prefill_cache_tokens)
         self.state = state
         self.ranks = DecodeRanks(
             [f"http://decode-{index}"],

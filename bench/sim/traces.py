@@ -49,10 +49,15 @@ def _records(path: str) -> tuple[tuple[float, int, int, tuple[int, ...]], ...]:
 def mooncake(path: str, scenario: Scenario, seed: int) -> list[Shape]:
     """The trace's requests as shapes, in order (every seed replays the same requests; the seed
     draws the characters per token of each block's text)."""
+    return _shapes(path, seed, scenario.chars_per_token_median, scenario.chars_per_token_sigma)
+
+
+@functools.lru_cache(maxsize=2)
+def _shapes(path: str, seed: int, median: float, sigma: float) -> list[Shape]:
+    """Built once per process and seed: a goodput search replays them at every rate."""
     records = _records(path)
     span = records[-1][0] - records[0][0]
     scale = (len(records) - 1) / span if span > 0 else 1.0
-    median, sigma = scenario.chars_per_token_median, scenario.chars_per_token_sigma
     shapes = []
     previous = records[0][0]
     for at, tokens, output, ids in records:
