@@ -134,7 +134,7 @@ TINY = replace(SHARED_PROMPTS, name="tiny", prefill_engines=2, decode_engines=2)
 
 def test_prefix_aware_placement_finds_the_shared_prompts_and_learns_from_the_answers():
     def run(variant):
-        return simulate(TINY, variant, 5.0, measured=200, warmup=50, seed=2)
+        return simulate(TINY, variant, 5.0, measured=150, warmup=50, seed=2)
 
     aware, blind = run(QOE), run(QOE_BLIND)
     assert aware.prefill_hit_share > blind.prefill_hit_share > 0
