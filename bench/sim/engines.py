@@ -241,6 +241,8 @@ class DecodeEngine:
         """Requests the gateway sent here that have not finished (its routing signal)."""
         self.prefill_s = 0.0
         """Virtual seconds spent on local prefills (decode stalled)."""
+        self.cache = PrefixCache(scenario.decode_cache_tokens, scenario.block_size)
+        """What it holds of prompts with segments (``Scenario.decode_cache_tokens``)."""
         self._loop = loop
         self._scenario = scenario
         self._local = _PrefillQueue(
@@ -403,6 +405,7 @@ class SlotDecodeEngine:
         self.gauge = Gauge()
         self.outstanding = 0
         self.prefill_s = 0.0
+        self.cache = PrefixCache(scenario.decode_cache_tokens, scenario.block_size)
         self._loop = loop
         self._scenario = scenario
         self._a = 1.0 / scenario.prefill_tokens_per_s

@@ -6,7 +6,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bench.sim.anchors import LlmdScorer, SglangCacheAware
@@ -253,7 +253,13 @@ class Simulation:
         shape = request.shape
         request.claim.prefilling(uncached_estimate)
         request.local_tokens = uncached_estimate
-        true_tokens = max(1, shape.prompt_tokens - shape.cached_tokens)
+        held = shape.cached_tokens
+        if shape.segments:
+            # A prompt with prefix structure: what the engine's own prefix cache holds of it.
+            cache = self.decode[request.engine].cache
+            held = max(held, cache.cached_tokens(shape.segments, shape.prompt_tokens))
+            cache.store(shape.segments)
+        true_tokens = max(1, shape.prompt_tokens - held)
         request.prefill_tokens = true_tokens
         self.decode[request.engine].submit_local(
             Job(request, true_tokens, offset=shape.prompt_tokens - true_tokens)
@@ -293,11 +299,12 @@ class Simulation:
             self._local(request, tokens)
         llmd.record(decode_pod, hashes)
 
-    def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, list[bytes]]:
-        """What the sidecar knows of a prompt: its token estimate, and stand-ins for its block
-        hashes (the previous turn's blocks, inserted into the home rank's index as they were
-        when it was sent, then this prompt's). Chat and RAG prompts are unique and share no
-        block with any other, so their blocks are left out (docs/scheduling.md)."""
+    def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, Sequence[Hashable]]:
+        """What the sidecar knows of a prompt: its token estimate, and its block hashes — of
+        its text for a prompt with segments; else stand-ins (the previous turn's blocks,
+        inserted into the home rank's index as they were when it was sent, then this
+        prompt's). Chat and RAG prompts are unique and share no block with any other, so their
+        blocks are left out (docs/scheduling.md)."""
         if self._exact:
             tokens = shape.prompt_tokens
             indexed, total = shape.cached_tokens // BLOCK_TOKENS, tokens // BLOCK_TOKENS
@@ -305,6 +312,9 @@ class Simulation:
             tokens = tokens_of_text(shape.prompt_chars)
             width = BLOCK_TOKENS * CHARS_PER_TOKEN
             indexed, total = shape.indexed_chars // width, shape.prompt_chars // width
+        if shape.segments:
+            # Prefix structure: production's local index on the prompt's own text.
+            return tokens, sidecar.rank.prefix.hashes(prompt_text(shape.segments))
         if shape.conversation < 0:
             return tokens, []
         conversation = shape.conversation
@@ -338,6 +348,8 @@ class Simulation:
                 request.endpoint, request.guess, shape.prompt_tokens, request.engine_cached
             )
         decode = self.decode[request.engine]
+        if shape.segments:
+            decode.cache.store(shape.segments)  # it holds the KV it pulls
         if self._transfer is None:
             decode.arrive_remote(request)
         else:

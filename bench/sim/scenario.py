@@ -58,6 +58,11 @@ class Scenario:
     prefill_cache_tokens: int = 262_144
     """Tokens each prefill engine's prefix cache holds (LRU, ``bench.sim.caches``): 16,384
     blocks of 16, what ``SIDECAR_PREFILL_CACHE_TOKENS`` assumes by default."""
+    decode_cache_tokens: int = 262_144
+    """Tokens each decode engine's prefix cache holds, for prompts with prefix structure (the
+    shared-prompt and trace workloads): it keeps what it prefilled and what it pulled, as vLLM
+    does, so a prompt whose prefix it holds computes only the rest locally. The mixed workload's
+    engines hold exactly a conversation's history (``Shape.cached_tokens``) instead."""
     # Sidecars.
     staleness_s: float = 1.0
     """The scrape interval (``SIDECAR_SCRAPE_INTERVAL_S``); with ``delay``, the gauges' age."""

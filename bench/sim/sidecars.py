@@ -115,6 +115,9 @@ class Sidecar:
             clock=clock,
         )
         self.rank = self.ranks[0]
+        if scenario.workload != "mixed":
+            # What the scrape of the decode engine's vllm:cache_config_info tells its index.
+            self.rank.prefix.engine_holds(scenario.decode_cache_tokens)
         # Ready throughout: the model has no /health polls.
         self.ranks.publish(self.rank, EngineSnapshot(health=EngineHealth.UP))
         self._staleness = scenario.staleness_s
