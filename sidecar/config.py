@@ -107,6 +107,13 @@ class Settings(BaseSettings):
         description="Prefill remotely only while the predicted remote time to first token is at "
         "most this many times the local one; beyond it the pool counts as saturated.",
     )
+    disagg_stall_weight: float = Field(
+        defaults.STALL_WEIGHT,
+        ge=0,
+        description="Seconds of a new request's time to first token that one second of stall "
+        "on one running decode counts for, when the decider weighs a local prefill (0: the "
+        "stall is not weighed, and short prompts always prefill locally).",
+    )
     # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
     # "Ageing and re-tests").
     speed_half_life_s: float = Field(

@@ -1,10 +1,14 @@
 """Disaggregate or prefill locally, and where: pure and synchronous.
 
-Disaggregate iff the prompt's uncached tokens reach ``min_tokens`` and the best candidate's
-predicted time to first token is at most ``ttft_ratio`` times that of a local prefill, plus the
-stall a local prefill would impose: every request running on the local engine waits while it
-computes (``stall_weight`` × running × its compute seconds). The ratio is the price paid to keep
-long prefills out of the local decode batch; past it the pool counts as saturated.
+A local prefill stalls every request running on the local engine while it computes: its cost
+to them is ``stall_weight`` × running × its compute seconds (``SIDECAR_DISAGG_STALL_WEIGHT``).
+A prompt whose uncached tokens reach ``min_tokens`` is disaggregated while the best candidate's
+predicted time to first token is at most ``ttft_ratio`` times that of a local prefill, plus that
+stall; past it the pool counts as saturated. A shorter one (or one the local engine mostly holds)
+prefills locally unless the stall it would impose outweighs what a remote prefill adds to its
+time to first token (a busy decode batch, a prefill server holding the prompt's prefix); with
+no weight it always prefills locally. The ratio is the price paid to keep long prefills out of
+the local decode batch.
 
 "Uncached" is relative to the local decode engine's prefix cache (``cached_tokens``); a prefill
 engine does not hold that cache, so a remote prefill is predicted for the prompt less what the
@@ -17,10 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sidecar.defaults import STALL_WEIGHT
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Transfer
 from sidecar.scheduling.policies import TOKENS_PER_WAITING, Policy, predicted_ttft
-
-STALL_WEIGHT = 0.0
 
 
 class Decider:
@@ -61,14 +64,20 @@ class Decider:
 
         if not candidates:
             return stay("pool_empty")
-        if not self._always and uncached < self._min_tokens:
+        # What a local prefill costs the decodes running on the engine: each stalls while it
+        # computes (weighed per running request, in seconds of time to first token).
+        stall_s = self._stall_weight * local.running * local.speed.s_per_token * uncached
+        short = uncached < self._min_tokens
+        if not self._always and short and stall_s <= 0:
             return stay("prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt")
         chosen = self.policy.choose(candidates, prompt_tokens)
         if chosen is None:
             return stay("pool_empty")
         remote_s = self.remote_seconds(chosen, prompt_tokens)
-        stall_s = self._stall_weight * local.running * local.speed.s_per_token * uncached
-        if not self._always and remote_s > self._ttft_ratio * local_s + stall_s:
+        if not self._always and short and remote_s > local_s + stall_s:
+            # Short: local, unless the stall it would impose outweighs a remote prefill.
+            return stay("prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt")
+        if not self._always and not short and remote_s > self._ttft_ratio * local_s + stall_s:
             return stay("pool_saturated")
         return Decision(
             chosen.key, "scheduled", prompt_tokens, uncached, remote_s, chosen.cached_tokens

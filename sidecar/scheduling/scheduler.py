@@ -65,6 +65,7 @@ class SchedulerOptions:
     scheduler_seed: int | None
     disagg_min_tokens: int
     disagg_ttft_ratio: float
+    disagg_stall_weight: float
     remote_only: bool
     """The connector's decode server cannot prefill: every request goes remote."""
     speed_half_life_s: float
@@ -92,6 +93,7 @@ class SchedulerOptions:
             scheduler_seed=settings.scheduler_seed,
             disagg_min_tokens=settings.disagg_min_tokens,
             disagg_ttft_ratio=settings.disagg_ttft_ratio,
+            disagg_stall_weight=settings.disagg_stall_weight,
             remote_only=CONNECTORS[settings.connector].remote_only,
             speed_half_life_s=settings.speed_half_life_s,
             scheduler_retest_s=settings.scheduler_retest_s,
@@ -145,6 +147,7 @@ class Scheduler:
                 make_policy(options.scheduler_policy, self._rng, choices=options.scheduler_choices),
                 min_tokens=options.disagg_min_tokens,
                 ttft_ratio=options.disagg_ttft_ratio,
+                stall_weight=options.disagg_stall_weight,
                 # A decode server that cannot prefill: nothing to weigh, every request goes remote.
                 always=options.remote_only,
             ),
@@ -536,6 +539,7 @@ class Scheduler:
             "choices": self._options.scheduler_choices,
             "disagg_min_tokens": self._options.disagg_min_tokens,
             "disagg_ttft_ratio": self._options.disagg_ttft_ratio,
+            "disagg_stall_weight": self._options.disagg_stall_weight,
             "discovery": self._discovery.describe(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),

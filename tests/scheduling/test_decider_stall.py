@@ -29,3 +29,30 @@ def test_the_stall_on_running_decodes_counts_against_prefilling_locally():
     assert decide(1.0, running=40).endpoint == "p0"
     # Nothing running: nothing stalls, the same pool is saturated.
     assert decide(1.0, running=0).reason == "pool_saturated"
+
+
+def test_a_short_prompt_goes_remote_when_its_local_stall_outweighs_a_remote_prefill():
+    decider = Decider(make_policy("qoe", random.Random(1)), stall_weight=0.1)
+    idle = Candidate("p0")  # the prefill prior: 20 ms of overhead per call, 10 more than local
+    # 400 uncached tokens (below min_tokens): 0.04 s of local compute.
+    quiet = LocalView(speed=SPEED, running=2)  # 2 x 0.04 x 0.1 = 8 ms of stall: stays local
+    assert decider.decide([idle], quiet, prompt_tokens=400).reason == "short_prompt"
+    # 60 running decodes: 0.24 s of weighed stall, more than the remote prefill's extra 12 ms.
+    busy = LocalView(speed=SPEED, running=60)
+    decision = decider.decide([idle], busy, prompt_tokens=400)
+    assert (decision.endpoint, decision.reason) == ("p0", "scheduled")
+    # A prefix the local engine holds: the same rule, on what each would compute. A prefill
+    # server that would compute all 4,400 tokens (0.46 s) is not worth 0.24 s of stall...
+    assert decider.decide([idle], busy, prompt_tokens=4400, cached_tokens=4000).reason == (
+        "prefix_cached"
+    )
+    # ...one that holds the prefix too (the prefill prefix index says so) is.
+    holder = Candidate("p1", cached_tokens=4000)
+    decision = decider.decide([idle, holder], busy, prompt_tokens=4400, cached_tokens=4000)
+    assert decision.endpoint == "p1"
+    assert decider.decide([holder], quiet, prompt_tokens=4400, cached_tokens=4000).reason == (
+        "prefix_cached"
+    )
+    # Without the weight, short prompts always stay local.
+    unweighed = Decider(make_policy("qoe", random.Random(1)), stall_weight=0.0)
+    assert unweighed.decide([idle], busy, prompt_tokens=400).reason == "short_prompt"

@@ -114,7 +114,7 @@ async def test_without_prompt_tokens_details_the_index_runs_open_loop_and_says_s
     index = snapshot["prefill_prefixes"]
     assert index["feedback"] == "open"
     assert index["endpoints"][prefill.endpoint]["answers_without"] == 2
-    warnings = [r for r in caplog.records if "runs open-loop (start the prefill" in r.getMessage()]
+    warnings = [r for r in caplog.records if "runs open-loop (start vLLM prefill" in r.getMessage()]
     assert len(warnings) == 1  # said once, not per request
 
 

@@ -139,9 +139,12 @@ def test_feedback_shrinks_an_endpoint_that_held_less_and_lets_it_grow_back() -> 
     assert len(prefixes) == 500
     prompt = text("doc9", 50)
     guess = PrefixGuess(hasher.hashes(prompt), len(prompt), matched_blocks=50)
-    # The engine counted 3,000 tokens (not our 3,200 estimate) and found 1,500 cached: it held
-    # half of what was predicted (error in its own tokens: 3,000 - 1,500).
-    assert prefixes.answered(A, guess, 3000, 1500) == pytest.approx(1500)
+    # A shortfall of more than a block but to no less than half the prediction: the text's
+    # characters per token, not an eviction (the engine counts 3,000 tokens, we 3,200).
+    assert prefixes.answered(A, guess, 3000, 2000) == pytest.approx(1000)
+    assert len(prefixes) == 500
+    # It found 1,000 of the 3,000 predicted cached: it evicted what the index kept.
+    assert prefixes.answered(A, guess, 3000, 1000) == pytest.approx(2000)
     assert len(prefixes) == 450  # 90 % of what it held
     described = prefixes.describe()["endpoints"][A]
     assert described["held_less_than_predicted"] == 1
