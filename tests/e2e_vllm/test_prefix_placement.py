@@ -3,7 +3,7 @@
 Two vLLM prefill engines and one decode engine, all NixlConnector: the session's pair and its
 spare prefill engine (started with the pair, on the prefill engine's core; the decode engine
 keeps its own), stopped when this module ends. Three engines fit these machines: about 1.6 GiB
-each, started together in about 90 s, so no prefill server is the emulator (docs/e2e.md,
+each, started together in 90 to 110 s, so no prefill server is the emulator (docs/e2e.md,
 "Prefix-aware placement: three engines"). A sidecar of the module's own has both prefill engines
 in its pool (``SIDECAR_PREFILL_ENDPOINTS``) and no gateway header names one: the scheduler places
 every request.
