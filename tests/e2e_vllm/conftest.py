@@ -1,10 +1,9 @@
 """Real vLLM prefill and decode engines and the sidecar process.
 
-The NixlConnector pair of test_real_engines.py (``cluster``) starts once per session; every other
-module starts a pair of its own (``start_cluster``). One pair runs at a time: starting a pair stops
-any other
-(two engines per core would starve each other), and the modules run in ``MODULE_ORDER``, the
-NixlConnector ones first.
+The NixlConnector pair of test_prefix_placement.py and test_real_engines.py (``cluster``) starts
+once per session; every other module starts a pair of its own (``start_cluster``). One pair runs
+at a time: starting a pair stops any other (two engines per core would starve each other), and
+the modules run in ``MODULE_ORDER``, the NixlConnector ones first.
 
 Needs the environment ``e2e/setup_vllm.sh`` builds (``make e2e-vllm`` runs it first). Engine and
 sidecar logs go to a temporary directory named in every startup failure, or to ``E2E_VLLM_LOG_DIR``
@@ -21,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import orjson
@@ -65,15 +64,20 @@ KV_BLOCKS = KV_CACHE_BYTES // (BLOCK_TOKENS * KV_BYTES_PER_TOKEN)
 """Blocks in each engine's KV cache (1024); the gauge counts all but vLLM's reserved null block."""
 
 
+PREFIX_PLACEMENT = "test_prefix_placement.py"
+"""The module whose prefill pool is the session's pair and a spare prefill engine."""
+
 MODULE_ORDER = (
     "test_kv_release.py",
+    PREFIX_PLACEMENT,
     "test_real_engines.py",
     "test_nixl_push.py",
     "test_shared_storage.py",
     "test_tracing.py",
 )
 """The order modules run in. Each starts a pair of its own, which stops the one before; the
-session's NixlConnector pair (``cluster``) is test_real_engines.py's."""
+session's NixlConnector pair (``cluster``) is test_prefix_placement.py's (with a second prefill
+engine of that module's own, stopped when it ends) and then test_real_engines.py's."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -89,6 +93,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ordered = sorted((items[i] for i in places), key=rank)  # stable: file order within a module
     for place, item in zip(places, ordered, strict=True):
         items[place] = item
+
+
+class WithSidecar(Protocol):
+    """Anything the sidecar helpers below read from: a pair, or a sidecar of a module's own."""
+
+    @property
+    def sidecar(self) -> SidecarProcess: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -107,6 +118,9 @@ class Cluster:
     expected_expiries: int = 0
     """Prefills the tests stranded on purpose: what the prefill engine must count as expired."""
     restarting: asyncio.Task[None] | None = None
+    spare: VllmEngine | None = None
+    """A second prefill engine (same connector, on the prefill engine's core) started with the
+    pair for test_prefix_placement.py, which stops it when it ends; None otherwise."""
 
     async def __aenter__(self) -> Cluster:
         return self
@@ -119,9 +133,15 @@ class Cluster:
         if self.restarting is not None:
             await asyncio.gather(self.restarting, return_exceptions=True)
         await self.sidecar.stop()
-        await asyncio.gather(self.decode.stop(), self.prefill.stop())  # about 10 s each
+        await asyncio.gather(self.decode.stop(), self.prefill.stop(), self.stop_spare())
         if self in _RUNNING:
             _RUNNING.remove(self)
+
+    async def stop_spare(self) -> None:
+        """Stop the second prefill engine, if there is one (about 10 s, like any engine)."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            await spare.stop()
 
     async def restart_decode(self) -> None:
         """A fresh decode engine on the same ports: the sidecar's decode URL stays valid."""
@@ -159,11 +179,14 @@ async def start_cluster(
     engine_args: list[str] | None = None,
     engine_env: dict[str, str] | None = None,
     sidecar_env: dict[str, str] | None = None,
+    spare: bool = False,
 ) -> Cluster:
     """A prefill engine, a decode engine with ``kv_connector`` and a sidecar speaking
     ``sidecar_connector`` to them, ready; ``engine_args``/``engine_env`` go to both engines,
     ``sidecar_env`` to the sidecar. Any other pair still running is stopped first: each engine
-    has a core of its own (docs/e2e.md), so two pairs on two cores would starve."""
+    has a core of its own (docs/e2e.md), so two pairs on two cores would starve. ``spare``: a
+    second prefill engine too (``Cluster.spare``), on the prefill engine's core, started with
+    the others (starting it later, alone, would add its whole start time)."""
     home = VllmHome.locate()
     if (problem := home.missing()) is not None:
         pytest.fail(problem, pytrace=False)
@@ -188,11 +211,25 @@ async def start_cluster(
         decode.url, log_dir, connector=sidecar_connector, extra_env=dict(sidecar_env or {})
     )
     running = Cluster(home, log_dir, prefill, decode, sidecar, shared_storage_path)
+    if spare:
+        running.spare = VllmEngine(
+            "prefill",
+            home,
+            log_dir,
+            kv_connector=kv_connector,
+            shared_storage_path=shared_storage_path,
+            cpu=prefill_cpu,
+            extra_env=dict(engine_env or {}),
+            extra_args=list(engine_args or []),
+        )
+    processes: list[VllmEngine | SidecarProcess] = [prefill, decode, sidecar]
+    if running.spare is not None:
+        processes.append(running.spare)
     _RUNNING.append(running)
     try:
-        for process in (prefill, decode, sidecar):
+        for process in processes:
             process.start()
-        for process in (prefill, decode, sidecar):  # started together, they get ready together
+        for process in processes:  # started together, they get ready together
             await process.wait_ready()
     except BaseException:
         await running.stop()
@@ -201,9 +238,13 @@ async def start_cluster(
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    """The NixlConnector (pull) pair of test_real_engines.py."""
-    async with await start_cluster(log_dir_for(tmp_path_factory)) as running:
+async def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Cluster]:
+    """The NixlConnector (pull) pair of test_prefix_placement.py and test_real_engines.py, with
+    the spare prefill engine the first needs when it runs (it stops the spare when it ends)."""
+    spare = any(item.path.name == PREFIX_PLACEMENT for item in request.session.items)
+    async with await start_cluster(log_dir_for(tmp_path_factory), spare=spare) as running:
         yield running
 
 
@@ -350,7 +391,9 @@ async def settled_metric(
         await asyncio.sleep(0.1)
 
 
-async def record(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> dict[str, Any]:
+async def record(
+    http: aiohttp.ClientSession, cluster: WithSidecar, request_id: str
+) -> dict[str, Any]:
     async with http.get(f"{cluster.sidecar.url}/debug/requests/{request_id}") as response:
         assert response.status == 200, await response.text()
         result: dict[str, Any] = await response.json()
@@ -438,7 +481,7 @@ _LABELLED = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}\s+(\S+)")
 
 
 async def sidecar_metric(
-    http: aiohttp.ClientSession, cluster: Cluster, name: str, **labels: str
+    http: aiohttp.ClientSession, cluster: WithSidecar, name: str, **labels: str
 ) -> float:
     """The sidecar's ``name`` summed over the samples whose labels include ``labels``."""
     async with http.get(cluster.sidecar.url + "/metrics") as response:
@@ -457,7 +500,7 @@ async def sidecar_metric(
 
 async def settled_sidecar_metric(
     http: aiohttp.ClientSession,
-    cluster: Cluster,
+    cluster: WithSidecar,
     name: str,
     at_least: float,
     within: float = 5,
