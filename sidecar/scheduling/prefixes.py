@@ -47,7 +47,6 @@ resident memory filling 100,000 blocks: what ``max_blocks`` is derived from."""
 MAX_PROMPT_BLOCKS = 4096
 """Blocks hashed per prompt (262,144 estimated tokens at 64 per block): bounds a huge prompt's
 cost on the event loop and what one placement publishes; beyond it a prompt counts as uncached."""
-MIN_BLOCKS = 16
 HELD_LESS = 0.5
 """An answer whose cached tokens are below this share of the prediction (and short of it by more
 than a block) counts as the endpoint having evicted what the index kept. Measured in the
@@ -55,6 +54,7 @@ simulator (issue 23): with any shortfall beyond a block counting, a system promp
 characters than its user part made every answer look like an eviction, and the indexes shrank
 21-39 times each at 30 requests/s; at half, misses fell from 59 to 15 (18 with no shrinking at
 all)."""
+MIN_BLOCKS = 16
 """The least capacity feedback can shrink an endpoint to."""
 SHRINK = 0.9
 
