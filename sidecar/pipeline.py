@@ -298,6 +298,7 @@ def _record_placement(record: RequestRecord, placement: Placement) -> None:
         record.decision = Decision.LOCAL
     else:
         record.decision = Decision.REMOTE
+        record.predicted_cached_tokens = placement.decision.remote_cached_tokens
         record.prefill_endpoint = str(placement.endpoint)
 
 

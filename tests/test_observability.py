@@ -33,6 +33,7 @@ RECORD_KEYS = {
     "decode_rank",
     "decode_url",
     "prefill_predicted_ms",
+    "prefill_predicted_cached_tokens",
     "prefill_observed_ms",
     "state",
     "status",

@@ -71,6 +71,8 @@ class RequestRecord:
     fallback_reason: str | None = None
     prefill_endpoint: str | None = None
     predicted_prefill_s: float | None = None
+    predicted_cached_tokens: int | None = None
+    """Tokens of the prompt the prefill prefix index predicted the prefill endpoint holds."""
     prefill_attempts: int = 0
     decode_rank: int | None = None
     """Index (into SIDECAR_DECODE_URLS; 0 with one decode URL) of the rank the request went to."""
@@ -121,6 +123,7 @@ class RequestRecord:
             "error": self.error,
             "started_at": self.started_at,
             "prefill_predicted_ms": _ms(self.predicted_prefill_s),
+            "prefill_predicted_cached_tokens": self.predicted_cached_tokens,
             "prefill_observed_ms": _ms(self.observed_prefill_s()),
             "phases": {str(name): round(value, 6) for name, value in self.phases.items()},
             "durations_ms": {name: _ms(value) for name, value in self.durations().items()},

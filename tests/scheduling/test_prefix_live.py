@@ -53,9 +53,11 @@ async def test_a_shared_prefix_goes_to_the_prefill_server_that_holds_it(
     assert (first["decision"], first["reason"]) == ("remote", "scheduled")
     holder = engines[first["prefill_endpoint"]]
     before = {key: await hits(http, engine.url) for key, engine in engines.items()}
+    assert first["prefill_predicted_cached_tokens"] == 0
     for n in range(1, 6):
         record = await send(http, sidecar.url, SYSTEM + user(n))
         assert (record["decision"], record["prefill_endpoint"]) == ("remote", holder.endpoint)
+        assert record["prefill_predicted_cached_tokens"] == 31 * 64  # the system prompt's blocks
     # The holder found the 2,000-token system prompt cached on each of the five.
     assert await hits(http, holder.url) - before[holder.endpoint] == 5 * 2000
     other = next(key for key in engines if key != holder.endpoint)
