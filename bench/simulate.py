@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
-from bench.sim.goodput import Goodput, find_goodput
+from bench.sim.goodput import LOWEST_RATE, Goodput, find_goodput
 from bench.sim.run import RunStats, simulate
 from bench.sim.scenario import LEAST_LOADED, QOE, ROUND_ROBIN, Scenario, Variant
 from bench.sim.scenarios import SCENARIOS
@@ -187,7 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for seed in seeds:
                 qoe = goodputs.get((scenario.name, seed, QOE))
                 best = max(goodputs[scenario.name, seed, v].rate for v in scenario.variants)
-                references[scenario.name, seed] = args.rate or (qoe.rate if qoe else best)
+                # qoe's goodput; the best variant's when qoe met the target at no rate tried;
+                # the search's lowest rate when none did (a latency table at rate 0 is none).
+                references[scenario.name, seed] = (
+                    args.rate or (qoe.rate if qoe and qoe.rate > 0 else best) or LOWEST_RATE
+                )
         latency = {
             key: pool.submit(
                 simulate,

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from bench.sim.run import RunStats, simulate
 from bench.sim.scenario import Scenario, Variant
 
+LOWEST_RATE = 0.25
+"""The lowest rate the goodput search tries (requests/s)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Goodput:
@@ -32,7 +35,7 @@ def find_goodput(
     seed: int,
     precision: float = 0.02,
     step: float = 1.3,
-    lowest: float = 0.25,
+    lowest: float = LOWEST_RATE,
     highest: float = 500.0,
 ) -> Goodput:
     runs: list[RunStats] = []

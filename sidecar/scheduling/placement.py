@@ -224,7 +224,8 @@ class Planner:
         A request the decider sends remote goes instead to the candidate longest without a
         prefill from this sidecar when that is ``retest_s`` or more (reason ``retest``): an
         endpoint the policy stopped choosing gets one prefill per ``retest_s``, so its estimate
-        learns whether it recovered. A re-test never turns a local decision into a remote one."""
+        learns whether it recovered. A re-test never turns a local decision into a remote one,
+        nor takes a request whose chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes)
         decision = self.decider.decide(
             candidates,
@@ -238,7 +239,10 @@ class Planner:
         if decision.endpoint is None:
             return decision
         key = decision.endpoint
-        due = self._due_retest(candidates, now)
+        # A re-test never takes a request that the chosen endpoint is predicted to hold part of:
+        # it would recompute that prefix elsewhere (and, at a few prefills per sidecar per
+        # re-test interval, most requests would be re-tests).
+        due = self._due_retest(candidates, now) if decision.remote_cached_tokens == 0 else None
         if due is not None and due.key != key:
             key = due.key
             predicted = self.decider.remote_seconds(due, prompt_tokens)

@@ -183,3 +183,55 @@ def test_the_decision_counts_only_what_a_candidate_would_compute() -> None:
     pool.append(Candidate("127.0.0.50:8000", cached_tokens=6000))
     qoe = Qoe(random.Random(1), choices=2)
     assert all(qoe.choose(pool, 8000).key == "127.0.0.50:8000" for _ in range(50))  # type: ignore[union-attr]
+
+
+def test_a_retest_never_takes_a_request_its_chosen_endpoint_holds_part_of() -> None:
+    from sidecar.scheduling.decider import Decider
+    from sidecar.scheduling.endpoints import Endpoint
+    from sidecar.scheduling.estimates import Health
+    from sidecar.scheduling.placement import Planner
+    from sidecar.scheduling.policies import make_policy
+    from sidecar.scheduling.ranks import DecodeRanks
+    from sidecar.scheduling.state import Load, SharedView
+
+    hasher = PrefixHasher(KEY, block_tokens=64)
+    prefixes = index()
+    planner = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        retest_s=15.0,
+        prefixes=prefixes,
+    )
+    for host in ("127.0.0.11", "127.0.0.12"):
+        planner.join(Endpoint(host, 8000), Health())
+    rank = DecodeRanks(
+        ["http://127.0.0.1:8200"],
+        block_tokens=16,
+        capacity_blocks=100,
+        stale_after_s=3.0,
+        rng=random.Random(1),
+    )[0]
+    view = SharedView({B: Load(100_000, 5)}, {}, {})  # B busy: the policy picks A
+    system = text("system", 40)
+    prefixes.placed(A, hasher.hashes(system + text("first", 4)))
+
+    def decide(prompt: str, now: float):
+        return planner.decide(
+            rank,
+            None,
+            prompt_tokens=len(prompt) // 4,
+            cached_tokens=0,
+            view=view,
+            now=now,
+            wall=now,
+            hashes=hasher.hashes(prompt),
+        )
+
+    assert decide(text("first look", 44), 0.0).endpoint == A  # both seen: re-test clocks start
+    assert decide(system + text("u0", 4), 10.0).endpoint == A
+    # 20 s later B is due a re-test; the prompt's prefix is on A: it stays there.
+    held = decide(system + text("u1", 4), 20.0)
+    assert (held.endpoint, held.reason) == (A, "scheduled")
+    # A prompt neither holds: B is re-tested with it.
+    other = decide(text("unrelated", 44), 21.0)
+    assert (other.endpoint, other.reason) == (B, "retest")
