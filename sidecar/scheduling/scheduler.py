@@ -268,15 +268,11 @@ class Scheduler:
             self._count(decision)
             claim.prefilling(uncached)
             return Placement(decision, None, claim, local_tokens=uncached)
-        # The prompt's prefix blocks, hashed once and looked up on every candidate; not for a
-        # prompt too short to leave the decode engine (the decider keeps it local unasked).
+        # The prompt's prefix blocks, hashed once and looked up on every candidate (a short
+        # prompt too: weighing the stall, the decider may send it remote; it has few blocks).
         hashes: tuple[bytes, ...] = ()
         size = 0
-        if self._hasher is not None and (
-            header is not None
-            or self._options.remote_only
-            or tokens - cached >= self._options.disagg_min_tokens
-        ):
+        if self._hasher is not None:
             data = prompt.encode() if isinstance(prompt, str) else prompt
             hashes, size = self._hasher.hashes(data), len(data)
         if header is not None:
