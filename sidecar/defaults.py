@@ -47,7 +47,7 @@ STALL_WEIGHT = 0.0
 counts for, in seconds of a new request's time to first token, when the decider weighs a local
 prefill (every decode running on the engine waits while it computes). 0: not weighed, as before
 issue 23. Weighing it (0.1: a request's time-to-first-token budget, about 1 s, is about a tenth
-of its decode's, some 200 tokens at 50 ms) raised the simulator's goodput by 5 % (standard), 14 %
-(mixed) and 48 % (shared system prompts, seed 1) but lost 5 % on the prefill-bound wide fleet, where it
-sends short prompts to a saturated prefill pool: docs/scheduling.md, "Prefix-aware placement
-(issue 23): results"."""
+of its decode's, some 200 tokens at 50 ms) raised the simulator's goodput by 5 % (standard),
+14 % (mixed) and 48 % (shared system prompts, seed 1) but lost 5 % on the prefill-bound wide
+fleet, where it sends short prompts to a saturated prefill pool: docs/scheduling.md,
+"Prefix-aware placement (issue 23): results"."""
