@@ -4,7 +4,8 @@ what the others placed comes in.
 A placement publishes the prompt's block hashes (``prefixes.PrefixHasher``: keyed, so Redis holds
 digests nobody without the key can recompute) for its endpoint. They wait in a bounded queue
 (``MAX_PENDING`` placements; the oldest are dropped first, counted) until the share's own sync,
-off the decision's path: one script call that appends them to a stream (``{prefix}:prefixes``,
+off the decision's path: one script call (at most ``SEND_BYTES`` of them) that appends them to a
+stream (``{prefix}:prefixes``,
 capped at ``STREAM_ENTRIES`` entries, so Redis holds a few MiB at most) and reads the entries
 after this sidecar's cursor, at most ``REPLY_BYTES`` of them per call (the rest comes with the
 next). A new sidecar starts from the stream's beginning: it learns what the pool was sent lately.
@@ -28,6 +29,9 @@ MAX_PENDING = 1024
 """Placements waiting for the share's next sync."""
 STREAM_ENTRIES = 4096
 """Placements the stream keeps (approximately: Redis trims whole nodes)."""
+SEND_BYTES = 256 * 1024
+"""Bytes of hashes one sync sends at most (the rest waits for the next): a burst of long
+prompts never makes one script call of megabytes."""
 REPLY_BYTES = 64 * 1024
 """Bytes of hashes one sync reads back at most (8,192 blocks: a few milliseconds of the loop to
 apply)."""
@@ -105,9 +109,15 @@ class PrefixShare:
         self._pending.append((endpoint, b"".join(hashes[:MAX_PROMPT_BLOCKS])))
 
     def begin(self) -> tuple[list[str | bytes | int], list[tuple[str, bytes]]]:
-        """The script's ARGV, and the placements it carries (given back by ``failed``)."""
-        sending = list(self._pending)
-        self._pending.clear()
+        """The script's ARGV, and the placements it carries (given back by ``failed``): the
+        oldest waiting, up to ``SEND_BYTES`` (at least one)."""
+        sending: list[tuple[str, bytes]] = []
+        size = 0
+        pending = self._pending
+        while pending and (not sending or size + len(pending[0][1]) <= SEND_BYTES):
+            entry = pending.popleft()
+            sending.append(entry)
+            size += len(entry[1])
         args: list[str | bytes | int] = [
             self.sidecar,
             self.cursor,

@@ -276,6 +276,8 @@ class RedisState:
                 backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * backoff))
                 continue
             backoff = 0.0
+            if share.pending:  # more than one sync carries: the rest goes next
+                self._share_wake.set()
             learnt, skipped = share.received(reply)
             if skipped:
                 self._on_skipped("prefix", skipped)
