@@ -1,7 +1,9 @@
 """Disaggregate or prefill locally, and where: pure and synchronous.
 
 A local prefill stalls every request running on the local engine while it computes: its cost
-to them is ``stall_weight`` × running × its compute seconds (``SIDECAR_DISAGG_STALL_WEIGHT``).
+to them is ``stall_weight`` × running × its compute seconds (``SIDECAR_DISAGG_STALL_WEIGHT``),
+counted only against a prefill server with room (nothing queued there: one with a queue is the
+pool's bottleneck, and work sent to it to spare the decodes delays other prompts' prefills).
 A prompt whose uncached tokens reach ``min_tokens`` is disaggregated while the best candidate's
 predicted time to first token is at most ``ttft_ratio`` times that of a local prefill, plus that
 stall; past it the pool counts as saturated. A shorter one (or one the local engine mostly holds)
@@ -74,6 +76,10 @@ class Decider:
         if chosen is None:
             return stay("pool_empty")
         remote_s = self.remote_seconds(chosen, prompt_tokens)
+        if chosen.queued_tokens(TOKENS_PER_WAITING) > 0:
+            # The stall counts only against a prefill server with room: one with a queue is the
+            # pool's bottleneck, and work sent there to spare the decodes delays others' prefills.
+            stall_s = 0.0
         if not self._always and short and remote_s > local_s + stall_s:
             # Short: local, unless the stall it would impose outweighs a remote prefill.
             return stay("prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt")

@@ -24,11 +24,19 @@ def test_without_stall_weight_a_saturated_pool_keeps_the_prefill_local():
     assert decide(0.0, running=40).reason == "pool_saturated"
 
 
-def test_the_stall_on_running_decodes_counts_against_prefilling_locally():
-    # 40 running x 0.3 s of local compute x 1 = 12 s of stall: the 4.5 s remote prefill wins.
-    assert decide(1.0, running=40).endpoint == "p0"
+def test_the_stall_counts_only_against_a_prefill_server_with_room():
+    # 40 running x 0.3 s of local compute x 1 = 12 s of stall, but the endpoint has 40,000
+    # tokens queued: it is the pool's bottleneck, and the stall is not weighed against it.
+    assert decide(1.0, running=40).reason == "pool_saturated"
+    # An idle endpoint 3x slower than local (0.93 s against 0.31 s: past 2 x) takes the prefill
+    # when the stall it spares outweighs the difference.
+    decider = Decider(make_policy("qoe", random.Random(1)), stall_weight=1.0)
+    slow = Candidate("p0", speed=Speed(s_per_token=3e-4, overhead_s=0.03))
+    busy = LocalView(speed=SPEED, running=40)
+    assert decider.decide([slow], busy, prompt_tokens=3000).endpoint == "p0"
     # Nothing running: nothing stalls, the same pool is saturated.
-    assert decide(1.0, running=0).reason == "pool_saturated"
+    idle = LocalView(speed=SPEED, running=0)
+    assert decider.decide([slow], idle, prompt_tokens=3000).reason == "pool_saturated"
 
 
 def test_a_short_prompt_goes_remote_when_its_local_stall_outweighs_a_remote_prefill():
@@ -51,6 +59,11 @@ def test_a_short_prompt_goes_remote_when_its_local_stall_outweighs_a_remote_pref
     decision = decider.decide([idle, holder], busy, prompt_tokens=4400, cached_tokens=4000)
     assert decision.endpoint == "p1"
     assert decider.decide([holder], quiet, prompt_tokens=4400, cached_tokens=4000).reason == (
+        "prefix_cached"
+    )
+    # A holder with work queued is the pool's bottleneck: the short prompt stays local.
+    queued = Candidate("p1", cached_tokens=4000, reserved_tokens=2000)
+    assert decider.decide([queued], busy, prompt_tokens=4400, cached_tokens=4000).reason == (
         "prefix_cached"
     )
     # Without the weight, short prompts always stay local.
