@@ -111,9 +111,9 @@ class Settings(BaseSettings):
         defaults.STALL_WEIGHT,
         ge=0,
         description="Seconds of a new request's time to first token that one second of stall "
-        "on one running decode counts for, when the decider weighs a local prefill (0: the "
-        "stall is not weighed, and short prompts always prefill locally; docs/scheduling.md "
-        "has the simulator's figures for 0.1).",
+        "on one running decode counts for, when the decider weighs a local prefill against a "
+        "prefill server with nothing queued (0: the stall is not weighed, and short prompts "
+        "always prefill locally).",
     )
     # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
     # "Ageing and re-tests").
