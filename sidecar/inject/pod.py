@@ -21,7 +21,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Any
 
-from sidecar.inject.template import SIDECAR_NAME, Options, render
+from sidecar.inject.template import CONTAINER_NAME, Options, render
 
 ENGINE_PORT_NAME = "engine"
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh"})
@@ -47,7 +47,7 @@ class InjectError(Exception):
 
 
 def already_injected(spec: Spec) -> bool:
-    return any(c.get("name") == SIDECAR_NAME for c in spec.get("initContainers") or [])
+    return any(c.get("name") == CONTAINER_NAME for c in spec.get("initContainers") or [])
 
 
 def inject_pod_spec(spec: Spec, options: Options) -> None:
@@ -56,9 +56,9 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
     containers: list[Container] = spec.get("containers") or []
     init_containers: list[Container] = spec.get("initContainers") or []
     _refuse_proxies([*init_containers, *containers])
-    if any(c.get("name") == SIDECAR_NAME for c in containers):
+    if any(c.get("name") == CONTAINER_NAME for c in containers):
         raise InjectError(
-            f"container {SIDECAR_NAME!r} is a regular container, not the native sidecar: "
+            f"container {CONTAINER_NAME!r} is a regular container, not the native sidecar: "
             "remove it and inject again"
         )
     port = options.sidecar_port

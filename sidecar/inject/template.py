@@ -21,7 +21,7 @@ import yarl
 
 from sidecar.defaults import DECODE_URL
 
-SIDECAR_NAME = "pd-sidecar"
+CONTAINER_NAME = "pd-sidecar"
 """The container's name: how a second injection recognizes the first."""
 ENGINE_EXIT_S = 5
 """What the grace period leaves the engine to exit after SIGTERM, before the sidecar is stopped."""

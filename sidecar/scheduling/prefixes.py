@@ -36,7 +36,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.scheduling.prompts import CHARS_PER_TOKEN, INDEX_BYTES_PER_BLOCK
+from sidecar.scheduling.prompts import (
+    CHARS_PER_TOKEN,
+    INDEX_BYTES_PER_BLOCK,
+    leading_blocks,
+    touch_blocks,
+)
 
 DIGEST_BYTES = 8
 """Bytes of a block hash: two prefixes share one with a chance of ~2⁻⁶⁴."""
@@ -152,15 +157,7 @@ class PrefillPrefixes:
     def matched_blocks(self, key: str, hashes: Sequence[bytes]) -> int:
         """Blocks of the longest indexed prefix of a prompt on ``key``: a look-up only."""
         server = self._servers.get(key)
-        if server is None:
-            return 0
-        blocks = server.blocks
-        matched = 0
-        for digest in hashes:
-            if digest not in blocks:
-                break
-            matched += 1
-        return matched
+        return 0 if server is None else leading_blocks(server.blocks, hashes)
 
     def predicted_tokens(self, matched_blocks: int) -> int:
         """Estimated tokens a match of ``matched_blocks`` counts for in the decision."""
@@ -170,20 +167,10 @@ class PrefillPrefixes:
         """A prompt with these ``hashes`` was sent to ``key`` (by this sidecar or, learnt through
         the state backend, by another): the endpoint now holds them, most recent."""
         server = self._server(key)
-        blocks = server.blocks
-        move = blocks.move_to_end
-        for digest in hashes:
-            if digest in blocks:
-                move(digest)
-            else:
-                blocks[digest] = None
-        self._trim(server)
+        touch_blocks(server.blocks, hashes, min(server.limit, self._share()))
 
     def _trim(self, server: _Server) -> None:
-        limit = min(server.limit, self._share())
-        blocks = server.blocks
-        while len(blocks) > limit:
-            blocks.popitem(last=False)
+        touch_blocks(server.blocks, (), min(server.limit, self._share()))
 
     def set_capacity(self, key: str, tokens: int) -> None:
         """The endpoint's cache holds ``tokens`` (its scrape): in this index's blocks."""

@@ -9,8 +9,8 @@ is recognized as cached, on the rank that holds it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import orjson
 
@@ -52,6 +52,34 @@ def tokens_of_text(characters: int) -> int:
     return max(1, characters // CHARS_PER_TOKEN)
 
 
+K = TypeVar("K", bound=Hashable)
+"""A block hash: Python's ``int`` in the local index, a keyed digest in the prefill index."""
+
+
+def leading_blocks(blocks: Mapping[K, None], hashes: Iterable[K]) -> int:
+    """How many of ``hashes``, from the first, an LRU of chained block hashes holds: the blocks
+    of the longest indexed prefix (a look-up only)."""
+    matched = 0
+    for digest in hashes:
+        if digest not in blocks:
+            break
+        matched += 1
+    return matched
+
+
+def touch_blocks(blocks: OrderedDict[K, None], hashes: Iterable[K], capacity: int) -> None:
+    """Make ``hashes`` the most recent blocks of an LRU, then drop the oldest beyond
+    ``capacity``."""
+    move = blocks.move_to_end
+    for digest in hashes:
+        if digest in blocks:
+            move(digest)
+        else:
+            blocks[digest] = None
+    while len(blocks) > capacity:
+        blocks.popitem(last=False)
+
+
 class PrefixIndex:
     """A bounded LRU of block hashes: an estimate of what one engine (rank) has cached.
 
@@ -88,9 +116,7 @@ class PrefixIndex:
         """The engine's KV cache holds ``tokens`` (its scrape): the index keeps no more blocks
         than that, nor than it was configured with."""
         self._capacity = min(self._configured, tokens // self._block_tokens)
-        blocks = self._blocks
-        while len(blocks) > self._capacity:
-            blocks.popitem(last=False)
+        touch_blocks(self._blocks, (), self._capacity)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -113,22 +139,8 @@ class PrefixIndex:
     def cached_tokens(self, hashes: Sequence[Hashable]) -> int:
         """Tokens of the longest indexed prefix of a prompt with these ``hashes``; a look-up
         only (recency changes when the prompt is ``insert``ed where it goes)."""
-        blocks = self._blocks
-        matched = 0
-        for digest in hashes:
-            if digest not in blocks:
-                break
-            matched += 1
-        return matched * self._block_tokens
+        return leading_blocks(self._blocks, hashes) * self._block_tokens
 
     def insert(self, hashes: Sequence[Hashable]) -> None:
         """Remember a prompt sent to this engine: its blocks are the most recent ones."""
-        blocks = self._blocks
-        move = blocks.move_to_end
-        for digest in hashes:
-            if digest in blocks:
-                move(digest)
-            else:
-                blocks[digest] = None
-        while len(blocks) > self._capacity:
-            blocks.popitem(last=False)
+        touch_blocks(self._blocks, hashes, self._capacity)
