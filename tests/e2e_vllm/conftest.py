@@ -378,6 +378,29 @@ def expired_in_log(engine: VllmEngine) -> list[str]:
     return [f"{found[1]} (read by {found[2]})" for found in _EXPIRY.finditer(text)]
 
 
+def engine_trouble(engine: VllmEngine, limit: int = 40) -> list[str]:
+    """The last ``limit`` warnings and errors of ``engine``'s log (tracebacks included): what a
+    test that failed on an engine's behaviour should show, as CI keeps no engine logs."""
+    path = engine.log_path
+    if path is None or not path.exists():
+        return []
+    found = [
+        line
+        for line in path.read_text(errors="replace").splitlines()
+        if " WARNING " in line or " ERROR " in line or "Error" in line or "Traceback" in line
+    ]
+    return found[-limit:]
+
+
+async def engine_queues(http: aiohttp.ClientSession, engine: VllmEngine) -> dict[str, float]:
+    """The engine's scheduler queues right now (``vllm:num_requests_running`` and ``_waiting``):
+    a request the engine holds without answering shows in one of them."""
+    return {
+        name: await metric(http, engine, f"vllm:num_requests_{name}")
+        for name in ("running", "waiting")
+    }
+
+
 async def settled_metric(
     http: aiohttp.ClientSession, engine: VllmEngine, name: str, at_least: float, within: float = 5
 ) -> float:

@@ -41,6 +41,8 @@ from tests.e2e_vllm.conftest import (
     PATHS,
     Cluster,
     Route,
+    engine_queues,
+    engine_trouble,
     generate,
     log_dir_for,
     prefill_header,
@@ -296,7 +298,20 @@ async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, 
     slow = [plan for plan in chosen if plan.timed_out]
     if slow:
         found = [(plan, await _entry(http, cluster, plan.request_id)) for plan in slow]
-        pytest.fail(f"{len(slow)} request(s) over {CLIENT_TIMEOUT_S} s (plan, record): {found}")
+        # What the engines were doing (once on CI the decode engine sent nothing for 60 s to
+        # three requests of the first wave; the sidecar answered 504 as it should).
+        queues = {
+            role: await engine_queues(http, engine)
+            for role, engine in (("decode", cluster.decode), ("prefill", cluster.prefill))
+        }
+        trouble = {
+            role: engine_trouble(engine)
+            for role, engine in (("decode", cluster.decode), ("prefill", cluster.prefill))
+        }
+        pytest.fail(
+            f"{len(slow)} request(s) over {CLIENT_TIMEOUT_S} s (plan, record): {found}; "
+            f"engine queues now: {queues}; engine warnings and errors: {trouble}"
+        )
 
     async def none_in_flight() -> bool:
         async with http.get(cluster.sidecar.url + "/debug/requests?limit=1000") as response:
