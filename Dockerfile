@@ -10,7 +10,7 @@
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 # The build needs these and nothing else; .dockerignore admits only them to the context.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY sidecar/ sidecar/
 # Every dependency ships wheels for CPython 3.11 on x86_64 and arm64, so no compiler is needed
 # here either; on a platform without one pip stops with an error naming the package. The tracing
