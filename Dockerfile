@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # pd-sidecar's image: the sidecar (the entrypoint) and, with the command overridden, the engine
 # emulator (`python -m sidecar.emulator`), so that a cluster without GPUs runs the whole demo.
-#   docker build -t pd-sidecar:0.1.0 .
+#   docker build -t ghcr.io/pd-sidecar/pd-sidecar:0.1.0 .   (not published: docs/image.md)
 # docs/image.md says how to run it. tests/test_image.py runs this file's pip steps as written,
 # outside a container (/wheels moved to a temporary directory, a venv for the final stage's
 # Python), and takes the user below with setpriv: a step of another kind needs a stand-in there.
