@@ -7,6 +7,9 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
+from sidecar.connectors import facts
 from sidecar.inject import defaults
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +90,80 @@ def test_the_image_check_sees_a_second_name() -> None:
         "ghcr.io/other/pd-sidecar:0.2"
     ]
     assert IMAGE_REFERENCE.findall("trace pd-sidecar:request, pd-sidecar.io/inject") == []
+
+
+# --- documentation links ---------------------------------------------------------------------
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """Markdown without its fenced code blocks (a ``#`` line there is no heading)."""
+    return _FENCE.sub("", text)
+
+
+def anchors(text: str) -> set[str]:
+    """The fragment each heading gets on GitHub: lower-cased, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-``; a repeated one gets ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in _HEADING.findall(_prose(text)):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative links of ``page`` whose file, or whose heading, does not exist."""
+    broken = []
+    for target in _LINK.findall(_prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked here
+        path, _, fragment = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no such file")
+        elif fragment and linked.suffix == ".md" and fragment not in anchors(linked.read_text()):
+            broken.append(f"{target}: no such heading")
+    return broken
+
+
+DOCUMENTATION = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", DOCUMENTATION, ids=lambda page: page.name)
+def test_documentation_links_resolve(page: Path) -> None:
+    assert broken_links(page) == []
+
+
+def test_the_link_check_sees_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:
+    (tmp_path / "other.md").write_text(
+        "# Other\n\n## A `code` heading (with: punctuation)\n## Other\n"
+    )
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md#a-code-heading-with-punctuation) [ok](other.md#other-1) [ok](#here)\n"
+        "[gone](missing.md) [no heading](other.md#nowhere) [web](https://example.invalid/x)\n"
+        "# Here\n```sh\n# not a heading\n[not a link](nowhere.md)\n```\n"
+    )
+    assert broken_links(page) == ["missing.md: no such file", "other.md#nowhere: no such heading"]
+
+
+def test_the_readme_opens_with_what_ships_and_states_the_scope() -> None:
+    readme = (ROOT / "README.md").read_text()
+    opening = " ".join(readme.split("\n\n")[1].split())
+    # Every connector the code ships is a present-tense claim, none a promise.
+    assert {"nixl", "sglang"} <= set(facts.CONNECTORS)
+    assert "(vLLM or SGLang)" in opening
+    assert "next" not in opening
+    assert "today" not in opening
+    # The scope: one decode pod per sidecar; routing across decode pods is the gateway's.
+    for page in (readme, (ROOT / "docs" / "architecture.md").read_text()):
+        text = " ".join(page.split())
+        assert "serves its own decode pod" in text
+        assert "is the gateway's" in text
+    assert "(docs/troubleshooting.md)" in readme
