@@ -167,3 +167,71 @@ def test_the_readme_opens_with_what_ships_and_states_the_scope() -> None:
         assert "serves its own decode pod" in text
         assert "is the gateway's" in text
     assert "(docs/troubleshooting.md)" in readme
+
+
+# --- the changelog ---------------------------------------------------------------------------
+
+CHANGE_KINDS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")
+_VERSION = re.compile(r"^## \[(Unreleased|\d+\.\d+\.\d+)\](?: - (\d{4}-\d{2}-\d{2}))?$")
+
+
+def changelog_problems(text: str) -> list[str]:
+    """What keeps ``text`` from Keep a Changelog's form: ``## [Unreleased]`` first, then
+    ``## [x.y.z] - YYYY-MM-DD`` newest first, each change kind at most once per version and
+    nothing else as a heading; no internal issue numbers."""
+    problems = []
+    versions: list[str] = []
+    kinds: list[str] = []
+    for line in _prose(text).splitlines():
+        if line.startswith("## "):
+            match = _VERSION.match(line)
+            if match is None or (match[1] == "Unreleased") == bool(match[2]):
+                problems.append(f"not a version heading: {line}")
+                continue
+            versions.append(match[1])
+            kinds = []
+        elif line.startswith("### "):
+            kind = line[4:].strip()
+            if kind not in CHANGE_KINDS:
+                problems.append(f"not a kind of change: {line}")
+            elif kind in kinds:
+                problems.append(f"{kind} twice in {versions[-1] if versions else 'no version'}")
+            kinds.append(kind)
+        elif line.startswith("#") and not line.startswith("# "):
+            problems.append(f"a heading of another level: {line}")
+    if versions[:1] != ["Unreleased"]:
+        problems.append("the first section is not [Unreleased]")
+    released = [tuple(int(n) for n in v.split(".")) for v in versions if v != "Unreleased"]
+    if released != sorted(set(released), reverse=True):
+        problems.append(f"versions not newest first, or repeated: {versions}")
+    problems += [f"internal reference: {m}" for m in re.findall(r"\bissues? \d+", text, re.I)]
+    return problems
+
+
+def test_the_changelog_keeps_a_changelog_s_form() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert changelog_problems(text) == []
+    assert re.search(
+        rf"^## \[{re.escape(PROJECT['version'])}\] - \d{{4}}-\d{{2}}-\d{{2}}$", text, re.M
+    )
+
+
+def test_the_changelog_check_sees_what_breaks_the_form() -> None:
+    good = (
+        "# Changelog\n\n## [Unreleased]\n\n### Added\n- x\n\n## [0.1.0] - 2026-12-03\n\n### Added\n"
+    )
+    assert changelog_problems(good) == []
+    assert changelog_problems(good + "### Added\n- again\n") == ["Added twice in 0.1.0"]
+    assert changelog_problems(good.replace("- x", "- x (issue 23)")) == [
+        "internal reference: issue 23"
+    ]
+    assert changelog_problems(good.replace("### Added\n- x", "### Fixed (by the benchmarks)")) == [
+        "not a kind of change: ### Fixed (by the benchmarks)"
+    ]
+    assert changelog_problems("# Changelog\n\n## Unreleased\n") == [
+        "not a version heading: ## Unreleased",
+        "the first section is not [Unreleased]",
+    ]
+    assert changelog_problems(good + "## [0.2.0] - 2027-01-01\n") == [
+        "versions not newest first, or repeated: ['Unreleased', '0.1.0', '0.2.0']"
+    ]
