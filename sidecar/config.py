@@ -1,9 +1,9 @@
 """Settings: the only module that reads the environment.
 
 Every field is an environment variable ``SIDECAR_<NAME>``. List settings are comma-separated
-strings (not JSON). ``python -m sidecar --help`` prints ``describe_fields()``, and the settings table
-of ``docs/configuration.md`` is generated from it (``python -m devkit.configuration_doc``; a test
-fails while the page is out of date): a field's ``description`` is what both show.
+strings (not JSON). ``python -m sidecar --help`` prints ``describe_fields()``, and the settings
+table of ``docs/configuration.md`` is generated from it (``python -m devkit.configuration_doc``; a
+test fails while the page is out of date): a field's ``description`` is what both show.
 """
 
 from __future__ import annotations
