@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # pd-sidecar's image: the sidecar (the entrypoint) and, with the command overridden, the engine
 # emulator (`python -m sidecar.emulator`), so that a cluster without GPUs runs the whole demo.
-#   docker build -t pd-sidecar:0.1.0 .
+#   docker build -t ghcr.io/pd-sidecar/pd-sidecar:0.1.0 .   (not published: docs/image.md)
 # docs/image.md says how to run it. tests/test_image.py runs this file's pip steps as written,
 # outside a container (/wheels moved to a temporary directory, a venv for the final stage's
 # Python), and takes the user below with setpriv: a step of another kind needs a stand-in there.
@@ -10,7 +10,7 @@
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 # The build needs these and nothing else; .dockerignore admits only them to the context.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY sidecar/ sidecar/
 # Every dependency ships wheels for CPython 3.11 on x86_64 and arm64, so no compiler is needed
 # here either; on a platform without one pip stops with an error naming the package. The tracing

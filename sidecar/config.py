@@ -1,8 +1,9 @@
 """Settings: the only module that reads the environment.
 
 Every field is an environment variable ``SIDECAR_<NAME>``. List settings are comma-separated
-strings (not JSON). ``python -m sidecar --help`` and ``docs/configuration.md`` list them all; a test
-keeps the two in step with this class.
+strings (not JSON). ``python -m sidecar --help`` prints ``describe_fields()``, and the settings
+table of ``docs/configuration.md`` is generated from it (``python -m devkit.configuration_doc``; a
+test fails while the page is out of date): a field's ``description`` is what both show.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ class Settings(BaseSettings):
     )
     prefill_endpoints: Annotated[tuple[Endpoint, ...], NoDecode] = Field(
         (),
-        description="Static prefill pool, comma-separated host:port list, used round-robin when "
-        "no gateway header names a prefill server. Empty: decode locally.",
+        description="Static prefill pool, comma-separated host:port list ([IPv6]:port; with "
+        "sglang, host:port#bootstrap_port), from which SIDECAR_SCHEDULER_POLICY picks when no "
+        "gateway header names a prefill server. Empty (and no SIDECAR_PREFILL_DNS): decode "
+        "locally (sglang: 503).",
     )
     prefill_dns: Endpoint | None = Field(
         None,
@@ -84,7 +87,14 @@ class Settings(BaseSettings):
         1, gt=0, description="Seconds between scrapes of each engine's /metrics."
     )
     scheduler_policy: Literal["qoe", "power_of_two", "least_loaded", "round_robin", "random"] = (
-        Field("qoe", description="How the prefill endpoint is chosen when no header names one.")
+        Field(
+            "qoe",
+            description="How the prefill endpoint is chosen when no header names one: qoe (the "
+            "lowest predicted time to first token among SIDECAR_SCHEDULER_CHOICES random "
+            "candidates), power_of_two (the less loaded of 2 random candidates), least_loaded "
+            "(the fewest scraped waiting + running requests), round_robin (each in turn), "
+            "random.",
+        )
     )
     scheduler_choices: int = Field(
         defaults.QOE_CHOICES,
@@ -445,7 +455,7 @@ class Settings(BaseSettings):
         "SGLang): a request sent as the engine closes the connection is lost.",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
-        "INFO", description="Log level of the sidecar's loggers."
+        "INFO", description="Log level of the sidecar's loggers: DEBUG, INFO, WARNING or ERROR."
     )
     log_requests: bool = Field(
         False, description="Log one INFO summary line per generation request."

@@ -373,6 +373,9 @@ def test_the_wheel_holds_every_module_and_both_scripts(installed: Installation) 
     }
     for script, target in PROJECT["scripts"].items():
         assert f"{script} = {target}" in scripts
+    # The licence travels with the package (the build context admits LICENSE for it).
+    license_file = f"pd_sidecar-{PROJECT['version']}.dist-info/licenses/LICENSE"
+    assert license_file in names
     # Compiled at install, so a read-only root filesystem costs no start-up time.
     assert list(installed.venv.glob("lib/python3*/site-packages/sidecar/__pycache__/*.pyc"))
 
