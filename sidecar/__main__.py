@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from sidecar import __version__
 from sidecar.app import DRAIN
-from sidecar.config import Settings, describe_fields, explain
+from sidecar.config import Settings, describe_fields, explain, unknown_variables
 from sidecar.observability.tracing import Tracing, TracingUnavailable
 from sidecar.security.tls import TlsFilesError
 from sidecar.server.drain import BUDGET_SLACK_S
@@ -96,10 +96,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _warn_unknown_variables() -> None:
-    known = {name for name, _, _ in describe_fields()}
-    for name in sorted(os.environ):
-        if name.startswith("SIDECAR_") and name not in known:
-            logger.warning("ignoring unknown variable %s (see --help)", name)
+    for message in unknown_variables(os.environ):
+        logger.warning("%s", message)
 
 
 async def _serve(settings: Settings, tracing: Tracing | None) -> int:

@@ -8,14 +8,17 @@ test fails while the page is out of date): a field's ``description`` is what bot
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
     SecretStr,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -26,7 +29,13 @@ from yarl import URL
 
 from sidecar import defaults
 from sidecar.connectors import facts
-from sidecar.scheduling.endpoints import Endpoint, parse_endpoint, parse_pool_entry, valid_host
+from sidecar.scheduling.endpoints import (
+    Endpoint,
+    parse_endpoint,
+    parse_pool_entry,
+    split_scheme,
+    valid_host,
+)
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 """An HTTP field name (RFC 9110 §5.1)."""
@@ -36,6 +45,8 @@ _DNS_SUBDOMAIN = re.compile(
     r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 )
 """A Kubernetes object name (RFC 1123 subdomain)."""
+_WEB = frozenset({"http", "https"})
+"""The schemes a SIDECAR_PREFILL_ENDPOINTS entry may be written with."""
 
 
 class Settings(BaseSettings):
@@ -72,8 +83,9 @@ class Settings(BaseSettings):
         (),
         description="Static prefill pool, comma-separated host:port list ([IPv6]:port; with "
         "sglang, host:port#bootstrap_port), from which SIDECAR_SCHEDULER_POLICY picks when no "
-        "gateway header names a prefill server. Empty (and no SIDECAR_PREFILL_DNS): decode "
-        "locally (sglang: 503).",
+        "gateway header names a prefill server. An entry may be an http:// or https:// URL "
+        "without a path, its scheme the one SIDECAR_PREFILL_TLS sets. Empty (and no "
+        "SIDECAR_PREFILL_DNS): decode locally (sglang: 503).",
     )
     prefill_dns: Endpoint | None = Field(
         None,
@@ -549,10 +561,54 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             value = _items(value)
         if isinstance(value, list | tuple):
+            # Whether a scheme agrees with SIDECAR_PREFILL_TLS was checked before
+            # (``_pool_schemes``): here either one is only a prefix.
             return tuple(
-                item if isinstance(item, Endpoint) else parse_pool_entry(item) for item in value
+                item if isinstance(item, Endpoint) else parse_pool_entry(item, schemes=_WEB)
+                for item in value
             )
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pool_schemes(cls, data: Any) -> Any:
+        """A pool entry may be written as a URL (``https://p0:8000``): its scheme must say what
+        SIDECAR_PREFILL_TLS says, since one switch sets it for every prefill engine (a header
+        target has no scheme of its own)."""
+        if not isinstance(data, dict):
+            return data
+        entries = data.get("prefill_endpoints")
+        if isinstance(entries, str):
+            entries = _items(entries)
+        if not isinstance(entries, list | tuple):
+            return data
+        schemed = [
+            (scheme, item)
+            for item in entries
+            if isinstance(item, str)
+            for scheme in (split_scheme(item)[0],)
+            if scheme in _WEB
+        ]
+        if not schemed:
+            return data
+        try:
+            tls = TypeAdapter(bool).validate_python(data.get("prefill_tls", False))
+        except ValidationError:
+            return data  # SIDECAR_PREFILL_TLS's own error says what is wrong with it
+        wanted = "https" if tls else "http"
+        wrong = [item.strip() for scheme, item in schemed if scheme != wanted]
+        if wrong and tls:
+            raise ValueError(
+                f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)} but SIDECAR_PREFILL_TLS=true "
+                "calls every prefill engine over HTTPS: write https:// or host:port alone"
+            )
+        if wrong:
+            raise ValueError(
+                f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)}: set "
+                "SIDECAR_PREFILL_TLS=true to call the prefill engines over HTTPS (it applies to "
+                "every one of them), or write host:port"
+            )
+        return data
 
     @field_validator("prefill_allowed_cidrs", mode="before")
     @classmethod
@@ -784,6 +840,67 @@ def describe_fields() -> list[tuple[str, str, str]]:
             shown = str(default)
         rows.append((f"SIDECAR_{name.upper()}", shown, field.description or ""))
     return rows
+
+
+_SAME_WORD = {
+    word: "ADDRESS"
+    for word in ("URL", "ENDPOINT", "HOST", "ADDR", "ADDRESS", "SERVER", "TARGET", "BACKEND")
+} | {
+    plural: "ADDRESSES"
+    for plural in (
+        "URLS",
+        "ENDPOINTS",
+        "HOSTS",
+        "ADDRS",
+        "ADDRESSES",
+        "SERVERS",
+        "TARGETS",
+        "BACKENDS",
+        "LIST",
+    )
+}
+"""Words other proxies' settings use for what ours call URL(S) or ENDPOINTS: a name that differs
+only by them means ours (SIDECAR_PREFILL_URLS is SIDECAR_PREFILL_ENDPOINTS)."""
+
+
+_SERVICE_LINK = re.compile(
+    r"^SIDECAR_(SERVICE_HOST|SERVICE_PORT(_.+)?|PORT_[0-9]+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)$"
+)
+"""What the kubelet puts in every container of a namespace holding a Service named sidecar."""
+
+
+def _gist(name: str) -> str:
+    words = name.removeprefix("SIDECAR_").split("_")
+    return "_".join(_SAME_WORD.get(word, word) for word in words)
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning per ``SIDECAR_*`` variable in ``environ`` that is no setting, naming the
+    nearest setting when one is near (a typo, or another proxy's word for it).
+
+    Only warnings: an unknown name must never stop the start, since a newer manifest may run
+    an older image."""
+    known = {name for name, _, _ in describe_fields()}
+    gists: dict[str, str] = {}
+    for name in sorted(known):
+        gists.setdefault(_gist(name), name)
+    messages = []
+    for name in sorted(environ):
+        # Settings are read whatever the case of the rest of the name (pydantic-settings).
+        if not name.startswith("SIDECAR_") or name.upper() in known:
+            continue
+        if _SERVICE_LINK.match(name):
+            messages.append(
+                f"ignoring {name}: Kubernetes sets it for a Service named sidecar "
+                "(enableServiceLinks: false in the pod spec leaves it out)"
+            )
+            continue
+        nearest = difflib.get_close_matches(_gist(name.upper()), gists, n=1, cutoff=0.75)
+        if nearest:
+            messages.append(f"ignoring unknown variable {name}: did you mean {gists[nearest[0]]}?")
+        else:
+            messages.append(f"ignoring unknown variable {name} (see --help)")
+    return messages
 
 
 def explain(error: ValidationError) -> str:

@@ -20,11 +20,17 @@
         ├── EngineBadResponse         an answer we cannot use -> 502
         │   └── EngineAnswerTooLarge  an answer over the size the sidecar reads
         └── EngineStreamBroken        the answer broke after it started -> 502
+            └── EngineStreamIdle      ... by staying silent for SIDECAR_STREAM_IDLE_TIMEOUT_S
 
 Foreign exceptions (aiohttp, asyncio) become these in ``sidecar.engines.upstream`` only. Every body
 the sidecar writes uses vLLM's own error shape, so a client sees one format whoever failed::
 
     {"error": {"message": str, "type": str, "param": null, "code": <HTTP status>}}
+
+An error's ``message`` is for the operator: it names the engine (``host:port``) and what failed in
+its own words. Before the first byte that is the client's answer too (the engine's address tells a
+gateway which pod failed). Once a stream has started, the client reads the error's ``shown``
+sentence and the request id instead, and the message goes to the log and the request's record.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ REQUEST_ID_HEADER = "x-request-id"
 class SidecarError(Exception):
     status = 500
     type_name = "InternalServerError"
+    shown: str | None = None
+    """What a client whose answer already started is told (the module docstring); None: the
+    message itself, which then holds no address and no foreign exception's words."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -124,7 +133,13 @@ class EngineAnswerTooLarge(EngineBadResponse):
 
 
 class EngineStreamBroken(EngineError):
-    pass
+    shown = "the engine's answer broke off before its end"
+
+
+class EngineStreamIdle(EngineStreamBroken):
+    """The engine sent nothing for ``SIDECAR_STREAM_IDLE_TIMEOUT_S``."""
+
+    shown = "the engine sent nothing within the stream's idle timeout"
 
 
 def error_body(status: int, type_name: str, message: str) -> bytes:
@@ -178,6 +193,11 @@ def error_response(error: SidecarError, request_id: str | None) -> web.Response:
     )
 
 
-def sse_error_event(error: SidecarError) -> bytes:
-    """The event that ends a stream that already answered 200: no ``[DONE]`` follows it."""
-    return b"data: " + error_body(error.status, error.type_name, error.message) + b"\n\n"
+def sse_error_event(error: SidecarError, request_id: str | None) -> bytes:
+    """The event that ends a stream that already answered 200: no ``[DONE]`` follows it. It
+    says what happened in words that do not change with the engine or the library (the module
+    docstring), and which request it was, for the log and ``/debug/requests``."""
+    shown = error.shown or error.message
+    if request_id:
+        shown = f"{shown} (request id {request_id})"
+    return b"data: " + error_body(error.status, error.type_name, shown) + b"\n\n"

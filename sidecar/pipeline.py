@@ -216,6 +216,15 @@ class Pipeline:
             answer.upstream.close()
         trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
         _record_relayed(record, relayed)
+        if relayed.error is not None and not relayed.client_gone:
+            # The client was told a stable sentence (sidecar.errors): the why is here, and in
+            # the record.
+            logger.warning(
+                "request %s: the answer was cut after it started: %s",
+                request_id,
+                relayed.error.message,
+                extra={"request_id": request_id},
+            )
         return relayed.response
 
 

@@ -121,7 +121,7 @@ async def relay(
             # The engine may have broken off mid-event: a blank line first ends whatever was
             # pending (SSE ignores empty events), so the error event always parses. An event
             # the rewriter still holds is incomplete and is dropped.
-            await out.write(_EVENT_END + sse_error_event(error))
+            await out.write(_EVENT_END + sse_error_event(error, request_id))
         await out.write_eof()
     except ConnectionResetError:
         return Relayed(out, upstream.status, error, client_gone=True)

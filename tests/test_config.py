@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from sidecar.__main__ import load_settings
-from sidecar.config import Settings, describe_fields, explain
+from sidecar.config import Settings, describe_fields, explain, unknown_variables
 from sidecar.scheduling.endpoints import Endpoint
 from tests.imports import imported
 
@@ -231,6 +231,16 @@ CONTRADICTIONS = [
         "below SIDECAR_KUBE_RETRY_BASE_S",
         "60",
     ),
+    (
+        {"SIDECAR_PREFILL_ENDPOINTS": "https://127.0.0.1:8100", "SIDECAR_PREFILL_TLS": "false"},
+        "set SIDECAR_PREFILL_TLS=true to call the prefill engines over HTTPS",
+        "true",
+    ),
+    (
+        {"SIDECAR_PREFILL_TLS": "true", "SIDECAR_PREFILL_ENDPOINTS": "http://127.0.0.1:8100"},
+        "calls every prefill engine over HTTPS",
+        "https://127.0.0.1:8100",
+    ),
 ]
 
 
@@ -247,6 +257,8 @@ CONTRADICTIONS = [
         "tls-key",
         "tls-ca-unused",
         "kube-retry",
+        "pool-https-without-tls",
+        "pool-http-with-tls",
     ],
 )
 def test_contradictory_settings_exit_2_naming_both(
@@ -318,6 +330,77 @@ def test_a_pool_entry_may_name_its_bootstrap_port() -> None:
     for bad in ("p0:8000#", "p0:8000#0", "p0:8000#x", "p0:8000#70000"):
         with pytest.raises(ValidationError, match="bootstrap port"):
             Settings(prefill_endpoints=bad)
+
+
+def test_a_pool_entry_is_host_port_or_a_url_whose_scheme_says_what_prefill_tls_does() -> None:
+    address = Endpoint("127.0.0.1", 8100)
+    assert Settings(prefill_endpoints="http://127.0.0.1:8100").prefill_endpoints == (address,)
+    assert Settings(prefill_endpoints="127.0.0.1:8100/").prefill_endpoints == (address,)
+    tls = Settings(prefill_endpoints="https://127.0.0.1:8100, p1:8100#9000", prefill_tls="true")
+    assert tls.prefill_endpoints == (address, Endpoint("p1", 8100))
+    assert tls.prefill_endpoints[1].bootstrap_port == 9000
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints="p0:8000,https://127.0.0.1:8100")
+    assert explain(caught.value) == (
+        "invalid configuration: SIDECAR_PREFILL_ENDPOINTS names https://127.0.0.1:8100: set "
+        "SIDECAR_PREFILL_TLS=true to call the prefill engines over HTTPS (it applies to every "
+        "one of them), or write host:port"
+    )
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints="http://127.0.0.1:8100", prefill_tls=True)
+    assert "SIDECAR_PREFILL_TLS=true calls every prefill engine over HTTPS" in explain(caught.value)
+    # A wrong SIDECAR_PREFILL_TLS is reported as such, not as a scheme that disagrees with it.
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints="https://127.0.0.1:8100", prefill_tls="perhaps")
+    assert explain(caught.value).startswith("invalid configuration: SIDECAR_PREFILL_TLS: ")
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        ("http://127.0.0.1:8100/v1", "without a path (/v1)"),
+        ("https://127.0.0.1:8100/v1/completions", "without a path (/v1/completions)"),
+        ("ftp://127.0.0.1:8100", "expected host:port, not a URL of scheme ftp"),
+        ("127.0.0.1", "missing port"),
+    ],
+)
+def test_a_pool_entry_is_refused_saying_what_is_wrong_with_it(entry: str, says: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints=entry, prefill_tls=entry.startswith("https"))
+    message = explain(caught.value)
+    assert message.startswith(f"invalid configuration: SIDECAR_PREFILL_ENDPOINTS: {entry!r}: ")
+    assert says in message
+
+
+def test_an_unknown_variable_is_warned_about_naming_the_nearest_setting() -> None:
+    environ = {
+        "SIDECAR_PREFILL_URLS": "127.0.0.1:8100",  # another proxy's word for ours
+        "SIDECAR_DECODE_ENDPOINT": "http://127.0.0.1:8200",
+        "SIDECAR_PREFIL_ENDPOINTS": "127.0.0.1:8100",  # a typo
+        "SIDECAR_LOGLEVEL": "DEBUG",
+        "SIDECAR_TLS_CERT": "/etc/tls/tls.crt",
+        "SIDECAR_WIDGETS": "3",  # near nothing
+        "SIDECAR_SERVICE_HOST": "10.0.0.1",  # the kubelet's, for a Service named sidecar
+        "SIDECAR_PORT_8000_TCP_ADDR": "10.0.0.1",
+        "SIDECAR_PORT": "8000",  # settings, whatever the case of the rest of the name
+        "SIDECAR_Log_Requests": "true",
+        "PATH": "/usr/bin",
+    }
+    assert unknown_variables(environ) == [
+        "ignoring unknown variable SIDECAR_DECODE_ENDPOINT: did you mean SIDECAR_DECODE_URL?",
+        "ignoring unknown variable SIDECAR_LOGLEVEL: did you mean SIDECAR_LOG_LEVEL?",
+        "ignoring SIDECAR_PORT_8000_TCP_ADDR: Kubernetes sets it for a Service named sidecar "
+        "(enableServiceLinks: false in the pod spec leaves it out)",
+        "ignoring unknown variable SIDECAR_PREFILL_URLS: did you mean SIDECAR_PREFILL_ENDPOINTS?",
+        "ignoring unknown variable SIDECAR_PREFIL_ENDPOINTS: did you mean "
+        "SIDECAR_PREFILL_ENDPOINTS?",
+        "ignoring SIDECAR_SERVICE_HOST: Kubernetes sets it for a Service named sidecar "
+        "(enableServiceLinks: false in the pod spec leaves it out)",
+        "ignoring unknown variable SIDECAR_TLS_CERT: did you mean SIDECAR_TLS_CERT_FILE?",
+        "ignoring unknown variable SIDECAR_WIDGETS (see --help)",
+    ]
+    # Only warnings: the settings themselves load with every one of them set.
+    assert unknown_variables({"SIDECAR_PORT": "8000"}) == []
 
 
 def test_a_budget_below_the_largest_body_is_refused_naming_both() -> None:

@@ -484,6 +484,34 @@ async def test_decode_refusal_releases_the_kv_at_once(
     assert "cache_salt" not in decode_leg["body"]
 
 
+@pytest.mark.parametrize("route", ["completions", "chat_completions"])
+async def test_a_prompt_over_the_context_is_refused_in_the_clients_own_figures(
+    rig_with: RigFactory, spec: Spec, start_engine: StartEmulator, route: str
+) -> None:
+    """A prompt that fills the context is refused by the prefill engine, whose leg asks for one
+    token: the client reads what one engine would have answered its own request (the leg's
+    "1 in the completion" stays in the record and the log)."""
+    rig = await rig_with(prefill={"max_model_len": 64}, decode={"max_model_len": 64})
+    prompt = "a prompt far longer than this tiny model's context " * 20
+    if route == "completions":
+        body, path = completion(prompt, max_tokens=2), "/v1/completions"
+    else:
+        body, path = chat(prompt, max_completion_tokens=2), "/v1/chat/completions"
+    status, raw = await rig.post(body, path, **{"x-request-id": "too-long"})
+    one_engine = await start_engine(max_model_len=64)
+    async with rig.http.post(one_engine.url + path, json=body) as direct:
+        assert (status, orjson.loads(raw)) == (direct.status, await direct.json())
+    assert status == 400
+    assert "2 in the completion" in orjson.loads(raw)["error"]["message"]
+    [prefill_leg] = await engine_requests(rig.http, rig.prefill)
+    record = await rig.record()
+    assert (record["id"], record["status"], record["state"]) == ("too-long", 400, "failed")
+    if spec.check_legs is not _sglang_legs:  # the one-token leg: its figures, kept for people
+        assert prefill_leg["body"]["max_tokens"] == 1
+        assert "1 in the completion" in record["error"]
+    await rig.settled()
+
+
 async def test_a_body_that_cannot_be_forwarded_is_400_and_reserves_nothing(rig: Rig) -> None:
     # Parsed (up to 1024 levels) but too deep to serialize again (orjson writes up to 254).
     nested: Any = []

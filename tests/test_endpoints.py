@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sidecar.scheduling.endpoints import Endpoint, parse_endpoint
@@ -62,3 +64,24 @@ def test_str_and_url_bracket_ipv6() -> None:
     assert str(endpoint) == "[::1]:8100"
     assert endpoint.url == "http://[::1]:8100"
     assert str(parse_endpoint("10.0.0.1:8100")) == "10.0.0.1:8100"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("https://10.1.2.3:8000", "https:// is not accepted here: give host:port"),
+        ("10.1.2.3:8000/v1", "without a path (/v1)"),
+        ("http://10.1.2.3:8000/v1/chat/completions", "without a path (/v1/chat/completions)"),
+        ("grpc://10.1.2.3:8000", "not a URL of scheme grpc"),
+    ],
+)
+def test_a_scheme_or_a_path_is_refused_as_such(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(f"{text!r}: ")) as caught:
+        parse_endpoint(text)
+    assert says in str(caught.value)
+
+
+def test_a_trailing_slash_and_an_allowed_scheme_are_only_prefixes() -> None:
+    assert parse_endpoint("10.1.2.3:8000/") == Endpoint("10.1.2.3", 8000)
+    tls = frozenset({"http", "https"})
+    assert parse_endpoint("HTTPS://Prefill:1/", schemes=tls) == Endpoint("prefill", 1)

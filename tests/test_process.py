@@ -26,6 +26,7 @@ async def test_process_serves_and_stops_on_sigterm(http, decode) -> None:
         ready_interval_s="0.05",
         log_requests="true",
         typo="1",  # SIDECAR_TYPO: unknown, warned about
+        prefill_urls="127.0.0.9:1",  # another proxy's name: warned about, naming ours
     ) as sidecar:
         async with http.post(
             sidecar.url + "/v1/completions", json=completion(), headers={"x-request-id": "proc-1"}
@@ -36,6 +37,7 @@ async def test_process_serves_and_stops_on_sigterm(http, decode) -> None:
         assert await asyncio.wait_for(sidecar.process.wait(), 15) == 0
         log = await sidecar.log()
     assert "unknown variable SIDECAR_TYPO" in log
+    assert "SIDECAR_PREFILL_URLS: did you mean SIDECAR_PREFILL_ENDPOINTS?" in log
     assert "proc-1 /v1/completions decision=local" in log
     assert "uvloop" in log
 

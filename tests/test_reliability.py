@@ -157,9 +157,12 @@ async def test_stream_idle_timeout_ends_the_stream(
         assert response.status == 200
         events = sse_events(await response.read())
     assert b"[DONE]" not in events
-    assert "idle" in orjson.loads(events[-1])["error"]["message"]
     record = await _last_record(http, sidecar)
     assert record["state"] == "failed"
+    assert orjson.loads(events[-1])["error"]["message"] == (
+        f"the engine sent nothing within the stream's idle timeout (request id {record['id']})"
+    )
+    assert record["error"] == f"{decode.endpoint} broke the stream: no data within the idle timeout"
     async with http.post(decode.url + "/emulator/release") as response:
         assert response.status in (200, 204)
 

@@ -71,7 +71,9 @@ async def test_answer_is_relayed_byte_for_byte(
         assert await response.read() == odd_sse
 
 
-async def test_decode_breaks_mid_stream(http, sidecar, prefill, decode) -> None:
+async def test_decode_breaks_mid_stream(
+    http, sidecar, prefill, decode, caplog: pytest.LogCaptureFixture
+) -> None:
     await inject(http, decode, kind="disconnect", role="decode", after_chunks=2)
     async with http.post(
         sidecar.url + "/v1/completions",
@@ -82,12 +84,23 @@ async def test_decode_breaks_mid_stream(http, sidecar, prefill, decode) -> None:
         events = sse_events(await response.read())
     assert b"[DONE]" not in events
     assert len(events) == 3
-    error = orjson.loads(events[-1])["error"]
-    assert error["type"] == "BadGatewayError"
-    assert error["code"] == 502
+    # The client reads a sentence that does not change with the engine or aiohttp, and which
+    # request it was; the engine's address and the exception are for the log and the record.
+    assert orjson.loads(events[-1])["error"] == {
+        "message": "the engine's answer broke off before its end (request id broken-1)",
+        "type": "BadGatewayError",
+        "param": None,
+        "code": 502,
+    }
     record = await get_json(http, sidecar.url + "/debug/requests/broken-1")
     assert (record["state"], record["status"]) == ("failed", 200)
-    assert "broke the stream" in record["error"]
+    assert record["error"].startswith(f"{decode.endpoint} broke the stream: ")
+    [logged] = [
+        r for r in caplog.records if r.name == "sidecar.pipeline" and r.levelname == "WARNING"
+    ]
+    assert logged.getMessage() == (
+        f"request broken-1: the answer was cut after it started: {record['error']}"
+    )
     metrics = await _metrics(http, sidecar.url)
     assert (
         'pd_sidecar_requests_total{decision="remote",outcome="server_error",'

@@ -30,6 +30,7 @@ from typing import Any
 from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import Release
+from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
 from sidecar.scheduling.endpoints import Endpoint
 
@@ -125,7 +126,7 @@ class NixlConnector:
                 data = ex.encode(self.prefill_body(ex.body, ex.route))
                 outcome = await kv.prefill(data, self._accept)
                 if isinstance(outcome, Refused):
-                    return outcome
+                    return in_client_terms(outcome, ex)  # it refused the one-token leg
                 if isinstance(outcome, Prefilled):
                     answer = await self._decode_pulling(ex, outcome)
                     if answer.upstream.status < 400:

@@ -21,6 +21,7 @@ from sidecar.connectors.nixl import (
     one_token_leg,
 )
 from sidecar.connectors.parts import Parts
+from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
 from sidecar.scheduling.endpoints import Endpoint
 
@@ -37,7 +38,7 @@ class SharedStorageConnector:
             with attempt.staged(release=None) as kv:  # the store keeps blocks by its own policy
                 outcome = await kv.prefill(ex.encode(one_token_leg(ex.body, ex.route)), _accept)
             if isinstance(outcome, Refused):
-                return outcome
+                return in_client_terms(outcome, ex)  # it refused the one-token leg
             if isinstance(outcome, Prefilled):
                 if outcome.cached_tokens is not None:
                     patch = CachedTokensPatch(outcome.cached_tokens)

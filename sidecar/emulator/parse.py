@@ -131,10 +131,12 @@ def parse_generation(
             f"min_tokens ({min_tokens}) must be less than or equal to max_tokens ({output_tokens})"
         )
     if prompt.num_tokens + output_tokens > config.max_model_len:
+        # vLLM's wording (its OpenAI server's input validation), on both routes.
         raise _bad(
             f"This model's maximum context length is {config.max_model_len} tokens. However, you "
             f"requested {prompt.num_tokens + output_tokens} tokens ({prompt.num_tokens} in the "
-            f"prompt, {output_tokens} in the completion). Please reduce the length."
+            f"messages, {output_tokens} in the completion). Please reduce the length of the "
+            "messages or completion."
         )
 
     model = body.get("model")

@@ -27,6 +27,7 @@ from sidecar.errors import (
     EngineError,
     EngineNotConnected,
     EngineStreamBroken,
+    EngineStreamIdle,
     EngineTimeout,
     EngineUnreachable,
     EngineUntrusted,
@@ -191,8 +192,11 @@ class EngineAnswer:
         self._response.close()
 
     def _broken(self, exc: BaseException) -> EngineStreamBroken:
-        detail = "no data within the idle timeout" if isinstance(exc, TimeoutError) else None
-        return EngineStreamBroken(f"{self.engine} broke the stream: {detail or _describe(exc)}")
+        if isinstance(exc, TimeoutError):
+            return EngineStreamIdle(
+                f"{self.engine} broke the stream: no data within the idle timeout"
+            )
+        return EngineStreamBroken(f"{self.engine} broke the stream: {_describe(exc)}")
 
 
 class _IdleWatch:

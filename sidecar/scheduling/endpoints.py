@@ -1,8 +1,10 @@
 """Prefill endpoint addresses: ``host:port`` parsing shared by headers and settings.
 
 Accepted forms (protocol.md §2): ``host:port`` where host is a DNS name or an IPv4 address,
-``[IPv6]:port``, each optionally behind a legacy ``http://`` prefix. Nothing else: no path, no user
-info, no bare IPv6 without brackets, no port outside 1–65535.
+``[IPv6]:port``, each optionally behind a legacy ``http://`` prefix (and, where the caller allows
+it, ``https://``: a pool entry when ``SIDECAR_PREFILL_TLS`` is on). Nothing else: no path, no user
+info, no bare IPv6 without brackets, no port outside 1–65535. A refusal says which of these it
+was, not what a parser tripped on next (a path is not "a port that is not a number").
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
-_LEGACY_SCHEME = "http://"
+PLAIN_SCHEMES = frozenset({"http"})
+"""What ``parse_endpoint`` accepts before ``://`` by default: the legacy ``http://`` prefix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +49,33 @@ class Endpoint:
         return f"http://{self}"
 
 
-def parse_endpoint(text: str) -> Endpoint:
-    """Parse one ``host:port``; raise ``ValueError`` with a reason a client can act on."""
+def split_scheme(text: str) -> tuple[str | None, str]:
+    """The scheme before ``://`` (lower-case; None when there is none) and the rest, stripped."""
     value = text.strip()
-    if value[: len(_LEGACY_SCHEME)].lower() == _LEGACY_SCHEME:
-        value = value[len(_LEGACY_SCHEME) :]
+    scheme, sep, rest = value.partition("://")
+    return (scheme.lower(), rest) if sep else (None, value)
+
+
+def parse_endpoint(text: str, *, schemes: frozenset[str] = PLAIN_SCHEMES) -> Endpoint:
+    """Parse one ``host:port``, optionally behind one of ``schemes`` + ``://``; raise
+    ``ValueError`` with a reason a client can act on."""
+    scheme, value = split_scheme(text)
+    if scheme is not None and scheme not in schemes:
+        if scheme == "https":
+            raise ValueError(
+                f"{text!r}: https:// is not accepted here: give host:port "
+                "(SIDECAR_PREFILL_TLS=true calls every prefill engine over HTTPS)"
+            )
+        raise ValueError(f"{text!r}: expected host:port, not a URL of scheme {scheme}")
+    slash = value.find("/")
+    if slash >= 0:
+        path = value[slash:]
+        if path != "/":  # a trailing slash says nothing
+            raise ValueError(
+                f"{text!r}: a prefill address is host:port, without a path ({path}): each "
+                "request goes to the client's own path (/v1/...) there"
+            )
+        value = value[:slash]
     if not value:
         raise ValueError("empty address")
     if value.startswith("["):
@@ -73,10 +98,10 @@ def parse_endpoint(text: str) -> Endpoint:
     return Endpoint(host=host.lower(), port=int(port_text))
 
 
-def parse_pool_entry(text: str) -> Endpoint:
+def parse_pool_entry(text: str, *, schemes: frozenset[str] = PLAIN_SCHEMES) -> Endpoint:
     """A pool entry: ``host:port``, optionally ``#bootstrap_port`` (SGLang)."""
     address, sep, bootstrap = text.partition("#")
-    endpoint = parse_endpoint(address)
+    endpoint = parse_endpoint(address, schemes=schemes)
     if not sep:
         return endpoint
     if not _PORT.match(bootstrap.strip()) or not 1 <= int(bootstrap) <= 65535:
