@@ -440,6 +440,19 @@ class Settings(BaseSettings):
     ready_interval_s: float = Field(
         2, gt=0, description="Seconds between polls of the decode engine's /health."
     )
+    ready_failure_threshold: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failed /health polls (no answer in time, an answer other "
+        "than 200) before a ready decode engine counts as not ready; a refused connection "
+        "(nothing listens) counts at once.",
+    )
+    ready_success_threshold: int = Field(
+        1,
+        ge=1,
+        description="Consecutive successful /health polls before a decode engine that is not "
+        "ready counts as ready.",
+    )
     connect_timeout_s: float = Field(
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )

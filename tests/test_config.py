@@ -97,6 +97,8 @@ INVALID = [
     ("SIDECAR_HOST", ""),
     ("SIDECAR_HOST", "0.0.0.0,not a host"),
     ("SIDECAR_HOST", "::,[::]"),  # listed twice
+    ("SIDECAR_READY_FAILURE_THRESHOLD", "0"),
+    ("SIDECAR_READY_SUCCESS_THRESHOLD", "0"),
     ("SIDECAR_ADMIN_PORT", "x"),
     ("SIDECAR_PREFILL_RETRIES", "-1"),
     ("SIDECAR_PREFILL_RETRY_BACKOFF_S", "-1"),
