@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,8 @@ from sidecar.emulator import RunningEmulator
 from sidecar.server.binding import SocketFactory
 from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 from tests.conftest import eventually, metric
+from tests.test_tls import listener_settings, secret_with
+from tests.tlsfiles import Pki
 
 Start = Callable[..., Awaitable[RunningSidecar]]
 
@@ -225,3 +228,40 @@ async def _connection(host: str, port: int) -> AsyncIterator[tuple[Any, Any]]:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+@needs_ipv6
+async def test_tls_serves_on_every_address(
+    http: aiohttp.ClientSession, start: Start, tmp_path: Path
+) -> None:
+    """SIDECAR_TLS_*: HTTPS on each socket of both ports, none of them plain."""
+    pki = Pki(tmp_path / "pki")
+    cert = pki.issue("127.0.0.1", "::1")
+    secret = secret_with(tmp_path / "secret", cert)
+    sidecar = await start(host="127.0.0.1,::1", **listener_settings(secret))
+    api, admin = ports(sidecar)
+    assert sidecar.url == f"https://127.0.0.1:{api}"
+    connector = aiohttp.TCPConnector(ssl=pki.client_context())
+    async with aiohttp.ClientSession(connector=connector) as trusting:
+        for url in (
+            f"https://{host}:{port}" for host in ("127.0.0.1", "[::1]") for port in (api, admin)
+        ):
+            async with trusting.get(url + "/health") as response:
+                assert response.status == 200
+            with pytest.raises(aiohttp.ClientError):  # plain HTTP on it is no request
+                async with http.get(url.replace("https://", "http://") + "/health"):
+                    pass
+
+
+async def test_a_host_name_binds_what_it_resolves_to(
+    http: aiohttp.ClientSession, start: Start
+) -> None:
+    infos = await asyncio.get_running_loop().getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)
+    resolved = {str(info[4][0]) for info in infos}
+    sidecar = await start(host="localhost")
+    api, _ = ports(sidecar)
+    assert sorted(sidecar.listening) == sorted(
+        f"[{address}]:{api}" if ":" in address else f"{address}:{api}" for address in resolved
+    )
+    for address in resolved:
+        assert await answers(http, address, api)
