@@ -122,11 +122,12 @@ def create_app(
         metrics=metrics,
     )
     metrics.zero_ranks(len(scheduler.ranks))
-    readiness = Readiness(ranks=scheduler.ranks, metrics=metrics)
+    options = MonitorOptions.from_settings(settings)
+    readiness = Readiness(ranks=scheduler.ranks, metrics=metrics, thresholds=options.thresholds)
     # The one poller of every engine: readiness, the scheduler and /debug/scheduler read what
     # it publishes.
     monitor = EngineMonitor(
-        MonitorOptions.from_settings(settings),
+        options,
         engines=engines,
         ranks=scheduler.ranks,
         readiness=readiness,

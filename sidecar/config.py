@@ -12,7 +12,7 @@ import difflib
 import os
 import re
 from collections.abc import Mapping
-from ipaddress import IPv4Network, IPv6Network, ip_network
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -52,7 +52,13 @@ _WEB = frozenset({"http", "https"})
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", frozen=True, extra="forbid")
 
-    host: str = Field("0.0.0.0", min_length=1, description="Address the sidecar listens on.")
+    host: Annotated[tuple[str, ...], NoDecode] = Field(
+        ("0.0.0.0", "::"),
+        description="Addresses the sidecar listens on, both ports (comma list; a host name: "
+        "each address it resolves to); each is bound as written, 0.0.0.0 for IPv4 and :: for "
+        "IPv6. Where IPv6 is disabled, :: is skipped with a warning while another address is "
+        "bound.",
+    )
     port: int = Field(8000, ge=0, le=65535, description="Port of the API (0 picks a free port).")
     decode_url: str = Field(
         defaults.DECODE_URL,
@@ -456,6 +462,19 @@ class Settings(BaseSettings):
     ready_interval_s: float = Field(
         2, gt=0, description="Seconds between polls of the decode engine's /health."
     )
+    ready_failure_threshold: int = Field(
+        3,
+        ge=1,
+        description="Consecutive failed /health polls (no answer in time, an answer other "
+        "than 200) before a ready decode engine counts as not ready; a refused connection "
+        "(nothing listens) counts at once.",
+    )
+    ready_success_threshold: int = Field(
+        1,
+        ge=1,
+        description="Consecutive successful /health polls before a decode engine that is not "
+        "ready counts as ready.",
+    )
     connect_timeout_s: float = Field(
         2, gt=0, description="Seconds allowed to open a TCP connection to an engine."
     )
@@ -726,6 +745,24 @@ class Settings(BaseSettings):
             return parse_endpoint(value) if value.strip() else None
         return value
 
+    @field_validator("host", mode="before")
+    @classmethod
+    def _listen_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = _items(value)
+        if isinstance(value, list | tuple):
+            hosts = [str(item).strip().removeprefix("[").removesuffix("]") for item in value]
+            if not hosts:
+                raise ValueError("name at least one address, e.g. 0.0.0.0,::")
+            bad = [host for host in hosts if not _listen_address(host)]
+            if bad:
+                raise ValueError(f"not an IP address or a host name: {', '.join(bad)}")
+            repeated = sorted({host for host in hosts if hosts.count(host) > 1})
+            if repeated:
+                raise ValueError(f"an address is listed twice: {', '.join(repeated)}")
+            return tuple(hosts)
+        return value
+
     @field_validator("decode_url")
     @classmethod
     def _base_url(cls, value: str) -> str:
@@ -817,6 +854,14 @@ def _base_url(value: str) -> str:
     if url.path not in ("", "/") or url.query_string or url.fragment:
         raise ValueError("must be a base URL without path, query or fragment")
     return str(url.with_path("")).rstrip("/")
+
+
+def _listen_address(host: str) -> bool:
+    try:
+        ip_address(host.partition("%")[0])  # an IPv6 address may carry its zone: fe80::1%eth0
+    except ValueError:
+        return valid_host(host)
+    return True
 
 
 def _items(value: str) -> list[str]:

@@ -14,6 +14,7 @@
     └── EngineError                   an engine failed us (5xx towards the client)
         ├── EngineUnreachable         connect error, reset, no answer -> 503
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
+        │   │   ├── EngineRefused     connection refused: nothing listens there
         │   │   └── EngineUntrusted   its TLS certificate did not verify
         │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
         ├── EngineTimeout             no answer in time -> 504
@@ -107,6 +108,11 @@ class EngineUnreachable(EngineError):
 class EngineNotConnected(EngineUnreachable):
     """No connection could be opened (refused, unresolved, connect timeout): the engine got
     nothing of the request, so another engine may take it."""
+
+
+class EngineRefused(EngineNotConnected):
+    """The connection was refused: nothing listens at that address (the engine is not running,
+    or not yet)."""
 
 
 class EngineUntrusted(EngineNotConnected):

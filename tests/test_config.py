@@ -30,7 +30,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
         if name.startswith("SIDECAR_"):
             monkeypatch.delenv(name)
     settings = Settings()
-    assert (settings.host, settings.port) == ("0.0.0.0", 8000)
+    assert (settings.host, settings.port) == (("0.0.0.0", "::"), 8000)
     assert settings.decode_url == "http://127.0.0.1:8200"
     assert settings.connector == "nixl"
     assert settings.prefill_endpoints == ()
@@ -95,6 +95,10 @@ INVALID = [
     ("SIDECAR_PREFIX_BLOCK_TOKENS", "0"),
     ("SIDECAR_REDIS_KEY_PREFIX", ""),
     ("SIDECAR_HOST", ""),
+    ("SIDECAR_HOST", "0.0.0.0,not a host"),
+    ("SIDECAR_HOST", "::,[::]"),  # listed twice
+    ("SIDECAR_READY_FAILURE_THRESHOLD", "0"),
+    ("SIDECAR_READY_SUCCESS_THRESHOLD", "0"),
     ("SIDECAR_ADMIN_PORT", "x"),
     ("SIDECAR_PREFILL_RETRIES", "-1"),
     ("SIDECAR_PREFILL_RETRY_BACKOFF_S", "-1"),

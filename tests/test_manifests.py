@@ -96,6 +96,8 @@ def test_the_decode_pods_carry_the_sidecar_and_only_they(built: dict, name: str)
     check_termination(spec)  # grace >= preStop wait + drain + 5, preStop wait >= drain
     settings = settings_of(spec)  # every SIDECAR_* variable exists and is valid
     assert settings.decode_url == "http://127.0.0.1:8200"
+    # Both families: on an IPv6-primary cluster the kubelet probes the pod's IPv6 address.
+    assert settings.host == ("0.0.0.0", "::")
     engine_ports = {p["containerPort"] for p in spec["containers"][0]["ports"]}
     assert 8200 in engine_ports
     assert 8000 not in engine_ports

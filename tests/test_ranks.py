@@ -21,7 +21,7 @@ from sidecar.config import Settings
 from sidecar.connectors.background import BackgroundWork
 from sidecar.emulator import RunningEmulator
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
-from sidecar.engines.readiness import Readiness
+from sidecar.engines.readiness import Readiness, Thresholds
 from sidecar.engines.upstream import Engines
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRanks
@@ -261,7 +261,13 @@ async def test_ready_while_one_rank_is_and_unready_ranks_get_nothing(
 
     await inject(http, engines[1], kind="health_down")  # no rank is ready: neither is the pod
     await _until_ready(http, sidecar, [False, False])
-    assert await _status(http, sidecar.url + "/ready") == 503
+    async with http.get(sidecar.url + "/ready") as response:
+        assert response.status == 503
+        message = (await response.json())["error"]["message"]
+    assert message == "no decode rank is ready: " + "; ".join(
+        f"rank {i}: decode engine at {engine.url.removeprefix('http://')}: /health answered 503"
+        for i, engine in enumerate(engines)
+    )
     assert await metric(http, sidecar.url, "pd_sidecar_decode_ready") == 0
     for engine in engines:
         async with http.delete(engine.url + "/emulator/faults") as response:
@@ -546,7 +552,8 @@ async def test_a_health_poll_that_times_out_keeps_the_ranks_history(
     engines = Engines(connect_timeout_s=1.0)
     await engines.open()
     monitor = EngineMonitor(
-        MonitorOptions(ready_interval_s=0.2, scrape_interval_s=1.0),
+        # One failed poll turns it unready here: the polls' meaning for the index is the point.
+        MonitorOptions(ready_interval_s=0.2, scrape_interval_s=1.0, thresholds=Thresholds(1)),
         engines=engines,
         ranks=decode,
         readiness=Readiness(ranks=decode, metrics=Metrics()),

@@ -119,7 +119,7 @@ class Sidecar:
             # What the scrape of the decode engine's vllm:cache_config_info tells its index.
             self.rank.prefix.engine_holds(scenario.decode_cache_tokens)
         # Ready throughout: the model has no /health polls.
-        self.ranks.publish(self.rank, EngineSnapshot(health=EngineHealth.UP))
+        self.ranks.publish(self.rank, EngineSnapshot(health=EngineHealth.UP, ready=True))
         self._staleness = scenario.staleness_s
         self._scrape = scenario.stale_mode == "scrape"
         drawn = rng.random() * scenario.staleness_s

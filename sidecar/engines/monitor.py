@@ -9,12 +9,14 @@ Two rounds, each repeated an interval after the previous one ended, every poll o
   ``/health`` while it is probed after an ejection, nothing while it is ejected; a poll may take
   the interval, at most 2 s.
 
-What a poll finds is published as an immutable ``EngineSnapshot``. A decode rank's becomes the
-rank's ``engine`` (``DecodeRanks.publish``, which also forgets the rank's prefix index when a
-``/health`` poll says the engine lost its cache): the one value readiness (``/ready``), the rank
-choice and ``/debug/scheduler`` read; readiness then reports what changed (logs, gauges). A
-prefill endpoint's goes to the scheduler (``PrefillPool.prefill_polled``), which owns what it
-means for the endpoint (ejection, re-admission, its load). The monitor decides nothing itself.
+What a poll finds is published as an immutable ``EngineSnapshot``. A decode rank's, its
+``/health`` polls judged by readiness's rule (``sidecar.engines.readiness.judge``: consecutive
+failures before unready), becomes the rank's ``engine`` (``DecodeRanks.publish``, which also
+forgets the rank's prefix index when a ``/health`` poll says the engine lost its cache): the one
+value readiness (``/ready``), the rank choice and ``/debug/scheduler`` read; readiness then
+reports what changed (logs, gauges). A prefill endpoint's goes to the scheduler
+(``PrefillPool.prefill_polled``), which owns what it means for the endpoint (ejection,
+re-admission, its load). The monitor decides nothing itself.
 
 Nothing here blocks the event loop: every poll is bounded by its timeout, the rounds are two
 tasks, and ``close()`` stops them (the app's cleanup, before the scheduler and the engine pool
@@ -31,11 +33,23 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.config import Settings
-from sidecar.engines.readiness import Readiness
+from sidecar.engines.readiness import (
+    DEFAULT_THRESHOLDS,
+    HealthPoll,
+    Readiness,
+    Thresholds,
+    judge,
+)
 from sidecar.engines.scrape import EngineLoad, parse_engine_load
 from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
 from sidecar.engines.upstream import Engines
-from sidecar.errors import EngineError, EngineNotConnected, EngineUnreachable
+from sidecar.errors import (
+    EngineError,
+    EngineNotConnected,
+    EngineRefused,
+    EngineTimeout,
+    EngineUnreachable,
+)
 from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.tasks import stop_task
@@ -52,12 +66,18 @@ class MonitorOptions:
 
     ready_interval_s: float
     scrape_interval_s: float
+    thresholds: Thresholds = DEFAULT_THRESHOLDS
+    """The consecutive /health polls that change a decode rank's readiness."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> MonitorOptions:
         return cls(
             ready_interval_s=settings.ready_interval_s,
             scrape_interval_s=settings.scrape_interval_s,
+            thresholds=Thresholds(
+                failures=settings.ready_failure_threshold,
+                successes=settings.ready_success_threshold,
+            ),
         )
 
     @property
@@ -163,11 +183,9 @@ class EngineMonitor:
         return self._ranks.ready
 
     async def _poll_health(self, rank: DecodeRank) -> None:
-        health = await self._health(rank.url, self._options.health_timeout_s)
-        was, now = rank.ready, time.monotonic()
-        self._ranks.publish(
-            rank, dataclasses.replace(rank.engine, health=health, health_at=now, at=now)
-        )
+        poll = await self._health(rank.url, self._options.health_timeout_s, role="decode engine")
+        was = rank.ready
+        self._ranks.publish(rank, judge(rank.engine, poll, self._options.thresholds))
         self._readiness.rank_polled(rank, was)
 
     # --- the scrape round ------------------------------------------------------------------
@@ -193,9 +211,16 @@ class EngineMonitor:
         base = self._engines.prefill_url(poll.endpoint)
         server_name = self._engines.prefill_server_name(poll.endpoint)
         if poll.probe:
-            health = await self._health(base, self._options.scrape_timeout_s, server_name)
-            now = time.monotonic()
-            snapshot = EngineSnapshot(health=health, health_at=now, at=now)
+            probe = await self._health(
+                base, self._options.scrape_timeout_s, server_name, role="prefill engine"
+            )
+            snapshot = EngineSnapshot(
+                health=probe.health,
+                health_at=probe.at,
+                at=probe.at,
+                ready=probe.health is EngineHealth.UP,  # one probe re-admits, or not
+                reason=probe.reason,
+            )
         else:
             load, unreachable = await self._load(base, server_name)
             snapshot = EngineSnapshot(load=load, unreachable=unreachable, at=time.monotonic())
@@ -204,22 +229,45 @@ class EngineMonitor:
     # --- one poll --------------------------------------------------------------------------
 
     async def _health(
-        self, base_url: str, timeout_s: float, server_name: str | None = None
-    ) -> EngineHealth:
+        self,
+        base_url: str,
+        timeout_s: float,
+        server_name: str | None = None,
+        *,
+        role: str,
+    ) -> HealthPoll:
+        """One ``/health`` poll; a failed one says why, naming the engine (``role`` at
+        ``host:port``)."""
+        engine = f"{role} at {base_url.split('://', 1)[-1]}"
         try:
             response = await self._engines.polls.send(
                 "GET",
                 base_url + "/health",
                 headers={},
                 total_s=timeout_s,
+                role=role,
                 server_name=server_name,
             )
             await response.read()
-        except EngineNotConnected:
-            return EngineHealth.LOST
-        except EngineError:  # a timeout, a broken answer: its cache presumably kept
-            return EngineHealth.DOWN
-        return EngineHealth.UP if response.status == 200 else EngineHealth.LOST
+        except EngineRefused:
+            return HealthPoll(
+                EngineHealth.LOST,
+                time.monotonic(),
+                engine,
+                f"{engine}: connection refused",
+                refused=True,
+            )
+        except EngineNotConnected as exc:  # unresolved, connect timeout, untrusted certificate
+            return HealthPoll(EngineHealth.LOST, time.monotonic(), engine, exc.message)
+        except EngineTimeout:  # its cache presumably kept: a busy engine is slow
+            reason = f"{engine}: no answer to /health within {timeout_s:g} s"
+            return HealthPoll(EngineHealth.DOWN, time.monotonic(), engine, reason)
+        except EngineError as exc:  # a broken answer
+            return HealthPoll(EngineHealth.DOWN, time.monotonic(), engine, exc.message)
+        if response.status == 200:
+            return HealthPoll(EngineHealth.UP, time.monotonic(), engine)
+        reason = f"{engine}: /health answered {response.status}"
+        return HealthPoll(EngineHealth.LOST, time.monotonic(), engine, reason)
 
     async def _load(
         self, base_url: str, server_name: str | None = None

@@ -44,6 +44,16 @@ class EngineSnapshot:
     health: EngineHealth = EngineHealth.UNKNOWN
     health_at: float | None = None
     """Monotonic time of the ``/health`` poll that said ``health``; None: never polled."""
+    ready: bool = False
+    """What readiness makes of the ``/health`` polls so far (``sidecar.engines.readiness``:
+    a decode rank turns unready after consecutive failed polls, not one; a prefill probe's is
+    its one poll)."""
+    streak: int = 0
+    """Consecutive ``/health`` polls, the last one included, that succeeded (``health`` UP) or
+    failed alike; 0: never polled."""
+    reason: str = ""
+    """Why the engine is not ready, or why its last poll failed while it still counts as ready,
+    naming it (``decode engine at 127.0.0.1:8200: connection refused``); "" otherwise."""
     load: EngineLoad | None = None
     """The last scrape's gauges; None before the first, or when that scrape found none (an
     engine without metrics is scheduled by reservations alone)."""
@@ -53,11 +63,6 @@ class EngineSnapshot:
     at: float | None = None
     """Monotonic time of the poll, of either kind, that made this snapshot; None: never
     polled."""
-
-    @property
-    def ready(self) -> bool:
-        """Its last ``/health`` poll answered 200."""
-        return self.health is EngineHealth.UP
 
 
 NOT_POLLED = EngineSnapshot()

@@ -26,6 +26,7 @@ from sidecar.errors import (
     EngineBadResponse,
     EngineError,
     EngineNotConnected,
+    EngineRefused,
     EngineStreamBroken,
     EngineStreamIdle,
     EngineTimeout,
@@ -426,6 +427,10 @@ def _translate(exc: BaseException, what: str) -> EngineError:
     never opened means nothing was sent."""
     if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
         return EngineTimeout(f"{what}: timed out")
+    if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+        exc.os_error, ConnectionRefusedError
+    ):
+        return EngineRefused(f"{what}: {_describe(exc)}")
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return EngineNotConnected(f"{what}: {_describe(exc)}")
     return EngineUnreachable(f"{what}: {_describe(exc)}")

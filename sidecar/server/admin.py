@@ -44,7 +44,7 @@ class AdminViews:
             return error_response(EngineUnreachable(pool.reason), None)
         if readiness.ready:
             return web.Response(body=b'{"status":"ready"}', content_type="application/json")
-        return error_response(EngineUnreachable("the decode engine is not ready"), None)
+        return error_response(EngineUnreachable(readiness.reason), None)
 
     async def elsewhere(self, request: web.Request) -> web.Response:
         return error_response(NotFound("served on the admin port (SIDECAR_ADMIN_PORT)"), None)

@@ -1,15 +1,17 @@
 """Serving the application (``sidecar.app.create_app``) on its ports until ``close()``: the API
 listener and, with ``SIDECAR_ADMIN_PORT``, the admin one, each on ``ListenerRunner`` (the
-connection bounds of ``sidecar.server.listener``); the shutdown sequence of
-``sidecar.server.drain``. ``python -m sidecar`` runs it (``sidecar.__main__``)."""
+connection bounds of ``sidecar.server.listener``) and on every address of ``SIDECAR_HOST``
+(``sidecar.server.binding``); the shutdown sequence of ``sidecar.server.drain``.
+``python -m sidecar`` runs it (``sidecar.__main__``)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+import logging
 import socket
 import ssl
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -18,6 +20,8 @@ from sidecar.config import Settings
 from sidecar.connectors import ConnectorFactory
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
+from sidecar.server.binding import CannotListen as CannotListen
+from sidecar.server.binding import SocketFactory, bind, display, reachable
 from sidecar.server.drain import CUT_GRACE_S
 from sidecar.server.listener import (
     ADMIN_MAX_CONNECTIONS,
@@ -27,6 +31,8 @@ from sidecar.server.listener import (
     connection_budget,
 )
 from sidecar.server.serverlog import ServerLog
+
+logger = logging.getLogger("sidecar.server.runner")
 
 LISTEN_BACKLOG = 2048
 """Connections the kernel queues before accept (aiohttp's default, 128, drops SYNs when a
@@ -38,11 +44,15 @@ class RunningSidecar:
     app: web.Application
     runners: list[web.AppRunner]
     host: str
+    """An address of the API listener a client on this host can connect to (loopback when it
+    listens on every address): what ``url`` names."""
     port: int
     admin_port: int | None
     tls: bool = False
     """SIDECAR_PORT serves HTTPS."""
     admin_tls: bool = False
+    listening: list[str] = field(default_factory=list)
+    """Every ``host:port`` the API listener is bound to."""
 
     @property
     def url(self) -> str:
@@ -75,18 +85,16 @@ class RunningSidecar:
         return cut
 
 
-class CannotListen(Exception):
-    """A port the sidecar cannot bind (in use, not permitted); its message is one log line."""
-
-
 async def start_sidecar(
     settings: Settings,
     *,
     tracing: Tracing | None = None,
     connector: ConnectorFactory | None = None,
+    make_socket: SocketFactory = socket.socket,
 ) -> RunningSidecar:
     """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
-    free one) until ``close()``.
+    free one) until ``close()``. ``make_socket`` makes the listening sockets (a test gives one
+    that fails for IPv6).
 
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
@@ -103,8 +111,11 @@ async def start_sidecar(
     runners: list[web.AppRunner] = [runner]
     await runner.setup()
     try:
-        await _listen(runner, settings.host, settings.port, "SIDECAR_PORT", context)
-        host, port = runner.addresses[0][:2]
+        sockets = await _listen(
+            runner, settings.host, settings.port, "SIDECAR_PORT", context, make_socket
+        )
+        host, port = reachable(sockets)
+        listening = [display(*sock.getsockname()[:2]) for sock in sockets]
         app[GUARD].listening(port, **await _own_identity(settings.host))
         admin_port = None
         if ADMIN_APP in app:
@@ -116,20 +127,29 @@ async def start_sidecar(
             )
             runners.append(admin_runner)
             await admin_runner.setup()
-            await _listen(
+            admin_sockets = await _listen(
                 admin_runner,
                 settings.host,
                 settings.admin_port,
                 "SIDECAR_ADMIN_PORT",
                 admin_context,
+                make_socket,
             )
-            admin_port = admin_runner.addresses[0][1]
+            admin_port = reachable(admin_sockets)[1]
     except BaseException:
         for started in reversed(runners):
             await started.cleanup()
         raise
+    logger.info("SIDECAR_PORT: listening on %s", ", ".join(listening))
     return RunningSidecar(
-        app, runners, host, port, admin_port, context is not None, admin_context is not None
+        app,
+        runners,
+        host,
+        port,
+        admin_port,
+        context is not None,
+        admin_context is not None,
+        listening,
     )
 
 
@@ -150,32 +170,43 @@ def _connections(settings: Settings, metrics: Metrics, listener: str, cap: int) 
 
 async def _listen(
     runner: web.AppRunner,
-    host: str,
+    hosts: Sequence[str],
     port: int | None,
     variable: str,
     context: ssl.SSLContext | None,
-) -> None:
+    make_socket: SocketFactory,
+) -> list[socket.socket]:
+    """Serve ``runner`` on every address of ``hosts``, one site per socket: the runner's
+    connection book (its cap, its timeouts) and TLS hold across them. The sockets, listening."""
+    sockets = await bind(hosts, port or 0, variable, make_socket=make_socket)
+    started = 0
     try:
-        site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG, ssl_context=context)
-        await site.start()
-    except OSError as exc:
-        reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-        address = _url(host, port or 0).removeprefix("http://")
-        raise CannotListen(f"cannot listen on {address} ({variable}): {reason}") from exc
+        for sock in sockets:
+            site = web.SockSite(runner, sock, backlog=LISTEN_BACKLOG, ssl_context=context)
+            await site.start()  # from here the site's server owns (and closes) the socket
+            started += 1
+    except BaseException as exc:
+        address = display(*sockets[started].getsockname()[:2])
+        for sock in sockets[started:]:
+            sock.close()
+        if isinstance(exc, OSError):  # listen() refused
+            raise CannotListen(f"cannot listen on {address} ({variable}): {exc}") from exc
+        raise
+    return sockets
 
 
-async def _own_identity(listen_host: str) -> dict[str, list[str]]:
+async def _own_identity(listen_hosts: Sequence[str]) -> dict[str, list[str]]:
     """This pod's host name and addresses, so a prefill target naming the sidecar itself is
-    recognised (the listen address, and what the host name resolves to: the pod IP in
+    recognised (the listen addresses, and what the host name resolves to: the pod IP in
     Kubernetes)."""
     name = socket.gethostname()
-    addresses = [listen_host]
+    addresses = list(listen_hosts)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(name, None)
     except OSError:
         infos = []
     addresses += [str(info[4][0]) for info in infos]
-    return {"names": [name, listen_host], "addresses": addresses}
+    return {"names": [name, *listen_hosts], "addresses": addresses}
 
 
 def _url(host: str, port: int, tls: bool = False) -> str:

@@ -27,7 +27,8 @@ def polled(decode: DecodeRanks, index: int, health: EngineHealth | bool) -> None
     if isinstance(health, bool):
         health = EngineHealth.UP if health else EngineHealth.DOWN
     at = float(next(_POLLS))
-    decode.publish(decode[index], EngineSnapshot(health=health, health_at=at, at=at))
+    ready = health is EngineHealth.UP  # the rule of one poll (readiness judges several)
+    decode.publish(decode[index], EngineSnapshot(health=health, health_at=at, at=at, ready=ready))
 
 
 def ranks(count: int = 3, *, capacity_blocks: int = 65536, clock=lambda: 0.0) -> DecodeRanks:
