@@ -24,7 +24,7 @@ from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import Prefill, PrefillOptions
 from sidecar.connectors.sglang import SglangConnector
 from sidecar.connectors.shared_storage import SharedStorageConnector
-from sidecar.discovery import Discovery
+from sidecar.discovery import Discovery, Resolver, system_resolver
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import Readiness
 from sidecar.engines.upstream import Engines
@@ -74,6 +74,7 @@ def create_app(
     *,
     tracing: Tracing | None = None,
     connector: ConnectorFactory | None = None,
+    resolver: Resolver = system_resolver,
 ) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process.
 
@@ -81,7 +82,8 @@ def create_app(
     where they read); None builds it from the ``OTEL_*`` variables when SIDECAR_TRACING=true
     (raises ``TracingUnavailable`` when it cannot be). ``connector``: builds the connector from
     the settings and the shared parts (None: ``make_connector``, the one ``SIDECAR_CONNECTOR``
-    names; a test plugs in its own).
+    names; a test plugs in its own). ``resolver``: what ``SIDECAR_PREFILL_DNS`` is looked up
+    with (a test plays the DNS).
     """
     if tracing is None and settings.tracing:
         tracing = Tracing.from_environment()
@@ -117,7 +119,7 @@ def create_app(
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(
         SchedulerOptions.from_settings(settings),
-        discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns),
+        discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns, resolver=resolver),
         backend=_state_backend(settings, metrics),
         metrics=metrics,
     )

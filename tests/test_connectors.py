@@ -331,7 +331,8 @@ async def test_both_legs_timings_in_the_record_and_the_metrics(
     assert record["durations_ms"]["prefill"] is not None
     assert record["durations_ms"]["decode"] is not None
     for phase in ("prefill", "decode"):
-        sample = f'pd_sidecar_phase_duration_seconds_count{{phase="{phase}"}}'
+        labels = f'decision="remote",phase="{phase}",route="completions"'
+        sample = f"pd_sidecar_phase_duration_seconds_count{{{labels}}}"
         assert await metric(http, sidecar.url, sample) == 1
 
 

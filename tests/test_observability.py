@@ -189,6 +189,7 @@ async def test_metrics(http, sidecar, prefill, start_engine: StartEmulator) -> N
     async with http.get(sidecar.url + "/metrics") as response:
         assert response.headers["content-type"].startswith("text/plain")
         text = await response.text()
+    phases = "pd_sidecar_phase_duration_seconds_count"
     expected = [
         'pd_sidecar_requests_total{decision="remote",outcome="success",route="chat_completions"}'
         " 1.0",
@@ -198,9 +199,13 @@ async def test_metrics(http, sidecar, prefill, start_engine: StartEmulator) -> N
         'pd_sidecar_prefill_requests_total{outcome="success"} 1.0',
         'pd_sidecar_prefill_requests_total{outcome="server_error"} 1.0',
         'pd_sidecar_fallbacks_total{reason="prefill_error"} 1.0',
-        'pd_sidecar_phase_duration_seconds_count{phase="prefill"} 2.0',
-        'pd_sidecar_phase_duration_seconds_count{phase="total"} 4.0',
-        'pd_sidecar_phase_duration_seconds_count{phase="ttft"} 3.0',
+        f'{phases}{{decision="remote",phase="prefill",route="chat_completions"}} 1.0',
+        f'{phases}{{decision="local",phase="prefill",route="completions"}} 1.0',
+        f'{phases}{{decision="remote",phase="total",route="chat_completions"}} 1.0',
+        f'{phases}{{decision="local",phase="total",route="completions"}} 2.0',
+        f'{phases}{{decision="none",phase="total",route="completions"}} 1.0',
+        f'{phases}{{decision="remote",phase="ttft",route="chat_completions"}} 1.0',
+        f'{phases}{{decision="local",phase="ttft",route="completions"}} 2.0',
         "pd_sidecar_inflight_requests 0.0",
     ]
     for line in expected:
@@ -249,7 +254,6 @@ async def test_every_label_vocabulary_is_exported_at_zero_from_the_start(http, s
         for decision in metrics.DECISIONS
         for outcome in metrics.REQUEST_OUTCOMES
     ]
-    expected += [f'pd_sidecar_phase_duration_seconds_count{{phase="{p}"}}' for p in metrics.PHASES]
     for family, label, values in (
         ("prefill_requests_total", "outcome", metrics.PREFILL_OUTCOMES),
         ("fallbacks_total", "reason", metrics.FALLBACK_REASONS),

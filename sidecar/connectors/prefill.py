@@ -176,23 +176,23 @@ class Prefill:
         counted: int | None = None
         # (An exception is a bug, logged by whoever awaits the call, or by
         # StagedKv._release_when_done.)
+        seconds = asyncio.get_running_loop().time() - started
         if not call.cancelled() and call.exception() is None:
             result = call.result()
             if isinstance(result, Failed):
                 ok = False
                 outcome, error = result.outcome, result.detail
-                self.metrics.prefill_requests_by(result.outcome).inc()
             elif isinstance(result, Prefilled):
                 ok = True
                 outcome, cached = "success", result.cached_tokens
                 counted = result.prompt_tokens
-                self.metrics.prefill_requests_by("success").inc()
             else:
                 outcome, error = "client_error", result.error
-                self.metrics.prefill_requests_by("client_error").inc()
+            # Before the scheduler hears of it: an endpoint that leaves the pool with its last
+            # call loses its series then.
+            self.metrics.observe_prefill(str(placement.endpoint), outcome, seconds)
         elif not call.cancelled():
             outcome, error = "error", repr(call.exception())
-        seconds = asyncio.get_running_loop().time() - started
         self.scheduler.prefill_finished(
             placement, ok=ok, seconds=seconds, prompt_tokens=counted, cached_tokens=cached
         )

@@ -1,13 +1,16 @@
 """Prometheus metrics on a registry owned by each app (several apps may live in one test process).
 
 Label values are fixed vocabularies documented in docs/observability.md; never request ids or
-raw input.
+raw input. The ``endpoint`` label is bounded by the pool and a few header-named targets
+(``sidecar.observability.endpoint_labels``). The exposition has no ``_created`` series
+(``render``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import (
@@ -20,20 +23,31 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
+from sidecar.observability.endpoint_labels import EndpointLabels
+from sidecar.observability.histograms import LoopHistogram, LoopHistogramChild
 from sidecar.observability.tracking import RequestRecord
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 """Paths the pipeline serves, by their ``route`` label; everything else is ``other``."""
 
 # The fixed vocabularies of the labels below (docs/observability.md, "Label values"). Each series
-# of a vocabulary is exported at 0 from the start: rate() and increase() need a sample before the
-# first event to count it, so an alert on a counter that appears only at its first increment
-# misses that event.
+# of a counter's vocabulary is exported at 0 from the start: rate() and increase() need a sample
+# before the first event to count it, so an alert on a counter that appears only at its first
+# increment misses that event. The phase histogram's series (phase x decision x route: 24 of 19
+# lines each, most of them never used on a given pod) appear at the first request of their decision
+# and route instead: a quantile misses nothing that matters without a zero sample.
 GENERATION_ROUTES = ("completions", "chat_completions")
 DECISIONS = ("remote", "local", "none")
 REQUEST_OUTCOMES = ("success", "client_error", "server_error", "cancelled")
 PHASES = ("prefill", "ttft", "decode", "total")
+PHASES_BY_DECISION = {
+    "remote": PHASES,
+    "local": PHASES,  # a fallback's prefill attempts included
+    "none": ("total",),  # rejected before a decision: no leg
+}
+"""The phase histogram's series a (decision, route) can have."""
 PREFILL_OUTCOMES = (
     "success",
     "client_error",
@@ -73,9 +87,9 @@ class Children(Generic[_Family]):
     """A family's children by label values, each looked up in the family once: ``labels()``
     checks and converts its values and takes a lock on every call, ~1 µs on the request path.
 
-    Only for families whose label values come from a fixed vocabulary (so this stays as small
-    as the family) and whose series are never ``remove``d (a removed child kept here would go on
-    counting, unexported).
+    Only for families whose label values are bounded (so this stays as small as the family);
+    a series is removed through ``remove``, never the family's own (a removed child kept here
+    would go on counting, unexported).
     """
 
     __slots__ = ("_children", "_family")
@@ -89,6 +103,31 @@ class Children(Generic[_Family]):
         if child is None:
             child = self._children[values] = self._family.labels(*values)
         return child
+
+    def remove(self, *values: str) -> None:
+        """Drop the series (absent: nothing to do)."""
+        self._children.pop(values, None)
+        with contextlib.suppress(KeyError):
+            self._family.remove(*values)
+
+
+class _WithoutCreated:
+    """A registry's metrics without their ``_created`` samples (a third of the lines, of no use
+    to a rate or a quantile). prometheus_client's own switch (``disable_created_metrics``,
+    ``PROMETHEUS_DISABLE_CREATED_SERIES``) is process-wide: it would change the emulator's
+    exposition too where both run in one process (tests, ``sidecar.demo``), and vLLM's keeps
+    them."""
+
+    __slots__ = ("_registry",)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():  # fresh objects on every collect
+            created = metric.name + "_created"
+            metric.samples = [sample for sample in metric.samples if sample.name != created]
+            yield metric
 
 
 def outcome_label(record: RequestRecord) -> str:
@@ -112,10 +151,11 @@ class Metrics:
             ["route", "decision", "outcome"],
             registry=self.registry,
         )
-        self.phase_duration = Histogram(
+        self.phase_duration = LoopHistogram(
             "pd_sidecar_phase_duration_seconds",
-            "Duration of request phases: prefill leg, time to first byte, decode leg, total.",
-            ["phase"],
+            "Duration of request phases (prefill leg, time to first byte, decode leg, total), "
+            "by P/D decision and route.",
+            ["phase", "decision", "route"],
             buckets=_BUCKETS,
             registry=self.registry,
         )
@@ -123,6 +163,20 @@ class Metrics:
             "pd_sidecar_prefill_requests",
             "Prefill legs sent, by outcome.",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.endpoint_prefills = Counter(
+            "pd_sidecar_prefill_endpoint_requests",
+            "Prefill legs sent, by prefill endpoint (pool members, a few header-named targets, "
+            "other) and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self.endpoint_prefill_duration = LoopHistogram(
+            "pd_sidecar_prefill_endpoint_duration_seconds",
+            "Duration of the successful prefill legs, by prefill endpoint.",
+            ["endpoint"],
+            buckets=_BUCKETS,
             registry=self.registry,
         )
         self.prefill_retries = Counter(
@@ -316,8 +370,11 @@ class Metrics:
 
         # The families counted on every request, by their label values (``Children``).
         self.requests_by = Children(self.requests)
-        self.phase_by = Children(self.phase_duration)
+        self._phases: dict[tuple[str, str], tuple[tuple[str, LoopHistogramChild], ...]] = {}
+        """The phase histogram's children of a (decision, route): one look-up per request."""
         self.prefill_requests_by = Children(self.prefill_requests)
+        self.endpoint_prefills_by = Children(self.endpoint_prefills)
+        self.endpoint_labels = EndpointLabels(self._forget_endpoint_calls)
         self.scheduler_decisions_by = Children(self.scheduler_decisions)
         self.decode_rank_requests_by = Children(self.decode_rank_requests)
         self._zero_vocabularies()
@@ -327,8 +384,6 @@ class Metrics:
             for decision in DECISIONS:
                 for outcome in REQUEST_OUTCOMES:
                     self.requests_by(route, decision, outcome)
-        for phase in PHASES:
-            self.phase_by(phase)
         for outcome in PREFILL_OUTCOMES:
             self.prefill_requests_by(outcome)
         for family, values in (
@@ -360,8 +415,15 @@ class Metrics:
             self.decode_rank_inflight.labels(rank).set(0)
             self.decode_rank_requests_by(rank)
 
+    def endpoint_joined(self, endpoint: str) -> None:
+        """A prefill endpoint joined the pool: its own label, its prefill counts at 0."""
+        self.endpoint_labels.joined(endpoint)
+        for outcome in PREFILL_OUTCOMES:
+            self.endpoint_prefills_by(endpoint, outcome)
+
     def forget_endpoint(self, endpoint: str) -> None:
-        """Drop a removed endpoint's series (pool members only: bounded label values)."""
+        """Drop the series of an endpoint that left the pool."""
+        self.endpoint_labels.left(endpoint)
         for family in (
             self.endpoint_reserved_tokens,
             self.endpoint_waiting,
@@ -370,13 +432,38 @@ class Metrics:
         ):
             with contextlib.suppress(KeyError):
                 family.remove(endpoint)
+        self._forget_endpoint_calls(endpoint)
+
+    def _forget_endpoint_calls(self, endpoint: str) -> None:
+        for outcome in PREFILL_OUTCOMES:
+            self.endpoint_prefills_by.remove(endpoint, outcome)
+        with contextlib.suppress(KeyError):
+            self.endpoint_prefill_duration.remove(endpoint)
+
+    def observe_prefill(self, endpoint: str, outcome: str, seconds: float) -> None:
+        """Count a prefill call that ended with ``outcome`` after ``seconds``, in all and on its
+        endpoint (``str`` of it); its duration when it succeeded."""
+        self.prefill_requests_by(outcome).inc()
+        label = self.endpoint_labels.label(endpoint)
+        self.endpoint_prefills_by(label, outcome).inc()
+        if outcome == "success":
+            self.endpoint_prefill_duration.labels(label).observe(seconds)
 
     def observe_request(self, route: str, record: RequestRecord) -> None:
         """Count a finished generation request and its phase durations."""
-        self.requests_by(route, record.decision or "none", outcome_label(record)).inc()
-        for phase, seconds in record.durations().items():
+        decision = record.decision or "none"
+        self.requests_by(route, decision, outcome_label(record)).inc()
+        phases = self._phases.get((decision, route))
+        if phases is None:  # its first request: its series appear
+            phases = self._phases[decision, route] = tuple(
+                (phase, self.phase_duration.labels(phase, decision, route))
+                for phase in PHASES_BY_DECISION[decision]
+            )
+        durations = record.durations()
+        for phase, child in phases:
+            seconds = durations[phase]
             if seconds is not None:
-                self.phase_by(phase).observe(seconds)
+                child.observe(seconds)
 
     def observe_passthrough(self, status: int | None, cancelled: bool) -> None:
         if cancelled:
@@ -391,4 +478,4 @@ class Metrics:
 
     def render(self) -> bytes:
         self.asyncio_tasks.set(len(asyncio.all_tasks()))
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))

@@ -212,6 +212,7 @@ class Scheduler:
             state = self._pool.get(key)
             if state is None:
                 self._planner.join(endpoint, self._new_health())
+                self._metrics.endpoint_joined(key)
                 logger.info("prefill endpoint %s joined the pool", key)
             elif state.draining:
                 state.draining = False

@@ -18,6 +18,7 @@ from aiohttp import web
 from sidecar.app import ADMIN_APP, DRAIN, GUARD, METRICS, READINESS, SERVER_TLS, create_app
 from sidecar.config import Settings
 from sidecar.connectors import ConnectorFactory
+from sidecar.discovery import Resolver, system_resolver
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.server.binding import CannotListen as CannotListen
@@ -91,14 +92,16 @@ async def start_sidecar(
     tracing: Tracing | None = None,
     connector: ConnectorFactory | None = None,
     make_socket: SocketFactory = socket.socket,
+    resolver: Resolver = system_resolver,
 ) -> RunningSidecar:
-    """Serve ``create_app(settings, tracing=tracing, connector=connector)`` on its port (0 = a
-    free one) until ``close()``. ``make_socket`` makes the listening sockets (a test gives one
-    that fails for IPv6).
+    """Serve ``create_app(settings, tracing=tracing, connector=connector, resolver=resolver)``
+    on its port (0 = a free one) until ``close()``. ``make_socket`` makes the listening sockets
+    (a test gives one that fails for IPv6); ``resolver`` plays the DNS behind
+    ``SIDECAR_PREFILL_DNS`` (a test gives its own).
 
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
-    app = create_app(settings, tracing=tracing, connector=connector)
+    app = create_app(settings, tracing=tracing, connector=connector, resolver=resolver)
     context = app[SERVER_TLS].context if SERVER_TLS in app else None
     admin_context = context if settings.admin_tls else None
     runner = ListenerRunner(

@@ -1,0 +1,88 @@
+"""A histogram for the request path, observed by the event loop's thread only.
+
+prometheus_client's ``Histogram.observe`` checks the child, takes two locks and walks the
+buckets one by one: a request's five observations (four phases, its prefill endpoint's) were
+the bulk of its metrics' cost (docs/benchmarks.md, "Metrics"). Everything that observes these
+runs on the event loop, and so does ``/metrics``: a list increment found by bisection and a float
+sum are enough. The exposition is prometheus_client's own (``HistogramMetricFamily``), line for
+line what a ``Histogram`` with the same buckets writes (tests/test_metrics.py compares them).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+_le: Callable[[float], str] = floatToGoString  # how prometheus_client writes a bucket's bound
+
+
+class LoopHistogramChild:
+    """One series: observations per bucket (not cumulative; the last is +Inf) and their sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # The first bucket whose upper bound is >= value (Prometheus' ``le``).
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class LoopHistogram:
+    """A labelled histogram family with ``labels`` and ``remove``, as prometheus_client's, whose
+    children are ``LoopHistogramChild``; registered in ``registry`` as a collector. The
+    metric's ``name`` is given without a suffix."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = tuple(float(b) for b in buckets)
+        self._les = [_le(b) for b in self._bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], LoopHistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopHistogramChild:
+        child = self._children.get(values)  # values already strings: the request path's case
+        if child is not None:
+            return child
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        key = tuple(str(value) for value in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = LoopHistogramChild(self._bounds)
+        return child
+
+    def remove(self, *values: str) -> None:
+        """Drop a series; ``KeyError`` when there is none (as prometheus_client)."""
+        del self._children[tuple(str(value) for value in values)]
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, child in self._children.items():
+            cumulative, buckets = 0, []
+            for le, count in zip(self._les, child.counts, strict=True):
+                cumulative += count
+                buckets.append((le, cumulative))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
