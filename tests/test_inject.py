@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import yaml
 
 from sidecar.config import Settings
 from sidecar.inject import InjectError, Options, defaults, inject_text
+from sidecar.inject.environment import EnvError
 from sidecar.inject.template import ENGINE_EXIT_S, load
 from tests.imports import imported
 from tests.k8s import validate, yamllint
@@ -81,7 +83,9 @@ def sidecar_env(spec: dict[str, Any]) -> dict[str, str]:
 def settings_of(spec: dict[str, Any]) -> Settings:
     """The sidecar's own Settings from the pod's env: every variable must exist and be valid."""
     values: dict[str, Any] = {
-        name.removeprefix("SIDECAR_").lower(): value for name, value in sidecar_env(spec).items()
+        name.removeprefix("SIDECAR_").lower(): value
+        for name, value in sidecar_env(spec).items()
+        if name.startswith("SIDECAR_")
     }
     return Settings(**values)
 
@@ -382,9 +386,19 @@ REFUSALS = [
     pytest.param(
         '          args: ["--port", "8000"]\n'
         "          lifecycle:\n"
-        "            preStop: {exec: {command: [sleep, '5']}}\n",
-        "Deployment/decode: engine container 'vllm' already has a preStop hook",
-        id="a preStop already",
+        "            preStop: {httpGet: {path: /drain, port: 8000}}\n",
+        "Deployment/decode: engine container 'vllm' has an httpGet preStop hook (GET /drain): a "
+        "container has one preStop handler and the sidecar needs a 30 s wait in it. Write both "
+        "as one exec, e.g. command: [sh, -c, 'sleep 30; curl -fsS "
+        "http://127.0.0.1:8200/drain']",
+        id="an httpGet preStop",
+    ),
+    pytest.param(
+        '          args: ["--port", "8000"]\n'
+        "          lifecycle:\n"
+        "            preStop: {tcpSocket: {port: 8000}}\n",
+        "engine container 'vllm' has a tcpSocket preStop hook, which Kubernetes does not run",
+        id="a tcpSocket preStop",
     ),
     pytest.param(
         "          ports: [{containerPort: 8000}]\n",
@@ -459,7 +473,12 @@ def test_cli_reads_a_file_and_its_output_reinjects_to_the_same_bytes(tmp_path: P
     source.write_text(SERVICE + "---\n" + deployment())
     first = cli("-f", str(source))
     assert first.returncode == 0, first.stderr
-    assert first.stderr == ""
+    # Only the one thing worth knowing about the defaults: any header target is called.
+    assert first.stderr.splitlines() == [
+        "python -m sidecar.inject: note: the sidecar will call any prefill server a request "
+        "header names (no --inference-pool, no SIDECAR_PREFILL_ALLOWED_CIDRS or _HOSTS): safe "
+        "only behind a gateway that removes that header from clients' requests (docs/deploy.md)"
+    ]
     assert first.stdout == inject(source.read_text())
     second = cli(stdin=first.stdout)  # stdin by default
     assert second.returncode == 0
@@ -485,7 +504,9 @@ def test_cli_refusal_is_exit_status_2_with_nothing_on_stdout(tmp_path: Path) -> 
     result = cli("-f", str(source))
     assert result.returncode == 2
     assert result.stdout == ""
-    assert result.stderr.startswith("pd-sidecar inject: Deployment/decode: no container serves")
+    assert result.stderr.startswith(
+        "python -m sidecar.inject: Deployment/decode: no container serves"
+    )
     missing = cli("-f", str(tmp_path / "absent.yaml"))
     assert missing.returncode == 2
     assert "cannot read" in missing.stderr
@@ -569,3 +590,416 @@ def test_the_console_script_is_installed() -> None:
             [str(script), "--help"], capture_output=True, text=True, timeout=30
         ).stdout
     )
+
+
+# Issue 24: real manifests. The engine's own preStop hook, llm-d's role label, the sidecar's
+# settings on the command line, the command's name.
+
+VLLM_DECODE = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {name}
+  labels:
+    app.kubernetes.io/name: llama
+spec:
+  replicas: 2
+  selector:
+    matchLabels:
+      app: llama-{name}
+  template:
+    metadata:
+      labels:
+        app: llama-{name}
+{role}    spec:
+      terminationGracePeriodSeconds: 30
+      containers:
+        - name: vllm
+          image: vllm/vllm-openai:v0.32.0
+          command: ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct"]
+          args:
+            - --port
+            - "8000"
+            - --kv-transfer-config
+            - '{{"kv_connector":"NixlConnector","kv_role":"kv_both"}}'
+          ports:
+            - name: http
+              containerPort: 8000
+          readinessProbe:
+            httpGet: {{path: /health, port: http}}
+{lifecycle}"""
+
+
+def vllm(name: str = "decode", role: str | None = None, pre_stop: str | None = None) -> str:
+    """A vLLM Deployment as found in the wild: labels, a named port, a probe, maybe llm-d's role
+    label on its pods and a preStop hook of its own (``pre_stop`` is the hook's flow YAML)."""
+    role_line = f"        llm-d.ai/role: {role}\n" if role else ""
+    lifecycle = f"          lifecycle:\n            preStop: {pre_stop}\n" if pre_stop else ""
+    return VLLM_DECODE.format(name=name, role=role_line, lifecycle=lifecycle)
+
+
+def injected_spec(text: str, options: Options | None = None) -> tuple[dict[str, Any], list[str]]:
+    out, report = inject_text(text, options or defaults())
+    validate(out)
+    return pod_spec(only(out)), report.notes
+
+
+@pytest.mark.parametrize(
+    ("hook", "after", "wait"),
+    [
+        pytest.param(
+            "{exec: {command: [sleep, '10']}}", {"exec": {"command": ["sleep", "30"]}}, 30
+        ),
+        pytest.param(
+            "{exec: {command: [/bin/sh, -c, 'sleep 10']}}",
+            {"exec": {"command": ["/bin/sh", "-c", "sleep 30"]}},
+            30,
+            id="sh -c sleep 10",
+        ),
+        pytest.param("{sleep: {seconds: 10}}", {"sleep": {"seconds": 30}}, 30, id="built-in"),
+        pytest.param("{exec: {command: [sleep, 1m]}}", None, 60, id="sleep 1m: kept"),
+        pytest.param("{sleep: {seconds: 90}}", None, 90, id="built-in 90: kept"),
+    ],
+)
+def test_an_engine_wait_of_its_own_becomes_one_wait_of_the_longer(
+    hook: str, after: dict[str, Any] | None, wait: int
+) -> None:
+    """A wait asks only that the engine serve that long after deletion, as the sidecar's does:
+    one wait of the longer satisfies both, in the form the engine had (the built-in sleep needs
+    no binary in the image)."""
+    spec, notes = injected_spec(vllm(pre_stop=hook))
+    engine = container(spec, "vllm")
+    assert engine["lifecycle"]["preStop"] == (after or yaml.safe_load(hook))
+    assert spec["terminationGracePeriodSeconds"] == wait + 30 + ENGINE_EXIT_S
+    (note,) = notes
+    assert note.startswith("Deployment/decode: engine container 'vllm': its preStop ")
+    assert ("is kept: it covers the sidecar's 30 s drain" in note) == (after is None)
+
+
+def test_an_engine_command_of_its_own_runs_after_the_wait_and_the_grace_counts_it() -> None:
+    hook = "{exec: {command: [/bin/sh, -c, 'curl -fsS -X POST localhost:8000/v1/drain']}}"
+    options = dataclasses.replace(defaults(), engine_prestop_s=20)
+    spec, notes = injected_spec(vllm(pre_stop=hook), options)
+    command = container(spec, "vllm")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command == [
+        "sh",
+        "-c",
+        'sleep 30; exec "$@"',
+        "engine-prestop",
+        "/bin/sh",
+        "-c",
+        "curl -fsS -X POST localhost:8000/v1/drain",
+    ]
+    # The wait, the command's 20 s, then the sidecar's drain and the engine's exit.
+    assert spec["terminationGracePeriodSeconds"] == 30 + 20 + 30 + ENGINE_EXIT_S
+    (note,) = notes
+    assert "keeps its preStop command (exec: [/bin/sh, -c, curl" in note
+    assert "the grace period counts 20 s for it (--engine-prestop-s" in note
+    assert "it names port 8000, the sidecar's now: the engine listens on 8200" in note
+
+
+def test_the_composed_hook_runs_the_engine_command_exactly_as_written(tmp_path: Path) -> None:
+    """Run by a real shell: the wait first, then the command, its arguments untouched (spaces,
+    quotes, $), its exit status kept (the kubelet records a failed hook)."""
+    out_file = tmp_path / "ran"
+    argv = ["sh", "-c", 'printf "%s|" "$@" > "$0"; exit 3', str(out_file), "a b", "'q'", "$HOME"]
+    hook = yaml.safe_dump({"exec": {"command": argv}}, default_flow_style=True).strip()
+    options = dataclasses.replace(defaults(), drain_s=0)  # no time waited in a test
+    spec, _ = injected_spec(vllm(pre_stop=hook), options)
+    command = container(spec, "vllm")["lifecycle"]["preStop"]["exec"]["command"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+    assert done.returncode == 3
+    assert out_file.read_text() == "a b|'q'|$HOME|"
+
+
+@pytest.mark.system
+def test_the_cli_says_what_became_of_the_engine_hook(tmp_path: Path) -> None:
+    source = tmp_path / "decode.yaml"
+    source.write_text(vllm(pre_stop="{exec: {command: [sleep, '10']}}"))
+    result = cli("-f", str(source), "--drain-s", "20")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "python -m sidecar.inject: Deployment/decode: engine container 'vllm': its preStop "
+        "exec: [sleep, 10] now waits 20 s, the sidecar's drain (--drain-s)\n" in result.stderr
+    )
+    spec = pod_spec(only(result.stdout))
+    assert spec["terminationGracePeriodSeconds"] == 20 + 20 + ENGINE_EXIT_S
+    bad = cli("-f", str(source), "--engine-prestop-s", "-1")
+    assert bad.returncode == 2
+
+
+def test_with_role_labels_only_the_decode_workloads_are_injected() -> None:
+    prefill = vllm("prefill", role="prefill")
+    service = SERVICE
+    text = vllm("decode", role="decode") + "---\n" + prefill + "---\n" + service
+    out, report = inject_text(text, defaults())
+    validate(out)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    assert [d["metadata"]["name"] for d in docs] == ["decode", "prefill", "decode"]
+    assert "initContainers" in pod_spec(docs[0])
+    assert "---\n" + prefill + "---\n" + service in out, "the prefill one, byte for byte"
+    assert report.injected == ["Deployment/decode"]
+    assert report.skipped == [
+        "Deployment/prefill: skipped: its pods are labelled llm-d.ai/role=prefill; only decode, "
+        "both, prefill-decode pods get the sidecar (--name prefill injects it)"
+    ]
+
+
+@pytest.mark.parametrize("role", ["decode", "both", "prefill-decode"])
+def test_every_role_that_serves_decode_is_injected(role: str) -> None:
+    text = vllm("a", role=role) + "---\n" + vllm("b", role="prefill")
+    assert inject_text(text, defaults())[1].injected == ["Deployment/a"]
+
+
+def test_an_unlabelled_workload_among_labelled_ones_is_skipped() -> None:
+    redis = deployment().replace("name: decode", "name: redis")
+    text = vllm("decode", role="decode") + "---\n" + redis
+    _, report = inject_text(text, defaults())
+    assert report.injected == ["Deployment/decode"]
+    assert report.skipped == [
+        "Deployment/redis: skipped: no llm-d.ai/role label, while other workloads of the input "
+        "have one (--name redis injects it)"
+    ]
+
+
+def test_the_role_label_on_the_workload_counts_when_its_pods_have_none() -> None:
+    prefill = vllm("prefill").replace(
+        "    app.kubernetes.io/name: llama\n",
+        "    app.kubernetes.io/name: llama\n    llm-d.ai/role: prefill\n",
+    )
+    _, report = inject_text(vllm("decode", role="decode") + "---\n" + prefill, defaults())
+    assert report.injected == ["Deployment/decode"]
+    assert [line.split(":")[0] for line in report.skipped] == ["Deployment/prefill"]
+
+
+def test_name_wins_over_the_role_label_and_says_so() -> None:
+    text = vllm("decode", role="decode") + "---\n" + vllm("prefill", role="prefill")
+    _, report = inject_text(text, defaults(), ["prefill"])
+    assert report.injected == ["Deployment/prefill"]
+    assert report.skipped == ["Deployment/decode: skipped: not named by --name"]
+    assert report.notes == [
+        "Deployment/prefill: injected although labelled llm-d.ai/role=prefill: --name names it"
+    ]
+
+
+def test_nothing_to_inject_when_every_workload_is_skipped() -> None:
+    with pytest.raises(InjectError) as caught:
+        inject_text(vllm("prefill", role="prefill"), defaults())
+    assert str(caught.value) == (
+        "nothing to inject: Deployment/prefill: skipped: its pods are labelled "
+        "llm-d.ai/role=prefill; only decode, both, prefill-decode pods get the sidecar "
+        "(--name prefill injects it)"
+    )
+
+
+def test_several_unlabelled_workloads_are_injected_with_a_warning() -> None:
+    """No role label anywhere: every workload, as before, but not without a word."""
+    text = vllm("decode") + "---\n" + vllm("prefill")
+    _, report = inject_text(text, defaults())
+    assert report.injected == ["Deployment/decode", "Deployment/prefill"]
+    assert report.notes == [
+        "injected 2 workloads (Deployment/decode, Deployment/prefill), none labelled "
+        "llm-d.ai/role: if one of them is a prefill workload, name the decode ones with --name"
+    ]
+    assert inject_text(vllm("decode"), defaults())[1].notes == [], "one: nothing to say"
+
+
+LWS = """\
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+metadata:
+  name: decode-wide
+spec:
+  leaderWorkerTemplate:
+    size: 2
+    workerTemplate:
+      metadata:
+        labels: {llm-d.ai/role: decode}
+      spec:
+        containers:
+          - name: vllm
+            image: vllm/vllm-openai:v0.32.0
+            args: ["--port", "8000"]
+"""
+
+
+def test_a_leaderworkerset_is_skipped_with_what_to_do() -> None:
+    text = LWS + "---\n" + vllm("decode", role="decode")
+    out, report = inject_text(text, defaults())
+    assert out.startswith(LWS + "---\n")
+    assert report.injected == ["Deployment/decode"]
+    assert report.skipped == [
+        "LeaderWorkerSet/decode-wide: skipped: its leader and worker pod templates are not "
+        "injected: add the sidecar to the leader's template by hand (docs/deploy.md)"
+    ]
+    with pytest.raises(InjectError, match="nothing to inject: LeaderWorkerSet/decode-wide"):
+        inject_text(LWS, defaults())
+
+
+@pytest.mark.system
+def test_cli_names_the_skipped_objects_on_stderr(tmp_path: Path) -> None:
+    source = tmp_path / "pd.yaml"
+    source.write_text(vllm("decode", role="decode") + "---\n" + vllm("prefill", role="prefill"))
+    result = cli("-f", str(source), "--inference-pool", "llm/pool")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[0] == (
+        "python -m sidecar.inject: Deployment/prefill: skipped: its pods are labelled "
+        "llm-d.ai/role=prefill; only decode, both, prefill-decode pods get the sidecar "
+        "(--name prefill injects it)"
+    )
+    only_prefill = cli("--name", "nothing", stdin=source.read_text())
+    assert only_prefill.returncode == 2
+
+
+def test_settings_options_and_env_reach_the_sidecar_and_are_valid() -> None:
+    options = dataclasses.replace(
+        defaults(),
+        env=(
+            ("SIDECAR_CONNECTOR", "sglang"),
+            ("SIDECAR_PREFILL_ENDPOINTS", "10.0.0.5:8000,10.0.0.6:8000#9000"),
+            ("SIDECAR_LOG_REQUESTS", "true"),
+            ("SIDECAR_HOST", "::"),
+            ("OTEL_SERVICE_NAME", "decode"),
+        ),
+    )
+    spec = pod_spec(only(inject(deployment(), options)))
+    env = sidecar_env(spec)
+    assert env["OTEL_SERVICE_NAME"] == "decode"
+    names = [item["name"] for item in spec["initContainers"][0]["env"]]
+    assert names.count("SIDECAR_HOST") == 1, "replaced, not repeated"
+    settings = settings_of(spec)
+    assert settings.connector == "sglang"
+    assert [str(e.host) for e in settings.prefill_endpoints] == ["10.0.0.5", "10.0.0.6"]
+    assert settings.prefill_endpoints[1].bootstrap_port == 9000
+    assert settings.log_requests is True
+    assert settings.host == "::"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        pytest.param(
+            (("SIDECAR_PREFIL_DNS", "prefill:8000"),),
+            "SIDECAR_PREFIL_DNS is not a setting of the sidecar; did you mean SIDECAR_PREFILL_DNS?",
+            id="a typo",
+        ),
+        pytest.param(
+            (("SIDECAR_CONNECTOR", "nixl3"),),
+            "invalid configuration: SIDECAR_CONNECTOR: Input should be 'nixl', 'nixl-push', "
+            "'sglang' or 'shared-storage'",
+            id="a bad value",
+        ),
+        pytest.param(
+            (("SIDECAR_DECODE_URLS", "http://127.0.0.1:8200,http://127.0.0.1:8201"),),
+            None,
+            id="ranks: fine with the default engine port",
+        ),
+        pytest.param(
+            (("SIDECAR_INFERENCE_POOL", "Pool"),),
+            "SIDECAR_INFERENCE_POOL: 'Pool': expected namespace/name",
+            id="not namespace/name",
+        ),
+    ],
+)
+def test_env_is_checked_as_the_sidecar_checks_it(
+    env: tuple[tuple[str, str], ...], message: str | None
+) -> None:
+    options = dataclasses.replace(defaults(), env=env)
+    if message is None:
+        inject(deployment(), options)
+        return
+    with pytest.raises(EnvError) as caught:
+        inject(deployment(), options)
+    assert message in str(caught.value)
+
+
+def test_ranks_with_another_engine_port_are_refused_before_any_pod_sees_them() -> None:
+    options = dataclasses.replace(
+        defaults(), engine_port=9000, env=(("SIDECAR_DECODE_URLS", "http://127.0.0.1:9000"),)
+    )
+    with pytest.raises(EnvError, match="SIDECAR_DECODE_URL and SIDECAR_DECODE_URLS are both set"):
+        inject(deployment(), options)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--env", "SIDECAR_PORT=9000"],
+            "--env SIDECAR_PORT: the command sets it; use --sidecar-port",
+        ),
+        (["--env", "SIDECAR_DRAIN_TIMEOUT_S=5"], "use --drain-s"),
+        (["--env", "NOEQUALS"], "--env 'NOEQUALS': expected NAME=VALUE"),
+        (
+            ["--connector", "sglang", "--env", "SIDECAR_CONNECTOR=nixl"],
+            "SIDECAR_CONNECTOR is given twice (by --connector and --env)",
+        ),
+        (["--env", "SIDECAR_LOG_LEVL=DEBUG"], "did you mean SIDECAR_LOG_LEVEL?"),
+        (["--prefill-endpoints", "not a host"], "invalid configuration: SIDECAR_PREFILL_ENDPOINTS"),
+    ],
+)
+def test_cli_refuses_settings_the_sidecar_would_refuse(args: list[str], message: str) -> None:
+    result = cli(*args, stdin=deployment())
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert message in result.stderr
+
+
+@pytest.mark.system
+def test_cli_settings_options_and_not_the_injectors_own_environment() -> None:
+    """The check reads the values given, never the environment the command runs in."""
+    polluted = {**os.environ, "SIDECAR_CONNECTOR": "bogus", "SIDECAR_PORT": "x"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sidecar.inject",
+            "--connector",
+            "nixlv2",
+            "--prefill-dns",
+            "prefill:8000",
+            "--inference-pool",
+            "llm/decode-pool",
+            "--env",
+            "SIDECAR_LOG_LEVEL=debug",
+        ],
+        input=deployment(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=polluted,
+    )
+    assert result.returncode == 0, result.stderr
+    env = sidecar_env(pod_spec(only(result.stdout)))
+    assert env["SIDECAR_CONNECTOR"] == "nixlv2"
+    assert env["SIDECAR_PREFILL_DNS"] == "prefill:8000"
+    assert env["SIDECAR_INFERENCE_POOL"] == "llm/decode-pool"
+    assert env["SIDECAR_LOG_LEVEL"] == "debug"
+    assert "any prefill server a request header names" not in result.stderr, "a pool restricts"
+    assert "needs get, list and watch on inferencepools and pods" in result.stderr
+
+
+@pytest.mark.system
+def test_help_names_the_command_as_it_was_typed() -> None:
+    module = cli("--help")
+    assert module.stdout.startswith("usage: python -m sidecar.inject ")
+    assert "  python -m sidecar.inject -f decode.yaml | kubectl apply -f -" in module.stdout
+    # What the console script does: its own path as argv[0], then main() (run from this tree).
+    script = (
+        "import sys; sys.argv[0] = '/usr/local/bin/pd-sidecar-inject'; "
+        "from sidecar.inject.__main__ import main; main()"
+    )
+    for args, stream in ((["--help"], "stdout"), (["--drain-s", "-1"], "stderr")):
+        run = subprocess.run(
+            [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=30
+        )
+        assert getattr(run, stream).startswith("usage: pd-sidecar-inject "), run
+    refused = subprocess.run(
+        [sys.executable, "-c", script],
+        input=deployment('          args: ["--port", "9000"]\n'),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert refused.stderr.startswith("pd-sidecar-inject: Deployment/decode: no container serves")

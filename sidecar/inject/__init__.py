@@ -3,11 +3,14 @@
 The same injection as the kustomize component ``manifests/components/pd-sidecar/``, for manifests
 that are not built with kustomize; it also moves the engine to its port, which a component cannot.
 ``template`` holds the injected definition (``sidecar.yaml``), ``pod`` the surgery on one pod spec,
-``documents`` the multi-document stream. docs/deploy.md is the guide.
+``prestop`` the engine's one ``preStop`` handler, ``environment`` the sidecar's variables and their
+check, ``documents`` the multi-document stream and which workloads it injects. docs/deploy.md is
+the guide.
 """
 
 from sidecar.inject.documents import Report, inject_text
+from sidecar.inject.environment import EnvError
 from sidecar.inject.pod import InjectError
 from sidecar.inject.template import Options, defaults, render
 
-__all__ = ["InjectError", "Options", "Report", "defaults", "inject_text", "render"]
+__all__ = ["EnvError", "InjectError", "Options", "Report", "defaults", "inject_text", "render"]

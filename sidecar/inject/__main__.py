@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
 
+from sidecar.inject import environment
 from sidecar.inject.documents import inject_text
+from sidecar.inject.environment import EnvError
 from sidecar.inject.pod import InjectError
-from sidecar.inject.template import Options, defaults
+from sidecar.inject.template import Options, defaults, render
 
-PROG = "pd-sidecar inject"
+MODULE = "python -m sidecar.inject"
 _DNS_NAME = re.compile(
     r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 )
@@ -19,17 +22,36 @@ DESCRIPTION = """\
 Inject pd-sidecar into the decode workloads (Deployment, StatefulSet, DaemonSet, ReplicaSet,
 PodTemplate, Pod; also inside a List) of a YAML stream, and print the stream:
 
-  python -m sidecar.inject -f decode.yaml | kubectl apply -f -
+  {prog} -f decode.yaml | kubectl apply -f -
+
+Which workloads: those named by --name; else, when any workload carries llm-d's role label
+(llm-d.ai/role on its pods), those labelled decode, both or prefill-decode; else every one.
+Each one left out is named on stderr with the reason.
 
 The engine is the container serving the pod's serving port (--sidecar-port, a containerPort or a
 --port argument). It is moved to --engine-port; the sidecar, a native sidecar (an init container
 with restartPolicy Always, Kubernetes >= 1.29), takes the serving port. The engine gets a preStop
-wait of --drain-s seconds and the pod a grace period of twice that + 5 s (docs/deploy.md).
+wait of --drain-s seconds and the pod a grace period of twice that + 5 s (docs/deploy.md). An
+engine preStop hook of its own is kept: a sleep is lengthened to --drain-s if shorter, a command
+runs after the wait and the grace period counts --engine-prestop-s for it.
 With --tls-secret, the sidecar serves HTTPS with that Secret's certificate.
 Workloads injected already are left as they are; documents that are not changed are printed as
 they were read, comments included (a changed document loses its comments). On any workload it
 cannot inject, it prints nothing, says why on stderr and exits with status 2.
 """
+SETTING_OPTIONS = {
+    "connector": "SIDECAR_CONNECTOR",
+    "prefill_endpoints": "SIDECAR_PREFILL_ENDPOINTS",
+    "prefill_dns": "SIDECAR_PREFILL_DNS",
+    "inference_pool": "SIDECAR_INFERENCE_POOL",
+}
+"""Options that set one variable of the sidecar each (validated as --env is)."""
+
+
+def prog_name(argv0: str) -> str:
+    """The command as it was typed: the console script's name, else ``python -m``."""
+    name = os.path.basename(argv0)
+    return name if name and not name.endswith(".py") and name != "-c" else MODULE
 
 
 def _port(text: str) -> int:
@@ -46,10 +68,12 @@ def _seconds(text: str) -> int:
     return value
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = MODULE) -> argparse.ArgumentParser:
     base = defaults()
     p = argparse.ArgumentParser(
-        prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        description=DESCRIPTION.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "-f",
@@ -62,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
         "--name",
         action="append",
         default=[],
-        help="inject only the workload of this name (repeatable; default: every workload)",
+        help="inject only the workload of this name, whatever its role label (repeatable; "
+        "default: the decode workloads)",
     )
     p.add_argument("--image", default=base.image, help="sidecar image (default: %(default)s)")
     p.add_argument(
@@ -91,6 +116,47 @@ def parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--engine-prestop-s",
+        type=_seconds,
+        default=base.engine_prestop_s,
+        metavar="SECONDS",
+        help="the longest the engine's own preStop command runs (not a sleep, whose length is "
+        "read): the grace period counts it (default: %(default)s)",
+    )
+    settings = p.add_argument_group(
+        "the sidecar's settings",
+        "checked as the sidecar checks them at start: a SIDECAR_ name that is no setting, or a "
+        "bad value, exits with status 2 (python -m sidecar --help lists them)",
+    )
+    settings.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable of the sidecar container (repeatable)",
+    )
+    settings.add_argument(
+        "--connector",
+        help="SIDECAR_CONNECTOR: nixl, nixl-push, sglang or shared-storage (default: the "
+        "sidecar's, nixl)",
+    )
+    settings.add_argument(
+        "--prefill-endpoints",
+        metavar="HOST:PORT,...",
+        help="SIDECAR_PREFILL_ENDPOINTS: a static prefill pool the sidecar schedules on",
+    )
+    settings.add_argument(
+        "--prefill-dns",
+        metavar="NAME:PORT",
+        help="SIDECAR_PREFILL_DNS: a headless Service of the prefill pods the sidecar schedules on",
+    )
+    settings.add_argument(
+        "--inference-pool",
+        metavar="NAMESPACE/NAME",
+        help="SIDECAR_INFERENCE_POOL: only the pods of this InferencePool are prefill targets a "
+        "gateway's header may name (needs RBAC, docs/deploy.md)",
+    )
+    p.add_argument(
         "--tls-secret",
         metavar="NAME",
         help="serve HTTPS with the certificate of this kubernetes.io/tls Secret, mounted "
@@ -100,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = parser()
+    prog = prog_name(sys.argv[0])
+    p = parser(prog)
     args = p.parse_args(argv)
     ports = {"--sidecar-port": args.sidecar_port, "--engine-port": args.engine_port}
     ports["--admin-port"] = args.admin_port
@@ -110,6 +177,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error("--image is empty")
     if args.tls_secret is not None and not _DNS_NAME.match(args.tls_secret):
         p.error(f"--tls-secret {args.tls_secret!r} is not a Secret name (a lower-case DNS name)")
+    try:
+        given = [
+            (variable, getattr(args, dest), "--" + dest.replace("_", "-"))
+            for dest, variable in SETTING_OPTIONS.items()
+            if getattr(args, dest) is not None
+        ]
+        given += [(name, value, "--env") for name, value in environment.parse(args.env)]
+        env = environment.merge(given)
+    except EnvError as exc:
+        p.error(str(exc))
     options = Options(
         image=args.image,
         sidecar_port=args.sidecar_port,
@@ -117,21 +194,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         admin_port=args.admin_port,
         drain_s=args.drain_s,
         tls_secret=args.tls_secret,
+        engine_prestop_s=args.engine_prestop_s,
+        env=env,
     )
     texts: list[str] = []
     for name in args.filename or ["-"]:
         try:
             texts.append(sys.stdin.read() if name == "-" else _read(name))
         except OSError as exc:
-            print(f"{PROG}: cannot read {name}: {exc.strerror}", file=sys.stderr)
+            print(f"{prog}: cannot read {name}: {exc.strerror}", file=sys.stderr)
             raise SystemExit(2) from None
     try:
         output, report = inject_text(_join(texts), options, args.name)
-    except InjectError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+    except (InjectError, EnvError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    for name in report.unchanged:
-        print(f"{PROG}: {name}: injected already, left as it is", file=sys.stderr)
+    lines = [f"{name}: injected already, left as it is" for name in report.unchanged]
+    lines += [*report.skipped, *report.notes]
+    if report.injected:
+        lines += [f"note: {note}" for note in environment.notes(render(options).container["env"])]
+    for line in lines:
+        print(f"{prog}: {line}", file=sys.stderr)
     sys.stdout.write(output)
 
 

@@ -3,6 +3,10 @@
 A document that is not changed (a Service, a ConfigMap, a workload not selected, one injected
 already) is written back byte for byte, comments included; a changed one is written anew from its
 data (its comments are lost). So a second run changes nothing.
+
+Which workloads: those named by ``--name``; else, when any workload of the input carries llm-d's
+role label (``llm-d.ai/role``, on its pods), only those whose role serves decode; else every one.
+Each one left out is reported with the reason.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from sidecar.inject.environment import check
 from sidecar.inject.pod import InjectError, already_injected, inject_pod_spec
-from sidecar.inject.template import Options, pod_labels
+from sidecar.inject.template import Options, pod_labels, render
 
 POD_SPEC_PATHS: dict[str, tuple[str, ...]] = {
     "Deployment": ("spec", "template", "spec"),
@@ -33,12 +38,66 @@ POD_METADATA_PATHS: dict[str, tuple[str, ...]] = {
 _MARKER = re.compile(r"^---(?:[ \t].*)?$", re.M)
 
 
+ROLE_LABEL = "llm-d.ai/role"
+"""llm-d's pod role label: its inference scheduler's filters pick prefill and decode pods by it."""
+DECODE_ROLES = ("decode", "both", "prefill-decode")
+"""Roles of pods that serve decode requests: ``both`` (and its newer spelling ``prefill-decode``)
+serve either leg, as llm-d's decode filter admits them."""
+UNSUPPORTED = {
+    "LeaderWorkerSet": "its leader and worker pod templates are not injected: add the sidecar "
+    "to the leader's template by hand (docs/deploy.md)",
+}
+"""Workload kinds the command knows it does not inject, and what to do instead."""
+
+
 @dataclass(slots=True)
 class Report:
     """What a run did, for the messages on stderr."""
 
     injected: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    """``Kind/name: skipped: why``, one per workload left out."""
+    notes: list[str] = field(default_factory=list)
+    """What was done that the reader may not expect (an engine hook kept, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Selection:
+    """Which workloads to inject: those named, else by llm-d's role label when any carries one."""
+
+    names: frozenset[str]
+    by_role: bool
+
+    def skip_reason(self, doc: dict[str, Any]) -> str | None:
+        name = str((doc.get("metadata") or {}).get("name", ""))
+        role = role_of(doc)
+        if self.names:
+            return None if name in self.names else "not named by --name"
+        if not self.by_role or role in DECODE_ROLES:
+            return None
+        if role is None:
+            return (
+                f"no {ROLE_LABEL} label, while other workloads of the input have one "
+                f"(--name {name} injects it)"
+            )
+        return (
+            f"its pods are labelled {ROLE_LABEL}={role}; only {', '.join(DECODE_ROLES)} pods "
+            f"get the sidecar (--name {name} injects it)"
+        )
+
+
+def role_of(doc: dict[str, Any]) -> str | None:
+    """The workload's llm-d role: its pods' label, else its own."""
+    pod = POD_METADATA_PATHS.get(str(doc.get("kind")))
+    for path in (pod, ("metadata",)) if pod else (("metadata",),):
+        node: Any = doc
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        labels = node.get("labels") if isinstance(node, dict) else None
+        if isinstance(labels, dict) and ROLE_LABEL in labels:
+            return str(labels[ROLE_LABEL])
+    return None
 
 
 class _Dumper(yaml.SafeDumper):
@@ -84,23 +143,34 @@ def _pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _inject_object(
-    doc: dict[str, Any], options: Options, names: frozenset[str], report: Report
+    doc: dict[str, Any], options: Options, selection: _Selection, report: Report
 ) -> bool:
     """Inject one object (or the items of a ``List``) in place; True when it changed."""
     if doc.get("kind") == "List" and isinstance(doc.get("items"), list):
-        changed = [_inject_object(item, options, names, report) for item in doc["items"]]
+        changed = [_inject_object(item, options, selection, report) for item in doc["items"]]
         return any(changed)
+    kind = str(doc.get("kind"))
+    if kind in UNSUPPORTED:
+        report.skipped.append(f"{_describe(doc)}: skipped: {UNSUPPORTED[kind]}")
+        return False
     spec = _pod_spec(doc)
-    name = str((doc.get("metadata") or {}).get("name", ""))
-    if spec is None or (names and name not in names):
+    if spec is None:
+        return False
+    reason = selection.skip_reason(doc)
+    if reason is not None:
+        report.skipped.append(f"{_describe(doc)}: skipped: {reason}")
         return False
     if already_injected(spec):
         report.unchanged.append(_describe(doc))
         return False
     try:
-        inject_pod_spec(spec, options)
+        notes = inject_pod_spec(spec, options)
     except InjectError as exc:
         raise InjectError(f"{_describe(doc)}: {exc}") from None
+    role = role_of(doc)
+    if role is not None and role not in DECODE_ROLES:
+        notes.append(f"injected although labelled {ROLE_LABEL}={role}: --name names it")
+    report.notes.extend(f"{_describe(doc)}: {note}" for note in notes)
     _label_pod(doc)
     report.injected.append(_describe(doc))
     return True
@@ -131,37 +201,50 @@ def _workloads(data: Any) -> Iterable[dict[str, Any]]:
 
 
 def inject_text(text: str, options: Options, names: Iterable[str] = ()) -> tuple[str, Report]:
-    """Inject every workload of a YAML stream (only those named, when ``names`` is given).
+    """Inject the decode workloads of a YAML stream: those named, when ``names`` is given; else,
+    when a workload carries llm-d's role label, those whose role serves decode; else every one.
 
-    Raises ``InjectError`` when a selected workload cannot be injected, a name matches nothing, or
-    there is no workload at all.
+    Raises ``InjectError`` when a selected workload cannot be injected, a name matches nothing,
+    there is no workload at all, or every one was skipped; ``EnvError`` when ``options.env`` is
+    what the sidecar would refuse.
     """
+    if options.env:
+        check(render(options).container["env"])
     wanted = frozenset(names)
-    report = Report()
-    out: list[str] = []
-    found: set[str] = set()
-    kinds: list[str] = []
-    for index, chunk in enumerate(split(text), start=1):
+    chunks = split(text)
+    parsed: list[Any] = []
+    for index, chunk in enumerate(chunks, start=1):
         try:
-            data = yaml.safe_load(chunk)
+            parsed.append(yaml.safe_load(chunk))
         except yaml.YAMLError as exc:
             raise InjectError(f"document {index} is not valid YAML: {exc}") from None
-        if isinstance(data, dict):
-            kinds.append(str(data.get("kind")))
-        for workload in _workloads(data):
-            found.add(str((workload.get("metadata") or {}).get("name", "")))
-        if isinstance(data, dict) and _inject_object(data, options, wanted, report):
-            marker = _MARKER.match(chunk)
-            out.append((marker.group(0) + "\n" if marker else "") + dump(data))
-        else:
-            out.append(chunk)
+    workloads = [w for data in parsed for w in _workloads(data)]
+    found = {str((w.get("metadata") or {}).get("name", "")) for w in workloads}
     missing = sorted(wanted - found)
     if missing:
         raise InjectError(f"no Deployment, StatefulSet or pod named {', '.join(missing)}")
-    if not found:
+    kinds = [str(data.get("kind")) for data in parsed if isinstance(data, dict)]
+    if not workloads and not any(kind in UNSUPPORTED for kind in kinds):
         seen = ", ".join(sorted(set(kinds))) or "none"
         raise InjectError(
             "nothing to inject: no Deployment, StatefulSet, DaemonSet, ReplicaSet, PodTemplate or "
             f"Pod in the input (kinds: {seen})"
+        )
+    selection = _Selection(wanted, any(role_of(w) is not None for w in workloads))
+    report = Report()
+    out: list[str] = []
+    for chunk, data in zip(chunks, parsed, strict=True):
+        if isinstance(data, dict) and _inject_object(data, options, selection, report):
+            marker = _MARKER.match(chunk)
+            out.append((marker.group(0) + "\n" if marker else "") + dump(data))
+        else:
+            out.append(chunk)
+    if not report.injected and not report.unchanged:
+        raise InjectError("nothing to inject: " + "; ".join(report.skipped))
+    if len(report.injected) > 1 and not wanted and not selection.by_role:
+        report.notes.append(
+            f"injected {len(report.injected)} workloads ({', '.join(report.injected)}), none "
+            f"labelled {ROLE_LABEL}: if one of them is a prefill workload, name the decode ones "
+            "with --name"
         )
     return "".join(out), report

@@ -9,7 +9,8 @@ The engine is the one container of ``containers`` that serves the pod's serving 
   and renumbered (added when it had none), its probes that named the old port follow it;
 - the sidecar is put first in ``initContainers`` and takes the serving port, under the name the
   engine's port had (so a Service's named ``targetPort`` now reaches the sidecar), else ``http``;
-- the engine gets the ``preStop`` wait; ``terminationGracePeriodSeconds`` is raised to cover it.
+- the engine gets the ``preStop`` wait, composed with a hook it had (``prestop``);
+  ``terminationGracePeriodSeconds`` is raised to cover it.
 
 A pod that already has the native sidecar is left as it is. Everything else this cannot do safely
 is an ``InjectError`` naming the container and what is wrong.
@@ -21,7 +22,8 @@ import re
 from pathlib import PurePosixPath
 from typing import Any
 
-from sidecar.inject.template import CONTAINER_NAME, Options, render
+from sidecar.inject.prestop import PreStopError, compose
+from sidecar.inject.template import CONTAINER_NAME, Options, grace_period_s, render
 
 ENGINE_PORT_NAME = "engine"
 SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh"})
@@ -50,9 +52,10 @@ def already_injected(spec: Spec) -> bool:
     return any(c.get("name") == CONTAINER_NAME for c in spec.get("initContainers") or [])
 
 
-def inject_pod_spec(spec: Spec, options: Options) -> None:
-    """Inject in place; raises ``InjectError`` (message without the object's name) and leaves
-    ``spec`` untouched when it cannot."""
+def inject_pod_spec(spec: Spec, options: Options) -> list[str]:
+    """Inject in place and return what is worth saying about it (the engine's own ``preStop``);
+    raises ``InjectError`` (message without the object's name) and leaves ``spec`` untouched
+    when it cannot."""
     containers: list[Container] = spec.get("containers") or []
     init_containers: list[Container] = spec.get("initContainers") or []
     _refuse_proxies([*init_containers, *containers])
@@ -87,11 +90,16 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
         raise InjectError(f"{who} declares containerPort {port} but runs with --port {shown}")
     lifecycle = engine.get("lifecycle") or {}
     rendered = render(options, port_name=_serving_port_name(engine, port))
-    if lifecycle.get("preStop") not in (None, rendered.engine_pre_stop):
-        raise InjectError(
-            f"{who} already has a preStop hook: remove it, the sidecar needs "
-            f"the engine to wait {options.drain_s} s there (docs/deploy.md, Termination)"
+    try:
+        pre_stop = compose(
+            lifecycle.get("preStop"),
+            options.drain_s,
+            options.engine_prestop_s,
+            serving_port=port,
+            engine_port=options.engine_port,
         )
+    except PreStopError as exc:
+        raise InjectError(f"{who} {exc}") from None
     taken_names = {item["name"] for item in rendered.container["ports"]} | {ENGINE_PORT_NAME}
     for other in [*init_containers, *containers]:
         port_names = {
@@ -116,13 +124,15 @@ def inject_pod_spec(spec: Spec, options: Options) -> None:
             )
     # Every refusal is above: from here on the spec changes.
     _move_engine(engine, port, options.engine_port)
-    engine.setdefault("lifecycle", {})["preStop"] = rendered.engine_pre_stop
+    engine.setdefault("lifecycle", {})["preStop"] = pre_stop.hook
     spec["initContainers"] = [rendered.container, *init_containers]
     if rendered.volumes:
         spec["volumes"] = [*rendered.volumes, *volumes]  # first, as kustomize merges them
+    needed = grace_period_s(pre_stop.run_s, options.drain_s)
     grace = spec.get("terminationGracePeriodSeconds")
-    if not isinstance(grace, int) or grace < rendered.grace_period_s:
-        spec["terminationGracePeriodSeconds"] = rendered.grace_period_s
+    if not isinstance(grace, int) or grace < needed:
+        spec["terminationGracePeriodSeconds"] = needed
+    return [f"{who}: {pre_stop.note}"] if pre_stop.note else []
 
 
 def _find_engine(

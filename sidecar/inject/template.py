@@ -6,7 +6,9 @@ default options it is the file itself.
 
 The termination arithmetic (docs/deploy.md, "Termination"): the engine waits ``drain_s`` in its
 ``preStop`` before it gets SIGTERM, then has 5 s to exit; only then is the sidecar stopped, and it
-shuts down within its drain timeout + 1 s. So the grace period is ``preStop + drain + 5``.
+shuts down within its drain timeout + 1 s. So the grace period is ``preStop + drain + 5``, where
+``preStop`` is the longest the engine's handler runs: the wait, or more when the engine had a hook
+of its own (``prestop``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class Options:
     """``SIDECAR_DRAIN_TIMEOUT_S``, and the engine's ``preStop`` wait."""
     tls_secret: str | None = None
     """A ``kubernetes.io/tls`` Secret: the sidecar serves HTTPS with its certificate."""
+    engine_prestop_s: int = 0
+    """The longest the engine's own ``preStop`` command runs (a command kept, not a wait)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """More variables of the sidecar (name, value), after those above; checked by
+    ``environment.check``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,13 @@ def render(options: Options, *, port_name: str | None = None) -> Rendered:
         # Only then: the default reaches the engine, and leaves SIDECAR_DECODE_URLS settable.
         url = f"http://127.0.0.1:{options.engine_port}"
         container["env"].append({"name": "SIDECAR_DECODE_URL", "value": url})
+    for name, value in options.env:
+        for item in container["env"]:
+            if item["name"] == name:
+                item["value"] = value
+                break
+        else:
+            container["env"].append({"name": name, "value": value})
     for probe in ("livenessProbe", "readinessProbe"):
         container[probe]["httpGet"]["port"] = options.sidecar_port
     volumes = []
