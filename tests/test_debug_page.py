@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -96,6 +97,7 @@ def browser() -> Iterator[WebDriver]:
 ROWS = """return [...document.querySelectorAll('#rows tr')].map((tr) => ({
   id: tr.dataset.id, state: tr.dataset.state, decision: tr.dataset.decision,
   classes: tr.className, text: tr.innerText, width: tr.querySelector('.bar').offsetWidth,
+  endpoint: tr.querySelector('td.endpoint .where').textContent,
   segments: [...tr.querySelectorAll('.seg')].map((s) => ({
     from: s.dataset.from, to: s.dataset.to, phase: s.dataset.phase, title: s.title,
     running: s.classList.contains('running')})),
@@ -109,6 +111,10 @@ def rows(driver: WebDriver) -> list[dict[str, Any]]:
 
 def row_ids(driver: WebDriver) -> list[str]:
     return [row["id"] for row in rows(driver)]
+
+
+def row_count(driver: WebDriver) -> int:
+    return len(driver.find_elements(By.CSS_SELECTOR, "#rows tr"))
 
 
 def wait_until(driver: WebDriver, read: Callable[[WebDriver], T], expected: T) -> None:
@@ -127,6 +133,19 @@ def wait_until(driver: WebDriver, read: Callable[[WebDriver], T], expected: T) -
 
 def text_of(element_id: str) -> Callable[[WebDriver], str]:
     return lambda driver: driver.find_element(By.ID, element_id).text
+
+
+def ticks(driver: WebDriver) -> list[str]:
+    """The time axis's labels (redrawn at every render: read in one script)."""
+    labels: list[str] = driver.execute_script(
+        "return [...document.querySelectorAll('#ticks .tick')].map((t) => t.textContent)"
+    )
+    return labels
+
+
+def limit_choices(driver: WebDriver) -> list[tuple[str, str]]:
+    select = Select(driver.find_element(By.ID, "limit"))
+    return [(option.get_attribute("value") or "", option.text) for option in select.options]
 
 
 def click_row(driver: WebDriver, request_id: str) -> None:
@@ -249,7 +268,10 @@ async def test_the_page_in_chromium(
         assert expected[:2] == ["in-flight", "leaver"]
         assert len(expected) == 9
         errors = {record["id"]: record["error"] for record in listed["recent"]}
-        await asyncio.to_thread(check_page, browser, sidecar.url, expected, errors, tmp_path)
+        totals = {record["id"]: record["durations_ms"]["total"] for record in listed["recent"]}
+        await asyncio.to_thread(
+            check_page, browser, sidecar.url, expected, errors, totals, prefill.endpoint, tmp_path
+        )
     finally:
         async with http.post(decode.url + "/emulator/release") as released:
             assert released.status == 200
@@ -257,13 +279,44 @@ async def test_the_page_in_chromium(
 
 
 def check_page(
-    driver: WebDriver, url: str, expected: list[str], errors: dict[str, str], artifacts: Path
+    driver: WebDriver,
+    url: str,
+    expected: list[str],
+    errors: dict[str, str],
+    totals: dict[str, float],
+    prefill: str,
+    artifacts: Path,
 ) -> None:
     # A browser asks /debug/requests for HTML first: it gets the page, not the JSON.
     driver.get(url + "/debug/requests")
     assert driver.title == "pd-sidecar · requests"
     wait_until(driver, row_ids, expected)
     shown = {row["id"]: row for row in rows(driver)}
+    assert (
+        text_of("counts")(driver) == f"{len(expected)} shown of {len(expected)} held · 1 in flight"
+    )
+
+    # Where each request was prefilled: the endpoint, "local", or "—" before any decision.
+    where = {rid: row["endpoint"] for rid, row in shown.items()}
+    assert where["remote-chat"] == where["leaver"] == where["in-flight"] == prefill
+    assert where["local-chat"] == where["local-500"] == "local"
+    assert where["bad-json"] == where[XSS] == "—"
+
+    # The default axis: durations on a log scale. The shortest request (rejected in well under
+    # a millisecond) keeps a readable bar beside the one in flight for seconds, and a longer
+    # request never has a shorter bar.
+    finished = sorted(totals, key=totals.__getitem__)
+    width = {row["id"]: row["width"] for row in rows(driver)}  # one read: the bars grow
+    assert width[finished[0]] >= 24, (totals, width)
+    assert width[finished[-1]] > width[finished[0]]
+    for shorter, longer in itertools.pairwise(finished):
+        assert width[shorter] <= width[longer] + 1, (shorter, longer, totals, width)
+    assert "1 ms" in ticks(driver)
+    # On the shared clock the same request is a sliver: that axis shows when, not how long.
+    Select(driver.find_element(By.ID, "axis")).select_by_value("shared")
+    wait_until(driver, lambda d: "axis=shared" in d.current_url, True)
+    assert rows(driver)[expected.index(finished[0])]["width"] < width[finished[0]] / 2
+    Select(driver.find_element(By.ID, "axis")).select_by_value("log")
 
     # Phase bars: the segments a record's phases make, in order, named as in the legend.
     remote = shown["remote-chat"]
@@ -360,6 +413,50 @@ def check_page(
     assert text_of("detail-note")(driver).startswith("Not in the list now")
 
     # Nothing refused by the Content-Security-Policy or Trusted Types, no script error.
+    assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
+
+
+@pytest.mark.system
+async def test_the_limit_control(
+    browser: WebDriver, http: aiohttp.ClientSession, start_sidecar_with: StartSidecar
+) -> None:
+    """More records held than the page fetches: the header says how many are held, and the
+    limit control (up to the server's maximum, the history size) fetches more."""
+    sidecar = await start_sidecar_with(debug_history=150)
+    for batch in range(10):
+        ids = [f"r{batch * 16 + index}" for index in range(16)]
+        statuses = await asyncio.gather(*(send(http, sidecar, rid, completion()) for rid in ids))
+        assert statuses == [200] * 16
+    await asyncio.to_thread(check_limit, browser, sidecar.url)
+
+
+def check_limit(driver: WebDriver, url: str) -> None:
+    driver.get("about:blank")
+    driver.get_log("browser")  # the previous test's page, left when its sidecar stopped
+    driver.get(url + "/debug/ui")
+    wait_until(driver, row_count, 100)
+    newest = row_ids(driver)[:2]
+    assert newest == ["r159", "r158"]
+    assert text_of("counts")(driver) == "100 shown of 150 held · 50 beyond the limit · 0 in flight"
+    assert limit_choices(driver) == [
+        ("20", "20"),
+        ("50", "50"),
+        ("100", "100"),
+        ("150", "150 (all)"),
+    ]
+
+    Select(driver.find_element(By.ID, "limit")).select_by_value("150")
+    wait_until(driver, row_count, 150)
+    assert row_ids(driver)[-1] == "r10"  # the oldest the history still holds
+    assert text_of("counts")(driver) == "150 shown of 150 held · 0 in flight"
+    assert "limit=150" in driver.current_url
+
+    # The limit lives in the link; one above the maximum is clamped to it and shown so.
+    driver.get(url + "/debug/ui#limit=20")
+    wait_until(driver, row_count, 20)
+    driver.get(url + "/debug/ui?limit=999")
+    wait_until(driver, row_count, 150)
+    assert Select(driver.find_element(By.ID, "limit")).first_selected_option.text == "150 (all)"
     assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
 
 

@@ -71,8 +71,34 @@ async def test_scripts_and_curl_keep_the_json(http, sidecar, accept: str | None)
         body = await response.json()
         assert response.headers["Vary"] == "Accept"
         assert before - 1 <= float(response.headers[SERVER_TIME_HEADER]) <= time.time() + 1
-    assert set(body) == {"inflight", "recent"}
+    assert set(body) == {"inflight", "recent", "held", "limit", "max_limit"}
     assert [record["id"] for record in body["recent"]] == ["j1"]
+
+
+async def test_the_json_counts_what_it_holds(http, start_sidecar_with: StartSidecar) -> None:
+    """``held`` is what the sidecar holds, beyond the limit and the state filter (bounded by the
+    history); ``limit`` is the one applied, ``max_limit`` the history size it is clamped to."""
+    sidecar = await start_sidecar_with(debug_history=4)
+    for index in range(6):
+        async with http.post(
+            sidecar.url + "/v1/completions",
+            json=completion(),
+            headers={"x-request-id": f"c{index}"},
+        ) as response:
+            await response.read()
+    async with http.post(sidecar.url + "/v1/completions", data=b"{") as response:
+        assert response.status == 400
+    url = sidecar.url + "/debug/requests"
+    async with http.get(url, params={"limit": "2"}) as response:
+        body = await response.json()
+    assert [record["id"] for record in body["recent"]] == [body["recent"][0]["id"], "c5"]
+    assert (body["held"], body["limit"], body["max_limit"]) == ({"inflight": 0, "recent": 4}, 2, 4)
+    async with http.get(url, params={"state": "failed", "limit": "999999999"}) as response:
+        body = await response.json()
+    assert [record["state"] for record in body["recent"]] == ["failed"]
+    assert (body["held"], body["limit"], body["max_limit"]) == ({"inflight": 0, "recent": 4}, 4, 4)
+    async with http.get(url) as response:
+        assert (await response.json())["limit"] == 4  # the default, 100, clamped too
 
 
 async def test_a_browser_gets_the_page(http, sidecar) -> None:

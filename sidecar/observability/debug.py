@@ -29,10 +29,12 @@ class DebugViews:
         self._page = page
 
     async def requests(self, request: web.Request) -> web.Response:
-        """``{"inflight": [...], "recent": [...]}``, newest first; ``?state=`` and ``?limit=``
-        (1 to the history size, in at most 9 ASCII digits; larger values are clamped) filter
-        both lists. Any other
-        parameter, or one given twice, is a 400: a typo never silently widens the answer.
+        """``{"inflight": [...], "recent": [...], "held": {...}, "limit": n, "max_limit": m}``,
+        newest first; ``?state=`` and ``?limit=`` (1 to the history size, in at most 9 ASCII
+        digits; larger values are clamped) filter both lists. ``held`` counts the records of
+        each list whatever the filters (so a reader knows what a limit left out), ``limit`` is
+        the one applied and ``max_limit`` the largest allowed. Any other parameter, or one given
+        twice, is a 400: a typo never silently widens the answer.
 
         A client preferring ``text/html`` (a browser) gets the page instead, which reads the same
         parameters (``state`` as its first filter, ``limit`` for what it fetches)."""
@@ -47,6 +49,12 @@ class DebugViews:
                 {
                     "inflight": _select(self._tracker.inflight(), state, limit),
                     "recent": _select(self._tracker.recent(), state, limit),
+                    "held": {
+                        "inflight": self._tracker.inflight_count(),
+                        "recent": self._tracker.recent_count(),
+                    },
+                    "limit": limit,
+                    "max_limit": self._tracker.history_size,
                 }
             )
         )

@@ -167,6 +167,9 @@ class Tracker:
     def inflight_count(self) -> int:
         return len(self._inflight)
 
+    def recent_count(self) -> int:
+        return len(self._recent)
+
     def inflight(self) -> Iterator[RequestRecord]:
         """Newest first."""
         return reversed(list(self._inflight.values()))

@@ -18,12 +18,22 @@
     decode_sent: "first token", first_byte: "streaming",
   };
   const TICK_MS = 500; // how often bars of requests in flight grow between two fetches
+  const AXES = ["log", "shared", "fit"]; // the first is the default
+  // The limit control's choices, up to the server's max_limit (which is always offered, as is the
+  // limit in force, whatever a link asked for).
+  const LIMITS = [20, 50, 100, 200, 500, 1000, 2000, 5000, 10000];
+  // On the log axis, durations below this count as this (a record's phases may be 0 apart).
+  const FLOOR_S = 1e-5;
 
   const $ = (id) => document.getElementById(id);
   const query = new URLSearchParams(location.search);
-  const view = { states: new Set(STATES), decisions: new Set(DECISIONS), axis: "shared", selected: null };
+  const view = {
+    states: new Set(STATES), decisions: new Set(DECISIONS), axis: AXES[0], selected: null,
+    limit: null, // records fetched per list; null: the server's default
+  };
   const rows = new Map(); // row key → <tr>, kept across refreshes: focus and scroll stay put
   let records = [];       // in flight first, then recent; newest first in each (as the API)
+  let held = 0;           // records the sidecar holds, both lists, whatever the limit
   let loaded = false;
   let clockOffset = 0;    // the sidecar's clock minus the browser's, seconds
   let paused = false, pausedAt = 0, timer = 0;
@@ -74,14 +84,16 @@
   }
   function setText(node, text) { if (node.textContent !== text) node.textContent = text; }
 
-  // --- the view in the URL: #state=a,b&decision=c&axis=fit&id=<request id> -------------------
+  // --- the view in the URL: #state=a,b&decision=c&axis=fit&limit=500&id=<request id> ---------
   function readHash() {
     const hash = new URLSearchParams(location.hash.slice(1));
     const chosen = (value, all) =>
       value === null ? new Set(all) : new Set(value.split(",").filter((v) => all.includes(v)));
     view.states = chosen(hash.get("state") ?? query.get("state"), STATES);
     view.decisions = chosen(hash.get("decision"), DECISIONS);
-    view.axis = hash.get("axis") === "fit" ? "fit" : "shared";
+    view.axis = AXES.includes(hash.get("axis")) ? hash.get("axis") : AXES[0];
+    const limit = hash.get("limit") ?? query.get("limit");
+    view.limit = limit !== null && /^[0-9]{1,9}$/.test(limit) && Number(limit) > 0 ? Number(limit) : null;
     view.selected = hash.get("id");
     for (const box of $("filters").querySelectorAll("input[type=checkbox]")) {
       box.checked = (box.name === "state" ? view.states : view.decisions).has(box.value);
@@ -94,7 +106,8 @@
     if (view.decisions.size < DECISIONS.length) {
       parts.push(`decision=${DECISIONS.filter((d) => view.decisions.has(d))}`);
     }
-    if (view.axis !== "shared") parts.push(`axis=${view.axis}`);
+    if (view.axis !== AXES[0]) parts.push(`axis=${view.axis}`);
+    if (view.limit !== null) parts.push(`limit=${view.limit}`);
     if (view.selected !== null) parts.push(`id=${encodeURIComponent(view.selected)}`);
     history.replaceState(null, "", parts.length ? `#${parts.join("&")}` : location.pathname + location.search);
   }
@@ -120,9 +133,8 @@
   async function refresh() {
     clearTimeout(timer);
     const mine = ++generation;
-    const limit = query.get("limit");
     const [requests, scheduler] = await Promise.allSettled([
-      getJSON(limit ? `requests?limit=${encodeURIComponent(limit)}` : "requests"),
+      getJSON(view.limit === null ? "requests" : `requests?limit=${view.limit}`),
       getJSON("scheduler"),
     ]);
     if (mine !== generation) return; // a newer refresh started meanwhile: its answers win
@@ -130,6 +142,8 @@
     if (requests.status === "fulfilled") {
       const { body, response } = requests.value;
       records = [...(body.inflight || []), ...(body.recent || [])];
+      held = (body.held?.inflight ?? 0) + (body.held?.recent ?? 0);
+      limitChoices(body.limit, body.max_limit);
       const sidecarTime = Number(response.headers.get("x-sidecar-time"));
       if (sidecarTime > 0) clockOffset = sidecarTime - Date.now() / 1000;
       loaded = true;
@@ -151,6 +165,23 @@
     if (!paused) timer = setTimeout(refresh, interval() * 1000);
   }
   const interval = () => Number($("interval").value) || 2;
+
+  // The limit control offers LIMITS up to the server's maximum, the maximum itself ("all") and
+  // the limit in force; rebuilt only when that set changes, so an open list is not disturbed.
+  function limitChoices(applied, maximum) {
+    if (!(applied > 0 && maximum > 0)) return;
+    const values = [...new Set([...LIMITS.filter((v) => v < maximum), applied, maximum])]
+      .sort((a, b) => a - b);
+    const select = $("limit");
+    if ([...select.options].map((o) => o.value).join() !== values.join()) {
+      select.replaceChildren(...values.map((v) => {
+        const option = el("option", "", v === maximum ? `${v} (all)` : v);
+        option.value = String(v);
+        return option;
+      }));
+    }
+    select.value = String(applied);
+  }
 
   // --- the timeline ---------------------------------------------------------------------------
   function span(r, at) {
@@ -181,7 +212,13 @@
     if (view.axis === "shared" && spans.length) {
       const t0 = Math.min(...spans.map((s) => s.start));
       const t1 = Math.max(...spans.map((s) => s.start + s.end));
-      axis = { t0, width: Math.max(t1 - t0, 0.001) };
+      axis = { kind: "shared", t0, width: Math.max(t1 - t0, 0.001) };
+    } else if (view.axis === "log" && spans.length) {
+      // Whole decades, from one below the shortest request's (so even it gets a decade of width)
+      // to the longest's, at least two.
+      const ends = spans.map((s) => Math.log10(Math.max(s.end, FLOOR_S)));
+      const e0 = Math.floor(Math.min(...ends)) - 1;
+      axis = { kind: "log", e0, e1: Math.max(Math.ceil(Math.max(...ends)), e0 + 2) };
     }
     drawTicks(axis);
     const body = $("rows");
@@ -207,7 +244,8 @@
     empty.hidden = shown.length > 0 || !loaded;
     setText(empty, records.length ? "No request matches the filters." : "No requests yet: none served since the sidecar started.");
     const inflight = records.filter((r) => IN_FLIGHT.has(r.state)).length;
-    setText($("counts"), loaded ? `${shown.length} shown of ${records.length} · ${inflight} in flight` : "");
+    const beyond = held > records.length ? ` · ${held - records.length} beyond the limit` : "";
+    setText($("counts"), loaded ? `${shown.length} shown of ${held} held${beyond} · ${inflight} in flight` : "");
     renderDetail();
   }
 
@@ -226,6 +264,13 @@
     const why = [r.reason, r.fallback_reason && `fallback ${r.fallback_reason}`].filter(Boolean).join(" · ");
     placement.append(el("span", `pill d-${decision}`, decision), el("span", "sub", why));
     placement.title = [why, r.prefill_endpoint && `prefill ${r.prefill_endpoint}`].filter(Boolean).join("\n");
+    const prefill = el("td", "endpoint");
+    const where = decision === "remote" ? r.prefill_endpoint || "—" : decision === "local" ? "local" : "—";
+    // A local request may have fallen back from a prefill server (its endpoint is kept).
+    const note = decision === "local" && r.prefill_endpoint ? `fell back from ${r.prefill_endpoint}`
+      : r.prefill_attempts > 1 ? `${r.prefill_attempts} attempts` : "";
+    prefill.append(el("code", "where", where), el("span", "sub", note));
+    prefill.title = [where, note].filter(Boolean).join("\n");
     const state = el("td", "state");
     const detail = [r.status, r.error].filter((v) => v !== null && v !== undefined).join(" · ");
     state.append(el("span", `pill o-${outcomeOf(r)}`, r.state), el("span", "sub", detail));
@@ -237,13 +282,18 @@
     const lane = el("div", "lane");
     lane.append(bar(s, axis));
     track.append(lane);
-    tr.replaceChildren(request, placement, state, total, track);
+    tr.replaceChildren(request, placement, prefill, state, total, track);
   }
 
   function bar(s, axis) {
     const node = el("div", `bar${s.live ? " live" : ""}`);
-    node.style.left = axis ? pct((s.start - axis.t0) / axis.width) : "0%";
-    node.style.width = axis ? pct(s.end / axis.width) : "100%";
+    if (axis?.kind === "shared") {
+      node.style.left = pct((s.start - axis.t0) / axis.width);
+      node.style.width = pct(s.end / axis.width);
+    } else {
+      node.style.left = "0%";
+      node.style.width = axis ? pct(logFraction(s.end, axis)) : "100%";
+    }
     for (const g of s.segments) {
       const segment = el("span", `seg seg-${g.kind}${g.to === "now" ? " running" : ""}`);
       segment.dataset.phase = SEGMENT[g.kind];
@@ -256,11 +306,27 @@
     return node;
   }
 
+  const logFraction = (seconds, axis) =>
+    (Math.log10(Math.max(seconds, 10 ** axis.e0)) - axis.e0) / (axis.e1 - axis.e0);
+  function decade(e) { // 10^e seconds, as a tick's label
+    if (e < -3) return `${10 ** (e + 6)} µs`;
+    return e < 0 ? `${10 ** (e + 3)} ms` : `${10 ** e} s`;
+  }
+
   function drawTicks(axis) {
     const ticks = $("ticks");
     ticks.replaceChildren();
     if (!axis) {
       if (view.axis === "fit") ticks.append(el("span", "tick-note", "each bar spans its own request"));
+      return;
+    }
+    if (axis.kind === "log") {
+      const every = Math.ceil((axis.e1 - axis.e0) / 6); // at most about 7 labels
+      for (let e = axis.e0; e <= axis.e1; e += every) {
+        const tick = el("span", "tick", decade(e));
+        tick.style.left = pct((e - axis.e0) / (axis.e1 - axis.e0));
+        ticks.append(tick);
+      }
       return;
     }
     const raw = axis.width / 5;
@@ -399,6 +465,7 @@
     render();
   });
   $("axis").addEventListener("change", () => { view.axis = $("axis").value; writeHash(); render(); });
+  $("limit").addEventListener("change", () => { view.limit = Number($("limit").value); writeHash(); refresh(); });
   $("interval").addEventListener("change", () => { if (!paused) refresh(); });
   $("pause").addEventListener("click", () => {
     paused = !paused;
@@ -424,7 +491,13 @@
   document.addEventListener("keydown", (event) => {
     if (event.key === "Escape" && view.selected !== null) select(null);
   });
-  window.addEventListener("hashchange", () => { fetching = lookupError = null; readHash(); render(); });
+  window.addEventListener("hashchange", () => {
+    const limit = view.limit;
+    fetching = lookupError = null;
+    readHash();
+    if (view.limit !== limit) refresh();
+    else render();
+  });
   setInterval(() => {
     if (!paused && records.some((r) => IN_FLIGHT.has(r.state))) render();
   }, TICK_MS);
