@@ -1,0 +1,692 @@
+"""llm-d's routing-sidecar flags, accepted: argv in, ``Settings`` overrides out.
+
+A decode pod made for llm-d's sidecar (its model-service chart, its guides) runs it with flags
+(``--port=8000 --vllm-port=8200 --connector=nixlv2 ...``); pd-sidecar is configured by
+``SIDECAR_*`` variables. This module reads those flags as llm-d defines them
+(``pkg/sidecar/proxy/options.go`` in llm-d's router repository, and the older
+``cmd/llm-d-routing-sidecar/main.go``; docs/migrating-from-llm-d.md names the commits) and turns
+them into setting overrides, which ``__main__`` passes to ``Settings`` as keyword arguments:
+pydantic-settings ranks those above the environment, so a flag wins over its variable and the
+rest of the program sees only ``Settings``.
+
+Every flag of llm-d's is in ``FLAGS``, with what it maps to (``--help`` and the migration guide
+print that text, and a test keeps the guide's table equal to it). A value pd-sidecar cannot honour
+(another KV protocol, chunked decode, an encoder stage, ...) is a ``FlagError``: exit status 2
+naming the flag and what to use instead. A value that changes nothing here (a flag at llm-d's
+default, a log encoding) is accepted, and what pd-sidecar does instead is one of the
+``Translation.notes`` logged at start: nothing is dropped without a word.
+
+The syntax is Go's (``flag``, and ``pflag`` for long names): ``-name`` or ``--name``, a value as
+``-name=value`` or ``-name value``; a boolean flag takes a value only as ``-name=false``; a list
+flag repeats or takes a comma list; the last value of a repeated scalar flag wins. This module
+never reads the environment itself: the few variables llm-d reads beside its flags
+(``INFERENCE_POOL``, ...) come in as ``environ``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from yarl import URL
+
+from sidecar import defaults
+
+Kind = Literal["bool", "int", "string", "list", "duration"]
+Value = bool | int | str | float | tuple[str, ...]
+
+
+class FlagError(Exception):
+    """An llm-d flag that is unknown, malformed, or asks for what pd-sidecar cannot do; the
+    message names it and says what to use instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    name: str
+    kind: Kind
+    maps_to: str
+    """What it becomes here, as ``--help`` and docs/migrating-from-llm-d.md print it."""
+    default: Value | None = None
+    """llm-d's default, where only that value is accepted (``only_default``)."""
+    only_default: str = ""
+    """Why any other value is refused, and what to use instead."""
+
+
+_NOT_MORIIO = (
+    "pd-sidecar does not implement MoRI-IO write mode or Wide-EP fan-out: remove the "
+    "--moriio-* flags (vLLM's NixlConnector is --kv-connector=nixlv2)"
+)
+_NOT_OFFLOADING = (
+    "pd-sidecar does not implement the OffloadingConnector's P2P tier: remove it and use "
+    "--kv-connector=nixlv2 or shared-storage"
+)
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("port", "int", "SIDECAR_PORT"),
+    Flag("model-server-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT"),
+    Flag("vllm-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT (as --model-server-port)"),
+    Flag(
+        "data-parallel-size",
+        "int",
+        "SIDECAR_DECODE_URLS: ranks on the model-server port and the N-1 ports after it",
+    ),
+    Flag(
+        "kv-connector",
+        "string",
+        "SIDECAR_CONNECTOR: nixlv2 -> nixl, sglang, shared-storage; mooncake, offloading refused",
+    ),
+    Flag(
+        "connector",
+        "string",
+        "SIDECAR_CONNECTOR (as --kv-connector; lmcache -> shared-storage, nixl refused)",
+    ),
+    Flag(
+        "ec-connector",
+        "string",
+        "refused unless empty (no encoder stage)",
+        default="",
+        only_default="pd-sidecar has no encoder stage (E/P/D): leave --ec-connector empty and "
+        "let the prefill and decode engines encode multimodal inputs themselves",
+    ),
+    Flag(
+        "mooncake-bootstrap-port",
+        "int",
+        "refused unless 8998 (no mooncake connector)",
+        default=8998,
+        only_default="it is used only by --kv-connector=mooncake, which pd-sidecar does not "
+        "support: remove it (SGLang's bootstrap port is SIDECAR_SGLANG_BOOTSTRAP_PORT)",
+    ),
+    Flag(
+        "p2p-connector-port",
+        "int",
+        "refused unless 7777 (no offloading P2P tier)",
+        default=7777,
+        only_default=_NOT_OFFLOADING,
+    ),
+    Flag(
+        "enable-p2p-pull",
+        "bool",
+        "refused unless false (no offloading P2P tier)",
+        default=False,
+        only_default=_NOT_OFFLOADING,
+    ),
+    Flag(
+        "enable-ssrf-protection",
+        "bool",
+        "SIDECAR_INFERENCE_POOL=the pool (true); false adds no allowlist",
+    ),
+    Flag("inference-pool", "string", "SIDECAR_INFERENCE_POOL, with --enable-ssrf-protection"),
+    Flag(
+        "inference-pool-namespace",
+        "string",
+        "SIDECAR_INFERENCE_POOL's namespace, with --enable-ssrf-protection",
+    ),
+    Flag(
+        "inference-pool-name",
+        "string",
+        "SIDECAR_INFERENCE_POOL's name, with --enable-ssrf-protection",
+    ),
+    Flag(
+        "pool-group",
+        "string",
+        "checked: inference.networking.k8s.io or inference.networking.x-k8s.io",
+    ),
+    Flag(
+        "enable-prefiller-sampling",
+        "bool",
+        "refused unless false (the header's first host is used)",
+        default=False,
+        only_default="pd-sidecar sends the prefill to the first host the gateway's header "
+        "names: have the gateway name one host, or leave the choice to pd-sidecar's scheduler "
+        "(SIDECAR_PREFILL_ENDPOINTS or SIDECAR_PREFILL_DNS, and no header)",
+    ),
+    Flag(
+        "enable-tls",
+        "list",
+        "prefiller: SIDECAR_PREFILL_TLS=true; decoder: https:// SIDECAR_DECODE_URL(S)",
+    ),
+    Flag("prefiller-use-tls", "bool", "SIDECAR_PREFILL_TLS (as --enable-tls=prefiller)"),
+    Flag("decoder-use-tls", "bool", "https:// SIDECAR_DECODE_URL(S) (as --enable-tls=decoder)"),
+    Flag(
+        "tls-insecure-skip-verify",
+        "list",
+        "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true when it names every stage called over TLS",
+    ),
+    Flag(
+        "prefiller-tls-insecure-skip-verify",
+        "bool",
+        "as --tls-insecure-skip-verify=prefiller",
+    ),
+    Flag(
+        "decoder-tls-insecure-skip-verify",
+        "bool",
+        "as --tls-insecure-skip-verify=decoder",
+    ),
+    Flag(
+        "secure-proxy",
+        "bool",
+        "true: HTTPS on SIDECAR_PORT (a self-signed certificate without --cert-path)",
+    ),
+    Flag(
+        "cert-path",
+        "string",
+        "SIDECAR_TLS_CERT_FILE=DIR/tls.crt, SIDECAR_TLS_KEY_FILE=DIR/tls.key",
+    ),
+    Flag(
+        "max-idle-conns-per-host",
+        "int",
+        "accepted: idle engine connections close after SIDECAR_ENGINE_KEEPALIVE_S",
+    ),
+    Flag("prefill-max-retries", "int", "SIDECAR_PREFILL_RETRIES"),
+    Flag("prefill-retry-backoff", "duration", "SIDECAR_PREFILL_RETRY_BACKOFF_S"),
+    Flag(
+        "decode-chunk-size",
+        "int",
+        "refused unless 0 (no chunked decode)",
+        default=0,
+        only_default="pd-sidecar does not implement chunked decode: leave --decode-chunk-size "
+        "at 0 (limit a request's length with its max_tokens)",
+    ),
+    Flag(
+        "configuration",
+        "string",
+        "refused unless empty",
+        default="",
+        only_default="pd-sidecar reads no inline YAML configuration: pass each setting as its "
+        "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
+    ),
+    Flag(
+        "configuration-file",
+        "string",
+        "refused unless empty",
+        default="",
+        only_default="pd-sidecar reads no YAML configuration file: pass each setting as its "
+        "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
+    ),
+    Flag("tracing", "bool", "SIDECAR_TRACING"),
+    Flag("metrics-port", "int", "SIDECAR_ADMIN_PORT (when above 0)"),
+    Flag("moriio-write-mode", "bool", "refused unless false (no MoRI-IO)", False, _NOT_MORIIO),
+    Flag(
+        "moriio-decode-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, _NOT_MORIIO
+    ),
+    Flag("moriio-local-pod-ip", "string", "refused unless empty (no MoRI-IO)", "", _NOT_MORIIO),
+    Flag(
+        "moriio-decode-handshake-port", "int", "refused unless 6301 (no MoRI-IO)", 6301, _NOT_MORIIO
+    ),
+    Flag(
+        "moriio-parallel-dispatch", "bool", "refused unless false (no MoRI-IO)", False, _NOT_MORIIO
+    ),
+    Flag(
+        "moriio-parallel-decode-wait-timeout",
+        "duration",
+        "refused unless 30s (no MoRI-IO)",
+        30.0,
+        _NOT_MORIIO,
+    ),
+    Flag(
+        "moriio-prefill-handshake-port",
+        "int",
+        "refused unless 6301 (no MoRI-IO)",
+        6301,
+        _NOT_MORIIO,
+    ),
+    Flag(
+        "moriio-prefill-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, _NOT_MORIIO
+    ),
+    Flag("moriio-tp-size", "int", "refused unless 1 (no MoRI-IO)", 1, _NOT_MORIIO),
+    Flag("moriio-dp-size", "int", "refused unless 1 (no MoRI-IO)", 1, _NOT_MORIIO),
+    Flag("moriio-remote-hosts", "list", "refused unless empty (no MoRI-IO)", (), _NOT_MORIIO),
+    Flag("moriio-dp-size-local", "int", "refused unless 0 (no MoRI-IO)", 0, _NOT_MORIIO),
+    Flag("moriio-decode-hosts", "list", "refused unless empty (no MoRI-IO)", (), _NOT_MORIIO),
+    Flag("v", "int", "SIDECAR_LOG_LEVEL: 4 and above DEBUG, else INFO"),
+    Flag("zap-log-level", "string", "SIDECAR_LOG_LEVEL (wins over -v and --zap-devel)"),
+    Flag("zap-devel", "bool", "SIDECAR_LOG_LEVEL=DEBUG (true, without --zap-log-level)"),
+    Flag("zap-encoder", "string", "accepted: pd-sidecar's log lines are text"),
+    Flag("zap-stacktrace-level", "string", "accepted: a logged exception carries its traceback"),
+    Flag("zap-time-encoding", "string", "accepted: log lines begin with a local time"),
+)
+"""Every flag of llm-d's sidecar, in the order of its options.go, then the logging flags."""
+
+BY_NAME = {flag.name: flag for flag in FLAGS}
+
+LLMD_MODEL_SERVER_PORT = 8200
+"""llm-d's default for --model-server-port (it was 8001 before the router repository)."""
+DECODE_HOST = URL(defaults.DECODE_URL).host or "127.0.0.1"
+"""llm-d calls the decode engine on localhost; pd-sidecar on its default decode URL's host."""
+POOL_GROUPS = ("inference.networking.k8s.io", "inference.networking.x-k8s.io")
+"""The InferencePool API groups the pool watch knows (sidecar.security.poolwatch)."""
+STAGES = ("prefiller", "decoder", "encoder")
+_ZAP_LEVELS = {
+    "debug": "DEBUG",
+    "info": "INFO",
+    "warn": "WARNING",
+    "error": "ERROR",
+    "dpanic": "ERROR",
+    "panic": "ERROR",
+    "fatal": "ERROR",
+}
+_ZAP_ENCODERS = ("json", "console")
+_ZAP_STACKTRACE_LEVELS = ("info", "error", "panic")
+_ZAP_TIME_ENCODINGS = ("epoch", "millis", "nano", "iso8601", "rfc3339", "rfc3339nano")
+_VERBOSE_DEBUG = 4
+"""llm-d's verbosity of debug logging (logutil.DEBUG): -v 4 and above is DEBUG here."""
+
+_GO_BOOL = {
+    "1": True, "t": True, "T": True, "true": True, "TRUE": True, "True": True,
+    "0": False, "f": False, "F": False, "false": False, "FALSE": False, "False": False,
+}  # fmt: skip
+"""strconv.ParseBool, which Go's flag packages use."""
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class Translation:
+    """What the flags ask for: ``settings`` (``Settings`` keyword arguments, above the
+    environment), a self-signed certificate to make, and notes to log at start."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    self_signed: bool = False
+    """Serve HTTPS with a certificate made at start (``--secure-proxy`` without ``--cert-path``)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def parse(argv: Sequence[str]) -> dict[str, Value]:
+    """The flags in ``argv`` by name, with Go's syntax (module docstring); ``FlagError`` for an
+    unknown flag, a missing or malformed value, or an argument that is no flag."""
+    values: dict[str, Value] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            if i < len(args):
+                raise FlagError(f"unexpected argument {args[i]!r} (see --help)")
+            break
+        if not arg.startswith("-") or arg == "-" or arg.startswith("---"):
+            raise FlagError(f"unexpected argument {arg!r} (see --help)")
+        name, eq, text = arg.lstrip("-").partition("=")
+        flag = BY_NAME.get(name)
+        if flag is None:
+            raise FlagError(f"unknown flag {arg.partition('=')[0]} (see --help)")
+        if flag.kind == "bool" and not eq:
+            text = "true"
+        elif not eq:
+            if i >= len(args):
+                raise FlagError(f"flag needs an argument: --{name}")
+            text = args[i]
+            i += 1
+        value = _value(flag, text)
+        previous = values.get(name)
+        if flag.kind == "list" and isinstance(previous, tuple) and isinstance(value, tuple):
+            value = previous + value
+        values[name] = value
+    return values
+
+
+def _value(flag: Flag, text: str) -> Value:
+    if flag.kind == "bool":
+        if text not in _GO_BOOL:
+            raise FlagError(f"invalid value {text!r} for --{flag.name}: true or false")
+        return _GO_BOOL[text]
+    if flag.kind == "int":
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise FlagError(f"invalid value {text!r} for --{flag.name}: an integer") from None
+    if flag.kind == "duration":
+        seconds = go_duration(text)
+        if seconds is None:
+            raise FlagError(
+                f"invalid value {text!r} for --{flag.name}: a duration such as 200ms or 1.5s"
+            )
+        return seconds
+    if flag.kind == "list":
+        return tuple(item.strip() for item in text.split(",") if item.strip())
+    return text
+
+
+def go_duration(text: str) -> float | None:
+    """Seconds in a Go duration (``300ms``, ``1h2m``, ``-1.5s``, ``0``), or None."""
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body == "0":
+        return 0.0
+    position, total = 0, 0.0
+    while position < len(body):
+        match = _DURATION_PART.match(body, position)
+        if match is None:
+            return None
+        total += float(match[1]) * _DURATION_UNITS[match[2]]
+        position = match.end()
+    return sign * total if body else None
+
+
+def translate(argv: Sequence[str], environ: Mapping[str, str]) -> Translation:
+    """The ``Settings`` overrides, certificate and notes that llm-d flags ``argv`` ask for;
+    ``FlagError`` for what cannot be honoured."""
+    values = parse(argv)
+    out = Translation()
+    _refuse_non_defaults(values)
+    _listener(values, environ, out)
+    _connector(values, out)
+    _engines(values, environ, out)
+    _allowlist(values, environ, out)
+    _prefill_retries(values, out)
+    _logging(values, out)
+    _accepted(values, environ, out)
+    return out
+
+
+def _refuse_non_defaults(values: Mapping[str, Value]) -> None:
+    for name, value in values.items():
+        flag = BY_NAME[name]
+        if flag.only_default and value != flag.default:
+            raise FlagError(f"--{name}={_shown(value)} cannot be honoured: {flag.only_default}")
+
+
+def _shown(value: Value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if isinstance(value, float):
+        return f"{value:g}s"
+    return str(value)
+
+
+def _port(values: Mapping[str, Value], name: str, ranks: int = 1) -> int | None:
+    port = values.get(name)
+    if port is None:
+        return None
+    assert isinstance(port, int)
+    if port < 1 or port + ranks - 1 > 65535:
+        what = f"{port}" if ranks == 1 else f"{port}-{port + ranks - 1}"
+        raise FlagError(f"--{name}: port {what} is outside 1-65535")
+    return port
+
+
+def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    port = _port(values, "port")
+    if port is not None:
+        out.settings["port"] = port
+    secure, cert_path = values.get("secure-proxy"), values.get("cert-path")
+    if secure is False:
+        out.settings["tls_cert_file"] = None
+        out.settings["tls_key_file"] = None
+        if cert_path:
+            out.notes.append(f"--cert-path={cert_path} is unused: --secure-proxy=false")
+    elif cert_path:
+        directory = str(cert_path).rstrip("/") or "/"
+        out.settings["tls_cert_file"] = f"{directory}/tls.crt"
+        out.settings["tls_key_file"] = f"{directory}/tls.key"
+    elif secure is True:
+        out.self_signed = True
+        out.notes.append(
+            "--secure-proxy without --cert-path: serving HTTPS with a self-signed certificate "
+            "made at start (clients cannot verify it; mount a Secret and pass --cert-path)"
+        )
+    elif not environ.get("SIDECAR_TLS_CERT_FILE", "").strip():
+        out.notes.append(
+            "no --secure-proxy: serving plain HTTP (llm-d's sidecar would serve HTTPS with a "
+            "self-signed certificate; pass --secure-proxy=true for that)"
+        )
+
+
+_CONNECTORS = {"nixlv2": "nixl", "sglang": "sglang", "shared-storage": "shared-storage"}
+_OLD_CONNECTORS = {"lmcache": "shared-storage"}
+"""Older llm-d's lmcache protocol (prefill with max_tokens 1, then the untouched request to the
+decode) is the one pd-sidecar calls shared-storage."""
+_REFUSED_CONNECTORS = {
+    "mooncake": "pd-sidecar does not speak vLLM's MooncakeConnector protocol: run the engines "
+    "with NixlConnector (--kv-connector=nixlv2); SGLang engines, whatever their transfer "
+    "backend (Mooncake included), are --kv-connector=sglang",
+    "offloading": _NOT_OFFLOADING,
+    "nixl": "llm-d's first NIXL protocol (before vLLM's NixlConnector v2) is gone from vLLM: "
+    "use --kv-connector=nixlv2",
+}
+
+
+def _connector(values: Mapping[str, Value], out: Translation) -> None:
+    # llm-d: --kv-connector wins; the older --connector applies when it is not given.
+    name = "kv-connector" if "kv-connector" in values else "connector"
+    if name not in values:
+        return
+    text = str(values[name]).strip().lower()
+    if text in _REFUSED_CONNECTORS:
+        raise FlagError(f"--{name}={text} cannot be honoured: {_REFUSED_CONNECTORS[text]}")
+    known = _CONNECTORS | (_OLD_CONNECTORS if name == "connector" else {})
+    if text not in known:
+        raise FlagError(f"--{name}={text}: expected one of {', '.join(known)}")
+    out.settings["connector"] = known[text]
+
+
+def _stages(values: Mapping[str, Value], flag: str, prefiller: str, decoder: str) -> set[str]:
+    """The stages a list flag and its two older boolean flags name."""
+    stages = set(values.get(flag, ()))  # type: ignore[arg-type]
+    unknown = sorted(stages - set(STAGES))
+    if unknown:
+        raise FlagError(f"--{flag}={','.join(unknown)}: stages are {', '.join(STAGES)}")
+    if values.get(prefiller):
+        stages.add("prefiller")
+    if values.get(decoder):
+        stages.add("decoder")
+    return stages
+
+
+def _engines(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    tls = _stages(values, "enable-tls", "prefiller-use-tls", "decoder-use-tls")
+    if "encoder" in tls:
+        raise FlagError(
+            "--enable-tls=encoder cannot be honoured: pd-sidecar has no encoder stage; name "
+            "prefiller and decoder only"
+        )
+    tls_given = any(name in values for name in ("enable-tls", "prefiller-use-tls"))
+    if tls_given:
+        out.settings["prefill_tls"] = "prefiller" in tls
+    _decode_ranks(values, environ, "decoder" in tls, out)
+    _skip_verify(values, tls, out)
+
+
+def _decode_ranks(
+    values: Mapping[str, Value], environ: Mapping[str, str], https: bool, out: Translation
+) -> None:
+    ranks = values.get("data-parallel-size", 1)
+    assert isinstance(ranks, int)
+    if ranks < 1:
+        raise FlagError(f"--data-parallel-size must be 1 or more, not {ranks}")
+    # llm-d: --model-server-port wins over the older --vllm-port.
+    name = "model-server-port" if "model-server-port" in values else "vllm-port"
+    port = _port(values, name, ranks)
+    if port is None and "data-parallel-size" not in values and not https:
+        return  # the decode engine is left to SIDECAR_DECODE_URL(S)
+    base = LLMD_MODEL_SERVER_PORT if port is None else port
+    if base + ranks - 1 > 65535:
+        raise FlagError(f"--data-parallel-size={ranks}: rank ports run past 65535")
+    scheme = "https" if https else "http"
+    urls = tuple(f"{scheme}://{DECODE_HOST}:{base + rank}" for rank in range(ranks))
+    if ranks == 1:
+        out.settings["decode_url"] = urls[0]
+        out.settings["decode_urls"] = ()
+        return
+    if environ.get("SIDECAR_DECODE_URL", "").strip():
+        raise FlagError(
+            f"--data-parallel-size={ranks} names the decode ranks, and SIDECAR_DECODE_URL one "
+            "engine: unset SIDECAR_DECODE_URL"
+        )
+    out.settings["decode_urls"] = urls
+    if "port" in values:
+        out.notes.append(
+            f"--data-parallel-size={ranks}: pd-sidecar serves every rank on --port alone and "
+            "sends each request to a ready rank (llm-d listened on one port per rank): point "
+            "the InferencePool's targetPorts at --port only"
+        )
+
+
+def _skip_verify(values: Mapping[str, Value], tls: set[str], out: Translation) -> None:
+    skip = _stages(
+        values,
+        "tls-insecure-skip-verify",
+        "prefiller-tls-insecure-skip-verify",
+        "decoder-tls-insecure-skip-verify",
+    )
+    if not skip:
+        return
+    idle = sorted(skip - tls)
+    if idle:
+        out.notes.append(
+            f"--tls-insecure-skip-verify={','.join(idle)}: that stage is not called over TLS, "
+            "there is no certificate to verify"
+        )
+    engines = tls - {"encoder"}
+    skipped = skip & engines
+    if not skipped:
+        return
+    if skipped != engines:
+        verified = ",".join(sorted(engines - skipped))
+        raise FlagError(
+            f"--tls-insecure-skip-verify={','.join(sorted(skipped))} cannot be honoured while "
+            f"{verified} is verified: pd-sidecar verifies every engine alike. Give "
+            f"SIDECAR_TLS_CA_FILE the CA that signed the {','.join(sorted(skipped))} "
+            "certificates instead (or name every TLS stage)"
+        )
+    out.settings["tls_insecure_skip_verify"] = True
+
+
+def _allowlist(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    group = values.get("pool-group")
+    if group is not None and group not in POOL_GROUPS:
+        raise FlagError(
+            f"--pool-group={group} cannot be honoured: pd-sidecar watches InferencePools of "
+            f"{' and '.join(POOL_GROUPS)} only"
+        )
+    if not values.get("enable-ssrf-protection"):
+        pool_flags = ("inference-pool", "inference-pool-namespace", "inference-pool-name")
+        given = [f"--{name}" for name in pool_flags if name in values]
+        if given:
+            out.notes.append(
+                f"{', '.join(given)}: used only with --enable-ssrf-protection (as in llm-d)"
+            )
+        return
+    # llm-d: --inference-pool (or INFERENCE_POOL) wins over the older namespace and name.
+    pool = str(values.get("inference-pool", environ.get("INFERENCE_POOL", ""))).strip()
+    if pool:
+        namespace, sep, name = pool.partition("/")
+        if not sep:
+            namespace, name = "default", pool
+    else:
+        namespace = str(
+            values.get("inference-pool-namespace", environ.get("INFERENCE_POOL_NAMESPACE", ""))
+        ).strip()
+        name = str(
+            values.get("inference-pool-name", environ.get("INFERENCE_POOL_NAME", ""))
+        ).strip()
+    if not namespace or not name:
+        raise FlagError(
+            "--enable-ssrf-protection needs its InferencePool: --inference-pool (namespace/name, "
+            "or a name in the default namespace) or the INFERENCE_POOL variable"
+        )
+    out.settings["inference_pool"] = f"{namespace}/{name}"
+
+
+def _prefill_retries(values: Mapping[str, Value], out: Translation) -> None:
+    retries = values.get("prefill-max-retries")
+    if retries is not None:
+        assert isinstance(retries, int)
+        if retries < 0:
+            raise FlagError(f"--prefill-max-retries must be 0 or more, not {retries}")
+        out.settings["prefill_retries"] = retries
+    backoff = values.get("prefill-retry-backoff")
+    if backoff is not None:
+        assert isinstance(backoff, float)
+        if backoff < 0:
+            raise FlagError(f"--prefill-retry-backoff must not be negative, not {backoff:g}s")
+        out.settings["prefill_retry_backoff_s"] = backoff
+        out.notes.append(
+            f"--prefill-retry-backoff={backoff:g}s: the first retry waits that long and each "
+            "next one twice the one before (llm-d waits the same before every retry)"
+        )
+
+
+def _logging(values: Mapping[str, Value], out: Translation) -> None:
+    level: str | None = None
+    verbosity = values.get("v")
+    if isinstance(verbosity, int):
+        level = "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"
+    if values.get("zap-devel"):
+        level = "DEBUG"
+    zap_level = values.get("zap-log-level")
+    if zap_level is not None:
+        level = _zap_level(str(zap_level))
+    if level is not None:
+        out.settings["log_level"] = level
+    for name, allowed in (
+        ("zap-encoder", _ZAP_ENCODERS),
+        ("zap-stacktrace-level", _ZAP_STACKTRACE_LEVELS),
+        ("zap-time-encoding", _ZAP_TIME_ENCODINGS),
+    ):
+        value = values.get(name)
+        if value is not None and value not in allowed:
+            raise FlagError(f"--{name}={value}: expected one of {', '.join(allowed)}")
+    if any(name in values for name in ("zap-encoder", "zap-stacktrace-level", "zap-time-encoding")):
+        out.notes.append(
+            "--zap-encoder, --zap-stacktrace-level, --zap-time-encoding: pd-sidecar writes its "
+            "own text log lines (time, level, logger, message; a logged exception with its "
+            "traceback)"
+        )
+
+
+def _zap_level(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered in _ZAP_LEVELS:
+        return _ZAP_LEVELS[lowered]
+    try:
+        verbosity = int(lowered)
+    except ValueError:
+        raise FlagError(
+            f"--zap-log-level={text}: expected debug, info, warn, error, panic or an integer "
+            "above 0"
+        ) from None
+    if verbosity <= 0:
+        raise FlagError(f"--zap-log-level={text}: an integer level must be above 0")
+    return "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"
+
+
+def _accepted(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    """Flags honoured as they stand, or with a difference worth a note."""
+    if values.get("tracing") is not None:
+        out.settings["tracing"] = values["tracing"]
+    metrics = values.get("metrics-port")
+    if isinstance(metrics, int) and metrics:
+        out.settings["admin_port"] = _port(values, "metrics-port")
+    if "max-idle-conns-per-host" in values:
+        out.notes.append(
+            "--max-idle-conns-per-host: pd-sidecar keeps every idle engine connection, each "
+            "closed after SIDECAR_ENGINE_KEEPALIVE_S"
+        )
+    # llm-d reads ENABLE_PREFILLER_SAMPLING as the flag's default (strconv.ParseBool).
+    if "enable-prefiller-sampling" not in values:
+        sampling = _GO_BOOL.get(environ.get("ENABLE_PREFILLER_SAMPLING", ""))
+        if sampling:
+            raise FlagError(
+                "ENABLE_PREFILLER_SAMPLING=true cannot be honoured: "
+                + BY_NAME["enable-prefiller-sampling"].only_default
+            )
+
+
+def help_rows() -> list[tuple[str, str]]:
+    """(flag as typed, what it maps to) for ``--help``."""
+    rows = []
+    for flag in FLAGS:
+        dashes = "-" if len(flag.name) == 1 else "--"
+        typed = (
+            f"{dashes}{flag.name}" if flag.kind == "bool" else f"{dashes}{flag.name}=<{flag.kind}>"
+        )
+        rows.append((typed, flag.maps_to))
+    return rows
