@@ -1,14 +1,31 @@
-"""llm-d's sidecar flags: Go's syntax, the mapping onto Settings, the refusals."""
+"""llm-d's sidecar flags: Go's syntax, the mapping onto Settings, the refusals, a real process
+started with the model-service chart's decode arguments, --secure-proxy's HTTPS, and --help and
+docs/migrating-from-llm-d.md in step with the flag table."""
 
 from __future__ import annotations
 
 import re
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import yaml
+from cryptography import x509
 
+from devkit.processes import Child, Launcher, environment, free_port
+from sidecar.__main__ import _help
 from sidecar.config import Settings
-from sidecar.llmd_flags import FLAGS, FlagError, go_duration, parse, translate
+from sidecar.llmd_flags import FLAGS, FlagError, go_duration, help_rows, parse, translate
+from tests.conftest import completion
+from tests.processes import START_TIMEOUT_S
+
+ROOT = Path(__file__).resolve().parent.parent
 
 CHART_DECODE_ARGS = [
     "--port=8000",
@@ -22,6 +39,8 @@ CHART_DECODE_ARGS = [
 "llm-d-modelservice.routingProxy") passes to a decode pod's routing sidecar with its default
 values.yaml (routing.servicePort 8000, proxy.targetPort 8200, connector nixlv2, zapEncoder json,
 zapLogLevel debug, secure false)."""
+
+LLMD_VARIABLES = ("SIDECAR_", "OTEL_", "INFERENCE_POOL", "ENABLE_PREFILLER_SAMPLING")
 
 
 def settings_of(*args: str, **environ: str) -> dict[str, Any]:
@@ -322,3 +341,143 @@ def test_a_refused_flag_at_llmds_default_is_accepted(flag: Any) -> None:
     else:
         text = str(default)
     assert translate([f"--{flag.name}={text}"], {}).settings == {}
+
+
+# --- --help and the migration guide ----------------------------------------------------------
+
+
+def _guide_rows() -> dict[str, str]:
+    """The migration guide's flag table: flag as typed -> its "maps to" cell."""
+    doc = (ROOT / "docs" / "migrating-from-llm-d.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        match = re.match(r"^\| `(-{1,2}[a-z0-9-]+)` \| (.*?) \|", line)
+        if match:
+            rows[match[1]] = match[2].replace("\\|", "|").strip("`")
+    return rows
+
+
+def test_the_guide_maps_every_flag_as_the_code_does() -> None:
+    guide = _guide_rows()
+    expected = {typed.split("=")[0]: maps_to for typed, maps_to in help_rows()}
+    assert guide == expected
+
+
+def test_help_lists_every_flag_with_what_it_maps_to() -> None:
+    text = _help()
+    for typed, maps_to in help_rows():
+        assert re.search(rf"^  {re.escape(typed)}\s+-> {re.escape(maps_to)}$", text, re.M), typed
+
+
+def test_the_charts_values_override_swaps_the_image_only() -> None:
+    override = yaml.safe_load((ROOT / "manifests" / "llm-d" / "values-override.yaml").read_text())
+    component = (ROOT / "manifests" / "components" / "pd-sidecar" / "sidecar.yaml").read_text()
+    image = re.search(r"^\s+image: (\S+)$", component, re.M)
+    assert image is not None
+    assert override == {"routing": {"proxy": {"image": image[1]}}}
+
+
+# --- real processes --------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def sidecar_with_flags(
+    args: Sequence[str], *, scheme: str = "http", **variables: str
+) -> AsyncIterator[tuple[Child, str]]:
+    """``python -m sidecar ARGS`` (llm-d's environment variables and ours dropped, ``variables``
+    set), once /health answers 200 over ``scheme`` (any certificate accepted)."""
+    port = args_port(args)
+    url = f"{scheme}://127.0.0.1:{port}"
+
+    async def healthy() -> bool:
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(url + "/health", ssl=False) as response,
+            ):
+                return response.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    env = environment({"SIDECAR_HOST": "127.0.0.1", **variables}, drop=LLMD_VARIABLES)
+    async with Launcher(prefix="pd-sidecar-test-") as launcher:
+        child = await launcher.start(
+            "sidecar",
+            [sys.executable, "-m", "sidecar", *args],
+            env=env,
+            url=url,
+            ready=healthy,
+            timeout_s=START_TIMEOUT_S,
+        )
+        yield child, url
+
+
+def args_port(args: Sequence[str]) -> int:
+    return int(next(arg.split("=", 1)[1] for arg in args if arg.startswith("--port=")))
+
+
+@pytest.mark.system
+async def test_the_charts_arguments_run_the_sidecar_and_win_over_variables(http, decode) -> None:
+    port = free_port()
+    args = [
+        arg.replace("8000", str(port)).replace("8200", str(port_of(decode.url)))
+        for arg in CHART_DECODE_ARGS
+    ]
+    # Every variable below is contradicted by a flag: the sidecar only works if the flags win.
+    async with (
+        sidecar_with_flags(
+            args,
+            SIDECAR_PORT=str(free_port()),
+            SIDECAR_DECODE_URL="http://127.0.0.9:1",
+            SIDECAR_CONNECTOR="sglang",
+            SIDECAR_LOG_LEVEL="ERROR",
+            SIDECAR_LOG_REQUESTS="true",
+        ) as (child, url),
+        http.post(url + "/v1/completions", json=completion()) as response,
+    ):
+        assert response.status == 200
+        assert (await response.json())["choices"]
+    log = child.log()
+    assert "llm-d flag: --zap-encoder" in log
+    assert "decision=local" in log  # an INFO line: --zap-log-level=debug beat ERROR
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@pytest.mark.system
+async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) -> None:
+    port = free_port()
+    args = [f"--port={port}", f"--vllm-port={port_of(decode.url)}", "--secure-proxy"]
+    async with sidecar_with_flags(args, scheme="https") as (child, url):
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/health", ssl=context) as response:
+                assert response.status == 200
+                assert response.connection is not None
+                transport = response.connection.transport
+                assert transport is not None
+                der = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            # Verified, it fails: nobody signed it.
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await http.get(url + "/health")
+        cert = x509.load_der_x509_certificate(der)
+        assert cert.issuer == cert.subject
+        assert "self-signed certificate" in child.log()
+
+
+@pytest.mark.system
+def test_a_refused_flag_exits_2_before_anything_starts() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--port=8000", "-kv-connector", "mooncake"],
+        env=environment({}, drop=LLMD_VARIABLES),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("pd-sidecar: --kv-connector=mooncake cannot be honoured")
