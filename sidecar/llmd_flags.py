@@ -134,15 +134,7 @@ FLAGS: tuple[Flag, ...] = (
         "string",
         "checked: inference.networking.k8s.io or inference.networking.x-k8s.io",
     ),
-    Flag(
-        "enable-prefiller-sampling",
-        "bool",
-        "refused unless false (the header's first host is used)",
-        default=False,
-        only_default="pd-sidecar sends the prefill to the first host the gateway's header "
-        "names: have the gateway name one host, or leave the choice to pd-sidecar's scheduler "
-        "(SIDECAR_PREFILL_ENDPOINTS or SIDECAR_PREFILL_DNS, and no header)",
-    ),
+    Flag("enable-prefiller-sampling", "bool", "SIDECAR_PREFILL_HEADER_SAMPLING"),
     Flag(
         "enable-tls",
         "list",
@@ -670,14 +662,13 @@ def _accepted(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
             "--max-idle-conns-per-host: pd-sidecar keeps every idle engine connection, each "
             "closed after SIDECAR_ENGINE_KEEPALIVE_S"
         )
-    # llm-d reads ENABLE_PREFILLER_SAMPLING as the flag's default (strconv.ParseBool).
-    if "enable-prefiller-sampling" not in values:
-        sampling = _GO_BOOL.get(environ.get("ENABLE_PREFILLER_SAMPLING", ""))
-        if sampling:
-            raise FlagError(
-                "ENABLE_PREFILLER_SAMPLING=true cannot be honoured: "
-                + BY_NAME["enable-prefiller-sampling"].only_default
-            )
+    # llm-d reads ENABLE_PREFILLER_SAMPLING as the flag's default (strconv.ParseBool; a value
+    # it cannot parse is no default).
+    sampling = values.get("enable-prefiller-sampling")
+    if sampling is None:
+        sampling = _GO_BOOL.get(environ.get("ENABLE_PREFILLER_SAMPLING", "").strip())
+    if sampling is not None:
+        out.settings["prefill_header_sampling"] = sampling
 
 
 def help_rows() -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from devkit.processes import Child, Launcher, environment, free_port
 from sidecar.__main__ import _help
 from sidecar.config import Settings
 from sidecar.llmd_flags import FLAGS, FlagError, go_duration, help_rows, parse, translate
-from tests.conftest import completion
+from tests.conftest import completion, engine_requests
 from tests.processes import START_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,6 +293,26 @@ def test_retries_tracing_and_metrics_port() -> None:
     assert "admin_port" not in settings_of("--metrics-port=0")
 
 
+@pytest.mark.parametrize(("sampling", "spread"), [(True, True), (False, False)])
+async def test_sampling_spreads_prefills_over_the_hosts_the_header_names(
+    http, start_sidecar_with, start_engine, sampling: bool, spread: bool
+) -> None:
+    """SIDECAR_PREFILL_HEADER_SAMPLING (--enable-prefiller-sampling): one of the header's hosts
+    at random; without it, always the first."""
+    first, second = await start_engine(), await start_engine()
+    sidecar = await start_sidecar_with(prefill_header_sampling=sampling, scheduler_seed=7)
+    header = {"x-prefiller-host-port": f"{first.endpoint}, {second.endpoint}"}
+    for _ in range(12):
+        async with http.post(
+            sidecar.url + "/v1/completions", json=completion(), headers=header
+        ) as response:
+            assert response.status == 200
+            await response.read()
+    counts = [len(await engine_requests(http, engine)) for engine in (first, second)]
+    assert sum(counts) == 12
+    assert (min(counts) > 0) is spread
+
+
 # --- refusals --------------------------------------------------------------------------------
 
 
@@ -310,7 +330,6 @@ def test_retries_tracing_and_metrics_port() -> None:
         (["--moriio-remote-hosts=a,b"], "--moriio-remote-hosts=a,b", "remove the --moriio-*"),
         (["--mooncake-bootstrap-port=9000"], "--mooncake-bootstrap-port=9000", "remove it"),
         (["--enable-p2p-pull"], "--enable-p2p-pull=true", "nixlv2 or shared-storage"),
-        (["--enable-prefiller-sampling"], "--enable-prefiller-sampling=true", "name one host"),
         (["--kv-connector=nixl-push"], "--kv-connector=nixl-push", "nixlv2, sglang"),
     ],
 )
@@ -322,9 +341,20 @@ def test_a_value_that_cannot_be_honoured_names_the_flag_and_what_to_use(
     assert instead in message
 
 
-def test_prefiller_sampling_from_llmds_variable_is_refused_too() -> None:
-    assert "name one host" in refusal("--port=1", ENABLE_PREFILLER_SAMPLING="true")
-    assert "port" in settings_of("--port=1", ENABLE_PREFILLER_SAMPLING="false")
+@pytest.mark.parametrize(
+    ("args", "environ", "sampling"),
+    [
+        (["--enable-prefiller-sampling"], {}, True),
+        (["--port=1"], {"ENABLE_PREFILLER_SAMPLING": "true"}, True),
+        (["--enable-prefiller-sampling=false"], {"ENABLE_PREFILLER_SAMPLING": "true"}, False),
+        (["--port=1"], {"ENABLE_PREFILLER_SAMPLING": "maybe"}, None),
+        (["--port=1"], {}, None),
+    ],
+)
+def test_prefiller_sampling_from_the_flag_or_llmds_variable(
+    args: list[str], environ: dict[str, str], sampling: bool | None
+) -> None:
+    assert settings_of(*args, **environ).get("prefill_header_sampling") is sampling
 
 
 @pytest.mark.parametrize(
