@@ -14,10 +14,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sidecar import __version__, llmd_flags
+from sidecar import __version__, llmd
 from sidecar.app import DRAIN
 from sidecar.config import Settings, describe_fields, explain
-from sidecar.llmd_flags import FlagError, Translation
+from sidecar.llmd import FlagError, Translation
 from sidecar.observability.tracing import Tracing, TracingUnavailable
 from sidecar.security.tls import TlsFilesError
 from sidecar.server.drain import BUDGET_SLACK_S
@@ -46,7 +46,7 @@ def _help() -> str:
         lines.append(f"  {name:<{width}}  default: {default or '(empty)'}")
         lines.append(f"  {'':<{width}}  {description}")
     lines.append(FLAGS_HEADING)
-    flags = llmd_flags.help_rows()
+    flags = llmd.help_rows()
     width = max(len(typed) for typed, _ in flags)
     for typed, maps_to in flags:
         lines.append(f"  {typed:<{width}}  -> {maps_to}")
@@ -59,7 +59,7 @@ def read_flags(args: list[str]) -> Translation:
     when one is unknown or cannot be honoured, 1 when a self-signed certificate cannot be
     written."""
     try:
-        flags = llmd_flags.translate(args, os.environ)
+        flags = llmd.translate(args, os.environ)
     except FlagError as exc:
         print(f"pd-sidecar: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -21,7 +21,7 @@ from cryptography import x509
 from devkit.processes import Child, Launcher, environment, free_port
 from sidecar.__main__ import _help
 from sidecar.config import Settings
-from sidecar.llmd_flags import FLAGS, FlagError, go_duration, help_rows, parse, translate
+from sidecar.llmd import FLAGS, FlagError, go_duration, help_rows, parse, translate
 from tests.conftest import completion, engine_requests
 from tests.processes import START_TIMEOUT_S
 
