@@ -1,4 +1,5 @@
-"""``python -m sidecar``: read Settings, configure logging, install uvloop, serve until SIGTERM."""
+"""``python -m sidecar``: read Settings (the environment, and llm-d's sidecar flags over it),
+configure logging, install uvloop, serve until SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
-from sidecar import __version__
+from sidecar import __version__, llmd
 from sidecar.app import DRAIN
 from sidecar.config import Settings, describe_fields, explain, unknown_variables
+from sidecar.llmd import FlagError, Translation
 from sidecar.observability.tracing import Tracing, TracingUnavailable
 from sidecar.security.tls import TlsFilesError
 from sidecar.server.drain import BUDGET_SLACK_S
@@ -22,10 +26,15 @@ from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 
 logger = logging.getLogger("sidecar")
 
-USAGE = """usage: python -m sidecar [--help] [--version]
+USAGE = """usage: python -m sidecar [--help] [--version] [llm-d sidecar flags]
 
 pd-sidecar {version}: the decode-pod sidecar of prefill/decode-disaggregated LLM serving.
-It is configured with environment variables only (list values are comma-separated):
+It is configured with environment variables (list values are comma-separated):
+"""
+
+FLAGS_HEADING = """
+It also accepts the flags of llm-d's routing sidecar, as -flag or --flag, -flag=value or
+-flag value; a flag wins over the variable it maps to (docs/migrating-from-llm-d.md):
 """
 
 
@@ -36,14 +45,41 @@ def _help() -> str:
     for name, default, description in rows:
         lines.append(f"  {name:<{width}}  default: {default or '(empty)'}")
         lines.append(f"  {'':<{width}}  {description}")
-    lines.append("\nDocumentation: docs/configuration.md")
+    lines.append(FLAGS_HEADING)
+    flags = llmd.help_rows()
+    width = max(len(typed) for typed, _ in flags)
+    for typed, maps_to in flags:
+        lines.append(f"  {typed:<{width}}  -> {maps_to}")
+    lines.append("\nDocumentation: docs/configuration.md, docs/migrating-from-llm-d.md")
     return "\n".join(lines)
 
 
-def load_settings() -> Settings:
-    """Settings from the environment; exit status 2 with a one-line message when invalid."""
+def read_flags(args: list[str]) -> Translation:
+    """What llm-d's sidecar flags in ``args`` ask for; exit status 2 with a one-line message
+    when one is unknown or cannot be honoured, 1 when a self-signed certificate cannot be
+    written."""
     try:
-        return Settings()
+        flags = llmd.translate(args, os.environ)
+    except FlagError as exc:
+        print(f"pd-sidecar: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if flags.self_signed:
+        from sidecar.security.selfsigned import write_self_signed
+
+        try:
+            cert_file, key_file = write_self_signed()
+        except OSError as exc:
+            print(f"pd-sidecar: cannot write a self-signed certificate: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        flags.settings.update(tls_cert_file=cert_file, tls_key_file=key_file)
+    return flags
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Settings from the environment, ``overrides`` (from flags) winning; exit status 2 with a
+    one-line message when invalid."""
+    try:
+        return Settings(**(overrides or {}))
     except ValidationError as exc:
         print(f"pd-sidecar: {explain(exc)}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -63,16 +99,14 @@ def load_tracing(settings: Settings) -> Tracing | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if args and args[0] in ("-h", "--help"):
+    if any(arg in ("-h", "--help", "-help") for arg in args):
         print(_help())
         return
     if args and args[0] == "--version":
         print(__version__)
         return
-    if args:
-        print(f"pd-sidecar: unexpected argument {args[0]!r} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-    settings = load_settings()
+    flags = read_flags(args) if args else Translation()
+    settings = load_settings(flags.settings)
     tracing = load_tracing(settings)
     logging.basicConfig(
         level=settings.log_level,
@@ -80,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
     )
     _warn_unknown_variables()
+    for note in flags.notes:
+        logger.warning("llm-d flag: %s", note)
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
     if tracing is not None:
         logger.info("tracing on: %s", tracing.description)

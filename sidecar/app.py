@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -172,7 +173,10 @@ def create_app(
         decode=decode,
         background=background,
     )
-    gateway = GatewayHeaders(settings.prefill_headers)
+    gateway = GatewayHeaders(
+        settings.prefill_headers,
+        sample=random.Random(settings.scheduler_seed) if settings.prefill_header_sampling else None,
+    )
     bodies = Bodies(
         max_bytes=settings.max_body_bytes,
         max_elements=settings.max_body_elements,

@@ -323,6 +323,12 @@ class Settings(BaseSettings):
         "any engine. Add a name only if the gateway strips it from client requests. Empty: no "
         "header is read (the sidecar's own scheduler places every request).",
     )
+    prefill_header_sampling: bool = Field(
+        False,
+        description="When the prefill header names several servers (a comma list, or the "
+        "header repeated), send the prefill to one of them at random (seeded by "
+        "SIDECAR_SCHEDULER_SEED), as llm-d's --enable-prefiller-sampling; false: to the first.",
+    )
     prefill_allowed_cidrs: Annotated[tuple[IPv4Network | IPv6Network, ...], NoDecode] = Field(
         (),
         description="Networks a prefill target named by a header may be in (comma list).",

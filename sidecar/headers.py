@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 from collections.abc import Iterable
 
@@ -64,9 +65,14 @@ class GatewayHeaders:
     client cannot pass a prefill target through the sidecar to anything behind it.
     """
 
-    def __init__(self, names: Iterable[str] = PREFILL_HEADERS) -> None:
+    def __init__(
+        self, names: Iterable[str] = PREFILL_HEADERS, *, sample: random.Random | None = None
+    ) -> None:
         self.names = tuple(names)
         """Lowercase (Settings normalizes them)."""
+        self._sample = sample
+        """Where a header names several servers: one at random from this source
+        (``SIDECAR_PREFILL_HEADER_SAMPLING``), or None for the first."""
         prefill = {*self.names, *PREFILL_HEADERS, PREFILLER_URL}
         self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
         self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS
@@ -76,13 +82,19 @@ class GatewayHeaders:
     def prefill_target(self, client: CIMultiDictProxy[str]) -> Endpoint | None:
         """The prefill server a gateway named, or None when it named none.
 
-        A comma list or a repeated header yields its first entry. Raises ``BadRequest`` when the
-        header is there but its first entry is not ``host:port``.
+        A comma list or a repeated header yields its first entry, or with ``sample`` one entry
+        at random. Raises ``BadRequest`` when the header is there but that entry is not
+        ``host:port``.
         """
         for name in self.names:
             values = client.getall(name, ())
             if values:
-                parsed = self._parse(values[0].split(",", 1)[0])
+                if self._sample is None:
+                    entry = values[0].split(",", 1)[0]
+                else:
+                    entries = [e for value in values for e in value.split(",") if e.strip()]
+                    entry = self._sample.choice(entries) if entries else ""
+                parsed = self._parse(entry)
                 if isinstance(parsed, str):
                     raise BadRequest(f"invalid {name} header: {parsed}")
                 return parsed

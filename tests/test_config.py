@@ -130,6 +130,7 @@ INVALID = [
     ("SIDECAR_PREFIX_HASH_KEY", "short"),
     ("SIDECAR_PREFILL_ON_DISCONNECT", "later"),
     ("SIDECAR_PREFILL_HEADERS", "x-prefill-endpoint,bad header"),
+    ("SIDECAR_PREFILL_HEADER_SAMPLING", "sometimes"),
     ("SIDECAR_TLS_CERT_FILE", "/etc/tls/tls.crt"),  # without its key
     ("SIDECAR_TLS_KEY_FILE", "/etc/tls/tls.key"),  # without its certificate
     ("SIDECAR_ADMIN_TLS", "perhaps"),

@@ -1,0 +1,324 @@
+"""llm-d's routing-sidecar flags: the table of every one, and argv read with Go's syntax.
+
+The flags are those of ``pkg/sidecar/proxy/options.go`` in llm-d's router repository, with the
+older ones of llm-d's inference-scheduler and routing-sidecar repositories and the logging flags
+its charts pass (docs/migrating-from-llm-d.md names the commits read). Each entry says what the
+flag maps to here, as ``--help`` and the migration guide print it (a test keeps the guide's table
+equal to this one); a flag pd-sidecar accepts only at llm-d's default says why and what to use
+instead.
+
+The syntax is Go's (``flag``, and ``pflag`` for long names): ``-name`` or ``--name``, a value as
+``-name=value`` or ``-name value``; a boolean flag takes a value only as ``-name=false``; a list
+flag repeats or takes a comma list; the last value of a repeated scalar flag wins.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["bool", "int", "string", "list", "duration"]
+Value = bool | int | str | float | tuple[str, ...]
+
+
+class FlagError(Exception):
+    """An llm-d flag that is unknown, malformed, or asks for what pd-sidecar cannot do; the
+    message names it and says what to use instead."""
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    name: str
+    kind: Kind
+    maps_to: str
+    """What it becomes here, as ``--help`` and docs/migrating-from-llm-d.md print it."""
+    default: Value | None = None
+    """llm-d's default, where only that value is accepted (``only_default``)."""
+    only_default: str = ""
+    """Why any other value is refused, and what to use instead."""
+
+
+NOT_MORIIO = (
+    "pd-sidecar does not implement MoRI-IO write mode or Wide-EP fan-out: remove the "
+    "--moriio-* flags (vLLM's NixlConnector is --kv-connector=nixlv2)"
+)
+NOT_OFFLOADING = (
+    "pd-sidecar does not implement the OffloadingConnector's P2P tier: remove it and use "
+    "--kv-connector=nixlv2 or shared-storage"
+)
+
+FLAGS: tuple[Flag, ...] = (
+    Flag("port", "int", "SIDECAR_PORT"),
+    Flag("model-server-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT"),
+    Flag("vllm-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT (as --model-server-port)"),
+    Flag(
+        "data-parallel-size",
+        "int",
+        "SIDECAR_DECODE_URLS: ranks on the model-server port and the N-1 ports after it",
+    ),
+    Flag(
+        "kv-connector",
+        "string",
+        "SIDECAR_CONNECTOR: nixlv2 -> nixl, sglang, shared-storage; mooncake, offloading refused",
+    ),
+    Flag(
+        "connector",
+        "string",
+        "SIDECAR_CONNECTOR (as --kv-connector; lmcache -> shared-storage, nixl refused)",
+    ),
+    Flag(
+        "ec-connector",
+        "string",
+        "refused unless empty (no encoder stage)",
+        default="",
+        only_default="pd-sidecar has no encoder stage (E/P/D): leave --ec-connector empty and "
+        "let the prefill and decode engines encode multimodal inputs themselves",
+    ),
+    Flag(
+        "mooncake-bootstrap-port",
+        "int",
+        "refused unless 8998 (no mooncake connector)",
+        default=8998,
+        only_default="it is used only by --kv-connector=mooncake, which pd-sidecar does not "
+        "support: remove it (SGLang's bootstrap port is SIDECAR_SGLANG_BOOTSTRAP_PORT)",
+    ),
+    Flag(
+        "p2p-connector-port",
+        "int",
+        "refused unless 7777 (no offloading P2P tier)",
+        default=7777,
+        only_default=NOT_OFFLOADING,
+    ),
+    Flag(
+        "enable-p2p-pull",
+        "bool",
+        "refused unless false (no offloading P2P tier)",
+        default=False,
+        only_default=NOT_OFFLOADING,
+    ),
+    Flag(
+        "enable-ssrf-protection",
+        "bool",
+        "SIDECAR_INFERENCE_POOL=the pool (true); false adds no allowlist",
+    ),
+    Flag("inference-pool", "string", "SIDECAR_INFERENCE_POOL, with --enable-ssrf-protection"),
+    Flag(
+        "inference-pool-namespace",
+        "string",
+        "SIDECAR_INFERENCE_POOL's namespace, with --enable-ssrf-protection",
+    ),
+    Flag(
+        "inference-pool-name",
+        "string",
+        "SIDECAR_INFERENCE_POOL's name, with --enable-ssrf-protection",
+    ),
+    Flag(
+        "pool-group",
+        "string",
+        "checked: inference.networking.k8s.io or inference.networking.x-k8s.io",
+    ),
+    Flag("enable-prefiller-sampling", "bool", "SIDECAR_PREFILL_HEADER_SAMPLING"),
+    Flag(
+        "enable-tls",
+        "list",
+        "prefiller: SIDECAR_PREFILL_TLS=true; decoder: https:// SIDECAR_DECODE_URL(S)",
+    ),
+    Flag("prefiller-use-tls", "bool", "SIDECAR_PREFILL_TLS (as --enable-tls=prefiller)"),
+    Flag("decoder-use-tls", "bool", "https:// SIDECAR_DECODE_URL(S) (as --enable-tls=decoder)"),
+    Flag(
+        "tls-insecure-skip-verify",
+        "list",
+        "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true when it names every stage called over TLS",
+    ),
+    Flag(
+        "prefiller-tls-insecure-skip-verify",
+        "bool",
+        "as --tls-insecure-skip-verify=prefiller",
+    ),
+    Flag(
+        "decoder-tls-insecure-skip-verify",
+        "bool",
+        "as --tls-insecure-skip-verify=decoder",
+    ),
+    Flag(
+        "secure-proxy",
+        "bool",
+        "true: HTTPS on SIDECAR_PORT (a self-signed certificate without --cert-path)",
+    ),
+    Flag(
+        "cert-path",
+        "string",
+        "SIDECAR_TLS_CERT_FILE=DIR/tls.crt, SIDECAR_TLS_KEY_FILE=DIR/tls.key",
+    ),
+    Flag(
+        "max-idle-conns-per-host",
+        "int",
+        "accepted: idle engine connections close after SIDECAR_ENGINE_KEEPALIVE_S",
+    ),
+    Flag("prefill-max-retries", "int", "SIDECAR_PREFILL_RETRIES"),
+    Flag("prefill-retry-backoff", "duration", "SIDECAR_PREFILL_RETRY_BACKOFF_S"),
+    Flag(
+        "decode-chunk-size",
+        "int",
+        "refused unless 0 (no chunked decode)",
+        default=0,
+        only_default="pd-sidecar does not implement chunked decode: leave --decode-chunk-size "
+        "at 0 (limit a request's length with its max_tokens)",
+    ),
+    Flag(
+        "configuration",
+        "string",
+        "refused unless empty",
+        default="",
+        only_default="pd-sidecar reads no inline YAML configuration: pass each setting as its "
+        "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
+    ),
+    Flag(
+        "configuration-file",
+        "string",
+        "refused unless empty",
+        default="",
+        only_default="pd-sidecar reads no YAML configuration file: pass each setting as its "
+        "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
+    ),
+    Flag("tracing", "bool", "SIDECAR_TRACING"),
+    Flag("metrics-port", "int", "SIDECAR_ADMIN_PORT (when above 0)"),
+    Flag("moriio-write-mode", "bool", "refused unless false (no MoRI-IO)", False, NOT_MORIIO),
+    Flag(
+        "moriio-decode-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, NOT_MORIIO
+    ),
+    Flag("moriio-local-pod-ip", "string", "refused unless empty (no MoRI-IO)", "", NOT_MORIIO),
+    Flag(
+        "moriio-decode-handshake-port", "int", "refused unless 6301 (no MoRI-IO)", 6301, NOT_MORIIO
+    ),
+    Flag(
+        "moriio-parallel-dispatch", "bool", "refused unless false (no MoRI-IO)", False, NOT_MORIIO
+    ),
+    Flag(
+        "moriio-parallel-decode-wait-timeout",
+        "duration",
+        "refused unless 30s (no MoRI-IO)",
+        30.0,
+        NOT_MORIIO,
+    ),
+    Flag(
+        "moriio-prefill-handshake-port",
+        "int",
+        "refused unless 6301 (no MoRI-IO)",
+        6301,
+        NOT_MORIIO,
+    ),
+    Flag(
+        "moriio-prefill-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, NOT_MORIIO
+    ),
+    Flag("moriio-tp-size", "int", "refused unless 1 (no MoRI-IO)", 1, NOT_MORIIO),
+    Flag("moriio-dp-size", "int", "refused unless 1 (no MoRI-IO)", 1, NOT_MORIIO),
+    Flag("moriio-remote-hosts", "list", "refused unless empty (no MoRI-IO)", (), NOT_MORIIO),
+    Flag("moriio-dp-size-local", "int", "refused unless 0 (no MoRI-IO)", 0, NOT_MORIIO),
+    Flag("moriio-decode-hosts", "list", "refused unless empty (no MoRI-IO)", (), NOT_MORIIO),
+    Flag("v", "int", "SIDECAR_LOG_LEVEL: 4 and above DEBUG, else INFO"),
+    Flag("zap-log-level", "string", "SIDECAR_LOG_LEVEL (wins over -v and --zap-devel)"),
+    Flag("zap-devel", "bool", "SIDECAR_LOG_LEVEL=DEBUG (true, without --zap-log-level)"),
+    Flag("zap-encoder", "string", "accepted: pd-sidecar's log lines are text"),
+    Flag("zap-stacktrace-level", "string", "accepted: a logged exception carries its traceback"),
+    Flag("zap-time-encoding", "string", "accepted: log lines begin with a local time"),
+)
+"""Every flag of llm-d's sidecar, in the order of its options.go, then the logging flags."""
+
+BY_NAME = {flag.name: flag for flag in FLAGS}
+
+GO_BOOL = {
+    "1": True, "t": True, "T": True, "true": True, "TRUE": True, "True": True,
+    "0": False, "f": False, "F": False, "false": False, "FALSE": False, "False": False,
+}  # fmt: skip
+"""strconv.ParseBool, which Go's flag packages use."""
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0
+}  # fmt: skip
+
+
+def parse(argv: Sequence[str]) -> dict[str, Value]:
+    """The flags in ``argv`` by name, with Go's syntax (module docstring); ``FlagError`` for an
+    unknown flag, a missing or malformed value, or an argument that is no flag."""
+    values: dict[str, Value] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            if i < len(args):
+                raise FlagError(f"unexpected argument {args[i]!r} (see --help)")
+            break
+        if not arg.startswith("-") or arg == "-" or arg.startswith("---"):
+            raise FlagError(f"unexpected argument {arg!r} (see --help)")
+        name, eq, text = arg.lstrip("-").partition("=")
+        flag = BY_NAME.get(name)
+        if flag is None:
+            raise FlagError(f"unknown flag {arg.partition('=')[0]} (see --help)")
+        if flag.kind == "bool" and not eq:
+            text = "true"
+        elif not eq:
+            if i >= len(args):
+                raise FlagError(f"flag needs an argument: --{name}")
+            text = args[i]
+            i += 1
+        value = _value(flag, text)
+        previous = values.get(name)
+        if flag.kind == "list" and isinstance(previous, tuple) and isinstance(value, tuple):
+            value = previous + value
+        values[name] = value
+    return values
+
+
+def _value(flag: Flag, text: str) -> Value:
+    if flag.kind == "bool":
+        if text not in GO_BOOL:
+            raise FlagError(f"invalid value {text!r} for --{flag.name}: true or false")
+        return GO_BOOL[text]
+    if flag.kind == "int":
+        try:
+            return int(text, 0)
+        except ValueError:
+            raise FlagError(f"invalid value {text!r} for --{flag.name}: an integer") from None
+    if flag.kind == "duration":
+        seconds = go_duration(text)
+        if seconds is None:
+            raise FlagError(
+                f"invalid value {text!r} for --{flag.name}: a duration such as 200ms or 1.5s"
+            )
+        return seconds
+    if flag.kind == "list":
+        return tuple(item.strip() for item in text.split(",") if item.strip())
+    return text
+
+
+def go_duration(text: str) -> float | None:
+    """Seconds in a Go duration (``300ms``, ``1h2m``, ``-1.5s``, ``0``), or None."""
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body == "0":
+        return 0.0
+    position, total = 0, 0.0
+    while position < len(body):
+        match = _DURATION_PART.match(body, position)
+        if match is None:
+            return None
+        total += float(match[1]) * _DURATION_UNITS[match[2]]
+        position = match.end()
+    return sign * total if body else None
+
+
+def help_rows() -> list[tuple[str, str]]:
+    """(flag as typed, what it maps to) for ``--help``."""
+    rows = []
+    for flag in FLAGS:
+        dashes = "-" if len(flag.name) == 1 else "--"
+        typed = (
+            f"{dashes}{flag.name}" if flag.kind == "bool" else f"{dashes}{flag.name}=<{flag.kind}>"
+        )
+        rows.append((typed, flag.maps_to))
+    return rows
