@@ -856,7 +856,7 @@ def test_settings_options_and_env_reach_the_sidecar_and_are_valid() -> None:
         defaults(),
         env=(
             ("SIDECAR_CONNECTOR", "sglang"),
-            ("SIDECAR_PREFILL_ENDPOINTS", "10.0.0.5:8000,10.0.0.6:8000#9000"),
+            ("SIDECAR_PREFILL_ENDPOINTS", "127.0.0.5:8000,127.0.0.6:8000#9000"),
             ("SIDECAR_LOG_REQUESTS", "true"),
             ("SIDECAR_HOST", "::"),
             ("OTEL_SERVICE_NAME", "decode"),
@@ -869,10 +869,10 @@ def test_settings_options_and_env_reach_the_sidecar_and_are_valid() -> None:
     assert names.count("SIDECAR_HOST") == 1, "replaced, not repeated"
     settings = settings_of(spec)
     assert settings.connector == "sglang"
-    assert [str(e.host) for e in settings.prefill_endpoints] == ["10.0.0.5", "10.0.0.6"]
+    assert [str(e.host) for e in settings.prefill_endpoints] == ["127.0.0.5", "127.0.0.6"]
     assert settings.prefill_endpoints[1].bootstrap_port == 9000
     assert settings.log_requests is True
-    assert settings.host == "::"
+    assert settings.host == ("::",)
 
 
 @pytest.mark.parametrize(
