@@ -4,6 +4,7 @@ docs/migrating-from-llm-d.md in step with the flag table."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import ssl
 import subprocess
@@ -467,9 +468,19 @@ async def test_the_charts_arguments_run_the_sidecar_and_win_over_variables(http,
     ):
         assert response.status == 200
         assert (await response.json())["choices"]
-    log = child.log()
+        # Read while the process runs: its log goes with the launcher's directory.
+        log = await logged(child, "decision=local")  # INFO: --zap-log-level=debug beat ERROR
     assert "llm-d flag: --zap-encoder" in log
-    assert "decision=local" in log  # an INFO line: --zap-log-level=debug beat ERROR
+
+
+async def logged(child: Child, text: str, within_s: float = 10.0) -> str:
+    """The child's log once it shows ``text`` (the process writes it after answering)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while text not in (log := child.log()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{text!r} not logged within {within_s} s: {log[-2000:]}")
+        await asyncio.sleep(0.05)
+    return log
 
 
 def port_of(url: str) -> int:
@@ -487,16 +498,18 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
         async with aiohttp.ClientSession() as http:
             async with http.get(url + "/health", ssl=context) as response:
                 assert response.status == 200
-                assert response.connection is not None
-                transport = response.connection.transport
-                assert transport is not None
-                der = transport.get_extra_info("ssl_object").getpeercert(binary_form=True)
             # Verified, it fails: nobody signed it.
             with pytest.raises(aiohttp.ClientConnectorCertificateError):
                 await http.get(url + "/health")
-        cert = x509.load_der_x509_certificate(der)
-        assert cert.issuer == cert.subject
+        # The certificate it serves, from a TLS connection of our own (aiohttp gives a
+        # response's connection back to its pool once the body is read).
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        await writer.wait_closed()
         assert "self-signed certificate" in child.log()
+    cert = x509.load_der_x509_certificate(der)
+    assert cert.issuer == cert.subject
 
 
 @pytest.mark.system
