@@ -3,6 +3,7 @@ descriptions ``--help`` prints say what the settings accept."""
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 
@@ -122,3 +123,27 @@ def test_the_prefill_pool_is_not_described_as_round_robin() -> None:
     description = Settings.model_fields["prefill_endpoints"].description or ""
     assert "round-robin" not in description
     assert "SIDECAR_SCHEDULER_POLICY" in description
+
+
+MISSPELT_ON_PURPOSE = {
+    "SIDECAR_PREFILL_URLS": "configuration.md: the nearest-name warning's example",
+    "SIDECAR_SERVICE_HOST": "configuration.md: a variable Kubernetes sets for a Service",
+    "SIDECAR_PORT_8000_TCP": "configuration.md: a variable Kubernetes sets for a Service",
+    "SIDECAR_PREFIL_DNS": "deploy.md: the inject command's nearest-name refusal",
+}
+
+
+def test_every_variable_the_docs_and_manifests_name_is_a_setting() -> None:
+    """A page or manifest naming a variable the code does not read (renamed, removed, misspelt)
+    sends a reader to a setting that does nothing; only the examples of a misspelling may."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    manifests = sorted((ROOT / "manifests").rglob("*.yaml"))
+    known = {name for name, _, _ in describe_fields()}
+    unknown = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in [*pages, *manifests, ROOT / "sidecar" / "inject" / "sidecar.yaml"]
+        for name in re.findall(r"\bSIDECAR_[A-Z0-9_]+", path.read_text())
+        if name not in known and name not in MISSPELT_ON_PURPOSE
+    }
+    assert not unknown, sorted(unknown)
+    assert len(pages) > 10  # the glob found the pages
