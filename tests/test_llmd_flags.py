@@ -524,3 +524,29 @@ def test_a_refused_flag_exits_2_before_anything_starts() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.startswith("pd-sidecar: --kv-connector=mooncake cannot be honoured")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [("pd-sidecar", "usage: pd-sidecar "), ("-m", "usage: python -m sidecar ")],
+)
+def test_help_names_the_command_as_it_was_typed(tmp_path: Path, command: str, usage: str) -> None:
+    """The console script prints its own name; ``python -m sidecar`` the module's."""
+    if command == "-m":
+        argv = [sys.executable, "-m", "sidecar", "--help"]
+    else:
+        # What the console script is: a file of that name calling main().
+        script = tmp_path / command
+        script.write_text("from sidecar.__main__ import main\nmain()\n")
+        argv = [sys.executable, str(script), "--help"]
+    result = subprocess.run(
+        argv,
+        env=environment({"PYTHONPATH": str(ROOT)}, drop=LLMD_VARIABLES),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert result.stdout.startswith(usage)
