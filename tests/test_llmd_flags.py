@@ -25,6 +25,7 @@ from sidecar.config import Settings
 from sidecar.llmd import FLAGS, FlagError, go_duration, help_rows, parse, translate
 from tests.conftest import completion, engine_requests
 from tests.processes import START_TIMEOUT_S
+from tests.tlsfiles import Pki, serial_of_der
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -227,6 +228,16 @@ def test_secure_proxy() -> None:
     plain = translate(["--port=1"], {})
     assert not plain.self_signed
     assert any("plain HTTP" in note for note in plain.notes)
+
+
+def test_secure_proxy_serves_the_operators_certificate_from_the_environment() -> None:
+    """SIDECAR_TLS_CERT_FILE / _KEY_FILE set: --secure-proxy alone uses them, no self-signed
+    certificate replaces them."""
+    environ = {"SIDECAR_TLS_CERT_FILE": "/c/tls.crt", "SIDECAR_TLS_KEY_FILE": "/c/tls.key"}
+    flags = translate(["--secure-proxy=true"], environ)
+    assert not flags.self_signed
+    assert "tls_cert_file" not in flags.settings
+    assert any("SIDECAR_TLS_CERT_FILE" in note for note in flags.notes)
 
 
 @pytest.mark.parametrize(
@@ -510,6 +521,23 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
         assert "self-signed certificate" in child.log()
     cert = x509.load_der_x509_certificate(der)
     assert cert.issuer == cert.subject
+
+
+@pytest.mark.system
+async def test_secure_proxy_keeps_a_certificate_given_by_variables(decode, tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    cert_file, key_file, serial = pki.issue("127.0.0.1")
+    port = free_port()
+    args = [f"--port={port}", f"--vllm-port={port_of(decode.url)}", "--secure-proxy=true"]
+    async with sidecar_with_flags(
+        args, scheme="https", SIDECAR_TLS_CERT_FILE=cert_file, SIDECAR_TLS_KEY_FILE=key_file
+    ):
+        # Verified with the operator's CA: the served certificate is theirs.
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=pki.client_context())
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        await writer.wait_closed()
+    assert serial_of_der(der) == serial
 
 
 @pytest.mark.system

@@ -145,7 +145,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "secure-proxy",
         "bool",
-        "true: HTTPS on SIDECAR_PORT (a self-signed certificate without --cert-path)",
+        "true: HTTPS on SIDECAR_PORT (self-signed without --cert-path or SIDECAR_TLS_CERT_FILE)",
     ),
     Flag(
         "cert-path",

@@ -113,17 +113,29 @@ def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
         directory = str(cert_path).rstrip("/") or "/"
         out.settings["tls_cert_file"] = f"{directory}/tls.crt"
         out.settings["tls_key_file"] = f"{directory}/tls.key"
+    elif secure is True and _env_certificate(environ):
+        out.notes.append(
+            "--secure-proxy: serving HTTPS with SIDECAR_TLS_CERT_FILE and SIDECAR_TLS_KEY_FILE "
+            "(no self-signed certificate)"
+        )
     elif secure is True:
         out.self_signed = True
         out.notes.append(
             "--secure-proxy without --cert-path: serving HTTPS with a self-signed certificate "
             "made at start (clients cannot verify it; mount a Secret and pass --cert-path)"
         )
-    elif not environ.get("SIDECAR_TLS_CERT_FILE", "").strip():
+    elif not _env_certificate(environ):
         out.notes.append(
             "no --secure-proxy: serving plain HTTP (llm-d's sidecar would serve HTTPS with a "
             "self-signed certificate; pass --secure-proxy=true for that)"
         )
+
+
+def _env_certificate(environ: Mapping[str, str]) -> bool:
+    """Whether the operator gave the listener a certificate through the environment (an
+    incomplete pair is ``Settings``' to refuse)."""
+    names = ("SIDECAR_TLS_CERT_FILE", "SIDECAR_TLS_KEY_FILE")
+    return any(environ.get(name, "").strip() for name in names)
 
 
 _CONNECTORS = {"nixlv2": "nixl", "sglang": "sglang", "shared-storage": "shared-storage"}
