@@ -65,7 +65,7 @@ def test_the_charts_decode_arguments_map_onto_settings() -> None:
         "decode_url": "http://127.0.0.1:8200",
         "decode_urls": (),
         "connector": "nixl",
-        "log_level": "DEBUG",
+        "log_level": "INFO",
         "tls_cert_file": None,
         "tls_key_file": None,
     }
@@ -277,7 +277,10 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
     [
         (["-v=5"], "DEBUG"),
         (["-v", "2"], "INFO"),
-        (["--zap-devel"], "DEBUG"),
+        # zap's debug is V(1), below llm-d's debug logging (V(4)): the chart's default.
+        (["--zap-log-level=debug"], "INFO"),
+        (["--zap-devel"], "INFO"),
+        (["--zap-devel", "-v=4"], "DEBUG"),
         (["--zap-log-level=info", "--zap-devel", "-v=9"], "INFO"),
         (["--zap-log-level=error"], "ERROR"),
         (["--zap-log-level=warn"], "WARNING"),
@@ -287,6 +290,23 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
 )
 def test_log_levels(args: list[str], level: str) -> None:
     assert settings_of(*args)["log_level"] == level
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--zap-encoder=json"], "--zap-encoder:"),
+        (["--zap-time-encoding=iso8601"], "--zap-time-encoding:"),
+        (
+            ["--zap-encoder=console", "--zap-stacktrace-level=error"],
+            "--zap-encoder, --zap-stacktrace-level:",
+        ),
+    ],
+)
+def test_the_zap_note_names_only_the_flags_given(args: list[str], named: str) -> None:
+    notes = [note for note in translate(args, {}).notes if note.startswith("--zap")]
+    assert len(notes) == 1
+    assert notes[0].startswith(named)
 
 
 def test_retries_tracing_and_metrics_port() -> None:

@@ -29,7 +29,9 @@ POOL_GROUPS = ("inference.networking.k8s.io", "inference.networking.x-k8s.io")
 """The InferencePool API groups the pool watch knows (sidecar.security.poolwatch)."""
 STAGES = ("prefiller", "decoder", "encoder")
 _ZAP_LEVELS = {
-    "debug": "DEBUG",
+    # zap's "debug" is logr's V(1), below llm-d's own debug logging (V(4)): the model-service
+    # chart's default --zap-log-level=debug is per-request-free INFO here, as it is in llm-d.
+    "debug": "INFO",
     "info": "INFO",
     "warn": "WARNING",
     "error": "ERROR",
@@ -40,6 +42,11 @@ _ZAP_LEVELS = {
 _ZAP_ENCODERS = ("json", "console")
 _ZAP_STACKTRACE_LEVELS = ("info", "error", "panic")
 _ZAP_TIME_ENCODINGS = ("epoch", "millis", "nano", "iso8601", "rfc3339", "rfc3339nano")
+_ZAP_FORMATS = {
+    "zap-encoder": _ZAP_ENCODERS,
+    "zap-stacktrace-level": _ZAP_STACKTRACE_LEVELS,
+    "zap-time-encoding": _ZAP_TIME_ENCODINGS,
+}
 _VERBOSE_DEBUG = 4
 """llm-d's verbosity of debug logging (logutil.DEBUG): -v 4 and above is DEBUG here."""
 
@@ -317,26 +324,22 @@ def _logging(values: Mapping[str, Value], out: Translation) -> None:
     verbosity = values.get("v")
     if isinstance(verbosity, int):
         level = "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"
-    if values.get("zap-devel"):
-        level = "DEBUG"
+    if values.get("zap-devel") and level is None:
+        level = _ZAP_LEVELS["debug"]  # zap's development mode: its debug level, V(1)
     zap_level = values.get("zap-log-level")
     if zap_level is not None:
         level = _zap_level(str(zap_level))
     if level is not None:
         out.settings["log_level"] = level
-    for name, allowed in (
-        ("zap-encoder", _ZAP_ENCODERS),
-        ("zap-stacktrace-level", _ZAP_STACKTRACE_LEVELS),
-        ("zap-time-encoding", _ZAP_TIME_ENCODINGS),
-    ):
+    for name, allowed in _ZAP_FORMATS.items():
         value = values.get(name)
         if value is not None and value not in allowed:
             raise FlagError(f"--{name}={value}: expected one of {', '.join(allowed)}")
-    if any(name in values for name in ("zap-encoder", "zap-stacktrace-level", "zap-time-encoding")):
+    given = [f"--{name}" for name in _ZAP_FORMATS if name in values]
+    if given:
         out.notes.append(
-            "--zap-encoder, --zap-stacktrace-level, --zap-time-encoding: pd-sidecar writes its "
-            "own text log lines (time, level, logger, message; a logged exception with its "
-            "traceback)"
+            f"{', '.join(given)}: pd-sidecar writes its own text log lines (time, level, "
+            "logger, message; a logged exception with its traceback)"
         )
 
 
