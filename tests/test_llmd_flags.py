@@ -321,8 +321,11 @@ def test_retries_tracing_and_metrics_port() -> None:
         "prefill_retry_backoff_s": 0.25,
         "tracing": True,
         "admin_port": 9090,
+        "admin_tls": False,
     }
     assert "admin_port" not in settings_of("--metrics-port=0")
+    # The operator's SIDECAR_ADMIN_TLS decides when it is set.
+    assert "admin_tls" not in settings_of("--metrics-port=9090", SIDECAR_ADMIN_TLS="true")
 
 
 @pytest.mark.parametrize(("sampling", "spread"), [(True, True), (False, False)])
@@ -541,6 +544,25 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
         assert "self-signed certificate" in child.log()
     cert = x509.load_der_x509_certificate(der)
     assert cert.issuer == cert.subject
+
+
+@pytest.mark.system
+async def test_the_metrics_port_is_plain_http_under_secure_proxy(decode) -> None:
+    """As llm-d's: --secure-proxy makes --port HTTPS, --metrics-port stays HTTP."""
+    port, metrics = free_port(), free_port()
+    args = [
+        f"--port={port}",
+        f"--vllm-port={port_of(decode.url)}",
+        "--secure-proxy",
+        f"--metrics-port={metrics}",
+    ]
+    async with (
+        sidecar_with_flags(args, scheme="https"),
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{metrics}/metrics") as response,
+    ):
+        assert response.status == 200
+        assert "pd_sidecar_" in await response.text()
 
 
 @pytest.mark.system

@@ -184,7 +184,11 @@ FLAGS: tuple[Flag, ...] = (
         "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
     ),
     Flag("tracing", "bool", "SIDECAR_TRACING"),
-    Flag("metrics-port", "int", "SIDECAR_ADMIN_PORT (when above 0)"),
+    Flag(
+        "metrics-port",
+        "int",
+        "SIDECAR_ADMIN_PORT (when above 0), plain HTTP unless SIDECAR_ADMIN_TLS is set",
+    ),
     Flag("moriio-write-mode", "bool", "refused unless false (no MoRI-IO)", False, NOT_MORIIO),
     Flag(
         "moriio-decode-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, NOT_MORIIO

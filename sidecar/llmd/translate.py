@@ -366,6 +366,10 @@ def _accepted(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
     metrics = values.get("metrics-port")
     if isinstance(metrics, int) and metrics:
         out.settings["admin_port"] = _port(values, "metrics-port")
+        # llm-d's metrics port is plain HTTP, whatever --secure-proxy says; an operator's own
+        # SIDECAR_ADMIN_TLS still decides.
+        if not environ.get("SIDECAR_ADMIN_TLS", "").strip():
+            out.settings["admin_tls"] = False
     if "max-idle-conns-per-host" in values:
         out.notes.append(
             "--max-idle-conns-per-host: pd-sidecar keeps every idle engine connection, each "
