@@ -103,12 +103,14 @@ def create_app(
         ca_file=settings.tls_ca_file,
         cert_file=settings.tls_client_cert_file,
         key_file=settings.tls_client_key_file,
-        insecure=settings.tls_insecure_skip_verify,
+        insecure=settings.prefill_skip_verify or settings.decode_skip_verify,
     )
-    if client_tls.insecure:
+    for stage, variable in settings.unverified_stages():
         logger.warning(
-            "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true: the certificates of https:// engines are "
-            "not verified; anyone on the network path can impersonate them"
+            "%s=true: the certificates of the %s are not verified; anyone on the network path "
+            "can impersonate them",
+            variable,
+            stage,
         )
     engines = Engines(
         connect_timeout_s=settings.connect_timeout_s,
@@ -116,6 +118,9 @@ def create_app(
         tls=client_tls,
         prefill_tls=settings.prefill_tls,
         prefill_server_name=settings.prefill_tls_server_name,
+        decode_urls=settings.decode_ranks,
+        prefill_insecure=settings.prefill_skip_verify,
+        decode_insecure=settings.decode_skip_verify,
     )
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(

@@ -426,7 +426,18 @@ class Settings(BaseSettings):
     tls_insecure_skip_verify: bool = Field(
         False,
         description="Accept any certificate from https:// engines, unverified (a warning is "
-        "logged at start). Refused together with SIDECAR_TLS_CA_FILE.",
+        "logged at start): the default of the two settings below. Refused together with "
+        "SIDECAR_TLS_CA_FILE when no https:// engine is left verified.",
+    )
+    prefill_tls_insecure_skip_verify: bool | None = Field(
+        None,
+        description="Accept any certificate from the prefill engines (SIDECAR_PREFILL_TLS), "
+        "unverified. Empty: SIDECAR_TLS_INSECURE_SKIP_VERIFY.",
+    )
+    decode_tls_insecure_skip_verify: bool | None = Field(
+        None,
+        description="Accept any certificate from the https:// decode engine "
+        "(SIDECAR_DECODE_URL(S)), unverified. Empty: SIDECAR_TLS_INSECURE_SKIP_VERIFY.",
     )
     drain_timeout_s: float = Field(
         30,
@@ -738,6 +749,8 @@ class Settings(BaseSettings):
         "tls_ca_file",
         "tls_client_cert_file",
         "tls_client_key_file",
+        "prefill_tls_insecure_skip_verify",
+        "decode_tls_insecure_skip_verify",
         mode="before",
     )
     @classmethod
@@ -823,18 +836,37 @@ class Settings(BaseSettings):
                     f"SIDECAR_{given.upper()} is set but SIDECAR_{missing.upper()} is not: "
                     "a certificate needs its key"
                 )
-        if self.tls_insecure_skip_verify and self.tls_ca_file is not None:
-            raise ValueError(
-                "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true verifies no certificate, so "
-                "SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+        verified = [
+            https and not skip
+            for https, skip in (
+                (self.prefill_tls, self.prefill_skip_verify),
+                (self.decode_https, self.decode_skip_verify),
             )
+        ]
+        skipping = self.prefill_skip_verify or self.decode_skip_verify
+        if skipping and self.tls_ca_file is not None and not any(verified):
+            variables = ", ".join(variable for _, variable in self.unverified_stages())
+            raise ValueError(
+                f"{variables or 'SIDECAR_TLS_INSECURE_SKIP_VERIFY'}=true verifies no "
+                "certificate, so SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+            )
+        for stage, https, name in (
+            ("prefill", self.prefill_tls, "SIDECAR_PREFILL_TLS=true"),
+            ("decode", self.decode_https, "an https:// SIDECAR_DECODE_URL"),
+        ):
+            if getattr(self, f"{stage}_tls_insecure_skip_verify") and not https:
+                raise ValueError(
+                    f"SIDECAR_{stage.upper()}_TLS_INSECURE_SKIP_VERIFY=true applies to the "
+                    f"{stage} engines over HTTPS, and they are called over plain HTTP: set "
+                    f"{name}, or unset it"
+                )
         if self.prefill_tls_server_name is not None and not self.prefill_tls:
             raise ValueError(
                 "SIDECAR_PREFILL_TLS_SERVER_NAME is set but SIDECAR_PREFILL_TLS is false: the "
                 "prefill engines are called over plain HTTP"
             )
         # Engine TLS settings with no engine over TLS are a forgotten switch, not a choice.
-        https = self.prefill_tls or any(url.startswith("https://") for url in self.decode_ranks)
+        https = self.prefill_tls or self.decode_https
         used = [
             f"SIDECAR_{name.upper()}"
             for name in ("tls_ca_file", "tls_client_cert_file", "tls_insecure_skip_verify")
@@ -851,6 +883,41 @@ class Settings(BaseSettings):
     def decode_ranks(self) -> tuple[str, ...]:
         """The decode engine's base URLs, one per data-parallel rank (one without ranks)."""
         return self.decode_urls or (self.decode_url,)
+
+    @property
+    def decode_https(self) -> bool:
+        """Whether a decode rank is called over HTTPS."""
+        return any(url.startswith("https://") for url in self.decode_ranks)
+
+    @property
+    def prefill_skip_verify(self) -> bool:
+        """Whether the prefill engines' certificates go unverified (the stage's setting, else
+        SIDECAR_TLS_INSECURE_SKIP_VERIFY)."""
+        stage = self.prefill_tls_insecure_skip_verify
+        return self.tls_insecure_skip_verify if stage is None else stage
+
+    @property
+    def decode_skip_verify(self) -> bool:
+        """Whether the decode engine's certificates go unverified (the stage's setting, else
+        SIDECAR_TLS_INSECURE_SKIP_VERIFY)."""
+        stage = self.decode_tls_insecure_skip_verify
+        return self.tls_insecure_skip_verify if stage is None else stage
+
+    def unverified_stages(self) -> list[tuple[str, str]]:
+        """(stage, the variable that says so) for each stage called over HTTPS unverified."""
+        stages = []
+        for stage, https, own in (
+            ("prefill engines", self.prefill_tls, self.prefill_tls_insecure_skip_verify),
+            ("decode engine", self.decode_https, self.decode_tls_insecure_skip_verify),
+        ):
+            if https and (self.tls_insecure_skip_verify if own is None else own):
+                variable = (
+                    "SIDECAR_TLS_INSECURE_SKIP_VERIFY"
+                    if own is None
+                    else f"SIDECAR_{stage.split()[0].upper()}_TLS_INSECURE_SKIP_VERIFY"
+                )
+                stages.append((stage, variable))
+        return stages
 
 
 def _base_url(value: str) -> str:

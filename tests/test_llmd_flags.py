@@ -186,33 +186,85 @@ def test_tls_stages() -> None:
     assert "stages are prefiller, decoder, encoder" in refusal("--enable-tls=prefill")
 
 
-@pytest.mark.parametrize(
-    ("args", "skip"),
-    [
-        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"], True),
-        (["--enable-tls=decoder", "--tls-insecure-skip-verify=decoder"], True),
-        (["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller,decoder"], True),
-        (["--prefiller-use-tls", "--prefiller-tls-insecure-skip-verify"], True),
-        # A stage over plain HTTP has nothing to verify: nothing is skipped for the other.
-        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=decoder"], None),
-        (["--enable-tls=prefiller"], None),
-    ],
-)
-def test_skipping_verification_covers_the_stages_named(args: list[str], skip: bool | None) -> None:
-    assert settings_of(*args).get("tls_insecure_skip_verify") is skip
+PREFILL_SKIP, DECODE_SKIP = "prefill_tls_insecure_skip_verify", "decode_tls_insecure_skip_verify"
+HTTPS_DECODE = {"SIDECAR_DECODE_URL": "https://127.0.0.1:8443"}
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "environ", "skips"),
     [
-        ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller"],
-        ["--enable-tls=prefiller,decoder", "--decoder-tls-insecure-skip-verify"],
+        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"], {}, (True, None)),
+        (["--enable-tls=decoder", "--tls-insecure-skip-verify=decoder"], {}, (None, True)),
+        (
+            ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller,decoder"],
+            {},
+            (True, True),
+        ),
+        (["--prefiller-use-tls", "--prefiller-tls-insecure-skip-verify"], {}, (True, None)),
+        # One stage named of two over TLS: the other is verified.
+        (
+            ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller"],
+            {},
+            (True, False),
+        ),
+        (
+            ["--enable-tls=prefiller,decoder", "--decoder-tls-insecure-skip-verify"],
+            {},
+            (False, True),
+        ),
+        # TLS turned on by a variable counts: the decode engine stays verified...
+        (
+            ["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"],
+            HTTPS_DECODE,
+            (True, False),
+        ),
+        (
+            ["--decoder-use-tls", "--decoder-tls-insecure-skip-verify"],
+            {"SIDECAR_PREFILL_TLS": "true"},
+            (False, True),
+        ),
+        # ... and a stage over TLS by a variable can be the one named.
+        (["--tls-insecure-skip-verify=prefiller"], {"SIDECAR_PREFILL_TLS": "true"}, (True, None)),
+        (["--tls-insecure-skip-verify=decoder"], HTTPS_DECODE, (None, True)),
+        # A stage over plain HTTP has nothing to verify.
+        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=decoder"], {}, (False, None)),
+        (["--enable-tls=prefiller"], {}, (None, None)),
     ],
 )
-def test_skipping_verification_for_part_of_the_tls_stages_is_refused(args: list[str]) -> None:
-    """Never widened: pd-sidecar verifies every engine alike, so one stage's skip would be
-    both's."""
-    assert "verifies every engine alike" in refusal(*args)
+def test_skipping_verification_covers_the_stages_named(
+    args: list[str], environ: dict[str, str], skips: tuple[bool | None, bool | None]
+) -> None:
+    flags = translate(args, environ)
+    assert (flags.settings.get(PREFILL_SKIP), flags.settings.get(DECODE_SKIP)) == skips
+    assert "tls_insecure_skip_verify" not in flags.settings
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "note"),
+    [
+        (["--tls-insecure-skip-verify=prefiller"], {"SIDECAR_PREFILL_TLS": "true"}, False),
+        (["--tls-insecure-skip-verify=decoder"], HTTPS_DECODE, False),
+        (["--tls-insecure-skip-verify=decoder"], {}, True),
+    ],
+)
+def test_the_plain_http_note_follows_the_effective_settings(
+    args: list[str], environ: dict[str, str], note: bool
+) -> None:
+    notes = translate(args, environ).notes
+    assert any("not called over TLS" in text for text in notes) is note
+
+
+def test_the_stage_settings_win_over_the_global_one() -> None:
+    with_env = Settings(
+        prefill_tls=True,
+        decode_url="https://127.0.0.1:8443",
+        tls_insecure_skip_verify=True,
+        **settings_of(
+            "--tls-insecure-skip-verify=prefiller", **HTTPS_DECODE, SIDECAR_PREFILL_TLS="1"
+        ),
+    )
+    assert (with_env.prefill_skip_verify, with_env.decode_skip_verify) == (True, False)
+    assert Settings(prefill_tls=True, tls_insecure_skip_verify=True).prefill_skip_verify
 
 
 def test_secure_proxy() -> None:

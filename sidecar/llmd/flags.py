@@ -130,7 +130,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "tls-insecure-skip-verify",
         "list",
-        "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true when it names every stage called over TLS",
+        "SIDECAR_{PREFILL,DECODE}_TLS_INSECURE_SKIP_VERIFY: true named, false not named",
     ),
     Flag(
         "prefiller-tls-insecure-skip-verify",

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from sidecar import defaults
@@ -197,7 +198,7 @@ def _engines(values: Mapping[str, Value], environ: Mapping[str, str], out: Trans
     if tls_given:
         out.settings["prefill_tls"] = "prefiller" in tls
     _decode_ranks(values, environ, "decoder" in tls, out)
-    _skip_verify(values, tls, out)
+    _skip_verify(values, environ, out)
 
 
 def _decode_ranks(
@@ -234,34 +235,67 @@ def _decode_ranks(
     )
 
 
-def _skip_verify(values: Mapping[str, Value], tls: set[str], out: Translation) -> None:
-    skip = _stages(
-        values,
+def _skip_verify(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    """Each stage the flags name skips verification, each stage they do not name verifies (as
+    in llm-d): the stage settings, over SIDECAR_TLS_INSECURE_SKIP_VERIFY, so that naming one
+    stage never widens to the other. Whether a stage is called over TLS is decided on the
+    effective settings, the environment included."""
+    names = (
         "tls-insecure-skip-verify",
         "prefiller-tls-insecure-skip-verify",
         "decoder-tls-insecure-skip-verify",
     )
-    if not skip:
+    if not any(name in values for name in names):
         return
-    idle = sorted(skip - tls)
+    skip = _stages(values, *names)
+    over_tls = {
+        stage
+        for stage, https in (
+            ("prefiller", _prefill_tls(out, environ)),
+            ("decoder", _decode_tls(out, environ)),
+        )
+        if https
+    }
+    idle = sorted(skip - over_tls - {"encoder"})
     if idle:
         out.notes.append(
             f"--tls-insecure-skip-verify={','.join(idle)}: that stage is not called over TLS, "
             "there is no certificate to verify"
         )
-    engines = tls - {"encoder"}
-    skipped = skip & engines
-    if not skipped:
-        return
-    if skipped != engines:
-        verified = ",".join(sorted(engines - skipped))
-        raise FlagError(
-            f"--tls-insecure-skip-verify={','.join(sorted(skipped))} cannot be honoured while "
-            f"{verified} is verified: pd-sidecar verifies every engine alike. Give "
-            f"SIDECAR_TLS_CA_FILE the CA that signed the {','.join(sorted(skipped))} "
-            "certificates instead (or name every TLS stage)"
-        )
-    out.settings["tls_insecure_skip_verify"] = True
+    for stage, setting in (
+        ("prefiller", "prefill_tls_insecure_skip_verify"),
+        ("decoder", "decode_tls_insecure_skip_verify"),
+    ):
+        # A stage over plain HTTP gets no setting: Settings refuses one it cannot apply.
+        if stage in over_tls:
+            out.settings[setting] = stage in skip
+
+
+def _prefill_tls(out: Translation, environ: Mapping[str, str]) -> bool:
+    """Whether the prefill engines are called over TLS: the flags' word, else the variable's."""
+    if "prefill_tls" in out.settings:
+        return bool(out.settings["prefill_tls"])
+    return _env_bool(environ.get("SIDECAR_PREFILL_TLS", ""))
+
+
+def _decode_tls(out: Translation, environ: Mapping[str, str]) -> bool:
+    """Whether a decode rank is called over TLS: the flags' URLs, else the variables'."""
+    if "decode_url" in out.settings or "decode_urls" in out.settings:
+        urls = [out.settings.get("decode_url", ""), *out.settings.get("decode_urls", ())]
+    else:
+        urls = [
+            environ.get("SIDECAR_DECODE_URL", ""),
+            *environ.get("SIDECAR_DECODE_URLS", "").split(","),
+        ]
+    return any(str(url).strip().lower().startswith("https://") for url in urls)
+
+
+def _env_bool(text: str) -> bool:
+    """A boolean variable as pydantic reads it (a value it refuses is Settings' to report)."""
+    try:
+        return TypeAdapter(bool).validate_python(text.strip() or False)
+    except ValidationError:
+        return False
 
 
 def _allowlist(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
