@@ -39,6 +39,7 @@ from sidecar.observability.tracking import Tracker
 from sidecar.passthrough import Passthrough, PassthroughOptions
 from sidecar.paths import canonical_paths
 from sidecar.pipeline import Pipeline, PipelineOptions
+from sidecar.scheduling.ranks import RankPorts
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.security.kube import KubeClient
@@ -68,6 +69,7 @@ TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
 POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
 TRACING = web.AppKey("tracing", Tracing)
+RANK_PORTS = web.AppKey("rank_ports", RankPorts)
 
 
 def create_app(
@@ -189,8 +191,11 @@ def create_app(
         timeout_s=settings.client_body_timeout_s,
         metrics=metrics,
     )
+    rank_ports = RankPorts()  # filled by the runner (SIDECAR_RANK_PORTS)
+    app[RANK_PORTS] = rank_ports
     pipeline = Pipeline(
         PipelineOptions.from_settings(settings),
+        rank_ports=rank_ports,
         bodies=bodies,
         connector=(connector or make_connector)(settings, parts),
         scheduler=scheduler,
@@ -204,6 +209,7 @@ def create_app(
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
         PassthroughOptions.from_settings(settings),
+        rank_ports=rank_ports,
         engines=engines,
         ranks=scheduler.ranks,
         gateway=gateway,

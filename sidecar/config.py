@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         "server per rank (comma list); each request goes to one ready rank. Empty: "
         "SIDECAR_DECODE_URL alone. Setting both is refused.",
     )
+    rank_ports: bool = Field(
+        False,
+        description="With several decode ranks (SIDECAR_DECODE_URLS): listen on SIDECAR_PORT + r "
+        "too and send what arrives there to rank r, what arrives on SIDECAR_PORT to rank 0 (as "
+        "llm-d's sidecar does). false: SIDECAR_PORT alone, each request to a ready rank.",
+    )
     connector: Literal["nixl", "nixl-push", "sglang", "shared-storage"] = Field(
         "nixl",
         description="KV connector protocol spoken to the engines: nixl (vLLM NixlConnector, "
@@ -811,6 +817,21 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SIDECAR_DECODE_URL and SIDECAR_DECODE_URLS are both set: set "
                 "SIDECAR_DECODE_URLS alone for several ranks, SIDECAR_DECODE_URL alone for one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _rank_ports_fit(self) -> Settings:
+        last = self.port + len(self.decode_ranks) - 1
+        if self.rank_ports and self.port and last > 65535:
+            raise ValueError(
+                f"SIDECAR_RANK_PORTS: the ports of {len(self.decode_ranks)} ranks from "
+                f"SIDECAR_PORT={self.port} run past 65535"
+            )
+        if self.rank_ports and self.admin_port and self.port < self.admin_port <= last:
+            raise ValueError(
+                f"SIDECAR_RANK_PORTS: SIDECAR_ADMIN_PORT={self.admin_port} is the port of a "
+                "decode rank (SIDECAR_PORT + rank): choose another"
             )
         return self
 

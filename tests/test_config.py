@@ -141,6 +141,7 @@ INVALID = [
     ("SIDECAR_TLS_CLIENT_CERT_FILE", "/etc/client.crt"),  # without its key
     ("SIDECAR_TLS_CLIENT_KEY_FILE", "/etc/client.key"),  # without its certificate
     ("SIDECAR_TLS_INSECURE_SKIP_VERIFY", "true"),  # no engine over HTTPS
+    ("SIDECAR_RANK_PORTS", "perhaps"),
     ("SIDECAR_PREFILL_TLS_INSECURE_SKIP_VERIFY", "true"),  # the prefill engines over HTTP
     ("SIDECAR_DECODE_TLS_INSECURE_SKIP_VERIFY", "true"),  # the decode engine over HTTP
     ("SIDECAR_INFERENCE_POOL", "pd-llm"),  # no namespace

@@ -162,6 +162,7 @@ def test_data_parallel_ranks_sit_on_consecutive_ports() -> None:
         "http://127.0.0.1:8302",
     )
     assert Settings(**settings).decode_ranks == settings["decode_urls"]
+    assert settings["rank_ports"] is True  # served on --port + r, as llm-d
     # llm-d's default model-server port; --model-server-port wins over --vllm-port.
     assert settings_of("--data-parallel-size=2")["decode_urls"][0] == "http://127.0.0.1:8200"
     assert settings_of("--vllm-port=1", "--model-server-port=2")["decode_url"].endswith(":2")

@@ -56,7 +56,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "data-parallel-size",
         "int",
-        "SIDECAR_DECODE_URLS: ranks on the model-server port and the N-1 ports after it",
+        "SIDECAR_DECODE_URLS (the model-server port + r), SIDECAR_RANK_PORTS=true (--port + r)",
     ),
     Flag(
         "kv-connector",

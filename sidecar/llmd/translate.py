@@ -228,11 +228,8 @@ def _decode_ranks(
             "engine: unset SIDECAR_DECODE_URL"
         )
     out.settings["decode_urls"] = urls
-    out.notes.append(
-        f"--data-parallel-size={ranks}: pd-sidecar serves every rank on --port alone and "
-        "sends each request to a ready rank (llm-d listened on one port per rank): point "
-        "the InferencePool's targetPorts at --port only"
-    )
+    # As llm-d: rank r served on --port + r, rank 0 on --port.
+    out.settings["rank_ports"] = True
 
 
 def _skip_verify(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
