@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -271,7 +272,10 @@ def _tls_watches(
         return lambda ok: metrics.tls_reloads.labels(files, "reloaded" if ok else "failed").inc()
 
     if settings.tls_cert_file is not None and settings.tls_key_file is not None:
-        server_tls = ServerTls(settings.tls_cert_file, settings.tls_key_file)
+        minimum = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+        server_tls = ServerTls(
+            settings.tls_cert_file, settings.tls_key_file, minimum[settings.tls_min_version]
+        )
         app[SERVER_TLS] = server_tls
         watches.append(
             FileWatch(

@@ -394,6 +394,11 @@ class Settings(BaseSettings):
     tls_key_file: str | None = Field(
         None, description="PEM private key of SIDECAR_TLS_CERT_FILE (set both or neither)."
     )
+    tls_min_version: Literal["1.2", "1.3"] = Field(
+        "1.2",
+        description="Lowest TLS version the listener (SIDECAR_PORT, and the admin port under "
+        "SIDECAR_ADMIN_TLS) accepts: 1.2 or 1.3.",
+    )
     admin_tls: bool = Field(
         True,
         description="With SIDECAR_TLS_CERT_FILE: SIDECAR_ADMIN_PORT serves HTTPS too (the same "

@@ -134,6 +134,7 @@ INVALID = [
     ("SIDECAR_TLS_CERT_FILE", "/etc/tls/tls.crt"),  # without its key
     ("SIDECAR_TLS_KEY_FILE", "/etc/tls/tls.key"),  # without its certificate
     ("SIDECAR_ADMIN_TLS", "perhaps"),
+    ("SIDECAR_TLS_MIN_VERSION", "1.1"),
     ("SIDECAR_TLS_RELOAD_INTERVAL_S", "0"),
     ("SIDECAR_PREFILL_TLS", "perhaps"),
     ("SIDECAR_PREFILL_TLS_SERVER_NAME", "not a name"),

@@ -293,6 +293,47 @@ def test_secure_proxy_serves_the_operators_certificate_from_the_environment() ->
     assert any("SIDECAR_TLS_CERT_FILE" in note for note in flags.notes)
 
 
+def test_secure_serving_is_secure_proxys_newer_name() -> None:
+    assert translate(["--secure-serving"], {}).self_signed
+    assert settings_of("--secure-serving=false", "--cert-path=/c")["tls_cert_file"] is None
+    assert translate(["--secure-serving", "--secure-proxy=true"], {}).self_signed
+    assert "give --secure-serving alone" in refusal("--secure-serving", "--secure-proxy=false")
+
+
+@pytest.mark.parametrize(
+    ("args", "version"),
+    [
+        (["--tls-min-version=VersionTLS13"], "1.3"),
+        (["--tls-min-version=VersionTLS12"], "1.2"),
+        (["--tls-min-version="], None),
+    ],
+)
+def test_tls_min_version(args: list[str], version: str | None) -> None:
+    assert settings_of(*args).get("tls_min_version") == version
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tls-min-version=VersionTLS11"], "TLS 1.2 at least"),
+        (["--tls-min-version=1.3"], "expected VersionTLS12 or VersionTLS13"),
+        (["--tls-cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"], "OpenSSL's default"),
+        (["--enable-speculative-prefill"], "predicted next turn"),
+        (["--metrics-port=9090", "--metrics-cert-dir=/m"], "the same directory as --cert-path"),
+    ],
+)
+def test_newer_flags_refused_with_a_reason(args: list[str], message: str) -> None:
+    assert message in refusal(*args)
+
+
+def test_a_metrics_cert_dir_that_is_the_cert_path_serves_the_metrics_port_over_https() -> None:
+    settings = settings_of("--cert-path=/c/", "--metrics-port=9090", "--metrics-cert-dir=/c")
+    assert (settings["admin_port"], settings["admin_tls"]) == (9090, True)
+    unused = translate(["--cert-path=/c", "--metrics-cert-dir=/c"], {})
+    assert "admin_tls" not in unused.settings
+    assert any("unused without --metrics-port" in note for note in unused.notes)
+
+
 @pytest.mark.parametrize(
     ("args", "environ", "pool"),
     [

@@ -141,6 +141,27 @@ async def test_the_listener_serves_https_from_tls_1_2(
             await session.get(sidecar.url.replace("https://", "http://") + "/health")
 
 
+async def test_a_tls_1_3_minimum_refuses_a_tls_1_2_client(
+    start_sidecar_with: StartSidecar, pki: Pki, tmp_path: Path
+) -> None:
+    """SIDECAR_TLS_MIN_VERSION=1.3 (llm-d's --tls-min-version=VersionTLS13)."""
+    secret = secret_with(tmp_path / "secret", pki.issue("127.0.0.1"))
+    sidecar = await start_sidecar_with(
+        **listener_settings(secret), **translate(["--tls-min-version=VersionTLS13"], {}).settings
+    )
+
+    def offering(maximum: ssl.TLSVersion) -> ssl.SSLContext:
+        context = pki.client_context()
+        context.maximum_version = maximum
+        return context
+
+    connection = await TlsConnection.open(offering(ssl.TLSVersion.TLSv1_3), sidecar.url)
+    assert await connection.get("/health") == 200
+    await connection.close()
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):
+        await TlsConnection.open(offering(ssl.TLSVersion.TLSv1_2), sidecar.url)
+
+
 async def test_the_admin_port_serves_https_too_unless_told_otherwise(
     start_sidecar_with: StartSidecar, pki: Pki, tmp_path: Path, trusting: aiohttp.ClientSession
 ) -> None:

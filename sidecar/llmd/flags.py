@@ -121,6 +121,14 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("enable-prefiller-sampling", "bool", "SIDECAR_PREFILL_HEADER_SAMPLING"),
     Flag(
+        "enable-speculative-prefill",
+        "bool",
+        "refused unless false (no speculative next-turn prefill)",
+        default=False,
+        only_default="pd-sidecar does not warm the KV cache with a predicted next turn: remove "
+        "it (a continuation is sent back to the decode rank holding its history)",
+    ),
+    Flag(
         "enable-tls",
         "list",
         "prefiller: SIDECAR_PREFILL_TLS=true; decoder: https:// SIDECAR_DECODE_URL(S)",
@@ -141,6 +149,25 @@ FLAGS: tuple[Flag, ...] = (
         "decoder-tls-insecure-skip-verify",
         "bool",
         "as --tls-insecure-skip-verify=decoder",
+    ),
+    Flag(
+        "tls-min-version",
+        "string",
+        "SIDECAR_TLS_MIN_VERSION: VersionTLS12 -> 1.2, VersionTLS13 -> 1.3",
+    ),
+    Flag(
+        "tls-cipher-suites",
+        "list",
+        "refused unless empty (OpenSSL's default TLS 1.2 suites)",
+        default=(),
+        only_default="pd-sidecar's listener uses OpenSSL's default TLS 1.2 cipher suites, which "
+        "Go's names do not select: remove it (--tls-min-version=VersionTLS13 leaves TLS 1.3's "
+        "suites only)",
+    ),
+    Flag(
+        "secure-serving",
+        "bool",
+        "as --secure-proxy (llm-d's newer name)",
     ),
     Flag(
         "secure-proxy",
@@ -188,6 +215,11 @@ FLAGS: tuple[Flag, ...] = (
         "metrics-port",
         "int",
         "SIDECAR_ADMIN_PORT (when above 0), plain HTTP unless SIDECAR_ADMIN_TLS is set",
+    ),
+    Flag(
+        "metrics-cert-dir",
+        "string",
+        "SIDECAR_ADMIN_TLS=true when it is --cert-path's directory; another refused",
     ),
     Flag("moriio-write-mode", "bool", "refused unless false (no MoRI-IO)", False, NOT_MORIIO),
     Flag(

@@ -111,7 +111,8 @@ def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
     port = _port(values, "port")
     if port is not None:
         out.settings["port"] = port
-    secure, cert_path = values.get("secure-proxy"), values.get("cert-path")
+    _tls_version(values, out)
+    secure, cert_path = _secure(values), values.get("cert-path")
     if secure is False:
         out.settings["tls_cert_file"] = None
         out.settings["tls_key_file"] = None
@@ -137,6 +138,34 @@ def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
             "no --secure-proxy: serving plain HTTP (llm-d's sidecar would serve HTTPS with a "
             "self-signed certificate; pass --secure-proxy=true for that)"
         )
+
+
+def _secure(values: Mapping[str, Value]) -> Value | None:
+    """--secure-serving, or its older name --secure-proxy (llm-d binds both to one switch)."""
+    given = {name: values[name] for name in ("secure-serving", "secure-proxy") if name in values}
+    if len(set(given.values())) > 1:
+        raise FlagError(
+            "--secure-serving and --secure-proxy (its older name) say different things: give "
+            "--secure-serving alone"
+        )
+    return next(iter(given.values()), None)
+
+
+_TLS_VERSIONS = {"VersionTLS12": "1.2", "VersionTLS13": "1.3"}
+
+
+def _tls_version(values: Mapping[str, Value], out: Translation) -> None:
+    version = values.get("tls-min-version")
+    if version is None or version == "":
+        return
+    if version in ("VersionTLS10", "VersionTLS11"):
+        raise FlagError(
+            f"--tls-min-version={version} cannot be honoured: pd-sidecar serves TLS 1.2 at "
+            "least (llm-d refuses it too): VersionTLS12 or VersionTLS13"
+        )
+    if version not in _TLS_VERSIONS:
+        raise FlagError(f"--tls-min-version={version}: expected VersionTLS12 or VersionTLS13")
+    out.settings["tls_min_version"] = _TLS_VERSIONS[str(version)]
 
 
 def _env_certificate(environ: Mapping[str, str]) -> bool:
@@ -374,6 +403,28 @@ def _logging(values: Mapping[str, Value], out: Translation) -> None:
         )
 
 
+def _metrics_cert_dir(values: Mapping[str, Value], out: Translation) -> None:
+    """llm-d serves --metrics-port over HTTPS with the certificate of --metrics-cert-dir;
+    pd-sidecar's admin port can serve the listener's certificate only."""
+    directory = str(values.get("metrics-cert-dir", "")).rstrip("/")
+    if not directory:
+        return
+    cert_path = str(values.get("cert-path", "")).rstrip("/")
+    if directory != cert_path or _secure(values) is False:
+        raise FlagError(
+            f"--metrics-cert-dir={values['metrics-cert-dir']} cannot be honoured: pd-sidecar's "
+            "admin port serves the listener's certificate only (SIDECAR_ADMIN_TLS): pass the "
+            "same directory as --cert-path, or remove it for plain HTTP"
+        )
+    if "admin_port" in out.settings:
+        out.settings["admin_tls"] = True
+    else:
+        out.notes.append(
+            f"--metrics-cert-dir={values['metrics-cert-dir']}: unused without --metrics-port "
+            "(the metrics are served on --port)"
+        )
+
+
 def _zap_level(text: str) -> str:
     lowered = text.strip().lower()
     if lowered in _ZAP_LEVELS:
@@ -401,6 +452,7 @@ def _accepted(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
         # SIDECAR_ADMIN_TLS still decides.
         if not environ.get("SIDECAR_ADMIN_TLS", "").strip():
             out.settings["admin_tls"] = False
+    _metrics_cert_dir(values, out)
     if "max-idle-conns-per-host" in values:
         out.notes.append(
             "--max-idle-conns-per-host: pd-sidecar keeps every idle engine connection, each "

@@ -1,11 +1,11 @@
 """TLS: the sidecar's own listener, its connections to the engines, and reloading both from files.
 
-**The listener** (``ServerTls``): TLS 1.2 at least, its certificate and key from
-``SIDECAR_TLS_CERT_FILE`` / ``_KEY_FILE``. Kubernetes rotates a mounted Secret by writing the new
-files into a new hidden directory and swapping the ``..data`` symlink the visible names point
-through; so a change is seen in the *resolved* path (or its inode, size, modification time), never
-by watching the names. A new certificate serves new handshakes; connections already open keep
-theirs.
+**The listener** (``ServerTls``): TLS 1.2 at least (``SIDECAR_TLS_MIN_VERSION``), its certificate
+and key from ``SIDECAR_TLS_CERT_FILE`` / ``_KEY_FILE``. Kubernetes rotates a mounted Secret by
+writing the new files into a new hidden directory and swapping the ``..data`` symlink the visible
+names point through; so a change is seen in the *resolved* path (or its inode, size, modification
+time), never by watching the names. A new certificate serves new handshakes; connections already
+open keep theirs.
 
 The context the server was started with is never modified: OpenSSL drops the private key of a
 context whose new certificate does not match it, so a half-written pair loaded in place would
@@ -69,9 +69,12 @@ class ServerTls:
     """The listener's TLS: ``context`` goes to the server once; ``reload()`` changes what new
     handshakes get."""
 
-    def __init__(self, cert_file: str, key_file: str) -> None:
+    def __init__(
+        self, cert_file: str, key_file: str, minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+    ) -> None:
         self._cert_file = cert_file
         self._key_file = key_file
+        self._minimum = minimum
         self.context = self._build()
         self._current = self.context
         self.context.sni_callback = self._pick
@@ -82,7 +85,7 @@ class ServerTls:
 
     def _build(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.minimum_version = self._minimum
         try:
             context.load_cert_chain(self._cert_file, self._key_file)
         except (OSError, ssl.SSLError) as exc:
