@@ -320,6 +320,7 @@ def _pool_watch(
         retry_max_s=settings.kube_retry_max_s,
         on_error=lambda kind: metrics.inference_pool_errors.labels(kind).inc(),
         on_change=metrics.inference_pool_addresses.set,
+        group=settings.inference_pool_group or None,
     )
     app[POOL_WATCH] = watch
     return watch

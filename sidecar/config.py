@@ -357,6 +357,13 @@ class Settings(BaseSettings):
         "selects are allowed prefill targets too, followed through the Kubernetes API. Until "
         "its first list, /ready is 503. Empty: none.",
     )
+    inference_pool_group: Literal[
+        "", "inference.networking.k8s.io", "inference.networking.x-k8s.io"
+    ] = Field(
+        "",
+        description="The API group SIDECAR_INFERENCE_POOL is found in: inference.networking.k8s.io "
+        "(v1) or inference.networking.x-k8s.io (v1alpha2). Empty: v1, else v1alpha2.",
+    )
     kube_api_url: str | None = Field(
         None,
         validate_default=True,

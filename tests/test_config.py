@@ -146,6 +146,7 @@ INVALID = [
     ("SIDECAR_PREFILL_TLS_INSECURE_SKIP_VERIFY", "true"),  # the prefill engines over HTTP
     ("SIDECAR_DECODE_TLS_INSECURE_SKIP_VERIFY", "true"),  # the decode engine over HTTP
     ("SIDECAR_INFERENCE_POOL", "pd-llm"),  # no namespace
+    ("SIDECAR_INFERENCE_POOL_GROUP", "example.com"),
     ("SIDECAR_KUBE_API_URL", "kubernetes.default.svc"),
     ("SIDECAR_KUBE_TOKEN_FILE", ""),
     ("SIDECAR_KUBE_CA_FILE", ""),

@@ -363,7 +363,9 @@ def test_ssrf_protection_follows_the_inference_pool(
 def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> None:
     assert "needs its InferencePool" in refusal("--enable-ssrf-protection")
     assert "inference.networking.k8s.io" in refusal("--pool-group=example.com")
-    assert "inference_pool" not in settings_of("--pool-group=inference.networking.x-k8s.io")
+    older = settings_of("--pool-group=inference.networking.x-k8s.io")
+    assert "inference_pool" not in older
+    assert older["inference_pool_group"] == "inference.networking.x-k8s.io"
 
 
 @pytest.mark.parametrize(

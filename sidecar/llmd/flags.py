@@ -117,7 +117,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "pool-group",
         "string",
-        "checked: inference.networking.k8s.io or inference.networking.x-k8s.io",
+        "SIDECAR_INFERENCE_POOL_GROUP: inference.networking.k8s.io or its x-k8s.io group",
     ),
     Flag("enable-prefiller-sampling", "bool", "SIDECAR_PREFILL_HEADER_SAMPLING"),
     Flag(

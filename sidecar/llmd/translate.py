@@ -331,6 +331,8 @@ def _allowlist(values: Mapping[str, Value], environ: Mapping[str, str], out: Tra
             f"--pool-group={group} cannot be honoured: pd-sidecar watches InferencePools of "
             f"{' and '.join(POOL_GROUPS)} only"
         )
+    if group is not None:
+        out.settings["inference_pool_group"] = group
     if not values.get("enable-ssrf-protection"):
         pool_flags = ("inference-pool", "inference-pool-namespace", "inference-pool-name")
         given = [f"--{name}" for name in pool_flags if name in values]
