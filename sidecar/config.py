@@ -639,7 +639,7 @@ class Settings(BaseSettings):
         schemed = [
             (scheme, item)
             for item in entries
-            if isinstance(item, str)
+            if isinstance(item, str) and _parses(item)  # else its own error says what is wrong
             for scheme in (split_scheme(item)[0],)
             if scheme in _WEB
         ]
@@ -951,6 +951,15 @@ class Settings(BaseSettings):
                 )
                 stages.append((stage, variable))
         return stages
+
+
+def _parses(entry: str) -> bool:
+    """Whether a pool entry is well formed, whatever its scheme says."""
+    try:
+        parse_pool_entry(entry, schemes=_WEB)
+    except ValueError:
+        return False
+    return True
 
 
 def _base_url(value: str) -> str:

@@ -372,6 +372,7 @@ def test_a_pool_entry_is_host_port_or_a_url_whose_scheme_says_what_prefill_tls_d
         ("https://127.0.0.1:8100/v1/completions", "without a path (/v1/completions)"),
         ("ftp://127.0.0.1:8100", "expected host:port, not a URL of scheme ftp"),
         ("127.0.0.1", "missing port"),
+        ("http://127.0.0.1:8100?x", "with no query string (?x)"),
     ],
 )
 def test_a_pool_entry_is_refused_saying_what_is_wrong_with_it(entry: str, says: str) -> None:
@@ -380,6 +381,18 @@ def test_a_pool_entry_is_refused_saying_what_is_wrong_with_it(entry: str, says: 
     message = explain(caught.value)
     assert message.startswith(f"invalid configuration: SIDECAR_PREFILL_ENDPOINTS: {entry!r}: ")
     assert says in message
+
+
+@pytest.mark.parametrize(
+    "entry", ["http://127.0.0.1:8100?x", "https://127.0.0.1:8100?x=1", "127.0.0.1:8100?x"]
+)
+def test_a_pool_entry_with_a_query_string_says_so(entry: str) -> None:
+    """Whatever SIDECAR_PREFILL_TLS says: not a port error, nor a scheme that disagrees."""
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints=entry)
+    message = explain(caught.value)
+    assert message.startswith(f"invalid configuration: SIDECAR_PREFILL_ENDPOINTS: {entry!r}: ")
+    assert "with no query string" in message
 
 
 def test_an_unknown_variable_is_warned_about_naming_the_nearest_setting() -> None:

@@ -335,6 +335,23 @@ def test_a_metrics_cert_dir_that_is_the_cert_path_serves_the_metrics_port_over_h
 
 
 @pytest.mark.parametrize(
+    ("args", "entries", "message"),
+    [
+        (["--enable-tls=decoder"], "https://127.0.0.1:1", "add --enable-tls=prefiller"),
+        (["--prefiller-use-tls=false"], "https://127.0.0.1:1", "--prefiller-use-tls without"),
+        (["--enable-tls=prefiller"], "http://127.0.0.1:1", "--enable-tls calls every prefill"),
+    ],
+)
+def test_pool_entry_schemes_against_the_flags_name_the_flag(
+    args: list[str], entries: str, message: str
+) -> None:
+    """The flag wins over SIDECAR_PREFILL_TLS, so telling the user to set it would not help."""
+    text = refusal(*args, SIDECAR_PREFILL_ENDPOINTS=entries)
+    assert message in text
+    assert "SIDECAR_PREFILL_TLS=true" not in text
+
+
+@pytest.mark.parametrize(
     ("args", "environ", "pool"),
     [
         (["--enable-ssrf-protection", "--inference-pool=team/pool"], {}, "team/pool"),

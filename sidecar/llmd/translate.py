@@ -21,6 +21,7 @@ from yarl import URL
 
 from sidecar import defaults
 from sidecar.llmd.flags import BY_NAME, GO_BOOL, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.scheduling.endpoints import split_scheme
 
 LLMD_MODEL_SERVER_PORT = 8200
 """llm-d's default for --model-server-port (it was 8001 before the router repository)."""
@@ -226,8 +227,34 @@ def _engines(values: Mapping[str, Value], environ: Mapping[str, str], out: Trans
     tls_given = any(name in values for name in ("enable-tls", "prefiller-use-tls"))
     if tls_given:
         out.settings["prefill_tls"] = "prefiller" in tls
+        _pool_schemes(values, environ, "prefiller" in tls)
     _decode_ranks(values, environ, "decoder" in tls, out)
     _skip_verify(values, environ, out)
+
+
+def _pool_schemes(values: Mapping[str, Value], environ: Mapping[str, str], https: bool) -> None:
+    """SIDECAR_PREFILL_ENDPOINTS entries written as URLs must say what the flags say of the
+    prefill stage; the refusal names the flag, which wins over SIDECAR_PREFILL_TLS."""
+    wanted = "https" if https else "http"
+    entries = [item.strip() for item in environ.get("SIDECAR_PREFILL_ENDPOINTS", "").split(",")]
+    wrong = [
+        item
+        for item in entries
+        if (scheme := split_scheme(item)[0]) in ("http", "https") and scheme != wanted
+    ]
+    if not wrong:
+        return
+    flag = "--enable-tls" if "enable-tls" in values else "--prefiller-use-tls"
+    if https:
+        raise FlagError(
+            f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)} but {flag} calls every prefill "
+            "engine over HTTPS: write https:// or host:port"
+        )
+    raise FlagError(
+        f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)}, but {flag} without prefiller "
+        "calls the prefill engines over plain HTTP: add --enable-tls=prefiller, or write "
+        "host:port"
+    )
 
 
 def _decode_ranks(
