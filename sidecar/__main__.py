@@ -26,7 +26,8 @@ from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 
 logger = logging.getLogger("sidecar")
 
-USAGE = """usage: python -m sidecar [--help] [--version] [llm-d sidecar flags]
+MODULE = "python -m sidecar"
+USAGE = """usage: {prog} [--help] [--version] [llm-d sidecar flags]
 
 pd-sidecar {version}: the decode-pod sidecar of prefill/decode-disaggregated LLM serving.
 It is configured with environment variables (list values are comma-separated):
@@ -38,10 +39,14 @@ It also accepts the flags of llm-d's routing sidecar, as -flag or --flag, -flag=
 """
 
 
-def _help() -> str:
+def _help(argv0: str = "") -> str:
+    """``--help``'s text, its usage line naming the command as ``argv0`` says it was typed (the
+    console script ``pd-sidecar``, else ``python -m sidecar``)."""
+    from sidecar.inject.__main__ import prog_name  # only for --help: argparse, yaml
+
     rows = describe_fields()
     width = max(len(name) for name, _, _ in rows)
-    lines = [USAGE.format(version=__version__)]
+    lines = [USAGE.format(prog=prog_name(argv0, MODULE), version=__version__)]
     for name, default, description in rows:
         lines.append(f"  {name:<{width}}  default: {default or '(empty)'}")
         lines.append(f"  {'':<{width}}  {description}")
@@ -100,7 +105,7 @@ def load_tracing(settings: Settings) -> Tracing | None:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help", "-help") for arg in args):
-        print(_help())
+        print(_help(sys.argv[0]))
         return
     if args and args[0] == "--version":
         print(__version__)

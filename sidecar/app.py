@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -39,6 +40,7 @@ from sidecar.observability.tracking import Tracker
 from sidecar.passthrough import Passthrough, PassthroughOptions
 from sidecar.paths import canonical_paths
 from sidecar.pipeline import Pipeline, PipelineOptions
+from sidecar.scheduling.ranks import RankPorts
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.security.kube import KubeClient
@@ -68,6 +70,7 @@ TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
 POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
 TRACING = web.AppKey("tracing", Tracing)
+RANK_PORTS = web.AppKey("rank_ports", RankPorts)
 
 
 def create_app(
@@ -103,12 +106,14 @@ def create_app(
         ca_file=settings.tls_ca_file,
         cert_file=settings.tls_client_cert_file,
         key_file=settings.tls_client_key_file,
-        insecure=settings.tls_insecure_skip_verify,
+        insecure=settings.prefill_skip_verify or settings.decode_skip_verify,
     )
-    if client_tls.insecure:
+    for stage, variable in settings.unverified_stages():
         logger.warning(
-            "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true: the certificates of https:// engines are "
-            "not verified; anyone on the network path can impersonate them"
+            "%s=true: the certificates of the %s are not verified; anyone on the network path "
+            "can impersonate them",
+            variable,
+            stage,
         )
     engines = Engines(
         connect_timeout_s=settings.connect_timeout_s,
@@ -116,6 +121,9 @@ def create_app(
         tls=client_tls,
         prefill_tls=settings.prefill_tls,
         prefill_server_name=settings.prefill_tls_server_name,
+        decode_urls=settings.decode_ranks,
+        prefill_insecure=settings.prefill_skip_verify,
+        decode_insecure=settings.decode_skip_verify,
     )
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
     scheduler = Scheduler(
@@ -184,8 +192,11 @@ def create_app(
         timeout_s=settings.client_body_timeout_s,
         metrics=metrics,
     )
+    rank_ports = RankPorts()  # filled by the runner (SIDECAR_RANK_PORTS)
+    app[RANK_PORTS] = rank_ports
     pipeline = Pipeline(
         PipelineOptions.from_settings(settings),
+        rank_ports=rank_ports,
         bodies=bodies,
         connector=(connector or make_connector)(settings, parts),
         scheduler=scheduler,
@@ -199,6 +210,7 @@ def create_app(
     app[PIPELINE] = pipeline
     passthrough = Passthrough(
         PassthroughOptions.from_settings(settings),
+        rank_ports=rank_ports,
         engines=engines,
         ranks=scheduler.ranks,
         gateway=gateway,
@@ -260,7 +272,10 @@ def _tls_watches(
         return lambda ok: metrics.tls_reloads.labels(files, "reloaded" if ok else "failed").inc()
 
     if settings.tls_cert_file is not None and settings.tls_key_file is not None:
-        server_tls = ServerTls(settings.tls_cert_file, settings.tls_key_file)
+        minimum = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+        server_tls = ServerTls(
+            settings.tls_cert_file, settings.tls_key_file, minimum[settings.tls_min_version]
+        )
         app[SERVER_TLS] = server_tls
         watches.append(
             FileWatch(
@@ -305,6 +320,7 @@ def _pool_watch(
         retry_max_s=settings.kube_retry_max_s,
         on_error=lambda kind: metrics.inference_pool_errors.labels(kind).inc(),
         on_change=metrics.inference_pool_addresses.set,
+        group=settings.inference_pool_group or None,
     )
     app[POOL_WATCH] = watch
     return watch

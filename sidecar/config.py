@@ -70,6 +70,12 @@ class Settings(BaseSettings):
         "server per rank (comma list); each request goes to one ready rank. Empty: "
         "SIDECAR_DECODE_URL alone. Setting both is refused.",
     )
+    rank_ports: bool = Field(
+        False,
+        description="With several decode ranks (SIDECAR_DECODE_URLS): listen on SIDECAR_PORT + r "
+        "too and send what arrives there to rank r, what arrives on SIDECAR_PORT to rank 0 (as "
+        "llm-d's sidecar does). false: SIDECAR_PORT alone, each request to a ready rank.",
+    )
     connector: Literal["nixl", "nixl-push", "sglang", "shared-storage"] = Field(
         "nixl",
         description="KV connector protocol spoken to the engines: nixl (vLLM NixlConnector, "
@@ -351,6 +357,13 @@ class Settings(BaseSettings):
         "selects are allowed prefill targets too, followed through the Kubernetes API. Until "
         "its first list, /ready is 503. Empty: none.",
     )
+    inference_pool_group: Literal[
+        "", "inference.networking.k8s.io", "inference.networking.x-k8s.io"
+    ] = Field(
+        "",
+        description="The API group SIDECAR_INFERENCE_POOL is found in: inference.networking.k8s.io "
+        "(v1) or inference.networking.x-k8s.io (v1alpha2). Empty: v1, else v1alpha2.",
+    )
     kube_api_url: str | None = Field(
         None,
         validate_default=True,
@@ -387,6 +400,11 @@ class Settings(BaseSettings):
     )
     tls_key_file: str | None = Field(
         None, description="PEM private key of SIDECAR_TLS_CERT_FILE (set both or neither)."
+    )
+    tls_min_version: Literal["1.2", "1.3"] = Field(
+        "1.2",
+        description="Lowest TLS version the listener (SIDECAR_PORT, and the admin port under "
+        "SIDECAR_ADMIN_TLS) accepts: 1.2 or 1.3.",
     )
     admin_tls: bool = Field(
         True,
@@ -426,7 +444,18 @@ class Settings(BaseSettings):
     tls_insecure_skip_verify: bool = Field(
         False,
         description="Accept any certificate from https:// engines, unverified (a warning is "
-        "logged at start). Refused together with SIDECAR_TLS_CA_FILE.",
+        "logged at start): the default of the two settings below. Refused together with "
+        "SIDECAR_TLS_CA_FILE when no https:// engine is left verified.",
+    )
+    prefill_tls_insecure_skip_verify: bool | None = Field(
+        None,
+        description="Accept any certificate from the prefill engines (SIDECAR_PREFILL_TLS), "
+        "unverified. Empty: SIDECAR_TLS_INSECURE_SKIP_VERIFY.",
+    )
+    decode_tls_insecure_skip_verify: bool | None = Field(
+        None,
+        description="Accept any certificate from the https:// decode engine "
+        "(SIDECAR_DECODE_URL(S)), unverified. Empty: SIDECAR_TLS_INSECURE_SKIP_VERIFY.",
     )
     drain_timeout_s: float = Field(
         30,
@@ -610,7 +639,7 @@ class Settings(BaseSettings):
         schemed = [
             (scheme, item)
             for item in entries
-            if isinstance(item, str)
+            if isinstance(item, str) and _parses(item)  # else its own error says what is wrong
             for scheme in (split_scheme(item)[0],)
             if scheme in _WEB
         ]
@@ -738,6 +767,8 @@ class Settings(BaseSettings):
         "tls_ca_file",
         "tls_client_cert_file",
         "tls_client_key_file",
+        "prefill_tls_insecure_skip_verify",
+        "decode_tls_insecure_skip_verify",
         mode="before",
     )
     @classmethod
@@ -802,6 +833,21 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _rank_ports_fit(self) -> Settings:
+        last = self.port + len(self.decode_ranks) - 1
+        if self.rank_ports and self.port and last > 65535:
+            raise ValueError(
+                f"SIDECAR_RANK_PORTS: the ports of {len(self.decode_ranks)} ranks from "
+                f"SIDECAR_PORT={self.port} run past 65535"
+            )
+        if self.rank_ports and self.admin_port and self.port < self.admin_port <= last:
+            raise ValueError(
+                f"SIDECAR_RANK_PORTS: SIDECAR_ADMIN_PORT={self.admin_port} is the port of a "
+                "decode rank (SIDECAR_PORT + rank): choose another"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _budget_holds_a_body(self) -> Settings:
         if self.body_budget_bytes < self.max_body_bytes:
             raise ValueError(
@@ -823,18 +869,37 @@ class Settings(BaseSettings):
                     f"SIDECAR_{given.upper()} is set but SIDECAR_{missing.upper()} is not: "
                     "a certificate needs its key"
                 )
-        if self.tls_insecure_skip_verify and self.tls_ca_file is not None:
-            raise ValueError(
-                "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true verifies no certificate, so "
-                "SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+        verified = [
+            https and not skip
+            for https, skip in (
+                (self.prefill_tls, self.prefill_skip_verify),
+                (self.decode_https, self.decode_skip_verify),
             )
+        ]
+        skipping = self.prefill_skip_verify or self.decode_skip_verify
+        if skipping and self.tls_ca_file is not None and not any(verified):
+            variables = ", ".join(variable for _, variable in self.unverified_stages())
+            raise ValueError(
+                f"{variables or 'SIDECAR_TLS_INSECURE_SKIP_VERIFY'}=true verifies no "
+                "certificate, so SIDECAR_TLS_CA_FILE would be ignored: set one of them"
+            )
+        for stage, https, name in (
+            ("prefill", self.prefill_tls, "SIDECAR_PREFILL_TLS=true"),
+            ("decode", self.decode_https, "an https:// SIDECAR_DECODE_URL"),
+        ):
+            if getattr(self, f"{stage}_tls_insecure_skip_verify") and not https:
+                raise ValueError(
+                    f"SIDECAR_{stage.upper()}_TLS_INSECURE_SKIP_VERIFY=true applies to the "
+                    f"{stage} engines over HTTPS, and they are called over plain HTTP: set "
+                    f"{name}, or unset it"
+                )
         if self.prefill_tls_server_name is not None and not self.prefill_tls:
             raise ValueError(
                 "SIDECAR_PREFILL_TLS_SERVER_NAME is set but SIDECAR_PREFILL_TLS is false: the "
                 "prefill engines are called over plain HTTP"
             )
         # Engine TLS settings with no engine over TLS are a forgotten switch, not a choice.
-        https = self.prefill_tls or any(url.startswith("https://") for url in self.decode_ranks)
+        https = self.prefill_tls or self.decode_https
         used = [
             f"SIDECAR_{name.upper()}"
             for name in ("tls_ca_file", "tls_client_cert_file", "tls_insecure_skip_verify")
@@ -851,6 +916,50 @@ class Settings(BaseSettings):
     def decode_ranks(self) -> tuple[str, ...]:
         """The decode engine's base URLs, one per data-parallel rank (one without ranks)."""
         return self.decode_urls or (self.decode_url,)
+
+    @property
+    def decode_https(self) -> bool:
+        """Whether a decode rank is called over HTTPS."""
+        return any(url.startswith("https://") for url in self.decode_ranks)
+
+    @property
+    def prefill_skip_verify(self) -> bool:
+        """Whether the prefill engines' certificates go unverified (the stage's setting, else
+        SIDECAR_TLS_INSECURE_SKIP_VERIFY)."""
+        stage = self.prefill_tls_insecure_skip_verify
+        return self.tls_insecure_skip_verify if stage is None else stage
+
+    @property
+    def decode_skip_verify(self) -> bool:
+        """Whether the decode engine's certificates go unverified (the stage's setting, else
+        SIDECAR_TLS_INSECURE_SKIP_VERIFY)."""
+        stage = self.decode_tls_insecure_skip_verify
+        return self.tls_insecure_skip_verify if stage is None else stage
+
+    def unverified_stages(self) -> list[tuple[str, str]]:
+        """(stage, the variable that says so) for each stage called over HTTPS unverified."""
+        stages = []
+        for stage, https, own in (
+            ("prefill engines", self.prefill_tls, self.prefill_tls_insecure_skip_verify),
+            ("decode engine", self.decode_https, self.decode_tls_insecure_skip_verify),
+        ):
+            if https and (self.tls_insecure_skip_verify if own is None else own):
+                variable = (
+                    "SIDECAR_TLS_INSECURE_SKIP_VERIFY"
+                    if own is None
+                    else f"SIDECAR_{stage.split()[0].upper()}_TLS_INSECURE_SKIP_VERIFY"
+                )
+                stages.append((stage, variable))
+        return stages
+
+
+def _parses(entry: str) -> bool:
+    """Whether a pool entry is well formed, whatever its scheme says."""
+    try:
+        parse_pool_entry(entry, schemes=_WEB)
+    except ValueError:
+        return False
+    return True
 
 
 def _base_url(value: str) -> str:

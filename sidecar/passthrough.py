@@ -32,7 +32,7 @@ from sidecar.observability.tracing import NO_TRACING, NoTracing, Tracing
 from sidecar.observability.tracking import name_this_task
 from sidecar.paths import GUARDED_ROUTES
 from sidecar.relay import relay
-from sidecar.scheduling.ranks import DecodeRanks
+from sidecar.scheduling.ranks import DecodeRanks, RankPorts
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +61,10 @@ class Passthrough:
         metrics: Metrics,
         bodies: Bodies,
         tracing: Tracing | None = None,
+        rank_ports: RankPorts | None = None,
     ) -> None:
         self._ranks = ranks
+        self._rank_ports = RankPorts() if rank_ports is None else rank_ports
         self._bodies = bodies
         self._tracing: Tracing | NoTracing = tracing or NO_TRACING
         self._first_byte_timeout_s = options.decode_first_byte_timeout_s
@@ -90,7 +92,7 @@ class Passthrough:
             data: Body = request.content.iter_any() if request.body_exists else None
             if request.path in GUARDED_ROUTES and request.body_exists:
                 data = await self._checked_body(request, held)
-            claim = self._ranks.claim_any()
+            claim = self._ranks.claim_any(self._rank_ports.rank_for(request))
             upstream, first = await on_a_rank(
                 self._ranks,
                 claim,

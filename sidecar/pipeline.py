@@ -39,6 +39,7 @@ from sidecar.observability.tracking import (
 from sidecar.relay import Relayed, relay
 from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
+from sidecar.scheduling.ranks import RankPorts
 from sidecar.scheduling.scheduler import Scheduler
 from sidecar.security.trust import PrefillGuard
 from sidecar.tasks import OnFailure
@@ -77,9 +78,11 @@ class Pipeline:
         metrics: Metrics,
         bodies: Bodies,
         tracing: Tracing | None = None,
+        rank_ports: RankPorts | None = None,
     ) -> None:
         self._options = options
         self._bodies = bodies
+        self._rank_ports = RankPorts() if rank_ports is None else rank_ports
         self._tracing: Tracing | NoTracing = tracing or NO_TRACING
         self._connector = connector
         self._scheduler = scheduler
@@ -160,7 +163,11 @@ class Pipeline:
             header = await self._guard.check(header)
         sanitized = self._connector.sanitize(body)
         placement = await self._scheduler.place(
-            body, header, local_reason=self._connector.unsupported(body), text=parsed.messages
+            body,
+            header,
+            local_reason=self._connector.unsupported(body),
+            text=parsed.messages,
+            rank=self._rank_ports.rank_for(request),
         )
         trace.placed(placing, placement)
         with OnFailure(placement.rank.end):  # the rank is the relay's once it answers

@@ -134,6 +134,7 @@ INVALID = [
     ("SIDECAR_TLS_CERT_FILE", "/etc/tls/tls.crt"),  # without its key
     ("SIDECAR_TLS_KEY_FILE", "/etc/tls/tls.key"),  # without its certificate
     ("SIDECAR_ADMIN_TLS", "perhaps"),
+    ("SIDECAR_TLS_MIN_VERSION", "1.1"),
     ("SIDECAR_TLS_RELOAD_INTERVAL_S", "0"),
     ("SIDECAR_PREFILL_TLS", "perhaps"),
     ("SIDECAR_PREFILL_TLS_SERVER_NAME", "not a name"),
@@ -141,7 +142,11 @@ INVALID = [
     ("SIDECAR_TLS_CLIENT_CERT_FILE", "/etc/client.crt"),  # without its key
     ("SIDECAR_TLS_CLIENT_KEY_FILE", "/etc/client.key"),  # without its certificate
     ("SIDECAR_TLS_INSECURE_SKIP_VERIFY", "true"),  # no engine over HTTPS
+    ("SIDECAR_RANK_PORTS", "perhaps"),
+    ("SIDECAR_PREFILL_TLS_INSECURE_SKIP_VERIFY", "true"),  # the prefill engines over HTTP
+    ("SIDECAR_DECODE_TLS_INSECURE_SKIP_VERIFY", "true"),  # the decode engine over HTTP
     ("SIDECAR_INFERENCE_POOL", "pd-llm"),  # no namespace
+    ("SIDECAR_INFERENCE_POOL_GROUP", "example.com"),
     ("SIDECAR_KUBE_API_URL", "kubernetes.default.svc"),
     ("SIDECAR_KUBE_TOKEN_FILE", ""),
     ("SIDECAR_KUBE_CA_FILE", ""),
@@ -367,6 +372,7 @@ def test_a_pool_entry_is_host_port_or_a_url_whose_scheme_says_what_prefill_tls_d
         ("https://127.0.0.1:8100/v1/completions", "without a path (/v1/completions)"),
         ("ftp://127.0.0.1:8100", "expected host:port, not a URL of scheme ftp"),
         ("127.0.0.1", "missing port"),
+        ("http://127.0.0.1:8100?x", "with no query string (?x)"),
     ],
 )
 def test_a_pool_entry_is_refused_saying_what_is_wrong_with_it(entry: str, says: str) -> None:
@@ -375,6 +381,18 @@ def test_a_pool_entry_is_refused_saying_what_is_wrong_with_it(entry: str, says: 
     message = explain(caught.value)
     assert message.startswith(f"invalid configuration: SIDECAR_PREFILL_ENDPOINTS: {entry!r}: ")
     assert says in message
+
+
+@pytest.mark.parametrize(
+    "entry", ["http://127.0.0.1:8100?x", "https://127.0.0.1:8100?x=1", "127.0.0.1:8100?x"]
+)
+def test_a_pool_entry_with_a_query_string_says_so(entry: str) -> None:
+    """Whatever SIDECAR_PREFILL_TLS says: not a port error, nor a scheme that disagrees."""
+    with pytest.raises(ValidationError) as caught:
+        Settings(prefill_endpoints=entry)
+    message = explain(caught.value)
+    assert message.startswith(f"invalid configuration: SIDECAR_PREFILL_ENDPOINTS: {entry!r}: ")
+    assert "with no query string" in message
 
 
 def test_an_unknown_variable_is_warned_about_naming_the_nearest_setting() -> None:

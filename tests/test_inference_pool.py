@@ -291,6 +291,39 @@ async def test_both_api_groups(
         await sidecar.close()
 
 
+@pytest.mark.parametrize(
+    ("group", "pool_in"), [("", V1), ("inference.networking.x-k8s.io", V1ALPHA2)]
+)
+async def test_the_group_chooses_the_api(
+    http,
+    start_sidecar_with: StartSidecar,
+    pki: Pki,
+    tmp_path: Path,
+    group: str,
+    pool_in: str,
+) -> None:
+    """A pool of that name in both groups, selecting other pods: SIDECAR_INFERENCE_POOL_GROUP
+    (llm-d's --pool-group) says which one is followed."""
+    async with fake_kubernetes(pki) as kube:
+        kube.set_pool("pd-llm", {"role": "v1"}, api=V1)
+        kube.set_pool("pd-llm", {"role": "v1alpha2"}, api=V1ALPHA2)
+        kube.add_pod("prefill-v1", "127.0.0.2", {"role": "v1"})
+        kube.add_pod("prefill-v1alpha2", "127.0.0.3", {"role": "v1alpha2"})
+        token = tmp_path / "token"
+        token.write_text(kube.token)
+        sidecar = await start_sidecar_with(
+            inference_pool=POOL,
+            inference_pool_group=group,
+            kube_api_url=kube.url,
+            kube_token_file=str(token),
+            kube_ca_file=pki.ca_file,
+            kube_retry_base_s=0.02,
+        )
+        await eventually(allows(http, sidecar, "127.0.0.2" if pool_in == V1 else "127.0.0.3"))
+        assert (await section(http, sidecar))["api"] == pool_in
+        await sidecar.close()
+
+
 async def test_a_new_selector_lists_the_pods_it_selects(
     http, start_pool_sidecar: StartPoolSidecar, kube: FakeKubernetes
 ) -> None:

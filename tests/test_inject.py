@@ -688,14 +688,49 @@ def test_an_engine_command_of_its_own_runs_after_the_wait_and_the_grace_counts_i
         "engine-prestop",
         "/bin/sh",
         "-c",
-        "curl -fsS -X POST localhost:8000/v1/drain",
+        "curl -fsS -X POST localhost:8200/v1/drain",  # the engine's new port
     ]
     # The wait, the command's 20 s, then the sidecar's drain and the engine's exit.
     assert spec["terminationGracePeriodSeconds"] == 30 + 20 + 30 + ENGINE_EXIT_S
     (note,) = notes
     assert "keeps its preStop command (exec: [/bin/sh, -c, curl" in note
     assert "the grace period counts 20 s for it (--engine-prestop-s" in note
+    assert "its loopback calls to port 8000, the sidecar's now, go to 8200" in note
+    assert "it names port 8000" not in note
+
+
+def test_an_engine_command_is_counted_10_s_unless_told_and_the_note_says_so() -> None:
+    hook = "{exec: {command: [/usr/bin/flush-kv]}}"
+    spec, notes = injected_spec(vllm(pre_stop=hook))
+    assert spec["terminationGracePeriodSeconds"] == 30 + 10 + 30 + ENGINE_EXIT_S
+    (note,) = notes
+    assert "the grace period counts 10 s for it (--engine-prestop-s, 10 s unless given" in note
+
+
+@pytest.mark.parametrize(
+    ("script", "after"),
+    [
+        (
+            "curl http://127.0.0.1:8000/drain && curl http://[::1]:8000/x",
+            "curl http://127.0.0.1:8200/drain && curl http://[::1]:8200/x",
+        ),
+        ("wget -q localhost:80001/x", "wget -q localhost:80001/x"),  # another port
+    ],
+)
+def test_loopback_calls_to_the_serving_port_follow_the_engine(script: str, after: str) -> None:
+    hook = yaml.safe_dump({"exec": {"command": ["sh", "-c", script]}}, default_flow_style=True)
+    spec, _ = injected_spec(vllm(pre_stop=hook.strip()))
+    assert container(spec, "vllm")["lifecycle"]["preStop"]["exec"]["command"][-1] == after
+
+
+def test_another_host_on_the_serving_port_is_left_as_written_with_a_warning() -> None:
+    hook = "{exec: {command: [sh, -c, 'curl decode-svc:8000/drain']}}"
+    spec, notes = injected_spec(vllm(pre_stop=hook))
+    command = container(spec, "vllm")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[-1] == "curl decode-svc:8000/drain"
+    (note,) = notes
     assert "it names port 8000, the sidecar's now: the engine listens on 8200" in note
+    assert "loopback calls" not in note
 
 
 def test_the_composed_hook_runs_the_engine_command_exactly_as_written(tmp_path: Path) -> None:

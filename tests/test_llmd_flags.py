@@ -25,6 +25,7 @@ from sidecar.config import Settings
 from sidecar.llmd import FLAGS, FlagError, go_duration, help_rows, parse, translate
 from tests.conftest import completion, engine_requests
 from tests.processes import START_TIMEOUT_S
+from tests.tlsfiles import Pki, serial_of_der
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,7 @@ def test_the_charts_decode_arguments_map_onto_settings() -> None:
         "decode_url": "http://127.0.0.1:8200",
         "decode_urls": (),
         "connector": "nixl",
-        "log_level": "DEBUG",
+        "log_level": "INFO",
         "tls_cert_file": None,
         "tls_key_file": None,
     }
@@ -161,6 +162,7 @@ def test_data_parallel_ranks_sit_on_consecutive_ports() -> None:
         "http://127.0.0.1:8302",
     )
     assert Settings(**settings).decode_ranks == settings["decode_urls"]
+    assert settings["rank_ports"] is True  # served on --port + r, as llm-d
     # llm-d's default model-server port; --model-server-port wins over --vllm-port.
     assert settings_of("--data-parallel-size=2")["decode_urls"][0] == "http://127.0.0.1:8200"
     assert settings_of("--vllm-port=1", "--model-server-port=2")["decode_url"].endswith(":2")
@@ -185,33 +187,85 @@ def test_tls_stages() -> None:
     assert "stages are prefiller, decoder, encoder" in refusal("--enable-tls=prefill")
 
 
-@pytest.mark.parametrize(
-    ("args", "skip"),
-    [
-        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"], True),
-        (["--enable-tls=decoder", "--tls-insecure-skip-verify=decoder"], True),
-        (["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller,decoder"], True),
-        (["--prefiller-use-tls", "--prefiller-tls-insecure-skip-verify"], True),
-        # A stage over plain HTTP has nothing to verify: nothing is skipped for the other.
-        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=decoder"], None),
-        (["--enable-tls=prefiller"], None),
-    ],
-)
-def test_skipping_verification_covers_the_stages_named(args: list[str], skip: bool | None) -> None:
-    assert settings_of(*args).get("tls_insecure_skip_verify") is skip
+PREFILL_SKIP, DECODE_SKIP = "prefill_tls_insecure_skip_verify", "decode_tls_insecure_skip_verify"
+HTTPS_DECODE = {"SIDECAR_DECODE_URL": "https://127.0.0.1:8443"}
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "environ", "skips"),
     [
-        ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller"],
-        ["--enable-tls=prefiller,decoder", "--decoder-tls-insecure-skip-verify"],
+        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"], {}, (True, None)),
+        (["--enable-tls=decoder", "--tls-insecure-skip-verify=decoder"], {}, (None, True)),
+        (
+            ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller,decoder"],
+            {},
+            (True, True),
+        ),
+        (["--prefiller-use-tls", "--prefiller-tls-insecure-skip-verify"], {}, (True, None)),
+        # One stage named of two over TLS: the other is verified.
+        (
+            ["--enable-tls=prefiller,decoder", "--tls-insecure-skip-verify=prefiller"],
+            {},
+            (True, False),
+        ),
+        (
+            ["--enable-tls=prefiller,decoder", "--decoder-tls-insecure-skip-verify"],
+            {},
+            (False, True),
+        ),
+        # TLS turned on by a variable counts: the decode engine stays verified...
+        (
+            ["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"],
+            HTTPS_DECODE,
+            (True, False),
+        ),
+        (
+            ["--decoder-use-tls", "--decoder-tls-insecure-skip-verify"],
+            {"SIDECAR_PREFILL_TLS": "true"},
+            (False, True),
+        ),
+        # ... and a stage over TLS by a variable can be the one named.
+        (["--tls-insecure-skip-verify=prefiller"], {"SIDECAR_PREFILL_TLS": "true"}, (True, None)),
+        (["--tls-insecure-skip-verify=decoder"], HTTPS_DECODE, (None, True)),
+        # A stage over plain HTTP has nothing to verify.
+        (["--enable-tls=prefiller", "--tls-insecure-skip-verify=decoder"], {}, (False, None)),
+        (["--enable-tls=prefiller"], {}, (None, None)),
     ],
 )
-def test_skipping_verification_for_part_of_the_tls_stages_is_refused(args: list[str]) -> None:
-    """Never widened: pd-sidecar verifies every engine alike, so one stage's skip would be
-    both's."""
-    assert "verifies every engine alike" in refusal(*args)
+def test_skipping_verification_covers_the_stages_named(
+    args: list[str], environ: dict[str, str], skips: tuple[bool | None, bool | None]
+) -> None:
+    flags = translate(args, environ)
+    assert (flags.settings.get(PREFILL_SKIP), flags.settings.get(DECODE_SKIP)) == skips
+    assert "tls_insecure_skip_verify" not in flags.settings
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "note"),
+    [
+        (["--tls-insecure-skip-verify=prefiller"], {"SIDECAR_PREFILL_TLS": "true"}, False),
+        (["--tls-insecure-skip-verify=decoder"], HTTPS_DECODE, False),
+        (["--tls-insecure-skip-verify=decoder"], {}, True),
+    ],
+)
+def test_the_plain_http_note_follows_the_effective_settings(
+    args: list[str], environ: dict[str, str], note: bool
+) -> None:
+    notes = translate(args, environ).notes
+    assert any("not called over TLS" in text for text in notes) is note
+
+
+def test_the_stage_settings_win_over_the_global_one() -> None:
+    with_env = Settings(
+        prefill_tls=True,
+        decode_url="https://127.0.0.1:8443",
+        tls_insecure_skip_verify=True,
+        **settings_of(
+            "--tls-insecure-skip-verify=prefiller", **HTTPS_DECODE, SIDECAR_PREFILL_TLS="1"
+        ),
+    )
+    assert (with_env.prefill_skip_verify, with_env.decode_skip_verify) == (True, False)
+    assert Settings(prefill_tls=True, tls_insecure_skip_verify=True).prefill_skip_verify
 
 
 def test_secure_proxy() -> None:
@@ -227,6 +281,74 @@ def test_secure_proxy() -> None:
     plain = translate(["--port=1"], {})
     assert not plain.self_signed
     assert any("plain HTTP" in note for note in plain.notes)
+
+
+def test_secure_proxy_serves_the_operators_certificate_from_the_environment() -> None:
+    """SIDECAR_TLS_CERT_FILE / _KEY_FILE set: --secure-proxy alone uses them, no self-signed
+    certificate replaces them."""
+    environ = {"SIDECAR_TLS_CERT_FILE": "/c/tls.crt", "SIDECAR_TLS_KEY_FILE": "/c/tls.key"}
+    flags = translate(["--secure-proxy=true"], environ)
+    assert not flags.self_signed
+    assert "tls_cert_file" not in flags.settings
+    assert any("SIDECAR_TLS_CERT_FILE" in note for note in flags.notes)
+
+
+def test_secure_serving_is_secure_proxys_newer_name() -> None:
+    assert translate(["--secure-serving"], {}).self_signed
+    assert settings_of("--secure-serving=false", "--cert-path=/c")["tls_cert_file"] is None
+    assert translate(["--secure-serving", "--secure-proxy=true"], {}).self_signed
+    assert "give --secure-serving alone" in refusal("--secure-serving", "--secure-proxy=false")
+
+
+@pytest.mark.parametrize(
+    ("args", "version"),
+    [
+        (["--tls-min-version=VersionTLS13"], "1.3"),
+        (["--tls-min-version=VersionTLS12"], "1.2"),
+        (["--tls-min-version="], None),
+    ],
+)
+def test_tls_min_version(args: list[str], version: str | None) -> None:
+    assert settings_of(*args).get("tls_min_version") == version
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tls-min-version=VersionTLS11"], "TLS 1.2 at least"),
+        (["--tls-min-version=1.3"], "expected VersionTLS12 or VersionTLS13"),
+        (["--tls-cipher-suites=TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"], "OpenSSL's default"),
+        (["--enable-speculative-prefill"], "predicted next turn"),
+        (["--metrics-port=9090", "--metrics-cert-dir=/m"], "the same directory as --cert-path"),
+    ],
+)
+def test_newer_flags_refused_with_a_reason(args: list[str], message: str) -> None:
+    assert message in refusal(*args)
+
+
+def test_a_metrics_cert_dir_that_is_the_cert_path_serves_the_metrics_port_over_https() -> None:
+    settings = settings_of("--cert-path=/c/", "--metrics-port=9090", "--metrics-cert-dir=/c")
+    assert (settings["admin_port"], settings["admin_tls"]) == (9090, True)
+    unused = translate(["--cert-path=/c", "--metrics-cert-dir=/c"], {})
+    assert "admin_tls" not in unused.settings
+    assert any("unused without --metrics-port" in note for note in unused.notes)
+
+
+@pytest.mark.parametrize(
+    ("args", "entries", "message"),
+    [
+        (["--enable-tls=decoder"], "https://127.0.0.1:1", "add --enable-tls=prefiller"),
+        (["--prefiller-use-tls=false"], "https://127.0.0.1:1", "--prefiller-use-tls without"),
+        (["--enable-tls=prefiller"], "http://127.0.0.1:1", "--enable-tls calls every prefill"),
+    ],
+)
+def test_pool_entry_schemes_against_the_flags_name_the_flag(
+    args: list[str], entries: str, message: str
+) -> None:
+    """The flag wins over SIDECAR_PREFILL_TLS, so telling the user to set it would not help."""
+    text = refusal(*args, SIDECAR_PREFILL_ENDPOINTS=entries)
+    assert message in text
+    assert "SIDECAR_PREFILL_TLS=true" not in text
 
 
 @pytest.mark.parametrize(
@@ -258,7 +380,9 @@ def test_ssrf_protection_follows_the_inference_pool(
 def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> None:
     assert "needs its InferencePool" in refusal("--enable-ssrf-protection")
     assert "inference.networking.k8s.io" in refusal("--pool-group=example.com")
-    assert "inference_pool" not in settings_of("--pool-group=inference.networking.x-k8s.io")
+    older = settings_of("--pool-group=inference.networking.x-k8s.io")
+    assert "inference_pool" not in older
+    assert older["inference_pool_group"] == "inference.networking.x-k8s.io"
 
 
 @pytest.mark.parametrize(
@@ -266,7 +390,10 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
     [
         (["-v=5"], "DEBUG"),
         (["-v", "2"], "INFO"),
-        (["--zap-devel"], "DEBUG"),
+        # zap's debug is V(1), below llm-d's debug logging (V(4)): the chart's default.
+        (["--zap-log-level=debug"], "INFO"),
+        (["--zap-devel"], "INFO"),
+        (["--zap-devel", "-v=4"], "DEBUG"),
         (["--zap-log-level=info", "--zap-devel", "-v=9"], "INFO"),
         (["--zap-log-level=error"], "ERROR"),
         (["--zap-log-level=warn"], "WARNING"),
@@ -276,6 +403,23 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
 )
 def test_log_levels(args: list[str], level: str) -> None:
     assert settings_of(*args)["log_level"] == level
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--zap-encoder=json"], "--zap-encoder:"),
+        (["--zap-time-encoding=iso8601"], "--zap-time-encoding:"),
+        (
+            ["--zap-encoder=console", "--zap-stacktrace-level=error"],
+            "--zap-encoder, --zap-stacktrace-level:",
+        ),
+    ],
+)
+def test_the_zap_note_names_only_the_flags_given(args: list[str], named: str) -> None:
+    notes = [note for note in translate(args, {}).notes if note.startswith("--zap")]
+    assert len(notes) == 1
+    assert notes[0].startswith(named)
 
 
 def test_retries_tracing_and_metrics_port() -> None:
@@ -290,8 +434,11 @@ def test_retries_tracing_and_metrics_port() -> None:
         "prefill_retry_backoff_s": 0.25,
         "tracing": True,
         "admin_port": 9090,
+        "admin_tls": False,
     }
     assert "admin_port" not in settings_of("--metrics-port=0")
+    # The operator's SIDECAR_ADMIN_TLS decides when it is set.
+    assert "admin_tls" not in settings_of("--metrics-port=9090", SIDECAR_ADMIN_TLS="true")
 
 
 @pytest.mark.parametrize(("sampling", "spread"), [(True, True), (False, False)])
@@ -513,6 +660,42 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
 
 
 @pytest.mark.system
+async def test_the_metrics_port_is_plain_http_under_secure_proxy(decode) -> None:
+    """As llm-d's: --secure-proxy makes --port HTTPS, --metrics-port stays HTTP."""
+    port, metrics = free_port(), free_port()
+    args = [
+        f"--port={port}",
+        f"--vllm-port={port_of(decode.url)}",
+        "--secure-proxy",
+        f"--metrics-port={metrics}",
+    ]
+    async with (
+        sidecar_with_flags(args, scheme="https"),
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{metrics}/metrics") as response,
+    ):
+        assert response.status == 200
+        assert "pd_sidecar_" in await response.text()
+
+
+@pytest.mark.system
+async def test_secure_proxy_keeps_a_certificate_given_by_variables(decode, tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
+    cert_file, key_file, serial = pki.issue("127.0.0.1")
+    port = free_port()
+    args = [f"--port={port}", f"--vllm-port={port_of(decode.url)}", "--secure-proxy=true"]
+    async with sidecar_with_flags(
+        args, scheme="https", SIDECAR_TLS_CERT_FILE=cert_file, SIDECAR_TLS_KEY_FILE=key_file
+    ):
+        # Verified with the operator's CA: the served certificate is theirs.
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=pki.client_context())
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        await writer.wait_closed()
+    assert serial_of_der(der) == serial
+
+
+@pytest.mark.system
 def test_a_refused_flag_exits_2_before_anything_starts() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sidecar", "--port=8000", "-kv-connector", "mooncake"],
@@ -524,3 +707,29 @@ def test_a_refused_flag_exits_2_before_anything_starts() -> None:
     )
     assert result.returncode == 2
     assert result.stderr.startswith("pd-sidecar: --kv-connector=mooncake cannot be honoured")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [("pd-sidecar", "usage: pd-sidecar "), ("-m", "usage: python -m sidecar ")],
+)
+def test_help_names_the_command_as_it_was_typed(tmp_path: Path, command: str, usage: str) -> None:
+    """The console script prints its own name; ``python -m sidecar`` the module's."""
+    if command == "-m":
+        argv = [sys.executable, "-m", "sidecar", "--help"]
+    else:
+        # What the console script is: a file of that name calling main().
+        script = tmp_path / command
+        script.write_text("from sidecar.__main__ import main\nmain()\n")
+        argv = [sys.executable, str(script), "--help"]
+    result = subprocess.run(
+        argv,
+        env=environment({"PYTHONPATH": str(ROOT)}, drop=LLMD_VARIABLES),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert result.stdout.startswith(usage)

@@ -235,7 +235,7 @@ def test_emulated_runs_the_emulator_with_flags_it_accepts(built: dict) -> None:
         assert config.port == (port["engine"] if name == "decode" else port["http"])
         # The kubelet probes the pod's address: an engine on loopback only would be restarted.
         assert engine["livenessProbe"]["httpGet"]["port"] == config.port
-        assert config.host == "0.0.0.0"
+        assert config.host == "0.0.0.0,::"  # both families, as the sidecar listens
     # Its shorter drain changed all three numbers (check_termination above holds them together).
     decode = by_kind(docs, "Deployment", "decode")["spec"]["template"]["spec"]
     assert settings_of(decode).drain_timeout_s == 10

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import itertools
 import random
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from devkit.processes import quiet_port
 from sidecar.config import Settings
 from sidecar.connectors.background import BackgroundWork
 from sidecar.emulator import RunningEmulator
@@ -324,6 +326,83 @@ async def test_a_rank_refusing_connections_passes_its_requests_on(
     assert await metric(http, sidecar.url, tried) > 0  # some were placed there, and passed on
     assert [rank["inflight"] for rank in await _ranks(http, sidecar)] == [0, 0]
     assert await staged_blocks(http, prefill) == 0
+
+
+async def test_each_rank_port_pins_its_rank(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    """SIDECAR_RANK_PORTS, as llm-d's sidecar listens: rank r on SIDECAR_PORT + r, rank 0 on
+    SIDECAR_PORT; the request goes there whatever the sidecar's own choice would be."""
+    engines = [await start_engine() for _ in range(3)]
+    sidecar = await start_ranked(engines, rank_ports=True)
+    assert len(sidecar.rank_ports) == 2
+    await _until_ready(http, sidecar, [True, True, True])
+    for rank in (0, 1, 2, 1, 0, 2):
+        # The same prompt each time: left to choose, the sidecar would send it back to its home.
+        counts = [len(await engine_requests(http, engine)) for engine in engines]
+        async with http.post(
+            sidecar.rank_url(rank) + "/v1/completions", json=completion(LONG)
+        ) as response:
+            assert response.status == 200, await response.text()
+            request_id = response.headers["x-request-id"]
+        counts[rank] += 1
+        assert [len(await engine_requests(http, engine)) for engine in engines] == counts
+        record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+        assert record["decode_rank"] == rank
+    for rank, engine in enumerate(engines):
+        before = len(await engine_requests(http, engine))
+        assert await _status(http, sidecar.rank_url(rank) + "/v1/models") == 200  # passthrough
+        assert len(await engine_requests(http, engine)) == before + 1
+    # A prefill target naming a rank port is this sidecar too.
+    header = {"x-prefiller-host-port": f"127.0.0.1:{sidecar.rank_ports[0]}"}
+    async with http.post(sidecar.url + "/v1/completions", json=completion(), headers=header) as r:
+        assert r.status == 400
+        assert "this sidecar itself" in (await r.json())["error"]["message"]
+
+
+async def test_a_pinned_rank_that_refuses_connections_is_not_replaced(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines, rank_ports=True, ready_interval_s=60)
+    await _until_ready(http, sidecar, [True, True])
+    await engines[1].close()
+    async with http.post(sidecar.rank_url(1) + "/v1/completions", json=completion()) as response:
+        assert response.status == 503
+        await response.read()
+    assert await _status(http, sidecar.rank_url(0) + "/v1/models") == 200
+
+
+async def test_rank_ports_are_bound_on_the_ports_after_sidecar_port(
+    http, start_engine: StartEmulator, start_ranked: StartRanked
+) -> None:
+    engines = [await start_engine() for _ in range(2)]
+    port = _two_quiet_ports()
+    sidecar = await start_ranked(engines, rank_ports=True, port=port)
+    assert (sidecar.port, sidecar.rank_ports) == (port, [port + 1])
+    assert await _status(http, f"http://127.0.0.1:{port + 1}/health") == 200
+
+
+def _two_quiet_ports() -> int:
+    """A port free with the next one, outside the ephemeral range (where the sidecar's own
+    connections to the engines take theirs)."""
+    for _ in range(50):
+        port = quiet_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_rank_ports_that_run_past_the_last_port_or_onto_the_admin_port_are_refused() -> None:
+    ranks = "http://127.0.0.1:8200,http://127.0.0.1:8201,http://127.0.0.1:8202"
+    with pytest.raises(ValueError, match="run past 65535"):
+        Settings(decode_urls=ranks, rank_ports=True, port=65534)
+    with pytest.raises(ValueError, match="SIDECAR_ADMIN_PORT=8002 is the port of a decode rank"):
+        Settings(decode_urls=ranks, rank_ports=True, port=8000, admin_port=8002)
 
 
 async def test_one_unreachable_rank_is_a_503_as_before(http, start_ranked: StartRanked) -> None:

@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 
 from sidecar.config import Settings
+from sidecar.llmd import translate
 from sidecar.server.runner import RunningSidecar
-from tests.conftest import StartEmulator, StartSidecar, chat, eventually
+from tests.conftest import StartEmulator, StartSidecar, chat, engine_requests, eventually
 from tests.processes import free_port, sidecar_process
 from tests.tlsfiles import Pki, SecretDir, serial_of_der
 
@@ -138,6 +139,27 @@ async def test_the_listener_serves_https_from_tls_1_2(
     with pytest.raises(aiohttp.ClientError):
         async with aiohttp.ClientSession() as session:
             await session.get(sidecar.url.replace("https://", "http://") + "/health")
+
+
+async def test_a_tls_1_3_minimum_refuses_a_tls_1_2_client(
+    start_sidecar_with: StartSidecar, pki: Pki, tmp_path: Path
+) -> None:
+    """SIDECAR_TLS_MIN_VERSION=1.3 (llm-d's --tls-min-version=VersionTLS13)."""
+    secret = secret_with(tmp_path / "secret", pki.issue("127.0.0.1"))
+    sidecar = await start_sidecar_with(
+        **listener_settings(secret), **translate(["--tls-min-version=VersionTLS13"], {}).settings
+    )
+
+    def offering(maximum: ssl.TLSVersion) -> ssl.SSLContext:
+        context = pki.client_context()
+        context.maximum_version = maximum
+        return context
+
+    connection = await TlsConnection.open(offering(ssl.TLSVersion.TLSv1_3), sidecar.url)
+    assert await connection.get("/health") == 200
+    await connection.close()
+    with pytest.raises((ssl.SSLError, ConnectionResetError)):
+        await TlsConnection.open(offering(ssl.TLSVersion.TLSv1_2), sidecar.url)
 
 
 async def test_the_admin_port_serves_https_too_unless_told_otherwise(
@@ -423,6 +445,96 @@ async def test_insecure_skip_verify_accepts_any_certificate_and_warns(
     ) as response:
         assert response.status == 200
     assert (await last_record(http, sidecar))["decision"] == "remote"
+
+
+async def test_llmds_skip_flag_for_the_prefill_leaves_an_https_decode_verified(
+    start_sidecar_with: StartSidecar,
+    start_engine: StartEmulator,
+    pki: Pki,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """llm-d's --tls-insecure-skip-verify=prefiller, with the decode engine on https:// by
+    SIDECAR_DECODE_URL: the prefill's unknown certificate is accepted, the decode's refused."""
+    stranger = Pki(tmp_path / "stranger", "stranger")
+    prefill = await https_engine(start_engine, stranger)
+    decode = await https_engine(start_engine, stranger)
+    flags = translate(
+        ["--enable-tls=prefiller", "--tls-insecure-skip-verify=prefiller"],
+        {"SIDECAR_DECODE_URL": decode.url, "SIDECAR_TLS_INSECURE_SKIP_VERIFY": "true"},
+    ).settings
+    with caplog.at_level(logging.WARNING, logger="sidecar.app"):
+        sidecar = await start_sidecar_with(
+            decode_url=decode.url, tls_insecure_skip_verify=True, **flags
+        )
+    assert "SIDECAR_PREFILL_TLS_INSECURE_SKIP_VERIFY=true" in caplog.text
+    assert "decode engine are not verified" not in caplog.text
+    async with http.post(
+        sidecar.url + "/v1/chat/completions",
+        json=chat(max_tokens=2),
+        headers={HEADER: prefill.endpoint},
+    ) as response:
+        assert response.status == 503
+        message = (await response.json())["error"]["message"]
+    assert message.startswith(f"the certificate of the decode engine at {decode.endpoint}")
+    # The prefill went through, unverified (asked of the emulator over its own TLS).
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False)) as insecure:
+        assert len(await engine_requests(insecure, prefill)) == 1
+
+
+async def test_a_decode_that_skips_verification_leaves_the_prefill_verified(
+    start_sidecar_with: StartSidecar,
+    start_engine: StartEmulator,
+    pki: Pki,
+    tmp_path: Path,
+    http: aiohttp.ClientSession,
+) -> None:
+    stranger = Pki(tmp_path / "stranger", "stranger")
+    decode = await https_engine(start_engine, stranger)
+    trusted, untrusted = (
+        await https_engine(start_engine, pki),
+        await https_engine(start_engine, stranger),
+    )
+    sidecar = await start_sidecar_with(
+        decode_url=decode.url,
+        prefill_tls=True,
+        tls_ca_file=pki.ca_file,
+        decode_tls_insecure_skip_verify=True,
+    )
+    for prefill, decision in ((trusted, "remote"), (untrusted, "local")):
+        async with http.post(
+            sidecar.url + "/v1/chat/completions",
+            json=chat(max_tokens=2),
+            headers={HEADER: prefill.endpoint},
+        ) as response:
+            assert response.status == 200, await response.text()
+        record = await last_record(http, sidecar)
+        assert record["decision"] == decision
+    assert record["fallback_reason"] == "prefill_unreachable"
+
+
+def test_stage_skip_settings() -> None:
+    from pydantic import ValidationError
+
+    both = Settings(prefill_tls=True, decode_url="https://127.0.0.1:8443")
+    assert (both.prefill_skip_verify, both.decode_skip_verify) == (False, False)
+    stage = Settings(
+        prefill_tls=True,
+        decode_url="https://127.0.0.1:8443",
+        tls_insecure_skip_verify=True,
+        decode_tls_insecure_skip_verify=False,
+        tls_ca_file="/etc/ca.pem",  # the decode engine's
+    )
+    assert (stage.prefill_skip_verify, stage.decode_skip_verify) == (True, False)
+    with pytest.raises(ValidationError, match="SIDECAR_PREFILL_TLS=true, or unset it"):
+        Settings(prefill_tls_insecure_skip_verify=True)
+    with pytest.raises(ValidationError, match="verifies no certificate"):
+        Settings(
+            decode_url="https://127.0.0.1:8443",
+            decode_tls_insecure_skip_verify=True,
+            tls_ca_file="/etc/ca.pem",
+        )
 
 
 def test_engine_tls_settings_without_an_https_engine_are_refused() -> None:

@@ -112,11 +112,13 @@ async def on_a_rank(
 ) -> tuple[EngineAnswer, bytes]:
     """``started`` on the claimed rank; on another ready one (the claim moves there) when the
     claimed rank turned unready since the request was placed (a remote prefill takes a while), or
-    cannot be connected to. ``sending`` is called before each attempt."""
+    cannot be connected to, unless the request named its rank (``RankClaim.pinned``).
+    ``sending`` is called before each attempt."""
     tried: list[DecodeRank] = []
     while True:
         rank = claim.rank
-        if not rank.ready and ranks.ready:  # nothing was sent to it yet: another rank may take it
+        # A pinned request goes to the rank it named, or fails, as in llm-d.
+        if not rank.ready and ranks.ready and not claim.pinned:  # nothing was sent to it yet
             other = ranks.least_loaded(exclude=[*tried, rank])
             if other is not None:
                 logger.info(
@@ -134,7 +136,7 @@ async def on_a_rank(
         except EngineNotConnected as exc:
             tried.append(rank)
             ranks.lost(rank)  # no process listens there: whatever it cached is gone
-            other = ranks.least_loaded(exclude=tried)
+            other = None if claim.pinned else ranks.least_loaded(exclude=tried)
             if other is None:
                 raise
             logger.warning(

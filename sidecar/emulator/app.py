@@ -55,6 +55,7 @@ from sidecar.emulator.push import PushBoard, add_push_routes
 from sidecar.emulator.reqlog import RequestLog
 from sidecar.emulator.sglang import RoomBoard, add_bootstrap_routes
 from sidecar.emulator.storage import SharedKvStore
+from sidecar.server.binding import bind, reachable
 
 log = logging.getLogger("sidecar.emulator")
 
@@ -278,6 +279,13 @@ def _tls(config: EmulatorConfig) -> ssl.SSLContext | None:
     return context
 
 
+def listen_hosts(text: str) -> list[str]:
+    """``--host``: one address, or a comma list (``0.0.0.0,::``: both families, as the sidecar's
+    SIDECAR_HOST); IPv6 addresses with or without brackets."""
+    hosts = [item.strip().removeprefix("[").removesuffix("]") for item in text.split(",")]
+    return [host for host in hosts if host] or ["127.0.0.1"]
+
+
 def _host_for_url(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -291,16 +299,20 @@ class RunningEmulator:
         app: web.Application,
         api_runner: web.AppRunner,
         side_runner: web.AppRunner,
+        host: str | None = None,
     ) -> None:
+        """``host``: what ``endpoint`` and ``url`` name (None: ``config.host``)."""
+        host = config.host if host is None else host
         self.config = config
         self.app = app
         self._api_runner = api_runner
         self._side_runner = side_runner
         self.port: int = api_runner.addresses[0][1]
+
         # The NIXL side channel; for an sglang prefill server, its bootstrap server.
         self.side_channel_port: int = side_runner.addresses[0][1]
         self.bootstrap_port: int = self.side_channel_port
-        self.endpoint = f"{_host_for_url(config.host)}:{self.port}"
+        self.endpoint = f"{_host_for_url(host)}:{self.port}"
         scheme = "https" if config.tls_cert_file else "http"
         self.url = f"{scheme}://{self.endpoint}"
         self._closed = False
@@ -383,12 +395,20 @@ async def start_emulator(
         )
         await api_runner.setup()
         try:
-            site = web.TCPSite(api_runner, config.host, config.port, ssl_context=_tls(config))
-            await site.start()
+            # Every address of --host, on one port (sidecar.server.binding: "::" skipped where
+            # the kernel has no IPv6, as long as another address is bound).
+            context = _tls(config)
+            hosts = listen_hosts(config.host)
+            sockets = await bind(hosts, config.port, "--port")
+            for sock in sockets:
+                await web.SockSite(api_runner, sock, ssl_context=context).start()
+            # Several addresses (0.0.0.0,::): named by one a local client reaches, as the
+            # sidecar does; one: as written.
+            host = hosts[0] if len(hosts) == 1 else reachable(sockets)[0]
         except BaseException:
             await api_runner.cleanup()
             raise
     except BaseException:
         await side_runner.cleanup()
         raise
-    return RunningEmulator(config, app, api_runner, side_runner)
+    return RunningEmulator(config, app, api_runner, side_runner, host)

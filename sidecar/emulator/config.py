@@ -41,7 +41,12 @@ def _doc(text: str) -> dict[str, str]:
 class EmulatorConfig:
     """Configuration of one emulator instance (see docs/emulator.md for the semantics)."""
 
-    host: str = field(default="127.0.0.1", metadata=_doc("address the API listens on"))
+    host: str = field(
+        default="127.0.0.1",
+        metadata=_doc(
+            "address(es) the API listens on: a comma list, e.g. 0.0.0.0,:: for both families"
+        ),
+    )
     port: int = field(default=8200, metadata=_doc("API port; 0 picks a free port"))
     side_channel_port: int = field(
         default=0, metadata=_doc("NIXL side-channel port (advertised as remote_port); 0 = free")

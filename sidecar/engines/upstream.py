@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -239,8 +239,8 @@ class HttpClient:
     sidecar's own: the engines' pools (``Engines``) and the Kubernetes API's
     (``sidecar.security.kube``).
 
-    ``https://`` URLs are verified with ``tls()``'s context (asked at each request: a watched
-    CA bundle may be replaced; None: the system's CAs).
+    ``https://`` URLs are verified with ``tls(url)``'s context (asked at each request: a
+    watched CA bundle may be replaced, and the engines' stages differ; None: the system's CAs).
     """
 
     __slots__ = (
@@ -261,7 +261,7 @@ class HttpClient:
         keepalive_s: float = ENGINE_KEEPALIVE_S,
         limit: int = 100,
         limit_per_host: int = 0,
-        tls: Callable[[], ssl.SSLContext] | None = None,
+        tls: Callable[[str], ssl.SSLContext] | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         """``limit``, ``limit_per_host``: connections at most (0: no cap; 100 in all is
@@ -328,7 +328,7 @@ class HttpClient:
         tls: dict[str, Any] = {}
         if url.startswith("https://"):
             if self._tls is not None:
-                tls["ssl"] = self._tls()
+                tls["ssl"] = self._tls(url)
             if server_name is not None:
                 tls["server_hostname"] = server_name
         name = _engine_name(url)
@@ -373,6 +373,9 @@ class Engines:
     system's CAs). Prefill engines are named by ``host:port`` alone: ``prefill_url`` gives them the
     scheme ``SIDECAR_PREFILL_TLS`` says, and ``prefill_server_name`` the name their certificate is
     checked against.
+
+    Verification is skipped per stage: for the decode ranks (``decode_urls``) when
+    ``decode_insecure``, for any other engine (the prefill engines) when ``prefill_insecure``.
     """
 
     def __init__(
@@ -383,10 +386,18 @@ class Engines:
         tls: ClientTls | None = None,
         prefill_tls: bool = False,
         prefill_server_name: str | None = None,
+        decode_urls: Sequence[str] = (),
+        prefill_insecure: bool = False,
+        decode_insecure: bool = False,
     ) -> None:
         self._prefill_scheme = "https" if prefill_tls else "http"
         self._prefill_server_name = prefill_server_name
-        context = None if tls is None else (lambda: tls.context)
+        decode_origins = frozenset(_origin(url) for url in decode_urls)
+
+        def insecure(url: str) -> bool:
+            return decode_insecure if _origin(url) in decode_origins else prefill_insecure
+
+        context = None if tls is None else (lambda url: tls.context(insecure(url)))
         # In-flight requests bound the connections; a cap here would queue silently.
         self.requests = HttpClient(
             connect_timeout_s=connect_timeout_s, keepalive_s=keepalive_s, limit=0, tls=context
@@ -452,6 +463,11 @@ def parse_json(body: bytes, what: str) -> object:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise EngineBadResponse(f"{what} answered with invalid JSON") from exc
+
+
+def _origin(url: str) -> str:
+    """``scheme://host:port`` of an engine URL."""
+    return "/".join(url.split("/", 3)[:3])
 
 
 def _engine_name(url: str) -> str:

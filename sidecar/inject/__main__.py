@@ -48,10 +48,11 @@ SETTING_OPTIONS = {
 """Options that set one variable of the sidecar each (validated as --env is)."""
 
 
-def prog_name(argv0: str) -> str:
-    """The command as it was typed: the console script's name, else ``python -m``."""
+def prog_name(argv0: str, module: str = MODULE) -> str:
+    """The command as it was typed: the console script's name, else ``module`` (``python -m
+    ...``)."""
     name = os.path.basename(argv0)
-    return name if name and not name.endswith(".py") and name != "-c" else MODULE
+    return name if name and not name.endswith(".py") and name != "-c" else module
 
 
 def _port(text: str) -> int:

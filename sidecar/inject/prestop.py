@@ -9,9 +9,12 @@ The sidecar needs the engine to keep serving for ``drain_s`` seconds from that m
 - a wait (``exec: sleep N``, ``sh -c "sleep N"``, the built-in ``sleep: {seconds: N}``): one wait of
   ``max(N, drain_s)`` in the same form, since both ask only that the engine keep serving that long;
 - any other command: one ``exec`` that waits ``drain_s``, then runs the command as it was written
-  (``sh -c 'sleep D; exec "$@"' engine-prestop <command...>``: no quoting is changed). The command
-  still runs just before the engine's SIGTERM, as it did without the sidecar; how long it runs
-  cannot be known, so the grace period counts ``command_s`` for it (``--engine-prestop-s``);
+  (``sh -c 'sleep D; exec "$@"' engine-prestop <command...>``: no quoting is changed), but for its
+  loopback calls to the serving port (``127.0.0.1:8000``, ``localhost:8000``, ``[::1]:8000``),
+  which would reach the sidecar now: they name the engine's new port. Any other mention of the
+  serving port is left as written, with a warning. The command still runs just before the
+  engine's SIGTERM, as it did without the sidecar; how long it runs cannot be known, so the grace
+  period counts ``command_s`` for it (``--engine-prestop-s``, ``ENGINE_PRESTOP_S`` by default);
 - ``httpGet``: cannot share one handler with a wait without a tool in the engine's image: refused,
   saying what to write instead. ``tcpSocket`` is no lifecycle handler Kubernetes runs: refused.
 
@@ -27,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+ENGINE_PRESTOP_S = 10
+"""What the grace period counts for an engine's own preStop command unless told
+(``--engine-prestop-s``): a drain call or a flush, not a command that returns at once."""
 WRAPPER_NAME = "engine-prestop"
 """``$0`` of the composed shell: what ``ps`` shows while it runs."""
 _SLEEP_ARG = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
@@ -81,13 +87,21 @@ def compose(
         if not command:
             raise PreStopError("has a preStop exec hook without a command: remove it")
         script = f'sleep {drain_s}; exec "$@"'
-        hook = {"exec": {"command": ["sh", "-c", script, WRAPPER_NAME, *command]}}
+        loopback = re.compile(rf"(?<![\w.-])(127\.0\.0\.1|localhost|\[::1\]):{serving_port}(?!\d)")
+        moved = [loopback.sub(rf"\g<1>:{engine_port}", token) for token in command]
+        hook = {"exec": {"command": ["sh", "-c", script, WRAPPER_NAME, *moved]}}
         note = (
             f"keeps its preStop command ({_show(existing)}), run after the sidecar's "
             f"{drain_s} s wait: the grace period counts {command_s} s for it "
-            "(--engine-prestop-s SECONDS if it may run longer)"
+            f"(--engine-prestop-s, {ENGINE_PRESTOP_S} s unless given: raise it if the command "
+            "may run longer)"
         )
-        if any(re.search(rf":{serving_port}(?!\d)", token) for token in command):
+        if moved != command:
+            note += (
+                f"; its loopback calls to port {serving_port}, the sidecar's now, go to "
+                f"{engine_port}, the engine's"
+            )
+        if any(re.search(rf":{serving_port}(?!\d)", token) for token in moved):
             note += (
                 f"; it names port {serving_port}, the sidecar's now: the engine listens on "
                 f"{engine_port}"

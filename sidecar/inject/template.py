@@ -22,6 +22,7 @@ import yaml
 import yarl
 
 from sidecar.defaults import DECODE_URL
+from sidecar.inject.prestop import ENGINE_PRESTOP_S
 
 CONTAINER_NAME = "pd-sidecar"
 """The container's name: how a second injection recognizes the first."""
@@ -49,7 +50,7 @@ class Options:
     """``SIDECAR_DRAIN_TIMEOUT_S``, and the engine's ``preStop`` wait."""
     tls_secret: str | None = None
     """A ``kubernetes.io/tls`` Secret: the sidecar serves HTTPS with its certificate."""
-    engine_prestop_s: int = 0
+    engine_prestop_s: int = ENGINE_PRESTOP_S
     """The longest the engine's own ``preStop`` command runs (a command kept, not a wait)."""
     env: tuple[tuple[str, str], ...] = ()
     """More variables of the sidecar (name, value), after those above; checked by

@@ -56,7 +56,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "data-parallel-size",
         "int",
-        "SIDECAR_DECODE_URLS: ranks on the model-server port and the N-1 ports after it",
+        "SIDECAR_DECODE_URLS (the model-server port + r), SIDECAR_RANK_PORTS=true (--port + r)",
     ),
     Flag(
         "kv-connector",
@@ -117,9 +117,17 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "pool-group",
         "string",
-        "checked: inference.networking.k8s.io or inference.networking.x-k8s.io",
+        "SIDECAR_INFERENCE_POOL_GROUP: inference.networking.k8s.io or its x-k8s.io group",
     ),
     Flag("enable-prefiller-sampling", "bool", "SIDECAR_PREFILL_HEADER_SAMPLING"),
+    Flag(
+        "enable-speculative-prefill",
+        "bool",
+        "refused unless false (no speculative next-turn prefill)",
+        default=False,
+        only_default="pd-sidecar does not warm the KV cache with a predicted next turn: remove "
+        "it (a continuation is sent back to the decode rank holding its history)",
+    ),
     Flag(
         "enable-tls",
         "list",
@@ -130,7 +138,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "tls-insecure-skip-verify",
         "list",
-        "SIDECAR_TLS_INSECURE_SKIP_VERIFY=true when it names every stage called over TLS",
+        "SIDECAR_{PREFILL,DECODE}_TLS_INSECURE_SKIP_VERIFY: true named, false not named",
     ),
     Flag(
         "prefiller-tls-insecure-skip-verify",
@@ -143,9 +151,28 @@ FLAGS: tuple[Flag, ...] = (
         "as --tls-insecure-skip-verify=decoder",
     ),
     Flag(
+        "tls-min-version",
+        "string",
+        "SIDECAR_TLS_MIN_VERSION: VersionTLS12 -> 1.2, VersionTLS13 -> 1.3",
+    ),
+    Flag(
+        "tls-cipher-suites",
+        "list",
+        "refused unless empty (OpenSSL's default TLS 1.2 suites)",
+        default=(),
+        only_default="pd-sidecar's listener uses OpenSSL's default TLS 1.2 cipher suites, which "
+        "Go's names do not select: remove it (--tls-min-version=VersionTLS13 leaves TLS 1.3's "
+        "suites only)",
+    ),
+    Flag(
+        "secure-serving",
+        "bool",
+        "as --secure-proxy (llm-d's newer name)",
+    ),
+    Flag(
         "secure-proxy",
         "bool",
-        "true: HTTPS on SIDECAR_PORT (a self-signed certificate without --cert-path)",
+        "true: HTTPS on SIDECAR_PORT (self-signed without --cert-path or SIDECAR_TLS_CERT_FILE)",
     ),
     Flag(
         "cert-path",
@@ -184,7 +211,16 @@ FLAGS: tuple[Flag, ...] = (
         "own flag, or as a SIDECAR_* variable (docs/configuration.md)",
     ),
     Flag("tracing", "bool", "SIDECAR_TRACING"),
-    Flag("metrics-port", "int", "SIDECAR_ADMIN_PORT (when above 0)"),
+    Flag(
+        "metrics-port",
+        "int",
+        "SIDECAR_ADMIN_PORT (when above 0), plain HTTP unless SIDECAR_ADMIN_TLS is set",
+    ),
+    Flag(
+        "metrics-cert-dir",
+        "string",
+        "SIDECAR_ADMIN_TLS=true when it is --cert-path's directory; another refused",
+    ),
     Flag("moriio-write-mode", "bool", "refused unless false (no MoRI-IO)", False, NOT_MORIIO),
     Flag(
         "moriio-decode-notify-port", "int", "refused unless 61005 (no MoRI-IO)", 61005, NOT_MORIIO
@@ -219,8 +255,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("moriio-dp-size-local", "int", "refused unless 0 (no MoRI-IO)", 0, NOT_MORIIO),
     Flag("moriio-decode-hosts", "list", "refused unless empty (no MoRI-IO)", (), NOT_MORIIO),
     Flag("v", "int", "SIDECAR_LOG_LEVEL: 4 and above DEBUG, else INFO"),
-    Flag("zap-log-level", "string", "SIDECAR_LOG_LEVEL (wins over -v and --zap-devel)"),
-    Flag("zap-devel", "bool", "SIDECAR_LOG_LEVEL=DEBUG (true, without --zap-log-level)"),
+    Flag(
+        "zap-log-level",
+        "string",
+        "SIDECAR_LOG_LEVEL: debug, info -> INFO (wins over -v, --zap-devel)",
+    ),
+    Flag("zap-devel", "bool", "SIDECAR_LOG_LEVEL=INFO (true, without --zap-log-level or -v)"),
     Flag("zap-encoder", "string", "accepted: pd-sidecar's log lines are text"),
     Flag("zap-stacktrace-level", "string", "accepted: a logged exception carries its traceback"),
     Flag("zap-time-encoding", "string", "accepted: log lines begin with a local time"),

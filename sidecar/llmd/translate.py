@@ -16,10 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from sidecar import defaults
 from sidecar.llmd.flags import BY_NAME, GO_BOOL, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.scheduling.endpoints import split_scheme
 
 LLMD_MODEL_SERVER_PORT = 8200
 """llm-d's default for --model-server-port (it was 8001 before the router repository)."""
@@ -29,7 +31,9 @@ POOL_GROUPS = ("inference.networking.k8s.io", "inference.networking.x-k8s.io")
 """The InferencePool API groups the pool watch knows (sidecar.security.poolwatch)."""
 STAGES = ("prefiller", "decoder", "encoder")
 _ZAP_LEVELS = {
-    "debug": "DEBUG",
+    # zap's "debug" is logr's V(1), below llm-d's own debug logging (V(4)): the model-service
+    # chart's default --zap-log-level=debug is per-request-free INFO here, as it is in llm-d.
+    "debug": "INFO",
     "info": "INFO",
     "warn": "WARNING",
     "error": "ERROR",
@@ -40,6 +44,11 @@ _ZAP_LEVELS = {
 _ZAP_ENCODERS = ("json", "console")
 _ZAP_STACKTRACE_LEVELS = ("info", "error", "panic")
 _ZAP_TIME_ENCODINGS = ("epoch", "millis", "nano", "iso8601", "rfc3339", "rfc3339nano")
+_ZAP_FORMATS = {
+    "zap-encoder": _ZAP_ENCODERS,
+    "zap-stacktrace-level": _ZAP_STACKTRACE_LEVELS,
+    "zap-time-encoding": _ZAP_TIME_ENCODINGS,
+}
 _VERBOSE_DEBUG = 4
 """llm-d's verbosity of debug logging (logutil.DEBUG): -v 4 and above is DEBUG here."""
 
@@ -103,7 +112,8 @@ def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
     port = _port(values, "port")
     if port is not None:
         out.settings["port"] = port
-    secure, cert_path = values.get("secure-proxy"), values.get("cert-path")
+    _tls_version(values, out)
+    secure, cert_path = _secure(values), values.get("cert-path")
     if secure is False:
         out.settings["tls_cert_file"] = None
         out.settings["tls_key_file"] = None
@@ -113,17 +123,57 @@ def _listener(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
         directory = str(cert_path).rstrip("/") or "/"
         out.settings["tls_cert_file"] = f"{directory}/tls.crt"
         out.settings["tls_key_file"] = f"{directory}/tls.key"
+    elif secure is True and _env_certificate(environ):
+        out.notes.append(
+            "--secure-proxy: serving HTTPS with SIDECAR_TLS_CERT_FILE and SIDECAR_TLS_KEY_FILE "
+            "(no self-signed certificate)"
+        )
     elif secure is True:
         out.self_signed = True
         out.notes.append(
             "--secure-proxy without --cert-path: serving HTTPS with a self-signed certificate "
             "made at start (clients cannot verify it; mount a Secret and pass --cert-path)"
         )
-    elif not environ.get("SIDECAR_TLS_CERT_FILE", "").strip():
+    elif not _env_certificate(environ):
         out.notes.append(
             "no --secure-proxy: serving plain HTTP (llm-d's sidecar would serve HTTPS with a "
             "self-signed certificate; pass --secure-proxy=true for that)"
         )
+
+
+def _secure(values: Mapping[str, Value]) -> Value | None:
+    """--secure-serving, or its older name --secure-proxy (llm-d binds both to one switch)."""
+    given = {name: values[name] for name in ("secure-serving", "secure-proxy") if name in values}
+    if len(set(given.values())) > 1:
+        raise FlagError(
+            "--secure-serving and --secure-proxy (its older name) say different things: give "
+            "--secure-serving alone"
+        )
+    return next(iter(given.values()), None)
+
+
+_TLS_VERSIONS = {"VersionTLS12": "1.2", "VersionTLS13": "1.3"}
+
+
+def _tls_version(values: Mapping[str, Value], out: Translation) -> None:
+    version = values.get("tls-min-version")
+    if version is None or version == "":
+        return
+    if version in ("VersionTLS10", "VersionTLS11"):
+        raise FlagError(
+            f"--tls-min-version={version} cannot be honoured: pd-sidecar serves TLS 1.2 at "
+            "least (llm-d refuses it too): VersionTLS12 or VersionTLS13"
+        )
+    if version not in _TLS_VERSIONS:
+        raise FlagError(f"--tls-min-version={version}: expected VersionTLS12 or VersionTLS13")
+    out.settings["tls_min_version"] = _TLS_VERSIONS[str(version)]
+
+
+def _env_certificate(environ: Mapping[str, str]) -> bool:
+    """Whether the operator gave the listener a certificate through the environment (an
+    incomplete pair is ``Settings``' to refuse)."""
+    names = ("SIDECAR_TLS_CERT_FILE", "SIDECAR_TLS_KEY_FILE")
+    return any(environ.get(name, "").strip() for name in names)
 
 
 _CONNECTORS = {"nixlv2": "nixl", "sglang": "sglang", "shared-storage": "shared-storage"}
@@ -177,8 +227,34 @@ def _engines(values: Mapping[str, Value], environ: Mapping[str, str], out: Trans
     tls_given = any(name in values for name in ("enable-tls", "prefiller-use-tls"))
     if tls_given:
         out.settings["prefill_tls"] = "prefiller" in tls
+        _pool_schemes(values, environ, "prefiller" in tls)
     _decode_ranks(values, environ, "decoder" in tls, out)
-    _skip_verify(values, tls, out)
+    _skip_verify(values, environ, out)
+
+
+def _pool_schemes(values: Mapping[str, Value], environ: Mapping[str, str], https: bool) -> None:
+    """SIDECAR_PREFILL_ENDPOINTS entries written as URLs must say what the flags say of the
+    prefill stage; the refusal names the flag, which wins over SIDECAR_PREFILL_TLS."""
+    wanted = "https" if https else "http"
+    entries = [item.strip() for item in environ.get("SIDECAR_PREFILL_ENDPOINTS", "").split(",")]
+    wrong = [
+        item
+        for item in entries
+        if (scheme := split_scheme(item)[0]) in ("http", "https") and scheme != wanted
+    ]
+    if not wrong:
+        return
+    flag = "--enable-tls" if "enable-tls" in values else "--prefiller-use-tls"
+    if https:
+        raise FlagError(
+            f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)} but {flag} calls every prefill "
+            "engine over HTTPS: write https:// or host:port"
+        )
+    raise FlagError(
+        f"SIDECAR_PREFILL_ENDPOINTS names {', '.join(wrong)}, but {flag} without prefiller "
+        "calls the prefill engines over plain HTTP: add --enable-tls=prefiller, or write "
+        "host:port"
+    )
 
 
 def _decode_ranks(
@@ -208,41 +284,71 @@ def _decode_ranks(
             "engine: unset SIDECAR_DECODE_URL"
         )
     out.settings["decode_urls"] = urls
-    out.notes.append(
-        f"--data-parallel-size={ranks}: pd-sidecar serves every rank on --port alone and "
-        "sends each request to a ready rank (llm-d listened on one port per rank): point "
-        "the InferencePool's targetPorts at --port only"
-    )
+    # As llm-d: rank r served on --port + r, rank 0 on --port.
+    out.settings["rank_ports"] = True
 
 
-def _skip_verify(values: Mapping[str, Value], tls: set[str], out: Translation) -> None:
-    skip = _stages(
-        values,
+def _skip_verify(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
+    """Each stage the flags name skips verification, each stage they do not name verifies (as
+    in llm-d): the stage settings, over SIDECAR_TLS_INSECURE_SKIP_VERIFY, so that naming one
+    stage never widens to the other. Whether a stage is called over TLS is decided on the
+    effective settings, the environment included."""
+    names = (
         "tls-insecure-skip-verify",
         "prefiller-tls-insecure-skip-verify",
         "decoder-tls-insecure-skip-verify",
     )
-    if not skip:
+    if not any(name in values for name in names):
         return
-    idle = sorted(skip - tls)
+    skip = _stages(values, *names)
+    over_tls = {
+        stage
+        for stage, https in (
+            ("prefiller", _prefill_tls(out, environ)),
+            ("decoder", _decode_tls(out, environ)),
+        )
+        if https
+    }
+    idle = sorted(skip - over_tls - {"encoder"})
     if idle:
         out.notes.append(
             f"--tls-insecure-skip-verify={','.join(idle)}: that stage is not called over TLS, "
             "there is no certificate to verify"
         )
-    engines = tls - {"encoder"}
-    skipped = skip & engines
-    if not skipped:
-        return
-    if skipped != engines:
-        verified = ",".join(sorted(engines - skipped))
-        raise FlagError(
-            f"--tls-insecure-skip-verify={','.join(sorted(skipped))} cannot be honoured while "
-            f"{verified} is verified: pd-sidecar verifies every engine alike. Give "
-            f"SIDECAR_TLS_CA_FILE the CA that signed the {','.join(sorted(skipped))} "
-            "certificates instead (or name every TLS stage)"
-        )
-    out.settings["tls_insecure_skip_verify"] = True
+    for stage, setting in (
+        ("prefiller", "prefill_tls_insecure_skip_verify"),
+        ("decoder", "decode_tls_insecure_skip_verify"),
+    ):
+        # A stage over plain HTTP gets no setting: Settings refuses one it cannot apply.
+        if stage in over_tls:
+            out.settings[setting] = stage in skip
+
+
+def _prefill_tls(out: Translation, environ: Mapping[str, str]) -> bool:
+    """Whether the prefill engines are called over TLS: the flags' word, else the variable's."""
+    if "prefill_tls" in out.settings:
+        return bool(out.settings["prefill_tls"])
+    return _env_bool(environ.get("SIDECAR_PREFILL_TLS", ""))
+
+
+def _decode_tls(out: Translation, environ: Mapping[str, str]) -> bool:
+    """Whether a decode rank is called over TLS: the flags' URLs, else the variables'."""
+    if "decode_url" in out.settings or "decode_urls" in out.settings:
+        urls = [out.settings.get("decode_url", ""), *out.settings.get("decode_urls", ())]
+    else:
+        urls = [
+            environ.get("SIDECAR_DECODE_URL", ""),
+            *environ.get("SIDECAR_DECODE_URLS", "").split(","),
+        ]
+    return any(str(url).strip().lower().startswith("https://") for url in urls)
+
+
+def _env_bool(text: str) -> bool:
+    """A boolean variable as pydantic reads it (a value it refuses is Settings' to report)."""
+    try:
+        return TypeAdapter(bool).validate_python(text.strip() or False)
+    except ValidationError:
+        return False
 
 
 def _allowlist(values: Mapping[str, Value], environ: Mapping[str, str], out: Translation) -> None:
@@ -252,6 +358,8 @@ def _allowlist(values: Mapping[str, Value], environ: Mapping[str, str], out: Tra
             f"--pool-group={group} cannot be honoured: pd-sidecar watches InferencePools of "
             f"{' and '.join(POOL_GROUPS)} only"
         )
+    if group is not None:
+        out.settings["inference_pool_group"] = group
     if not values.get("enable-ssrf-protection"):
         pool_flags = ("inference-pool", "inference-pool-namespace", "inference-pool-name")
         given = [f"--{name}" for name in pool_flags if name in values]
@@ -305,26 +413,44 @@ def _logging(values: Mapping[str, Value], out: Translation) -> None:
     verbosity = values.get("v")
     if isinstance(verbosity, int):
         level = "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"
-    if values.get("zap-devel"):
-        level = "DEBUG"
+    if values.get("zap-devel") and level is None:
+        level = _ZAP_LEVELS["debug"]  # zap's development mode: its debug level, V(1)
     zap_level = values.get("zap-log-level")
     if zap_level is not None:
         level = _zap_level(str(zap_level))
     if level is not None:
         out.settings["log_level"] = level
-    for name, allowed in (
-        ("zap-encoder", _ZAP_ENCODERS),
-        ("zap-stacktrace-level", _ZAP_STACKTRACE_LEVELS),
-        ("zap-time-encoding", _ZAP_TIME_ENCODINGS),
-    ):
+    for name, allowed in _ZAP_FORMATS.items():
         value = values.get(name)
         if value is not None and value not in allowed:
             raise FlagError(f"--{name}={value}: expected one of {', '.join(allowed)}")
-    if any(name in values for name in ("zap-encoder", "zap-stacktrace-level", "zap-time-encoding")):
+    given = [f"--{name}" for name in _ZAP_FORMATS if name in values]
+    if given:
         out.notes.append(
-            "--zap-encoder, --zap-stacktrace-level, --zap-time-encoding: pd-sidecar writes its "
-            "own text log lines (time, level, logger, message; a logged exception with its "
-            "traceback)"
+            f"{', '.join(given)}: pd-sidecar writes its own text log lines (time, level, "
+            "logger, message; a logged exception with its traceback)"
+        )
+
+
+def _metrics_cert_dir(values: Mapping[str, Value], out: Translation) -> None:
+    """llm-d serves --metrics-port over HTTPS with the certificate of --metrics-cert-dir;
+    pd-sidecar's admin port can serve the listener's certificate only."""
+    directory = str(values.get("metrics-cert-dir", "")).rstrip("/")
+    if not directory:
+        return
+    cert_path = str(values.get("cert-path", "")).rstrip("/")
+    if directory != cert_path or _secure(values) is False:
+        raise FlagError(
+            f"--metrics-cert-dir={values['metrics-cert-dir']} cannot be honoured: pd-sidecar's "
+            "admin port serves the listener's certificate only (SIDECAR_ADMIN_TLS): pass the "
+            "same directory as --cert-path, or remove it for plain HTTP"
+        )
+    if "admin_port" in out.settings:
+        out.settings["admin_tls"] = True
+    else:
+        out.notes.append(
+            f"--metrics-cert-dir={values['metrics-cert-dir']}: unused without --metrics-port "
+            "(the metrics are served on --port)"
         )
 
 
@@ -351,6 +477,11 @@ def _accepted(values: Mapping[str, Value], environ: Mapping[str, str], out: Tran
     metrics = values.get("metrics-port")
     if isinstance(metrics, int) and metrics:
         out.settings["admin_port"] = _port(values, "metrics-port")
+        # llm-d's metrics port is plain HTTP, whatever --secure-proxy says; an operator's own
+        # SIDECAR_ADMIN_TLS still decides.
+        if not environ.get("SIDECAR_ADMIN_TLS", "").strip():
+            out.settings["admin_tls"] = False
+    _metrics_cert_dir(values, out)
     if "max-idle-conns-per-host" in values:
         out.notes.append(
             "--max-idle-conns-per-host: pd-sidecar keeps every idle engine connection, each "

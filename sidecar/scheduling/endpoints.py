@@ -67,6 +67,11 @@ def parse_endpoint(text: str, *, schemes: frozenset[str] = PLAIN_SCHEMES) -> End
                 "(SIDECAR_PREFILL_TLS=true calls every prefill engine over HTTPS)"
             )
         raise ValueError(f"{text!r}: expected host:port, not a URL of scheme {scheme}")
+    query = value.find("?")
+    if query >= 0 and "/" not in value[:query]:
+        raise ValueError(
+            f"{text!r}: a prefill address is host:port, with no query string ({value[query:]})"
+        )
     slash = value.find("/")
     if slash >= 0:
         path = value[slash:]

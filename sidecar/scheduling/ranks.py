@@ -33,12 +33,15 @@ import random
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.engines.scrape import EngineLoad, describe_load
 from sidecar.engines.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
 from sidecar.scheduling.policies import TOKENS_PER_WAITING
 from sidecar.scheduling.prompts import PrefixIndex
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 TOKENS_PER_REQUEST = TOKENS_PER_WAITING
 """Prompt tokens one request in flight or waiting on a rank weighs against a prefix-cache hit
@@ -109,10 +112,13 @@ class RankClaim:
     count — and the prompt, which the new rank will hold — to another rank when the request's
     decode leg goes there instead."""
 
-    __slots__ = ("_ahead", "_ended", "_text", "rank")
+    __slots__ = ("_ahead", "_ended", "_text", "pinned", "rank")
 
-    def __init__(self, rank: DecodeRank, text: str | bytes = "") -> None:
+    def __init__(self, rank: DecodeRank, text: str | bytes = "", *, pinned: bool = False) -> None:
         self.rank = rank
+        self.pinned = pinned
+        """The request named its rank (it came on that rank's port, SIDECAR_RANK_PORTS): it is
+        never moved to another."""
         self._text = text
         self._ahead = 0
         self._ended = False
@@ -155,6 +161,32 @@ class RankClaim:
             self._ended = True
             self.prefilled()
             self.rank.inflight -= 1
+
+
+class RankPorts:
+    """Which decode rank a request names by the port it arrived on (``SIDECAR_RANK_PORTS``, as
+    llm-d's sidecar listens: rank *r* on ``SIDECAR_PORT`` + *r*, rank 0 on ``SIDECAR_PORT``).
+    Filled by the runner once it has bound the ports; empty (no rank named) otherwise."""
+
+    __slots__ = ("_by_port",)
+
+    def __init__(self) -> None:
+        self._by_port: dict[int, int] = {}
+
+    def serve(self, port: int, rank: int) -> None:
+        self._by_port[port] = rank
+
+    def rank_of(self, local_port: int | None) -> int | None:
+        """The rank a request that arrived on ``local_port`` goes to (None: the sidecar
+        chooses)."""
+        return None if local_port is None else self._by_port.get(local_port)
+
+    def rank_for(self, request: web.BaseRequest) -> int | None:
+        """``rank_of`` the local port of ``request``'s connection."""
+        if not self._by_port or request.transport is None:
+            return None
+        sockname = request.transport.get_extra_info("sockname")
+        return self.rank_of(sockname[1] if sockname else None)
 
 
 class DecodeRanks:
@@ -221,18 +253,25 @@ class DecodeRanks:
         pool = [rank for rank in self._ranks if rank.ready] or self._ranks
         return [rank for rank in pool if rank not in exclude]
 
-    def claim(self, text: str | bytes, prompt_tokens: int) -> tuple[RankClaim, int]:
+    def claim(
+        self, text: str | bytes, prompt_tokens: int, pinned: int | None = None
+    ) -> tuple[RankClaim, int]:
         """Place a generation request: its rank (claimed) and the tokens of its prompt that
         rank has cached. The chosen rank's index remembers the prompt, which it will hold
-        whether it computes it or pulls its KV."""
-        return self.claim_blocks(self._hasher.hashes(text), prompt_tokens, text)
+        whether it computes it or pulls its KV. ``pinned``: the rank the request named (by the
+        port it came on), taken whatever its state."""
+        return self.claim_blocks(self._hasher.hashes(text), prompt_tokens, text, pinned)
 
     def claim_blocks(
-        self, hashes: Sequence[Hashable], prompt_tokens: int, text: str | bytes = ""
+        self,
+        hashes: Sequence[Hashable],
+        prompt_tokens: int,
+        text: str | bytes = "",
+        pinned: int | None = None,
     ) -> tuple[RankClaim, int]:
         """``claim`` for a prompt given by its block hashes (``PrefixIndex.hashes``; the
         simulator gives stand-ins). ``text``, when given, goes with a claim that ``move``s."""
-        candidates = self.candidates()
+        candidates = self.candidates() if pinned is None else [self._ranks[pinned]]
         if len(candidates) == 1:
             rank = candidates[0]
             cached = rank.prefix.cached_tokens(hashes)
@@ -244,10 +283,13 @@ class DecodeRanks:
             chosen = choose_rank(views, prompt_tokens, self._rng)
             rank, cached = self._ranks[chosen.index], chosen.cached_tokens
         rank.prefix.insert(hashes)
-        return RankClaim(rank, text), cached
+        return RankClaim(rank, text, pinned=pinned is not None), cached
 
-    def claim_any(self) -> RankClaim:
-        """Place a request without a prompt to match (passthrough): the least loaded rank."""
+    def claim_any(self, pinned: int | None = None) -> RankClaim:
+        """Place a request without a prompt to match (passthrough): the least loaded rank, or
+        the one it named (``pinned``)."""
+        if pinned is not None:
+            return RankClaim(self._ranks[pinned], pinned=True)
         candidates = self.candidates()
         views = [RankView(r.index, 0, r.inflight, self.waiting(r)) for r in candidates]
         return RankClaim(self._ranks[choose_rank(views, 0, self._rng).index])

@@ -241,16 +241,18 @@ class Scheduler:
         *,
         local_reason: str | None = None,
         text: bytes | None = None,
+        rank: int | None = None,
     ) -> Placement:
         """Decide which decode rank takes ``body`` and where it prefills; claim the rank and
         reserve the prompt's tokens on the prefill endpoint. ``header``: the gateway's choice of
         prefill server, used as is; ``local_reason``: why the request must prefill locally
         anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
-        ``text``: the prompt's text when the caller has it already (``prompt_text``)."""
+        ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
+        the decode rank the request named (``RankPorts``), taken as is."""
         prompt = prompt_text(body) if text is None else text
         tokens = estimate_tokens(body, prompt)
         # The chosen rank will hold this prompt's KV either way (computed or pulled).
-        claim, cached = self.ranks.claim(prompt, tokens)
+        claim, cached = self.ranks.claim(prompt, tokens, rank)
         with OnFailure(claim.end):
             return await self._place(claim, tokens, cached, header, local_reason, prompt)
 

@@ -114,7 +114,7 @@ class KubeClient:
         self._http = HttpClient(
             connect_timeout_s=self._connect_timeout_s,
             limit=4,
-            tls=None if context is None else (lambda: context),
+            tls=None if context is None else (lambda _url: context),
             headers={"Accept": "application/json"},
         )
         await self._http.open()

@@ -3,7 +3,8 @@ through the Kubernetes API (``SIDECAR_INFERENCE_POOL=namespace/name``).
 
 1. Find the pool: a list of ``inferencepools`` named ``name`` in ``inference.networking.k8s.io/v1``,
    else — a 404: that API is not installed, or no pool of that name is in it — in the older
-   ``inference.networking.x-k8s.io/v1alpha2``. Its selector: ``spec.selector.matchLabels`` (v1),
+   ``inference.networking.x-k8s.io/v1alpha2`` (``SIDECAR_INFERENCE_POOL_GROUP``: that group's
+   only). Its selector: ``spec.selector.matchLabels`` (v1),
    ``spec.selector`` itself (v1alpha2, a plain map).
 2. List the namespace's pods with that label selector: the allowed set is the addresses
    (``status.podIPs``, else ``status.podIP``) of those that run (``phase: Running``) and are not
@@ -66,9 +67,14 @@ class InferencePoolWatch:
         watch_timeout_s: float = WATCH_TIMEOUT_S,
         on_error: Callable[[str], None] = lambda kind: None,
         on_change: Callable[[int], None] = lambda size: None,
+        group: str | None = None,
     ) -> None:
-        """``client`` None: there is no API to ask (not in a pod, no SIDECAR_KUBE_API_URL)."""
+        """``client`` None: there is no API to ask (not in a pod, no SIDECAR_KUBE_API_URL).
+        ``group``: the API group to find the pool in (None: each of ``API_GROUPS`` in turn)."""
         self._client = client
+        self._apis = tuple(api for api in API_GROUPS if not group or api[0] == group)
+        if not self._apis:
+            raise ValueError(f"no InferencePool API in the group {group}")
         self.pool = pool
         self._namespace, self._name = pool.split("/", 1)
         self._retry_base_s = retry_base_s
@@ -174,7 +180,7 @@ class InferencePoolWatch:
 
     async def _list_pool(self, client: KubeClient) -> None:
         found = None
-        for api in API_GROUPS:
+        for api in self._apis:
             try:
                 answer = await client.get(self._collection(api), self._pool_query())
             except KubeRefused as exc:
@@ -191,8 +197,8 @@ class InferencePoolWatch:
                 break
         if found is None:
             raise KubeRefused(
-                f"no InferencePool API: neither {' nor '.join('/'.join(a) for a in API_GROUPS)} "
-                "is served (is the CRD installed?)",
+                f"no InferencePool API: {' nor '.join('/'.join(a) for a in self._apis)} "
+                "is not served (is the CRD installed?)",
                 404,
             )
         api, items, version = found

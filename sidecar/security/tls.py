@@ -1,11 +1,11 @@
 """TLS: the sidecar's own listener, its connections to the engines, and reloading both from files.
 
-**The listener** (``ServerTls``): TLS 1.2 at least, its certificate and key from
-``SIDECAR_TLS_CERT_FILE`` / ``_KEY_FILE``. Kubernetes rotates a mounted Secret by writing the new
-files into a new hidden directory and swapping the ``..data`` symlink the visible names point
-through; so a change is seen in the *resolved* path (or its inode, size, modification time), never
-by watching the names. A new certificate serves new handshakes; connections already open keep
-theirs.
+**The listener** (``ServerTls``): TLS 1.2 at least (``SIDECAR_TLS_MIN_VERSION``), its certificate
+and key from ``SIDECAR_TLS_CERT_FILE`` / ``_KEY_FILE``. Kubernetes rotates a mounted Secret by
+writing the new files into a new hidden directory and swapping the ``..data`` symlink the visible
+names point through; so a change is seen in the *resolved* path (or its inode, size, modification
+time), never by watching the names. A new certificate serves new handshakes; connections already
+open keep theirs.
 
 The context the server was started with is never modified: OpenSSL drops the private key of a
 context whose new certificate does not match it, so a half-written pair loaded in place would
@@ -17,9 +17,10 @@ and counted; it is tried again once the files change again.
 
 **The engines** (``ClientTls``): what an ``https://`` engine connection verifies — the CA bundle
 ``SIDECAR_TLS_CA_FILE`` (empty: the system's), the client certificate for mTLS, or nothing at all
-with ``SIDECAR_TLS_INSECURE_SKIP_VERIFY``. Reloaded the same way; a new context serves new
-connections (pooled connections are keyed by their context, so none made with the old one is
-reused after a reload).
+for a stage whose ``SIDECAR_{PREFILL,DECODE}_TLS_INSECURE_SKIP_VERIFY`` says so: one context that
+verifies and one that does not, each stage given the one it asked for. Reloaded the same way; a
+new context serves new connections (pooled connections are keyed by their context, so none made
+with the old one is reused after a reload).
 
 ``FileWatch`` polls the files every ``SIDECAR_TLS_RELOAD_INTERVAL_S``: a few ``stat`` calls, in a
 worker thread like every file read here, so the event loop never waits for a disk.
@@ -68,9 +69,12 @@ class ServerTls:
     """The listener's TLS: ``context`` goes to the server once; ``reload()`` changes what new
     handshakes get."""
 
-    def __init__(self, cert_file: str, key_file: str) -> None:
+    def __init__(
+        self, cert_file: str, key_file: str, minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+    ) -> None:
         self._cert_file = cert_file
         self._key_file = key_file
+        self._minimum = minimum
         self.context = self._build()
         self._current = self.context
         self.context.sni_callback = self._pick
@@ -81,7 +85,7 @@ class ServerTls:
 
     def _build(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.minimum_version = self._minimum
         try:
             context.load_cert_chain(self._cert_file, self._key_file)
         except (OSError, ssl.SSLError) as exc:
@@ -102,7 +106,9 @@ class ServerTls:
 
 
 class ClientTls:
-    """What engine connections over ``https://`` use: ``context``, replaced by ``reload()``."""
+    """What engine connections over ``https://`` use: a ``verified`` context and, when some
+    stage skips verification (``insecure``), an ``unverified`` one; ``context(insecure)`` picks,
+    ``reload()`` replaces both."""
 
     def __init__(
         self,
@@ -110,22 +116,31 @@ class ClientTls:
         ca_file: str | None,
         cert_file: str | None,
         key_file: str | None,
-        insecure: bool,
+        insecure: bool = False,
     ) -> None:
         self._ca_file = ca_file
         self._cert_file = cert_file
         self._key_file = key_file
         self.insecure = insecure
-        self.context = self._build()
+        """Whether some stage accepts any certificate."""
+        self.verified, self.unverified = self._build_both()
 
     @property
     def files(self) -> tuple[str, ...]:
         return tuple(f for f in (self._ca_file, self._cert_file, self._key_file) if f)
 
-    def _build(self) -> ssl.SSLContext:
+    def context(self, insecure: bool) -> ssl.SSLContext:
+        """The context of a stage that skips verification (``insecure``) or verifies; a stage
+        that was not said to skip at construction verifies."""
+        return self.unverified if insecure and self.unverified is not None else self.verified
+
+    def _build_both(self) -> tuple[ssl.SSLContext, ssl.SSLContext | None]:
+        return self._build(False), self._build(True) if self.insecure else None
+
+    def _build(self, insecure: bool) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        if self.insecure:
+        if insecure:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         else:
@@ -149,7 +164,7 @@ class ClientTls:
         return context
 
     async def reload(self) -> None:
-        self.context = await asyncio.to_thread(self._build)
+        self.verified, self.unverified = await asyncio.to_thread(self._build_both)
 
 
 class FileWatch:

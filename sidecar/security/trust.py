@@ -79,19 +79,20 @@ class PrefillGuard:
         self._cache: BoundedCache[str, tuple[float, tuple[IPAddress, ...]]] = BoundedCache(
             _CACHE_SIZE
         )
-        self._own_port: int | None = None
+        self._own_ports: frozenset[int] = frozenset()
         self._own_names: frozenset[str] = frozenset()
         self._own_addresses: frozenset[IPAddress] = frozenset()
 
-    def listening(self, port: int, *, names: Iterable[str], addresses: Iterable[str]) -> None:
-        """The sidecar serves its API on ``port``; ``names`` and ``addresses`` are the pod's
-        own (host name, listen address, the host name's addresses)."""
-        self._own_port = port
+    def listening(self, *ports: int, names: Iterable[str], addresses: Iterable[str]) -> None:
+        """The sidecar serves its API on ``ports`` (SIDECAR_PORT, and the decode ranks' with
+        SIDECAR_RANK_PORTS); ``names`` and ``addresses`` are the pod's own (host name, listen
+        address, the host name's addresses)."""
+        self._own_ports = frozenset(ports)
         self._own_names = frozenset(n.lower().rstrip(".") for n in names if n) | {"localhost"}
         self._own_addresses = frozenset(a for a in (_ip(x) for x in addresses) if a is not None)
 
     async def _is_self(self, target: Endpoint) -> bool:
-        if target.port != self._own_port:
+        if target.port not in self._own_ports:
             return False
         host = target.host.rstrip(".")
         literal = _ip(host)

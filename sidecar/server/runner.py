@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from sidecar.app import ADMIN_APP, DRAIN, GUARD, METRICS, READINESS, SERVER_TLS, create_app
+from sidecar.app import (
+    ADMIN_APP,
+    DRAIN,
+    GUARD,
+    METRICS,
+    RANK_PORTS,
+    READINESS,
+    SERVER_TLS,
+    create_app,
+)
 from sidecar.config import Settings
 from sidecar.connectors import ConnectorFactory
 from sidecar.discovery import Resolver, system_resolver
@@ -54,6 +63,12 @@ class RunningSidecar:
     admin_tls: bool = False
     listening: list[str] = field(default_factory=list)
     """Every ``host:port`` the API listener is bound to."""
+    rank_ports: list[int] = field(default_factory=list)
+    """SIDECAR_RANK_PORTS: the API's port for decode rank 1, 2, ... (rank 0's is ``port``)."""
+
+    def rank_url(self, rank: int) -> str:
+        """The API's URL for decode rank ``rank`` (SIDECAR_RANK_PORTS; 0: ``url``)."""
+        return self.url if rank == 0 else _url(self.host, self.rank_ports[rank - 1], self.tls)
 
     @property
     def url(self) -> str:
@@ -119,7 +134,8 @@ async def start_sidecar(
         )
         host, port = reachable(sockets)
         listening = [display(*sock.getsockname()[:2]) for sock in sockets]
-        app[GUARD].listening(port, **await _own_identity(settings.host))
+        rank_ports = await _listen_per_rank(settings, app, runner, port, context, make_socket)
+        app[GUARD].listening(port, *rank_ports, **await _own_identity(settings.host))
         admin_port = None
         if ADMIN_APP in app:
             admin_runner = ListenerRunner(
@@ -144,6 +160,8 @@ async def start_sidecar(
             await started.cleanup()
         raise
     logger.info("SIDECAR_PORT: listening on %s", ", ".join(listening))
+    for rank, rank_port in enumerate(rank_ports, 1):
+        logger.info("SIDECAR_RANK_PORTS: decode rank %d on port %d", rank, rank_port)
     return RunningSidecar(
         app,
         runners,
@@ -153,7 +171,33 @@ async def start_sidecar(
         context is not None,
         admin_context is not None,
         listening,
+        rank_ports,
     )
+
+
+async def _listen_per_rank(
+    settings: Settings,
+    app: web.Application,
+    runner: web.AppRunner,
+    port: int,
+    context: ssl.SSLContext | None,
+    make_socket: SocketFactory,
+) -> list[int]:
+    """SIDECAR_RANK_PORTS: the API on SIDECAR_PORT + r for each decode rank r above 0 too (the
+    same addresses, runner, connection book and TLS; with SIDECAR_PORT=0, a free port each),
+    and each port pinned to its rank. The ports of ranks 1, 2, ..."""
+    ranks = len(settings.decode_ranks)
+    if not settings.rank_ports or ranks < 2:
+        return []
+    app[RANK_PORTS].serve(port, 0)
+    ports = []
+    for rank in range(1, ranks):
+        wanted = settings.port + rank if settings.port else 0
+        variable = f"SIDECAR_PORT + {rank} (SIDECAR_RANK_PORTS)"
+        sockets = await _listen(runner, settings.host, wanted, variable, context, make_socket)
+        ports.append(reachable(sockets)[1])
+        app[RANK_PORTS].serve(ports[-1], rank)
+    return ports
 
 
 def _connections(settings: Settings, metrics: Metrics, listener: str, cap: int) -> Connections:

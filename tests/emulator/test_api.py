@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 
 import aiohttp
 import orjson
 import pytest
 
 from sidecar.emulator import RunningEmulator
+from sidecar.server.binding import CannotListen
 
 from .conftest import MakeEmulator
 from .helpers import eventually, get_json, metric_value, metrics_text, post_json, read_sse
@@ -345,3 +347,20 @@ async def test_running_gauge_and_concurrency_limit(
     text = await metrics_text(session, emu)
     assert metric_value(text, "vllm:num_requests_running") == 0
     assert metric_value(text, "vllm:kv_cache_usage_perc") == 0
+
+
+async def test_a_host_list_listens_on_every_address(
+    make_emulator: MakeEmulator, session: aiohttp.ClientSession
+) -> None:
+    """``--host 0.0.0.0,::`` as the sidecar's SIDECAR_HOST: both families, one port. Here on
+    the loopback of each (``::1`` skipped where the kernel has no IPv6)."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        emulator = await make_emulator(host="127.0.0.1,[::1]")
+    except CannotListen:
+        pytest.skip("cannot bind ::1")
+    assert emulator.url == f"http://127.0.0.1:{emulator.port}"
+    for host in ("127.0.0.1", "[::1]"):
+        async with session.get(f"http://{host}:{emulator.port}/health") as response:
+            assert response.status == 200, host
