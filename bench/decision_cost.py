@@ -206,9 +206,9 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
             cached_tokens=cached,
         )
         t5 = clock()
-        endpoint = decision.endpoint or candidates[0].key
+        chosen = decision.endpoint or candidates[0].key
         placement = scheduler._reserve(
-            decision, planner.pool[endpoint].endpoint, claim, hashes, len(data)
+            decision, planner.pool[chosen].endpoint, claim, hashes, len(data)
         )
         t6 = clock()
         held.append(placement)
