@@ -246,12 +246,58 @@ async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
     return figures
 
 
+async def seed_sidecars(url: str, prefix: str, count: int) -> None:
+    """``count`` other live sidecars in the pool ``prefix``, each holding a reservation on every
+    endpoint (through the sync script itself, with a long lease)."""
+    from sidecar.scheduling.state.protocol import SCRIPT, SyncProtocol, keys
+
+    client = aioredis.Redis.from_url(url)
+    script = client.register_script(SCRIPT)
+    try:
+        for i in range(count):
+            other = SyncProtocol(f"other-{i}", lease_s=600, wake=lambda: None)
+            for endpoint in pool():
+                other.reserve(str(endpoint), 1000)
+            sync = other.begin(time.time())
+            await script(keys=keys(prefix), args=sync.args())
+    finally:
+        await client.aclose()
+
+
+async def script_usec(url: str) -> float:
+    """Redis's own time per ``EVALSHA`` since the last ``CONFIG RESETSTAT``."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0))
+
+
+async def reset_stats(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.config_resetstat()
+    finally:
+        await client.aclose()
+
+
 async def redis_placements(
-    url: str, iterations: int, policy: str, *, prefix: str, key: str | None = HASH_KEY
+    url: str,
+    iterations: int,
+    policy: str,
+    *,
+    prefix: str,
+    key: str | None = HASH_KEY,
+    others: int = 0,
 ) -> dict[str, Any]:
-    """Placements on the Redis backend (``prefix``: its keys), with the production decision
-    budget (``SIDECAR_STATE_TIMEOUT_MS``, 5 ms): a placement whose sync takes longer decides on
-    the local view; counted here, not logged each time."""
+    """Placements on the Redis backend (``prefix``: its keys; ``others``: live sidecars holding
+    reservations there besides this one), with the production decision budget
+    (``SIDECAR_STATE_TIMEOUT_MS``, 5 ms): a placement whose sync takes longer decides on the
+    local view; counted here, not logged each time. Redis's own time per script call is read
+    from ``INFO commandstats`` (the prefix share's calls included when ``key`` is set)."""
+    await seed_sidecars(url, prefix, others)
+    await reset_stats(url)
     errors: Counter[str] = Counter()
 
     def count(kind: str) -> None:
@@ -272,6 +318,8 @@ async def redis_placements(
         "reasons": dict(reasons),
         "backend_errors": dict(errors),
         "prefix_share": status.get("prefix_share"),
+        "script_usec": await script_usec(url),
+        "others": others,
     }
 
 
@@ -374,7 +422,9 @@ def report(result: dict[str, Any]) -> list[str]:
 # --- A/B against another checkout, in processes of their own ---------------------------------
 
 
-async def child(kind: str, iterations: int, url: str | None, prefix: str) -> dict[str, Any]:
+async def child(
+    kind: str, iterations: int, url: str | None, prefix: str, others: int = 0
+) -> dict[str, Any]:
     """One variant's placements (qoe), as ``--child`` prints them."""
     if kind == "memory":
         figures, reasons, _ = await time_placements("qoe", MemoryState(), iterations)
@@ -383,7 +433,7 @@ async def child(kind: str, iterations: int, url: str | None, prefix: str) -> dic
         await time_placements("qoe", MemoryState(), iterations, timed=False)
         return {}
     assert url is not None
-    return await redis_placements(url, iterations, "qoe", prefix=prefix)
+    return await redis_placements(url, iterations, "qoe", prefix=prefix, key=None, others=others)
 
 
 def run_child(
@@ -393,38 +443,53 @@ def run_child(
     url: str = "",
     prefix: str = "",
     wrap: tuple[str, ...] = (),
+    others: int = 0,
 ) -> dict[str, Any]:
     argv = [*wrap, sys.executable, str(BENCH), "--child", kind, "--iterations", str(iterations)]
     if url:
-        argv += ["--redis-url", url, "--redis-prefix", prefix]
+        argv += ["--redis-url", url, "--redis-prefix", prefix, "--others", str(others)]
     env = {**os.environ, "DECISION_COST_REPO": str(repo), "PYTHONHASHSEED": "0"}
-    done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, check=True)
+    done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
 
 
 def load() -> str:
-    pressure = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    pressure = Path("/proc/pressure/cpu").read_text().split()[1]  # "avg10=..." of "some"
     return f"load average {os.getloadavg()[0]:.2f}, cpu pressure {pressure}"
 
 
-async def ab(baseline: Path, iterations: int, rounds: int) -> list[str]:
-    """Memory and Redis placements of this checkout and ``baseline``, alternated."""
+async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) -> list[str]:
+    """Memory and Redis placements of this checkout and ``baseline``, alternated; on Redis with
+    each count of other live sidecars in ``others`` (the prefix share off: the script's own
+    time is then the reservation sync's alone)."""
     here = BENCH.parent.parent
     variants = {"this": here, "baseline": baseline}
-    lines = [f"A/B, {rounds} rounds of {iterations} placements each (qoe): median / p99 µs"]
+    lines = [
+        f"A/B, {rounds} rounds of {iterations} placements each (qoe): median / p99 µs;"
+        " Redis: the script's own µs per call (INFO commandstats) and a PING's median"
+    ]
 
     async def run(url: str) -> dict[str, Any]:
         for r in range(rounds):
             for name, repo in variants.items():
-                for kind in ("memory", "redis"):
+                figures = await asyncio.to_thread(run_child, repo, "memory", iterations)
+                lines.append(
+                    f"  round {r + 1} {name:<8} memory            {figures['median_us']:>8.1f}"
+                    f" / {figures['p99_us']:>8.1f}  ({load()})"
+                )
+                for count in others:
                     figures = await asyncio.to_thread(
-                        run_child, repo, kind, iterations, url, f"ab-{name}-{r}"
-                    )
+                        run_child, repo, "redis", iterations, url, f"ab-{name}-{r}-{count}",
+                        (), count,
+                    )  # fmt: skip
+                    ping = (await round_trips(url, 300))["ping"]["median_us"]
                     lines.append(
-                        f"  round {r + 1} {name:<8} {kind:<6} {figures['median_us']:>8.1f}"
-                        f" / {figures['p99_us']:>8.1f}"
-                        f"  timeouts {figures.get('backend_errors', {}).get('timeout', 0)}"
-                        f"  ({load()})"
+                        f"  round {r + 1} {name:<8} redis, {count:>3} others"
+                        f" {figures['median_us']:>8.1f} / {figures['p99_us']:>8.1f}"
+                        f"  script {figures['script_usec']:>6.1f}  PING {ping:>6.1f}"
+                        f"  timeouts {figures['backend_errors'].get('timeout', 0)}  ({load()})"
                     )
         return {}
 
@@ -463,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", choices=("memory", "redis", "count"), help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--redis-prefix", default="bench", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--others", default="0,32", help="other live sidecars in the Redis pool (A/B; list)"
+    )
     args = parser.parse_args(argv)
     from bench.cluster import run
 
@@ -477,11 +545,19 @@ def main(argv: list[str] | None = None) -> int:
 
     async def go() -> int:
         if args.child is not None:
-            figures = await child(args.child, args.iterations, args.redis_url, args.redis_prefix)
+            figures = await child(
+                args.child,
+                args.iterations,
+                args.redis_url,
+                args.redis_prefix,
+                int(args.others.split(",")[0]),
+            )
             print(json.dumps(figures))
             return 0
         if args.baseline is not None:
-            print("\n".join(await ab(args.baseline.resolve(), args.iterations, args.rounds)))
+            others = [int(n) for n in args.others.split(",")]
+            lines = await ab(args.baseline.resolve(), args.iterations, args.rounds, others)
+            print("\n".join(lines))
             return 0
         print(load())
         result = await measure(args.iterations, args.policies.split(","))
