@@ -242,7 +242,7 @@ class Pool:
         stored = await self.client.hgetall(self.keys[4])
         totals = {}
         for field, value in stored.items():
-            if field != b"#tables":
+            if not field.startswith(b"#"):
                 tokens, requests = value.split()
                 totals[field.decode()] = Load(int(tokens), int(requests))
         return totals
@@ -336,3 +336,23 @@ async def test_a_closing_backend_takes_its_reservations_off_the_totals(redis_ser
         assert await client.hget(pool.keys[4], "#tables") == b"1"
     finally:
         await client.aclose()
+
+
+async def test_a_change_behind_the_scripts_back_counts_within_a_lease(pool) -> None:
+    """A table changed by anything but the script (an older sidecar during a rolling upgrade
+    writes its table by itself), the count of tables unchanged: the totals miss it until they
+    are a lease old, then they are summed anew."""
+    now = time.time()
+    one, two = protocol("one", lease_s=10), protocol("two", lease_s=10)
+    one.reserve(A, 100)
+    await pool.sync(one, now)
+    two.reserve(B, 20)
+    await pool.sync(two, now)
+    await pool.client.hset(pool.keys[3], "two", f"{B} 50 2")  # the old script's way
+    reply = await pool.sync(one, now + 1)
+    assert reply.totals == {A: Load(100, 1), B: Load(20, 1)}  # within the lease: not seen yet
+    await pool.sync(two, now + 5)  # renews its lease; the stored table is what it sends
+    await pool.client.hset(pool.keys[3], "two", f"{B} 50 2")
+    reply = await pool.sync(one, now + 10.5)
+    assert reply.totals == {A: Load(100, 1), B: Load(50, 2)}
+    assert await pool.stored_totals() == reply.totals

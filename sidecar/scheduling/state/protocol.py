@@ -45,8 +45,10 @@ from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedV
 # and updated by the difference between a sidecar's table as stored and as sent, and by a dead
 # sidecar's table when it is dropped: a sync's work does not grow with the number of sidecars.
 # The totals are rebuilt from every live sidecar's table when they cannot be trusted: missing
-# (a restart, an expiry), or counting another number of tables than the reservations hash holds
-# (a table written or removed by anything but this script). It touches only the keys it is
+# (a restart, an expiry), counting another number of tables than the reservations hash holds
+# (a table written or removed by anything but this script), or older than one lease (so that a
+# change written behind the script's back, e.g. by an older sidecar during a rolling upgrade,
+# counts within a lease, as a dead sidecar's share stops counting within one). It touches only the keys it is
 # given as ``KEYS`` (nothing by a name built inside it), so it runs as it is on a Redis Cluster.
 _SYNC = """
 local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -62,8 +64,11 @@ local function add(text, delta, sign)
     d[1] = d[1] + sign * tonumber(tok); d[2] = d[2] + sign * tonumber(req)
   end
 end
+local BUILT = '#built'
 local counted = tonumber(redis.call('HGET', KEYS[5], COUNT) or '')
+local built = tonumber(redis.call('HGET', KEYS[5], BUILT) or '')
 local rebuild = counted == nil or counted ~= redis.call('HLEN', KEYS[4])
+  or built == nil or now - built > lease or now < built
 local delta = {}
 if not rebuild then add(redis.call('HGET', KEYS[4], sid), delta, -1) end
 if ARGV[4] == '' then
@@ -120,6 +125,7 @@ for ep, d in pairs(delta) do
   end
 end
 redis.call('HSET', KEYS[5], COUNT, redis.call('HLEN', KEYS[4]))
+if rebuild then redis.call('HSET', KEYS[5], BUILT, string.format('%.3f', now)) end
 -- Gone with the lease when every sidecar is: nobody is left to read them.
 redis.call('PEXPIRE', KEYS[1], lease_ms)
 redis.call('PEXPIRE', KEYS[5], lease_ms)
@@ -129,7 +135,7 @@ if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_
 local lines = {}
 local totals = redis.call('HGETALL', KEYS[5])
 for j = 1, #totals, 2 do
-  if totals[j] ~= COUNT then
+  if totals[j] ~= COUNT and totals[j] ~= BUILT then
     if #lines < limit and #totals[j] <= key_bytes and #totals[j + 1] <= value_bytes then
       lines[#lines + 1] = totals[j] .. ' ' .. totals[j + 1]
     else
