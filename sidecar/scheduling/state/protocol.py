@@ -48,8 +48,9 @@ from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedV
 # (a restart, an expiry), counting another number of tables than the reservations hash holds
 # (a table written or removed by anything but this script), or older than one lease (so that a
 # change written behind the script's back, e.g. by an older sidecar during a rolling upgrade,
-# counts within a lease, as a dead sidecar's share stops counting within one). It touches only the keys it is
-# given as ``KEYS`` (nothing by a name built inside it), so it runs as it is on a Redis Cluster.
+# counts within a lease, as a dead sidecar's share stops counting within one). It touches only
+# the keys it is given as ``KEYS`` (nothing by a name built inside it), so it runs as it is on a
+# Redis Cluster.
 _SYNC = """
 local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
