@@ -2,62 +2,84 @@
 
     python bench/decision_cost.py      # every policy on the memory backend, qoe on Redis
     python bench/decision_cost.py --iterations 500 --policies qoe
+    python bench/decision_cost.py --baseline ../main --rounds 3   # A/B, interleaved
+    python bench/decision_cost.py --instructions --baseline ../main  # callgrind, Ir per placement
 
 Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
 static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates
 have no scraped load, only reservations) and its state backend, memory or Redis (a
 ``redis-server`` started on a free loopback port; skipped with a note when the program is
-missing). Each iteration times ``await scheduler.place(body, None)`` with ``perf_counter_ns``
-for a completion whose prompt is 8,000 characters (2,000 estimated tokens), distinct per
-iteration like real traffic (so the prefix index hashes and inserts its 125 blocks every time);
-up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new one, so
-policies see non-trivial reservations. Reported: the median and p99 in microseconds, and the
-parts of a placement timed on their own (the prompt's size and text, the prefix index: hashing
-once, lookup and insert; the decider and policy on 8 ready-made candidates). A placement also
-claims the decode rank (one, ``SIDECAR_DECODE_URL``), ended when its reservation is released.
-With Redis, the round trip of one ``PING`` through the same client library is measured apart,
-so that the placement reads as one round trip plus the rest.
+missing). The prefill prefix index is on with a keyed hash (``SIDECAR_PREFIX_HASH_KEY``, a fixed
+bench key), as is the local decode prefix index. Each iteration times
+``await scheduler.place(body, None)`` with ``perf_counter_ns`` for a completion whose prompt is
+8,000 characters (2,000 estimated tokens), distinct per iteration like real traffic (so both
+prefix indexes hash and insert every block every time: 125 local blocks of 16 tokens, 31 prefill
+blocks of 64); up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new
+one, so policies see non-trivial reservations. Reported: the median and p99 in microseconds, and
+the parts of a placement timed on their own: hashing (the local index's and the prefill index's),
+the local index (look-up on the rank, insert), the per-endpoint look-ups (8 prefill indexes),
+the policy (the decider on 8 ready-made candidates) and the reservation (the backend's reserve,
+the chosen endpoint's index updated, the prefix published).
+
+With Redis: the round trip of one ``PING`` and of an ``EVALSHA`` of an empty script through the
+same client library, measured apart, so that the placement reads as one round trip plus the
+rest; the placements run twice, with the prefix share on (the key set: each placement publishes
+its blocks) and off, to show that publishing stays off the decision's path.
+
+``--baseline DIR``: the placements (memory and Redis, qoe) of the checkout DIR's ``sidecar``
+too, each variant in a process of its own, alternated ``--rounds`` times against one
+redis-server. ``--instructions``: instructions (callgrind's ``Ir``) per memory placement, of
+this checkout and of the baseline, which the machine's load does not move.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import logging
-import random
-import shutil
-import statistics
+import os
 import sys
-import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_MEASURED = os.environ.get("DECISION_COST_REPO")
+if _MEASURED:  # a child measuring another checkout's sidecar package
+    sys.path.insert(0, _MEASURED)
 
-import redis.asyncio as aioredis
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import Counter, deque  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
-from devkit.processes import Launcher, free_port, tcp_open
-from devkit.stats import percentile
-from sidecar.config import Settings
-from sidecar.discovery import Discovery
-from sidecar.observability.metrics import Metrics
-from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
-from sidecar.scheduling.model import Candidate, LocalView
-from sidecar.scheduling.placement import Placement
-from sidecar.scheduling.policies import POLICIES, make_policy
-from sidecar.scheduling.prompts import PrefixIndex, estimate_tokens, prompt_text
-from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
-from sidecar.scheduling.state import MemoryState, StateBackend
-from sidecar.scheduling.state.redis import RedisState
+import redis.asyncio as aioredis  # noqa: E402
 
+from devkit.processes import Launcher, free_port, tcp_open  # noqa: E402
+from devkit.stats import percentile  # noqa: E402
+from sidecar.config import Settings  # noqa: E402
+from sidecar.discovery import Discovery  # noqa: E402
+from sidecar.observability.metrics import Metrics  # noqa: E402
+from sidecar.scheduling.endpoints import Endpoint  # noqa: E402
+from sidecar.scheduling.model import LocalView  # noqa: E402
+from sidecar.scheduling.placement import Placement  # noqa: E402
+from sidecar.scheduling.policies import POLICIES  # noqa: E402
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions  # noqa: E402
+from sidecar.scheduling.state import MemoryState, StateBackend  # noqa: E402
+from sidecar.scheduling.state.redis import RedisState  # noqa: E402
+
+BENCH = Path(__file__).resolve()
 ENDPOINTS = 8
 PROMPT_TOKENS = 2000
 IN_FLIGHT = 4
 """Placements kept reserved while the next is made (half an endpoint's worth each)."""
+HASH_KEY = "decision-cost-bench-key"
+"""``SIDECAR_PREFIX_HASH_KEY`` of the bench's schedulers (keyed, stable hashes)."""
 
 
 def body(index: int) -> dict[str, Any]:
@@ -78,93 +100,232 @@ def pool() -> tuple[Endpoint, ...]:
     return tuple(Endpoint("127.0.0.1", 20000 + i) for i in range(ENDPOINTS))
 
 
-async def time_placements(
-    policy: str, backend: StateBackend, iterations: int, *, pause_s: float = 0.0
-) -> tuple[dict[str, float], Counter[str]]:
-    """Placements timed one by one on a scheduler over ``backend``; ``pause_s`` between them
-    (untimed) lets a Redis backend's background sync of the last release finish first."""
+def scheduler_on(backend: StateBackend, policy: str, *, key: str | None = HASH_KEY) -> Scheduler:
     settings = Settings(
         decode_url="http://127.0.0.1:1",
         prefill_endpoints=pool(),
         scheduler_policy=policy,
         scheduler_seed=0,
+        prefill_prefix_index=True,
+        prefix_hash_key=key,
     )
-    scheduler = Scheduler(
+    return Scheduler(
         SchedulerOptions.from_settings(settings),
         discovery=Discovery(settings.prefill_endpoints, None),
         backend=backend,
         metrics=Metrics(),
     )
+
+
+def finish(scheduler: Scheduler, done: Placement) -> None:
+    if done.endpoint is None:
+        scheduler.local_first_byte(done, None)
+    else:
+        scheduler.prefill_finished(done, ok=None)
+    done.rank.end()  # the decode rank's slot, as the pipeline ends it
+
+
+async def time_placements(
+    policy: str,
+    backend: StateBackend,
+    iterations: int,
+    *,
+    pause_s: float = 0.0,
+    key: str | None = HASH_KEY,
+    timed: bool = True,
+) -> tuple[dict[str, float], Counter[str], dict[str, Any]]:
+    """Placements timed one by one on a scheduler over ``backend``; ``pause_s`` between them
+    (untimed) lets a Redis backend's background sync of the last release finish first. Returns
+    the figures, the decisions' reasons and the backend's status at the end."""
+    scheduler = scheduler_on(backend, policy, key=key)
     # No engine monitor: its scrapes would eject the 8 endpoints nobody listens on.
     await scheduler.start()
     reasons: Counter[str] = Counter()
     held: deque[Placement] = deque()
     samples: list[int] = []
+    cpu_samples: list[int] = []
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
     try:
         for index in range(iterations + iterations // 10):  # the first tenth warms up
             request = body(index)
-            start = time.perf_counter_ns()
+            start, cpu_start = clock(), cpu()
             placement = await scheduler.place(request, None)
-            elapsed = time.perf_counter_ns() - start
+            elapsed, cpu_elapsed = clock() - start, cpu() - cpu_start
             if index >= iterations // 10:
                 samples.append(elapsed)
+                cpu_samples.append(cpu_elapsed)
                 reasons[placement.decision.reason] += 1
             held.append(placement)
             if len(held) > IN_FLIGHT:
-                done = held.popleft()
-                if done.endpoint is None:
-                    scheduler.local_first_byte(done, None)
-                else:
-                    scheduler.prefill_finished(done, ok=None)
-                done.rank.end()  # the decode rank's slot, as the pipeline ends it
+                finish(scheduler, held.popleft())
             if pause_s:
                 await asyncio.sleep(pause_s)
+        status = backend.status()
     finally:
         await scheduler.close()
-    return summary(samples), reasons
+    figures = summary(samples) if timed else {}
+    if timed:  # the thread's CPU time: what other processes on the machine inflate least
+        figures["cpu_median_us"] = summary(cpu_samples)["median_us"]
+    return figures, reasons, status
 
 
 def time_parts(iterations: int) -> dict[str, dict[str, float]]:
-    """The pieces of one placement, each timed on its own."""
-    index = PrefixIndex(block_tokens=16, capacity_blocks=65536)
-    rng = random.Random(0)
-    decider = Decider(make_policy("qoe", rng))
-    candidates = [
-        Candidate(key=str(e), reserved_tokens=1000 * (i % 3), reserved_requests=i % 3)
-        for i, e in enumerate(pool())
+    """The pieces of one placement, each timed on its own, on a scheduler's own objects (the
+    ``Scheduler``'s private parts: this bench reads them as ``_place`` uses them)."""
+    scheduler = scheduler_on(MemoryState(), "qoe")
+    planner, ranks, hasher = scheduler._planner, scheduler.ranks, scheduler._hasher
+    assert hasher is not None
+    for endpoint in pool():
+        planner.join(endpoint, scheduler._new_health())
+    names = [
+        "hashing: local index (125 blocks)",
+        "hashing: prefill index (31 blocks)",
+        "local index: look-up and insert",
+        "per-endpoint look-ups (8)",
+        "policy (qoe, 8 candidates)",
+        "reservation",
     ]
-    parts: dict[str, list[int]] = {"size and text": [], "prefix index": [], "decider (qoe)": []}
-    for i in range(iterations):
-        request = body(10**9 + i)
-        t0 = time.perf_counter_ns()
-        tokens = estimate_tokens(request)
-        text = prompt_text(request)
-        t1 = time.perf_counter_ns()
-        hashes = index.hashes(text)
-        cached = index.cached_tokens(hashes)
-        index.insert(hashes)
-        t2 = time.perf_counter_ns()
-        decider.decide(candidates, LocalView(), prompt_tokens=tokens, cached_tokens=cached)
-        t3 = time.perf_counter_ns()
-        parts["size and text"].append(t1 - t0)
-        parts["prefix index"].append(t2 - t1)
-        parts["decider (qoe)"].append(t3 - t2)
+    parts: dict[str, list[int]] = {name: [] for name in names}
+    clock = time.perf_counter_ns
+    local = ranks[0].prefix
+    held: deque[Any] = deque()
+    for i in range(iterations + iterations // 10):
+        text = body(10**9 + i)["prompt"]
+        t0 = clock()
+        local_hashes = local.hashes(text)
+        t1 = clock()
+        data = text.encode()
+        hashes = hasher.hashes(data)
+        t2 = clock()
+        claim, cached = ranks.claim_blocks(local_hashes, PROMPT_TOKENS)
+        t3 = clock()
+        view, now, wall = scheduler._now()
+        candidates = planner.candidates(view, now, wall, hashes)
+        t4 = clock()
+        decision = planner.decider.decide(
+            candidates,
+            LocalView(
+                claim.rank.ahead_tokens, None, planner.local_speed.value, claim.rank.inflight - 1
+            ),
+            prompt_tokens=PROMPT_TOKENS,
+            cached_tokens=cached,
+        )
+        t5 = clock()
+        chosen = decision.endpoint or candidates[0].key
+        placement = scheduler._reserve(
+            decision, planner.pool[chosen].endpoint, claim, hashes, len(data)
+        )
+        t6 = clock()
+        held.append(placement)
+        if len(held) > IN_FLIGHT:
+            finish(scheduler, held.popleft())
+        if i < iterations // 10:
+            continue
+        for name, (a, b) in zip(
+            names, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5), (t5, t6)], strict=True
+        ):
+            parts[name].append(b - a)
     return {name: summary(samples) for name, samples in parts.items()}
 
 
-async def round_trip(url: str, iterations: int) -> dict[str, float]:
-    """One PING through redis.asyncio, the client the Redis backend uses."""
+async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
+    """One PING, and one EVALSHA of a script that does nothing, through redis.asyncio (the
+    client the Redis backend uses)."""
     client = aioredis.Redis.from_url(url)
-    samples = []
+    empty = client.register_script("return 0")
+    figures = {}
     try:
-        await client.ping()
-        for _ in range(iterations):
-            start = time.perf_counter_ns()
-            await client.ping()
-            samples.append(time.perf_counter_ns() - start)
+        for name, call in (
+            ("ping", client.ping),
+            ("empty_evalsha", lambda: empty(keys=[], args=[])),
+        ):
+            await call()
+            samples = []
+            for _ in range(iterations):
+                start = time.perf_counter_ns()
+                await call()
+                samples.append(time.perf_counter_ns() - start)
+            figures[name] = summary(samples)
     finally:
         await client.aclose()
-    return summary(samples)
+    return figures
+
+
+async def seed_sidecars(url: str, prefix: str, count: int) -> None:
+    """``count`` other live sidecars in the pool ``prefix``, each holding a reservation on every
+    endpoint (through the sync script itself, with a long lease)."""
+    from sidecar.scheduling.state.protocol import SCRIPT, SyncProtocol, keys
+
+    client = aioredis.Redis.from_url(url)
+    script = client.register_script(SCRIPT)
+    try:
+        for i in range(count):
+            other = SyncProtocol(f"other-{i}", lease_s=600, wake=lambda: None)
+            for endpoint in pool():
+                other.reserve(str(endpoint), 1000)
+            sync = other.begin(time.time())
+            await script(keys=keys(prefix), args=sync.args())
+    finally:
+        await client.aclose()
+
+
+async def script_usec(url: str) -> float:
+    """Redis's own time per ``EVALSHA`` since the last ``CONFIG RESETSTAT``."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return float(stats.get("cmdstat_evalsha", {}).get("usec_per_call", 0.0))
+
+
+async def reset_stats(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.config_resetstat()
+    finally:
+        await client.aclose()
+
+
+async def redis_placements(
+    url: str,
+    iterations: int,
+    policy: str,
+    *,
+    prefix: str,
+    key: str | None = HASH_KEY,
+    others: int = 0,
+) -> dict[str, Any]:
+    """Placements on the Redis backend (``prefix``: its keys; ``others``: live sidecars holding
+    reservations there besides this one), with the production decision budget
+    (``SIDECAR_STATE_TIMEOUT_MS``, 5 ms): a placement whose sync takes longer decides on the
+    local view; counted here, not logged each time. Redis's own time per script call is read
+    from ``INFO commandstats`` (the prefix share's calls included when ``key`` is set)."""
+    await seed_sidecars(url, prefix, others)
+    await reset_stats(url)
+    errors: Counter[str] = Counter()
+
+    def count(kind: str) -> None:
+        errors[kind] += 1
+
+    backend = RedisState(url, prefix=prefix, lease_s=10, timeout_s=0.005, on_error=count)
+    quiet = logging.getLogger("sidecar.scheduling")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        figures, reasons, status = await time_placements(
+            policy, backend, iterations, pause_s=0.002, key=key
+        )
+    finally:
+        quiet.setLevel(level)
+    return {
+        **figures,
+        "reasons": dict(reasons),
+        "backend_errors": dict(errors),
+        "prefix_share": status.get("prefix_share"),
+        "script_usec": await script_usec(url),
+        "others": others,
+    }
 
 
 async def with_redis(
@@ -199,41 +360,28 @@ async def measure(
         "parts": time_parts(iterations),
     }
     for policy in policies:
-        figures, reasons = await time_placements(policy, MemoryState(), iterations)
+        figures, reasons, _ = await time_placements(policy, MemoryState(), iterations)
         result["memory"][policy] = {**figures, "reasons": dict(reasons)}
 
     if redis_policy not in result["memory"]:
-        figures, _ = await time_placements(redis_policy, MemoryState(), iterations)
+        figures, _, _ = await time_placements(redis_policy, MemoryState(), iterations)
         result["memory"][redis_policy] = {**figures, "reasons": {}}
     memory_median = result["memory"][redis_policy]["median_us"]
 
     async def redis_run(url: str) -> dict[str, Any]:
-        errors: Counter[str] = Counter()
-
-        def count(kind: str) -> None:
-            errors[kind] += 1
-
-        # The production decision budget (SIDECAR_STATE_TIMEOUT_MS, 5 ms): a placement whose
-        # sync takes longer decides on the local view; counted here, not logged each time.
-        backend = RedisState(url, prefix="bench", lease_s=10, timeout_s=0.005, on_error=count)
-        quiet = logging.getLogger("sidecar.scheduling")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            figures, reasons = await time_placements(
-                redis_policy, backend, iterations, pause_s=0.002
-            )
-        finally:
-            quiet.setLevel(level)
-        ping = await round_trip(url, iterations)
+        shared = await redis_placements(url, iterations, redis_policy, prefix="bench-shared")
+        alone = await redis_placements(
+            url, iterations, redis_policy, prefix="bench-alone", key=None
+        )
+        trips = await round_trips(url, iterations)
+        ping = trips["ping"]
         return {
             "policy": redis_policy,
-            **figures,
-            "reasons": dict(reasons),
-            "ping": ping,
-            "over_round_trip_us": figures["median_us"] - ping["median_us"],
-            "over_memory_us": figures["median_us"] - memory_median,
-            "backend_errors": dict(errors),
+            **shared,
+            "share_off": alone,
+            **trips,
+            "over_round_trip_us": shared["median_us"] - ping["median_us"],
+            "over_memory_us": shared["median_us"] - memory_median,
         }
 
     async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
@@ -245,37 +393,136 @@ def report(result: dict[str, Any]) -> list[str]:
     """The decision-cost table, as lines."""
     lines = [
         f"scheduler decision: a {result['prompt_tokens']}-token prompt among"
-        f" {result['endpoints']} endpoints, {result['in_flight']} placements in flight",
-        f"  {'what':<34} {'median µs':>10} {'p99 µs':>10}",
+        f" {result['endpoints']} endpoints, {result['in_flight']} placements in flight,"
+        " prefill prefix index on (keyed hashes), local prefix index on",
+        f"  {'what':<44} {'median µs':>10} {'p99 µs':>10} {'CPU med µs':>10}",
     ]
+
+    def row(name: str, figures: dict[str, float]) -> None:
+        cpu = figures.get("cpu_median_us")
+        lines.append(
+            f"  {name:<44} {figures['median_us']:>10.1f} {figures['p99_us']:>10.1f}"
+            + (f" {cpu:>10.1f}" if cpu is not None else "")
+        )
+
     for policy, figures in result["memory"].items():
-        lines.append(
-            f"  {'place(), memory, ' + policy:<34} {figures['median_us']:>10.1f}"
-            f" {figures['p99_us']:>10.1f}"
-        )
+        row("place(), memory, " + policy, figures)
     for part, figures in result["parts"].items():
-        lines.append(
-            f"  {'  part: ' + part:<34} {figures['median_us']:>10.1f} {figures['p99_us']:>10.1f}"
-        )
+        row("  part: " + part, figures)
     redis = result["redis"]
     if isinstance(redis, str):
         lines.append(f"  place(), redis: {redis}")
-    else:
-        lines.append(
-            f"  {'place(), redis, ' + redis['policy']:<34} {redis['median_us']:>10.1f}"
-            f" {redis['p99_us']:>10.1f}"
-        )
-        lines.append(
-            f"  {'  redis PING round trip':<34} {redis['ping']['median_us']:>10.1f}"
-            f" {redis['ping']['p99_us']:>10.1f}"
-        )
-        lines.append(
-            f"  = one round trip + {redis['over_round_trip_us']:.1f} µs (medians);"
-            f" {redis['over_memory_us']:.1f} µs more than on the memory backend;"
-            f" decisions {redis['reasons']}; over the 5 ms budget"
-            f" {redis['backend_errors'].get('timeout', 0)} times"
-        )
+        return lines
+    row("place(), redis, " + redis["policy"] + ", prefix share on", redis)
+    row("place(), redis, " + redis["policy"] + ", prefix share off", redis["share_off"])
+    row("  redis PING round trip", redis["ping"])
+    row("  redis EVALSHA of an empty script", redis["empty_evalsha"])
+    share = redis["prefix_share"]
+    lines.append(
+        f"  = one round trip + {redis['over_round_trip_us']:.1f} µs (medians);"
+        f" {redis['over_memory_us']:.1f} µs more than on the memory backend;"
+        f" decisions {redis['reasons']}; over the 5 ms budget"
+        f" {redis['backend_errors'].get('timeout', 0)} times"
+    )
+    lines.append(f"  prefix share at the end (share on): {share}")
     return lines
+
+
+# --- A/B against another checkout, in processes of their own ---------------------------------
+
+
+async def child(
+    kind: str, iterations: int, url: str | None, prefix: str, others: int = 0
+) -> dict[str, Any]:
+    """One variant's placements (qoe), as ``--child`` prints them."""
+    if kind == "memory":
+        figures, reasons, _ = await time_placements("qoe", MemoryState(), iterations)
+        return {**figures, "reasons": dict(reasons)}
+    if kind == "count":  # untimed, for callgrind
+        await time_placements("qoe", MemoryState(), iterations, timed=False)
+        return {}
+    assert url is not None
+    return await redis_placements(url, iterations, "qoe", prefix=prefix, key=None, others=others)
+
+
+def run_child(
+    repo: Path,
+    kind: str,
+    iterations: int,
+    url: str = "",
+    prefix: str = "",
+    wrap: tuple[str, ...] = (),
+    others: int = 0,
+) -> dict[str, Any]:
+    argv = [*wrap, sys.executable, str(BENCH), "--child", kind, "--iterations", str(iterations)]
+    if url:
+        argv += ["--redis-url", url, "--redis-prefix", prefix, "--others", str(others)]
+    env = {**os.environ, "DECISION_COST_REPO": str(repo), "PYTHONHASHSEED": "0"}
+    done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+
+
+def load() -> str:
+    pressure = Path("/proc/pressure/cpu").read_text().split()[1]  # "avg10=..." of "some"
+    return f"load average {os.getloadavg()[0]:.2f}, cpu pressure {pressure}"
+
+
+async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) -> list[str]:
+    """Memory and Redis placements of this checkout and ``baseline``, alternated; on Redis with
+    each count of other live sidecars in ``others`` (the prefix share off: the script's own
+    time is then the reservation sync's alone)."""
+    here = BENCH.parent.parent
+    variants = {"this": here, "baseline": baseline}
+    lines = [
+        f"A/B, {rounds} rounds of {iterations} placements each (qoe): median / p99 µs, the"
+        " thread's CPU µs (median); Redis: the script's own µs per call (INFO commandstats) and"
+        " a PING's median µs"
+    ]
+
+    async def run(url: str) -> dict[str, Any]:
+        for r in range(rounds):
+            for name, repo in variants.items():
+                figures = await asyncio.to_thread(run_child, repo, "memory", iterations)
+                lines.append(
+                    f"  round {r + 1} {name:<8} memory            {figures['median_us']:>8.1f}"
+                    f" / {figures['p99_us']:>8.1f}  CPU {figures['cpu_median_us']:>6.1f}"
+                    f"  ({load()})"
+                )
+                for count in others:
+                    figures = await asyncio.to_thread(
+                        run_child, repo, "redis", iterations, url, f"ab-{name}-{r}-{count}",
+                        (), count,
+                    )  # fmt: skip
+                    ping = (await round_trips(url, 300))["ping"]["median_us"]
+                    lines.append(
+                        f"  round {r + 1} {name:<8} redis, {count:>3} others"
+                        f" {figures['median_us']:>8.1f} / {figures['p99_us']:>8.1f}"
+                        f"  CPU {figures['cpu_median_us']:>6.1f}"
+                        f"  script {figures['script_usec']:>6.1f}  PING {ping:>6.1f}"
+                        f"  timeouts {figures['backend_errors'].get('timeout', 0)}  ({load()})"
+                    )
+        return {}
+
+    async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
+        outcome = await with_redis(launcher, run)
+    if isinstance(outcome, str):
+        lines.append(outcome)
+    return lines
+
+
+def instructions(repo: Path, short: int, long: int) -> float:
+    """Ir per memory placement of ``repo``'s sidecar: two runs under callgrind, ``short`` and
+    ``long`` placements, the difference divided by ``long - short`` (start-up cancels out)."""
+    counts = []
+    with tempfile.TemporaryDirectory() as out:
+        for n in (short, long):
+            wrap = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}")
+            run_child(repo, "count", n, wrap=wrap)
+            text = Path(glob.glob(f"{out}/cg.{n}")[0]).read_text()
+            counts.append(int(text.split("\nsummary: ")[1].split()[0]))
+    return (counts[1] - counts[0]) / ((long - short) * 1.1)  # the warm-up tenth runs too
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,12 +532,49 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--iterations", type=int, default=2000, help="timed placements each")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    parser.add_argument("--baseline", type=Path, default=None, help="checkout to compare with")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B rounds with --baseline")
+    parser.add_argument(
+        "--instructions", action="store_true", help="callgrind Ir per memory placement"
+    )
+    parser.add_argument("--child", choices=("memory", "redis", "count"), help=argparse.SUPPRESS)
+    parser.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--redis-prefix", default="bench", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--others", default="0,32", help="other live sidecars in the Redis pool (A/B; list)"
+    )
     args = parser.parse_args(argv)
     from bench.cluster import run
 
+    if args.instructions:
+        repos = {"this": BENCH.parent.parent}
+        if args.baseline is not None:
+            repos["baseline"] = args.baseline.resolve()
+        for name, repo in repos.items():
+            ir = instructions(repo, 100, 600)
+            print(f"instructions per placement (memory, qoe), {name} ({repo}): {ir:,.0f}")
+        return 0
+
     async def go() -> int:
+        if args.child is not None:
+            figures = await child(
+                args.child,
+                args.iterations,
+                args.redis_url,
+                args.redis_prefix,
+                int(args.others.split(",")[0]),
+            )
+            print(json.dumps(figures))
+            return 0
+        if args.baseline is not None:
+            others = [int(n) for n in args.others.split(",")]
+            lines = await ab(args.baseline.resolve(), args.iterations, args.rounds, others)
+            print("\n".join(lines))
+            return 0
+        print(load())
         result = await measure(args.iterations, args.policies.split(","))
         print("\n".join(report(result)))
+        print(load())
         return 0
 
     return run(go)

@@ -87,10 +87,13 @@ class PrefixHasher:
         size = self.block_bytes
         end = min(len(data), MAX_PROMPT_BLOCKS * size)
         running = self._base.copy()
+        # ``digest()`` leaves the running state as it was (hashlib finalizes a copy): the next
+        # block goes on from there, so no copy of the state per block.
+        update, digest = running.update, running.digest
         digests = []
         for start in range(0, end - size + 1, size):
-            running.update(data[start : start + size])
-            digests.append(running.copy().digest())
+            update(data[start : start + size])
+            digests.append(digest())
         return tuple(digests)
 
 

@@ -76,8 +76,12 @@ def touch_blocks(blocks: OrderedDict[K, None], hashes: Iterable[K], capacity: in
             move(digest)
         else:
             blocks[digest] = None
-    while len(blocks) > capacity:
-        blocks.popitem(last=False)
+    # One count, not a length check per evicted block.
+    excess = min(len(blocks), len(blocks) - capacity)
+    if excess > 0:
+        pop = blocks.popitem
+        for _ in range(excess):
+            pop(False)
 
 
 class PrefixIndex:
@@ -129,11 +133,12 @@ class PrefixIndex:
         up in every rank's index)."""
         size = self._block_chars
         end = min(len(text), MAX_HASHED_BLOCKS * size)
-        hashes = []
+        hashes: list[int] = []
+        append = hashes.append
         chained = 0
         for start in range(0, end - size + 1, size):
             chained = hash((chained, text[start : start + size]))
-            hashes.append(chained)
+            append(chained)
         return hashes
 
     def cached_tokens(self, hashes: Sequence[Hashable]) -> int:

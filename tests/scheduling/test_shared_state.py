@@ -401,7 +401,7 @@ async def test_what_does_not_parse_is_skipped_and_counted_not_the_sync(redis_ser
         max_ejection_s=60,
         on_skipped=lambda kind, count: skipped.update({kind: count}),
     )
-    sidecars, speeds, ejections, reservations = state.keys
+    sidecars, speeds, ejections, reservations, _totals = state.keys
     admin = aioredis.Redis.from_url(redis_server.url)
     now = time.time()
     try:

@@ -21,6 +21,7 @@ from sidecar.scheduling.state.protocol import (
     decode_reply,
     keys,
 )
+from sidecar.scheduling.state.redis import RedisState
 from tests.processes import RedisServer, free_port
 
 A, B, C = "127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000"
@@ -219,3 +220,139 @@ async def test_the_simulators_script_answers_as_the_real_one(redis_server) -> No
         assert reply.totals == {B: Load(50, 1)}
     finally:
         await client.aclose()
+
+
+class Pool:
+    """Syncs of several sidecars through the real script, and the totals hash it keeps."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.keys = keys(prefix)
+        self.script = client.register_script(SCRIPT)
+
+    async def sync(self, state: SyncProtocol, at: float) -> Reply:
+        sync = state.begin(at)
+        raw = await self.script(keys=self.keys, args=sync.args())
+        reply = decode_reply(raw, now=at, max_ejection_s=3600)
+        state.received(sync, reply)
+        return reply
+
+    async def stored_totals(self) -> dict[str, Load]:
+        """The totals hash as Redis holds it (the tables' count aside)."""
+        stored = await self.client.hgetall(self.keys[4])
+        totals = {}
+        for field, value in stored.items():
+            if not field.startswith(b"#"):
+                tokens, requests = value.split()
+                totals[field.decode()] = Load(int(tokens), int(requests))
+        return totals
+
+
+@pytest.fixture
+async def pool(redis_server) -> AsyncIterator[Pool]:
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield Pool(client, "totals")
+    await client.aclose()
+
+
+async def test_the_totals_follow_reservations_and_releases_of_two_sidecars(pool) -> None:
+    """Redis keeps the pool's totals, changed by each table's difference to the one stored; the
+    answer is what they hold."""
+    now = time.time()
+    one, two = protocol("one", lease_s=600), protocol("two", lease_s=600)
+    first = one.reserve(A, 100)
+    one.reserve(B, 40)
+    await pool.sync(one, now)
+    two.reserve(A, 10)
+    reply = await pool.sync(two, now + 0.1)
+    assert reply.totals == {A: Load(110, 2), B: Load(40, 1)}
+    assert await pool.stored_totals() == reply.totals
+    one.release(first)
+    one.reserve(C, 7)
+    reply = await pool.sync(one, now + 0.2)
+    assert reply.totals == {A: Load(10, 1), B: Load(40, 1), C: Load(7, 1)}
+    assert await pool.stored_totals() == reply.totals
+    assert await pool.client.hget(pool.keys[4], "#tables") == b"2"
+
+
+async def test_a_dead_sidecars_share_leaves_the_totals_with_its_lease(pool) -> None:
+    """A sidecar that stops syncing: once its lease has run out, the next sync of another one
+    takes its reservations off the totals (and its table and lease go)."""
+    now = time.time()
+    alive, dying = protocol("alive", lease_s=600), protocol("dying", lease_s=2)
+    alive.reserve(A, 5)
+    await pool.sync(alive, now)
+    dying.reserve(A, 300)
+    dying.reserve(B, 30)
+    await pool.sync(dying, now)
+    reply = await pool.sync(alive, now + 1)  # within its lease: still counted
+    assert reply.totals == {A: Load(305, 2), B: Load(30, 1)}
+    reply = await pool.sync(alive, now + 2.5)
+    assert reply.totals == {A: Load(5, 1)}
+    assert await pool.stored_totals() == {A: Load(5, 1)}
+    assert await pool.client.hget(pool.keys[3], "dying") is None
+    assert await pool.client.zscore(pool.keys[0], "dying") is None
+
+
+async def test_totals_that_cannot_be_trusted_are_rebuilt_from_the_live_tables(pool) -> None:
+    """Totals gone (a restart, an expiry) or counting other tables than Redis holds (a table
+    written behind the script's back, one without a lease): the next sync sums every live
+    sidecar's table anew, and a table without a lease is dropped."""
+    now = time.time()
+    one, two = protocol("one", lease_s=600), protocol("two", lease_s=600)
+    one.reserve(A, 100)
+    await pool.sync(one, now)
+    two.reserve(B, 20)
+    await pool.sync(two, now)
+    await pool.client.delete(pool.keys[4])
+    reply = await pool.sync(one, now + 0.1)
+    assert reply.totals == {A: Load(100, 1), B: Load(20, 1)}
+    # Written by hand: a live sidecar's table, and a table whose sidecar holds no lease.
+    await pool.client.zadd(pool.keys[0], {"by-hand": now + 600})
+    await pool.client.hset(pool.keys[3], mapping={"by-hand": f"{C} 9 1", "orphan": f"{A} 1 1"})
+    reply = await pool.sync(two, now + 0.2)
+    assert reply.totals == {A: Load(100, 1), B: Load(20, 1), C: Load(9, 1)}
+    assert await pool.stored_totals() == reply.totals
+    assert await pool.client.hget(pool.keys[3], "orphan") is None
+
+
+async def test_a_closing_backend_takes_its_reservations_off_the_totals(redis_server) -> None:
+    """``RedisState.close`` says goodbye through the script: the totals lose its share at once,
+    not after its lease, and stay consistent (no rebuild needed)."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    pool = Pool(client, "goodbye")
+    other = protocol("other", lease_s=600)
+    other.reserve(A, 50)
+    state = RedisState(redis_server.url, prefix="goodbye", lease_s=600, timeout_s=1)
+    try:
+        await pool.sync(other, time.time())
+        await state.start()
+        state.reserve(A, 70)
+        state.reserve(B, 8)
+        await state.refresh()
+        assert (await pool.stored_totals())[A] == Load(120, 2)
+        await state.close()
+        assert await pool.stored_totals() == {A: Load(50, 1)}
+        assert await client.hget(pool.keys[4], "#tables") == b"1"
+    finally:
+        await client.aclose()
+
+
+async def test_a_change_behind_the_scripts_back_counts_within_a_lease(pool) -> None:
+    """A table changed by anything but the script (an older sidecar during a rolling upgrade
+    writes its table by itself), the count of tables unchanged: the totals miss it until they
+    are a lease old, then they are summed anew."""
+    now = time.time()
+    one, two = protocol("one", lease_s=10), protocol("two", lease_s=10)
+    one.reserve(A, 100)
+    await pool.sync(one, now)
+    two.reserve(B, 20)
+    await pool.sync(two, now)
+    await pool.client.hset(pool.keys[3], "two", f"{B} 50 2")  # the old script's way
+    reply = await pool.sync(one, now + 1)
+    assert reply.totals == {A: Load(100, 1), B: Load(20, 1)}  # within the lease: not seen yet
+    await pool.sync(two, now + 5)  # renews its lease; the stored table is what it sends
+    await pool.client.hset(pool.keys[3], "two", f"{B} 50 2")
+    reply = await pool.sync(one, now + 10.5)
+    assert reply.totals == {A: Load(100, 1), B: Load(50, 2)}
+    assert await pool.stored_totals() == reply.totals

@@ -41,17 +41,42 @@ from sidecar.scheduling.state import Load, OwnReservations, Reservation, SharedV
 # The wire: one Lua script does a whole sync in one round trip. It replaces this sidecar's
 # reservations with their current absolute values, renews its lease, drops sidecars whose lease
 # ran out (a dead sidecar's reservations stop counting within the lease), stores published
-# speeds and ejections, and returns the pool's totals. It touches only the keys it is given as
-# ``KEYS`` (nothing by a name built inside it), so it runs as it is on a Redis Cluster.
+# speeds and ejections, and returns the pool's totals. The totals are kept in Redis (KEYS[5])
+# and updated by the difference between a sidecar's table as stored and as sent, and by a dead
+# sidecar's table when it is dropped: a sync's work does not grow with the number of sidecars.
+# The totals are rebuilt from every live sidecar's table when they cannot be trusted: missing
+# (a restart, an expiry), counting another number of tables than the reservations hash holds
+# (a table written or removed by anything but this script), or older than one lease (so that a
+# change written behind the script's back, e.g. by an older sidecar during a rolling upgrade,
+# counts within a lease, as a dead sidecar's share stops counting within one). It touches only
+# the keys it is given as ``KEYS`` (nothing by a name built inside it), so it runs as it is on a
+# Redis Cluster.
 _SYNC = """
 local sid, now, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
 local skipped = 0
 local lease_ms = math.ceil(lease * 1000)
+local COUNT = '#tables'
+local function add(text, delta, sign)
+  if not text then return end
+  for ep, tok, req in string.gmatch(text, '(%S+) (%d+) (%d+)') do
+    local d = delta[ep]
+    if d == nil then d = {0, 0}; delta[ep] = d end
+    d[1] = d[1] + sign * tonumber(tok); d[2] = d[2] + sign * tonumber(req)
+  end
+end
+local BUILT = '#built'
+local counted = tonumber(redis.call('HGET', KEYS[5], COUNT) or '')
+local built = tonumber(redis.call('HGET', KEYS[5], BUILT) or '')
+local rebuild = counted == nil or counted ~= redis.call('HLEN', KEYS[4])
+  or built == nil or now - built > lease or now < built
+local delta = {}
+if not rebuild then add(redis.call('HGET', KEYS[4], sid), delta, -1) end
 if ARGV[4] == '' then
   redis.call('HDEL', KEYS[4], sid)
 else
   redis.call('HSET', KEYS[4], sid, ARGV[4])
+  if not rebuild then add(ARGV[4], delta, 1) end
 end
 redis.call('ZADD', KEYS[1], now + lease, sid)
 local i = 5
@@ -66,36 +91,58 @@ for _ = 1, n do
 end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
 if #dead > 0 then
+  if not rebuild then
+    for _, gone in ipairs(dead) do add(redis.call('HGET', KEYS[4], gone), delta, -1) end
+  end
   redis.call('HDEL', KEYS[4], unpack(dead))
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
 end
--- Gone with the lease when every sidecar is: nobody is left to read them.
-redis.call('PEXPIRE', KEYS[1], lease_ms)
-if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
--- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
--- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
-local totals, order = {}, {}
-local held = redis.call('HGETALL', KEYS[4])
-for j = 1, #held, 2 do
-  if redis.call('ZSCORE', KEYS[1], held[j]) then
-    for ep, tok, req in string.gmatch(held[j + 1], '(%S+) (%d+) (%d+)') do
-      if totals[ep] == nil then
-        if #order < limit and #ep <= key_bytes then
-          totals[ep] = {0, 0}; order[#order + 1] = ep
-        else
-          skipped = skipped + 1
-        end
-      end
-      if totals[ep] ~= nil then
-        totals[ep][1] = totals[ep][1] + tonumber(tok)
-        totals[ep][2] = totals[ep][2] + tonumber(req)
-      end
+if rebuild then
+  -- Every live sidecar's table summed anew; a table without a lease never counts: dropped.
+  redis.call('DEL', KEYS[5])
+  local held = redis.call('HGETALL', KEYS[4])
+  for j = 1, #held, 2 do
+    if redis.call('ZSCORE', KEYS[1], held[j]) then
+      add(held[j + 1], delta, 1)
+    else
+      redis.call('HDEL', KEYS[4], held[j])
     end
   end
 end
+for ep, d in pairs(delta) do
+  if d[1] ~= 0 or d[2] ~= 0 then
+    local tok, req = 0, 0
+    local total = redis.call('HGET', KEYS[5], ep)
+    if total then
+      local t, r = string.match(total, '^(%d+) (%d+)$')
+      tok, req = tonumber(t) or 0, tonumber(r) or 0
+    end
+    tok, req = tok + d[1], req + d[2]
+    if req > 0 then
+      redis.call('HSET', KEYS[5], ep, string.format('%.0f %.0f', math.max(tok, 0), req))
+    else
+      redis.call('HDEL', KEYS[5], ep)
+    end
+  end
+end
+redis.call('HSET', KEYS[5], COUNT, redis.call('HLEN', KEYS[4]))
+if rebuild then redis.call('HSET', KEYS[5], BUILT, string.format('%.3f', now)) end
+-- Gone with the lease when every sidecar is: nobody is left to read them.
+redis.call('PEXPIRE', KEYS[1], lease_ms)
+redis.call('PEXPIRE', KEYS[5], lease_ms)
+if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
+-- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
+-- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
 local lines = {}
-for _, ep in ipairs(order) do
-  lines[#lines + 1] = string.format('%s %.0f %.0f', ep, totals[ep][1], totals[ep][2])
+local totals = redis.call('HGETALL', KEYS[5])
+for j = 1, #totals, 2 do
+  if totals[j] ~= COUNT and totals[j] ~= BUILT then
+    if #lines < limit and #totals[j] <= key_bytes and #totals[j + 1] <= value_bytes then
+      lines[#lines + 1] = totals[j] .. ' ' .. totals[j + 1]
+    else
+      skipped = skipped + 1
+    end
+  end
 end
 local function bounded(flat)
   local kept = {}
@@ -125,13 +172,13 @@ return {
   skipped,
 }
 """
-"""KEYS: sidecars, speeds, ejections, reservations. ARGV: sidecar id, now, lease, this sidecar's
-reservations (lines), then speeds and ejections, each a count and that many pairs. The reply is
-three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds and the
-live ejections (an endpoint's line, then its value's): three bulk strings rather than arrays of
-every field, which redis-py's parser would read element by element (most of a sync's cost on
-the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a kind,
-or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
+"""KEYS: sidecars, speeds, ejections, reservations, totals. ARGV: sidecar id, now, lease, this
+sidecar's reservations (lines), then speeds and ejections, each a count and that many pairs. The
+reply is three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds
+and the live ejections (an endpoint's line, then its value's): three bulk strings rather than
+arrays of every field, which redis-py's parser would read element by element (most of a sync's
+cost on the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a
+kind, or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
 
 MAX_ENTRIES = 1024
 """Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
@@ -165,11 +212,17 @@ BACKOFF_MAX_S = 5.0
 """After a failed sync the next is not tried for the backoff: 0.5 s, doubling to 5 s."""
 
 
-def keys(prefix: str) -> tuple[str, str, str, str]:
+def keys(prefix: str) -> tuple[str, str, str, str, str]:
     """Every key of a pool (``SIDECAR_REDIS_KEY_PREFIX``), in the script's ``KEYS`` order: one
     hash tag, so that on a Redis Cluster they live in one slot."""
     tag = "{" + prefix + "}"
-    return (f"{tag}:sidecars", f"{tag}:speeds", f"{tag}:ejections", f"{tag}:reservations")
+    return (
+        f"{tag}:sidecars",
+        f"{tag}:speeds",
+        f"{tag}:ejections",
+        f"{tag}:reservations",
+        f"{tag}:totals",
+    )
 
 
 @dataclass(frozen=True, slots=True)

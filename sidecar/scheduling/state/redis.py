@@ -14,12 +14,14 @@ unbalanced, docs/scheduling.md). A slow or absent Redis leaves the decision to t
 Reservations, releases, speeds and ejections change the local table at once and wake a background
 worker, which syncs them (and heartbeats, and reconnects) off the request path.
 
-Four keys, all sharing one hash tag (``{prefix}``): ``sidecars`` (a sorted set, lease deadline per
+Five keys, all sharing one hash tag (``{prefix}``): ``sidecars`` (a sorted set, lease deadline per
 sidecar id), ``reservations`` (a hash, one field per sidecar: its reservations, one ``endpoint
-tokens requests`` line each), ``speeds`` and ``ejections`` (hashes, one field per endpoint). The
-script touches only the keys it is given as ``KEYS`` — nothing by a name built inside it — so it
-runs as it is on a standalone Redis and on a Redis Cluster (``cluster=True``: redis-py's cluster
-client), where the four keys live in one slot, are redirected together and fail over together.
+tokens requests`` line each), ``totals`` (a hash, one field per endpoint: every live sidecar's
+reservations summed, kept by the script as tables change and sidecars go), ``speeds`` and
+``ejections`` (hashes, one field per endpoint). The script touches only the keys it is given as
+``KEYS`` — nothing by a name built inside it — so it runs as it is on a standalone Redis and on a
+Redis Cluster (``cluster=True``: redis-py's cluster client), where the five keys live in one
+slot, are redirected together and fail over together.
 """
 
 from __future__ import annotations
@@ -129,11 +131,14 @@ class RedisState:
             if task is not None:
                 await stop_task(task)
         if self._client is not None:
-            # Best effort: let the others stop counting us now rather than after the lease.
+            # Best effort: let the others stop counting us now rather than after the lease. An
+            # empty table through the script takes ours off the totals; then the lease goes.
             with contextlib.suppress(*_ERRORS):
                 async with asyncio.timeout(0.5):
-                    await self._client.hdel(self.keys[3], self._protocol.sidecar)
-                    await self._client.zrem(self.keys[0], self._protocol.sidecar)
+                    sidecar = self._protocol.sidecar
+                    goodbye = [sidecar, repr(self._clock()), repr(self._protocol.lease_s), "", 0, 0]
+                    await self._script(keys=self.keys, args=goodbye)
+                    await self._client.zrem(self.keys[0], sidecar)
             await self._client.aclose()
             self._client = None
 
