@@ -238,13 +238,14 @@ class Pool:
         return reply
 
     async def stored_totals(self) -> dict[str, Load]:
-        """The totals hash as Redis holds it (the tables' count aside)."""
+        """The totals hash as Redis holds it (its own fields, ``#tables`` and ``#built``, aside)."""
         stored = await self.client.hgetall(self.keys[4])
         totals = {}
         for field, value in stored.items():
-            if not field.startswith(b"#"):
+            name = field.decode() if isinstance(field, bytes) else field
+            if not name.startswith("#"):
                 tokens, requests = value.split()
-                totals[field.decode()] = Load(int(tokens), int(requests))
+                totals[name] = Load(int(tokens), int(requests))
         return totals
 
 
