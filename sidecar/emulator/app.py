@@ -383,7 +383,11 @@ async def start_emulator(
         )
         await api_runner.setup()
         try:
-            site = web.TCPSite(api_runner, config.host, config.port, ssl_context=_tls(config))
+            # uvicorn's (so vLLM's) listen backlog: a burst of new connections from a proxy
+            # opening hundreds of streams at once is queued, not dropped and retried after 1 s.
+            site = web.TCPSite(
+                api_runner, config.host, config.port, ssl_context=_tls(config), backlog=2048
+            )
             await site.start()
         except BaseException:
             await api_runner.cleanup()
