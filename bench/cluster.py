@@ -139,6 +139,9 @@ class ClusterConfig:
     """Extra ``SIDECAR_*`` variables, on top of host, port and decode URL."""
     log_dir: Path | None = None
     """Where the children's logs go; None: a new directory under the system temp dir."""
+    prefill_pool: bool = False
+    """The prefill emulator in the sidecar's pool (``SIDECAR_PREFILL_ENDPOINTS``) too: only a
+    pool endpoint has a prefill prefix index (a header naming one still picks it)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, *, decode_s_per_token: float) -> ClusterConfig:
@@ -197,9 +200,10 @@ class Cluster(BenchLauncher):
                 "--decode-s-per-token", str(config.decode_s_per_token), *config.emulator_args
             ),
         )  # fmt: skip
+        pool = {"SIDECAR_PREFILL_ENDPOINTS": self.prefill.endpoint} if config.prefill_pool else {}
         sidecar = self.spawn_sidecar(
             decode_url=decode.url,
-            settings={"SIDECAR_LOG_LEVEL": "WARNING", **config.sidecar_env},
+            settings={"SIDECAR_LOG_LEVEL": "WARNING", **pool, **config.sidecar_env},
         )
         await sidecar.wait_ready("/ready")
 
@@ -274,9 +278,10 @@ class Cluster(BenchLauncher):
         bound = self.decode_pool_bound()
         for key, count in sorted(sockets.items()):
             peer, _, state = key.rpartition(" ")
-            if peer == "decode" and state == "ESTABLISHED":
+            polled = peer == "decode" or (peer == "prefill" and self.config.prefill_pool)
+            if polled and state == "ESTABLISHED":  # a pool's prefill endpoint is polled too
                 if count > bound:
-                    problems.append(f"{count} idle decode connections (at most {bound} expected)")
+                    problems.append(f"{count} idle {peer} connections (at most {bound} expected)")
             elif peer == "sidecar clients" and state in ("LISTEN", "ESTABLISHED"):
                 if state == "ESTABLISHED" and count > 1:  # 1: the benchmark's control session
                     problems.append(f"{count} client connections open")

@@ -67,8 +67,11 @@ async def serve(host: str, port: int, decode_url: str) -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
-    # No connection cap: aiohttp's default of 100 would queue requests at concurrency 256.
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    # No connection cap: aiohttp's default of 100 would queue requests at concurrency 256. Idle
+    # connections kept 4 s, below the engines' 5 s (the sidecar's SIDECAR_ENGINE_KEEPALIVE_S):
+    # aiohttp's 15 s would reuse connections the engine is closing.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
+    async with aiohttp.ClientSession(connector=connector) as session:
         app[SESSION] = session
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from collections import Counter
@@ -91,6 +92,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="idle wait before the final reading (idle engine connections are closed 30 to 60 s "
         "after their last use)",
     )
+    parser.add_argument(
+        "--fill-prefix-indexes",
+        action="store_true",
+        help="before the baseline, fill the local and the prefill prefix indexes to their bounds"
+        " (SIDECAR_PREFIX_CACHE_BLOCKS; SIDECAR_PREFIX_INDEX_MEMORY_MIB, with"
+        " SIDECAR_PREFILL_CACHE_TOKENS large so that the one prefill endpoint may take all of"
+        " it, and emulators with large caches) with long distinct prompts",
+    )
+    parser.add_argument(
+        "--fill-prompt-tokens", type=int, default=30000, help="prompt length of the fill"
+    )
+    parser.add_argument(
+        "--fill-concurrency",
+        type=int,
+        default=8,
+        help="fill requests at once (each holds a few copies of its prompt: more raise the"
+        " high-water mark the load's peak is read against)",
+    )
     parser.add_argument("--sample-s", type=float, default=0.5, help="RSS sampling period")
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period")
     add_cluster_arguments(parser)
@@ -99,7 +118,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--concurrency, --requests and --output-tokens must be positive")
     if args.timeout_s is None:
         args.timeout_s = 3 * args.output_tokens * args.decode_s_per_token + 60
+    if args.fill_prefix_indexes:
+        if not any(e.startswith("SIDECAR_PREFILL_CACHE_TOKENS=") for e in args.sidecar_env):
+            args.sidecar_env.append(f"SIDECAR_PREFILL_CACHE_TOKENS={FILL_PREFILL_CACHE_TOKENS}")
+        # A fill prompt plus its one output token within the emulators' context, and engines
+        # whose caches (vllm:cache_config_info, which bounds the local index) exceed the bounds.
+        args.emulator_arg.append(f"--max-model-len={args.fill_prompt_tokens * 2}")
+        args.emulator_arg.append(f"--num-gpu-blocks={FILL_ENGINE_BLOCKS}")
     return args
+
+
+FILL_PREFILL_CACHE_TOKENS = 1 << 30
+"""What the fill tells the sidecar one prefill endpoint caches: more than the memory bound lets
+the prefill indexes hold (155,648 blocks of 64 tokens by default), so that one endpoint fills
+them, as ~38 endpoints at the default 262,144 tokens each would."""
+FILL_ENGINE_BLOCKS = 1 << 20
+"""The emulators' KV blocks (16 tokens) during a fill: the decode engine's cache bounds the local
+index (4,096 blocks by default, below SIDECAR_PREFIX_CACHE_BLOCKS' 65,536)."""
+FILL_BATCH = 128
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixIndexes:
+    local: int
+    """Blocks of the local (decode) prefix index, ``/debug/scheduler``."""
+    prefill: int
+    """Blocks of the prefill endpoints' indexes (``pd_sidecar_prefill_prefix_index_blocks``)."""
+
+    def describe(self) -> str:
+        return f"local {self.local:,} blocks, prefill {self.prefill:,} blocks"
+
+
+async def prefix_indexes(cluster: Cluster) -> PrefixIndexes:
+    metrics = await cluster.sidecar_metrics()
+    return PrefixIndexes(
+        await cluster.prefix_index_blocks(),
+        int(metrics.value("pd_sidecar_prefill_prefix_index_blocks")),
+    )
+
+
+async def fill_prefix_indexes(cluster: Cluster, args: argparse.Namespace) -> PrefixIndexes:
+    """Send one-token requests with long distinct prompts, in batches, until a batch grows
+    neither prefix index: both are at their bounds (LRUs, full from then on)."""
+    sent, last = 0, await prefix_indexes(cluster)
+    while True:
+        stats = ClientStats()
+        fill = argparse.Namespace(**{**vars(args), "output_tokens": 1,
+                                     "prompt_tokens": args.fill_prompt_tokens})  # fmt: skip
+        await drive(
+            cluster, stats, count=FILL_BATCH, concurrency=args.fill_concurrency, ramp_s=0.0,
+            args=fill, first_index=-(10**9) + sent,
+        )  # fmt: skip
+        sent += FILL_BATCH
+        if stats.error_count:
+            raise RuntimeError(f"prefix fill failed: {dict(stats.errors)} {stats.examples}")
+        now = await prefix_indexes(cluster)
+        print(
+            f"  prefix fill: {sent} requests of ~{args.fill_prompt_tokens} tokens,"
+            f" {now.describe()}, sidecar RSS {mib(read_proc(cluster.sidecar.pid).rss)}",
+            flush=True,
+        )
+        if now.local <= last.local and now.prefill <= last.prefill:
+            return now
+        last = now
 
 
 @dataclass(slots=True)
@@ -193,6 +274,8 @@ async def drive(
 async def main(args: argparse.Namespace) -> int:
     nofile = raise_open_files_limit()
     config = ClusterConfig.from_args(args, decode_s_per_token=args.decode_s_per_token)
+    if args.fill_prefix_indexes:
+        config = dataclasses.replace(config, prefill_pool=True)
     print(
         f"pd-sidecar load benchmark: {args.concurrency} concurrent streams, {args.requests}"
         f" requests, {args.output_tokens} tokens x {args.decode_s_per_token * 1000:.0f} ms,"
@@ -219,7 +302,11 @@ async def main(args: argparse.Namespace) -> int:
         if warm.error_count:
             print(f"warm-up failed: {dict(warm.errors)} {warm.examples}")
             return 1
+        if args.fill_prefix_indexes:
+            filled = await fill_prefix_indexes(cluster, args)
+            print(f"prefix indexes full: {filled.describe()}", flush=True)
         before = await cluster.read_sidecar()
+        indexes_before = await prefix_indexes(cluster)
 
         stats = ClientStats()
         peaks = Peaks()
@@ -261,6 +348,7 @@ async def main(args: argparse.Namespace) -> int:
         right_after = await cluster.read_sidecar()
         metrics = await cluster.sidecar_metrics()
         debug_inflight = await cluster.debug_inflight()
+        indexes_after = await prefix_indexes(cluster)
 
         async def nothing_staged() -> bool:
             return int((await cluster.kv_state())["staged_blocks"]) == 0
@@ -294,6 +382,7 @@ async def main(args: argparse.Namespace) -> int:
         decode_kv=decode_kv,
         problems=problems,
         contention=contention,
+        indexes=(indexes_before, indexes_after),
         sockets=sockets,
         socket_problems=socket_problems,
         pool_bound=pool_bound,
@@ -318,6 +407,7 @@ def report(
     decode_kv: dict[str, object],
     problems: dict[str, int],
     contention: Contention,
+    indexes: tuple[PrefixIndexes, PrefixIndexes],
     sockets: Counter[str],
     socket_problems: list[str],
     pool_bound: int,
@@ -352,6 +442,10 @@ def report(
         f"sidecar RSS           peak {mib(hwm)} (VmHWM; sampled max {mib(peaks.rss)}),"
         f" fresh {mib(fresh.rss)}, before {mib(before.proc.rss)},"
         f" right after {mib(right_after.proc.rss)}, after idle {mib(after.proc.rss)}"
+    )
+    print(
+        f"prefix indexes        before {indexes[0].describe()}; after {indexes[1].describe()}"
+        + (" (filled to their bounds first)" if args.fill_prefix_indexes else "")
     )
     print(
         f"sidecar tasks         before {before.tasks:.0f}, peak {peaks.tasks:.0f},"

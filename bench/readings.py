@@ -53,6 +53,22 @@ def read_proc(pid: int) -> ProcReading:
     )
 
 
+def io_syscalls(pid: int) -> tuple[int, int]:
+    """Read-type and write-type system calls ``pid`` made so far (``syscr``, ``syscw`` of
+    ``/proc/<pid>/io``: libuv's ``read``/``write``/``writev`` on sockets count, ``recvmsg`` and
+    ``sendmsg`` do not); (0, 0) when unreadable."""
+    counts = {"syscr": 0, "syscw": 0}
+    try:
+        with open(f"/proc/{pid}/io") as file:
+            for line in file:
+                key, _, value = line.partition(":")
+                if key in counts:
+                    counts[key] = int(value)
+    except OSError:
+        pass
+    return counts["syscr"], counts["syscw"]
+
+
 @dataclass(frozen=True, slots=True)
 class SidecarReading:
     proc: ProcReading

@@ -61,6 +61,8 @@ log = logging.getLogger("sidecar.emulator")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_BODY_BYTES = 64 * 1024 * 1024
+BACKLOG = 2048
+"""The API port's listen backlog: uvicorn's default, so vLLM's."""
 SHUTDOWN_TIMEOUT_S = 1.0  # in-flight handlers are already cancelled when aiohttp shuts down
 
 
@@ -396,12 +398,15 @@ async def start_emulator(
         await api_runner.setup()
         try:
             # Every address of --host, on one port (sidecar.server.binding: "::" skipped where
-            # the kernel has no IPv6, as long as another address is bound).
+            # the kernel has no IPv6, as long as another address is bound), with uvicorn's (so
+            # vLLM's) listen backlog: a burst of new connections from a proxy opening hundreds
+            # of streams at once is queued, not dropped and retried after 1 s.
             context = _tls(config)
             hosts = listen_hosts(config.host)
             sockets = await bind(hosts, config.port, "--port")
             for sock in sockets:
-                await web.SockSite(api_runner, sock, ssl_context=context).start()
+                site = web.SockSite(api_runner, sock, ssl_context=context, backlog=BACKLOG)
+                await site.start()
             # Several addresses (0.0.0.0,::): named by one a local client reaches, as the
             # sidecar does; one: as written.
             host = hosts[0] if len(hosts) == 1 else reachable(sockets)[0]
