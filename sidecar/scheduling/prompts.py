@@ -27,13 +27,21 @@ def prompt_text(body: dict[str, Any]) -> str | bytes:
     """The part of a generation request that the engine prefills, as text or canonical bytes."""
     messages = body.get("messages")
     if messages is not None:
-        return orjson.dumps(messages)
+        return _exact(orjson.dumps(messages))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return str(prompt[0])
-    return orjson.dumps(prompt) if prompt is not None else ""
+    return _exact(orjson.dumps(prompt)) if prompt is not None else ""
+
+
+def _exact(dumped: bytes) -> bytes:
+    """``dumped`` in a buffer of its own size. orjson hands back its whole growth buffer (4 KiB
+    for a 267-byte chat prompt, 64 KiB for an 8 KB one), and the text is held as long as its
+    stream (``RankClaim``): a copy saves ~2 KiB per stream at 64-token prompts and ~7 KiB at
+    2,000 tokens (bench/stream_memory.py, docs/benchmarks.md)."""
+    return bytes(memoryview(dumped))
 
 
 def estimate_tokens(body: dict[str, Any], text: str | bytes | None = None) -> int:
