@@ -1,19 +1,28 @@
-"""Instructions per request of the sidecar, counted by callgrind: a figure that does not move
-with the machine's load, for changes too small for CPU seconds to show (docs/benchmarks.md,
-"Tracing's cost").
+"""Instructions per request of a proxy, counted by callgrind: a figure that does not move with
+the machine's load, for changes too small for CPU seconds to show (docs/benchmarks.md,
+"Tracing's cost" and "Issue 25: the request path against the aiohttp floor").
 
     python bench/instructions.py                          # this checkout's sidecar
     python bench/instructions.py --repo ../main           # another checkout's, same interpreter
+    python bench/instructions.py --variants sidecar,aiohttp-floor --concurrency 16
+    python bench/instructions.py --baseline ../main --variants sidecar   # A/B, one run
     python bench/instructions.py --sidecar-env SIDECAR_TRACING=true --sidecar-env OTEL_...=...
 
-Two emulators (``python -m sidecar.emulator``) and the sidecar under ``valgrind --tool=callgrind``
-(``PYTHONHASHSEED=0``), each on a free loopback port, every process started in ``--repo`` so that
-its ``sidecar`` package is the one imported; then ``--warmup`` requests, and per mode
-(non-streamed, then ``--output-tokens``-token streams) the counters zeroed
-(``callgrind_control -z``), ``--requests`` completions sent one at a time through the sidecar
-naming the prefill emulator in ``x-prefiller-host-port``, a pause of ``--settle-s`` (a batch of
-spans the tracer exports on its schedule), and the counters dumped: the instructions (``Ir``) of
-every thread of the sidecar process over those requests, divided by their number.
+Two emulators (``python -m sidecar.emulator``), started once, and each variant in turn under
+``valgrind --tool=callgrind`` (``PYTHONHASHSEED=0``) on a free loopback port: ``sidecar`` (the
+sidecar of ``--repo``, started in it so that its ``sidecar`` package is the one imported, with
+``SIDECAR_CONNECT_TIMEOUT_S=60``), ``sidecar-base`` (the same for ``--baseline``) and
+``aiohttp-floor`` (``bench/floor_proxy.py``, the smallest two-leg proxy on the same stack). For
+each: ``--warmup`` requests of each mode, and per mode (non-streamed, then
+``--output-tokens``-token streams) the counters zeroed (``callgrind_control -z``),
+``--requests`` completions sent by ``--concurrency`` workers (each sends its next when the last
+was answered) naming the prefill emulator in ``x-prefiller-host-port``, a pause of
+``--settle-s`` (a batch of spans the tracer exports on its schedule), and the counters dumped:
+the instructions (``Ir``) of every thread of the proxy process over those requests, divided by
+their number. With the floor among the variants, each other variant's figure is also given as a
+ratio to the floor's. The dumps stay in ``--out`` for ``callgrind_annotate``. Callgrind counts
+instructions in user space only: a system call (``getpid``, ``send``) counts as the few
+instructions that make it.
 
 Needs valgrind (``apt-get install valgrind``). Under callgrind the sidecar runs about 50 times
 slower: the defaults take a few minutes.
@@ -36,6 +45,8 @@ from typing import IO
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
+VARIANTS = ("sidecar", "sidecar-base", "aiohttp-floor")
+FLOOR = "aiohttp-floor"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +55,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--repo", type=Path, default=REPO, help="checkout whose sidecar runs")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="another checkout: its sidecar as sidecar-base"
+    )
+    parser.add_argument(
+        "--variants",
+        default="sidecar",
+        help=f"comma-separated, of {', '.join(VARIANTS)} (sidecar-base with --baseline)",
+    )
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     parser.add_argument("--requests", type=int, default=300, help="counted requests per mode")
     parser.add_argument("--warmup", type=int, default=50, help="requests before counting")
     parser.add_argument("--output-tokens", type=int, default=64, help="max_tokens per request")
@@ -52,7 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sidecar-env", action="append", default=[], metavar="NAME=VALUE", help="repeatable"
     )
     parser.add_argument("--out", type=Path, default=None, help="callgrind files (default: tmp)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.baseline is not None and "sidecar-base" not in args.variants:
+        args.variants.insert(0, "sidecar-base")
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or ("sidecar-base" in args.variants and args.baseline is None):
+        parser.error(f"variants: {unknown or 'sidecar-base needs --baseline'}")
+    return args
 
 
 def free_port() -> int:
@@ -95,10 +122,10 @@ async def callgrind_control(flag: str, pid: int) -> None:
         raise RuntimeError(f"callgrind_control {flag} {pid} failed")
 
 
-async def measure(args: argparse.Namespace, out: Path, log: IO[str]) -> dict[str, float]:
+async def measure(args: argparse.Namespace, out: Path, log: IO[str]) -> dict[str, dict[str, float]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SIDECAR_", "OTEL_"))}
     env["PYTHONHASHSEED"] = "0"
-    prefill, decode, port = free_port(), free_port(), free_port()
+    prefill, decode = free_port(), free_port()
     emulators = [
         await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "sidecar.emulator", "--port", str(p)),
@@ -109,60 +136,113 @@ async def measure(args: argparse.Namespace, out: Path, log: IO[str]) -> dict[str
         )
         for p in (prefill, decode)
     ]
+    figures: dict[str, dict[str, float]] = {}
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        ) as session:
+            for url in (f"http://127.0.0.1:{p}/health" for p in (prefill, decode)):
+                await ready(session, url)
+            for variant in args.variants:
+                figures[variant] = await measure_one(
+                    args, variant, session, env, prefill, decode, out, log
+                )
+    finally:
+        for process in emulators:
+            process.terminate()
+        for process in emulators:
+            await process.wait()
+    return figures
+
+
+def proxy_command(
+    args: argparse.Namespace, variant: str, env: dict[str, str], port: int, decode: int
+) -> tuple[list[str], Path, dict[str, str]]:
+    """The command line, working directory and environment of one variant."""
+    decode_url = f"http://127.0.0.1:{decode}"
+    if variant == FLOOR:
+        script = str(REPO / "bench" / "floor_proxy.py")
+        return [sys.executable, script, "--port", str(port), "--decode-url", decode_url], REPO, env
     sidecar_env = {
         **env,
         "SIDECAR_HOST": "127.0.0.1",
         "SIDECAR_PORT": str(port),
-        "SIDECAR_DECODE_URL": f"http://127.0.0.1:{decode}",
+        "SIDECAR_DECODE_URL": decode_url,
         "SIDECAR_LOG_LEVEL": "WARNING",
+        # Under callgrind every step is ~50 times slower: a connection to an emulator can take
+        # longer than the default allows when the machine is loaded.
+        "SIDECAR_CONNECT_TIMEOUT_S": "60",
     }
     for item in args.sidecar_env:
         name, _, value = item.partition("=")
         sidecar_env[name] = value
-    valgrind = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/callgrind.%p")
-    sidecar = await asyncio.create_subprocess_exec(
+    repo = args.baseline if variant == "sidecar-base" else args.repo
+    return [sys.executable, "-m", "sidecar"], repo, sidecar_env
+
+
+async def measure_one(
+    args: argparse.Namespace,
+    variant: str,
+    session: aiohttp.ClientSession,
+    env: dict[str, str],
+    prefill: int,
+    decode: int,
+    out: Path,
+    log: IO[str],
+) -> dict[str, float]:
+    port = free_port()
+    command, cwd, proxy_env = proxy_command(args, variant, env, port, decode)
+    dumps = out / variant
+    dumps.mkdir(parents=True, exist_ok=True)
+    valgrind = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={dumps}/callgrind.%p")
+    proxy = await asyncio.create_subprocess_exec(
         *valgrind,
-        *(sys.executable, "-m", "sidecar"),
-        cwd=args.repo,
-        env=sidecar_env,
+        *command,
+        cwd=cwd,
+        env=proxy_env,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=log,
     )
     per_request: dict[str, float] = {}
+    base = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as session:
-            for url in (f"http://127.0.0.1:{p}/health" for p in (prefill, decode)):
-                await ready(session, url)
-            base = f"http://127.0.0.1:{port}"
-            await ready(session, base + "/ready")
+        await ready(session, base + ("/health" if variant == FLOOR else "/ready"))
 
-            async def one(index: int, stream: bool) -> None:
-                body = {
-                    "model": "emulated-model",
-                    "prompt": f"request {index} " + "x" * 256,
-                    "max_tokens": args.output_tokens,
-                    "stream": stream,
-                }
-                headers = {"x-prefiller-host-port": f"127.0.0.1:{prefill}"}
-                async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
-                    assert r.status == 200, await r.text()
-                    await r.read()
+        async def one(index: int, stream: bool) -> None:
+            body = {
+                "model": "emulated-model",
+                "prompt": f"request {index} " + "x" * 256,
+                "max_tokens": args.output_tokens,
+                "stream": stream,
+            }
+            headers = {"x-prefiller-host-port": f"127.0.0.1:{prefill}"}
+            async with session.post(base + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
 
-            for index in range(args.warmup):
-                await one(index, index % 2 == 0)
-            for mode, stream in (("non-stream", False), ("stream", True)):
-                await callgrind_control("-z", sidecar.pid)
-                for index in range(args.requests):
-                    await one(args.warmup + index, stream)
-                await asyncio.sleep(args.settle_s)  # spans exported on the tracer's schedule
-                await callgrind_control("-d", sidecar.pid)
-                await asyncio.sleep(args.settle_s)  # the dump is written
-                per_request[mode] = instructions(out, sidecar.pid) / args.requests
+        async def batch(first: int, count: int, stream: bool) -> None:
+            indexes = iter(range(first, first + count))
+
+            async def worker() -> None:
+                for index in indexes:
+                    await one(index, stream)
+
+            await asyncio.gather(*(worker() for _ in range(max(1, args.concurrency))))
+
+        await batch(0, args.warmup, False)
+        await batch(args.warmup, args.warmup, True)
+        first = 2 * args.warmup
+        for mode, stream in (("non-stream", False), ("stream", True)):
+            await callgrind_control("-z", proxy.pid)
+            await batch(first, args.requests, stream)
+            first += args.requests
+            await asyncio.sleep(args.settle_s)  # spans exported on the tracer's schedule
+            await callgrind_control("-d", proxy.pid)
+            await asyncio.sleep(args.settle_s)  # the dump is written
+            per_request[mode] = instructions(dumps, proxy.pid) / args.requests
     finally:
-        for process in (sidecar, *emulators):
-            process.terminate()
-        for process in (sidecar, *emulators):
-            await process.wait()
+        proxy.terminate()
+        await proxy.wait()
     return per_request
 
 
@@ -171,10 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-sidecar-instructions-"))
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "valgrind.log", "w") as log:
-        per_request = asyncio.run(measure(args, out, log))
+        figures = asyncio.run(measure(args, out, log))
     settings = " ".join(args.sidecar_env) or "defaults"
-    for mode, count in per_request.items():
-        print(f"{args.repo} ({settings}) {mode}: {count:,.0f} instructions per request")
+    print(f"c={args.concurrency}, {args.requests} requests per mode, dumps in {out}")
+    for variant, per_request in figures.items():
+        where = {"sidecar": args.repo, "sidecar-base": args.baseline}.get(variant, "")
+        label = f"{variant} {where} ({settings})" if where else variant
+        for mode, count in per_request.items():
+            ratio = ""
+            if FLOOR in figures and variant != FLOOR:
+                ratio = f"  = {count / figures[FLOOR][mode]:.3f}x the floor"
+            print(f"{label} {mode}: {count:,.0f} instructions per request{ratio}")
     return 0
 
 
