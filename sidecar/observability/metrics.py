@@ -176,6 +176,8 @@ class Metrics:
             "Generation requests being served now.",
             registry=self.registry,
         )
+        """Set from the tracker's count when ``/metrics`` is read (``sidecar.server.admin``),
+        not counted per request."""
         self.fallbacks = Counter(
             "pd_sidecar_fallbacks",
             "Requests decoded locally although a prefill server was chosen, by reason.",
