@@ -14,15 +14,18 @@ sidecar of ``--repo``, started in it so that its ``sidecar`` package is the one 
 ``SIDECAR_CONNECT_TIMEOUT_S=60``), ``sidecar-base`` (the same for ``--baseline``) and
 ``aiohttp-floor`` (``bench/floor_proxy.py``, the smallest two-leg proxy on the same stack). For
 each: ``--warmup`` requests of each mode, and per mode (non-streamed, then
-``--output-tokens``-token streams) the counters zeroed (``callgrind_control -z``),
-``--requests`` completions sent by ``--concurrency`` workers (each sends its next when the last
-was answered) naming the prefill emulator in ``x-prefiller-host-port``, a pause of
-``--settle-s`` (a batch of spans the tracer exports on its schedule), and the counters dumped:
-the instructions (``Ir``) of every thread of the proxy process over those requests, divided by
-their number. With the floor among the variants, each other variant's figure is also given as a
-ratio to the floor's. The dumps stay in ``--out`` for ``callgrind_annotate``. Callgrind counts
-instructions in user space only: a system call (``getpid``, ``send``) counts as the few
-instructions that make it.
+``--output-tokens``-token streams) the counters zeroed (``callgrind_control -z``), ``--requests``
+completions sent by ``--concurrency`` workers (each sends its next when the last was answered)
+naming the prefill emulator in ``x-prefiller-host-port``, a pause of ``--settle-s`` (a batch of
+spans the tracer exports on its schedule), and the counters dumped: the instructions (``Ir``) of
+every thread of the proxy process over those requests, less what the proxy does per second when
+idle (the sidecar's readiness polls and engine scrapes, counted over ``--idle-s`` with no request
+before the batches, times the batch's duration: under callgrind on a loaded machine a batch lasts
+minutes, and that work is not the requests'), divided by their number (the raw figure is printed
+too). With the floor among the variants, each other variant's figure is also given as a ratio to
+the floor's. The dumps stay in ``--out`` for ``callgrind_annotate``. Callgrind counts instructions
+in user space only: a system call (``getpid``, ``send``) counts as the few instructions that make
+it.
 
 Needs valgrind (``apt-get install valgrind``). Under callgrind the sidecar runs about 50 times
 slower: the defaults take a few minutes.
@@ -35,6 +38,7 @@ import asyncio
 import glob
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=50, help="requests before counting")
     parser.add_argument("--output-tokens", type=int, default=64, help="max_tokens per request")
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause before each dump")
+    parser.add_argument(
+        "--idle-s", type=float, default=10.0, help="idle window for the per-second work (0: none)"
+    )
     parser.add_argument(
         "--sidecar-env", action="append", default=[], metavar="NAME=VALUE", help="repeatable"
     )
@@ -240,14 +247,31 @@ async def measure_one(
         await batch(0, args.warmup, False)
         await batch(args.warmup, args.warmup, True)
         first = 2 * args.warmup
+        idle_per_s = 0.0
+        if args.idle_s > 0:
+            # What the proxy does with no request (the sidecar's readiness polls and scrapes):
+            # per second, not per request, and under callgrind a batch lasts minutes, so it is
+            # taken out of the per-request figure below.
+            await callgrind_control("-z", proxy.pid)
+            began = time.monotonic()
+            await asyncio.sleep(args.idle_s)
+            await callgrind_control("-d", proxy.pid)
+            elapsed = time.monotonic() - began
+            await asyncio.sleep(args.settle_s)  # the dump is written
+            idle_per_s = instructions(dumps, proxy.pid) / elapsed
+            per_request["idle per second"] = idle_per_s
         for mode, stream in (("non-stream", False), ("stream", True)):
             await callgrind_control("-z", proxy.pid)
+            began = time.monotonic()
             await batch(first, args.requests, stream)
             first += args.requests
             await asyncio.sleep(args.settle_s)  # spans exported on the tracer's schedule
             await callgrind_control("-d", proxy.pid)
+            elapsed = time.monotonic() - began
             await asyncio.sleep(args.settle_s)  # the dump is written
-            per_request[mode] = instructions(dumps, proxy.pid) / args.requests
+            counted = instructions(dumps, proxy.pid)
+            per_request[f"{mode} raw"] = counted / args.requests
+            per_request[mode] = (counted - idle_per_s * elapsed) / args.requests
             per_request[f"{mode} retries"] = len(retried)
             retried.clear()
     finally:
@@ -260,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-sidecar-instructions-"))
     out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM ends the run as Ctrl-C does: the proxies and emulators are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with open(out / "valgrind.log", "w") as log:
         figures = asyncio.run(measure(args, out, log))
     settings = " ".join(args.sidecar_env) or "defaults"
@@ -268,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         where = {"sidecar": args.repo, "sidecar-base": args.baseline}.get(variant, "")
         label = f"{variant} {where} ({settings})" if where else variant
         for mode, count in per_request.items():
+            if mode == "idle per second" or mode.endswith(" raw"):
+                print(f"{label} {mode}: {count:,.0f} instructions")
+                continue
             if mode.endswith("retries"):
                 if count:
                     print(f"{label} {mode}: {count:g} (503s sent again, their cost included)")
@@ -275,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = ""
             if FLOOR in figures and variant != FLOOR:
                 ratio = f"  = {count / figures[FLOOR][mode]:.3f}x the floor"
-            print(f"{label} {mode}: {count:,.0f} instructions per request{ratio}")
+            net = f"{count:,.0f} instructions per request, net of the idle work"
+            print(f"{label} {mode}: {net}{ratio}")
     return 0
 
 
