@@ -68,6 +68,8 @@ class BodyBudget:
         self.capacity = capacity
         self.used = 0
         self._metrics = metrics
+        # Read when /metrics is rendered, not set on every take and give.
+        metrics.body_bytes.set_function(lambda: self.used)
 
     def hold(self) -> Held:
         return Held(self)
@@ -76,12 +78,10 @@ class BodyBudget:
         if self.used + size > self.capacity:
             return False
         self.used += size
-        self._metrics.body_bytes.set(self.used)
         return True
 
     def _give(self, size: int) -> None:
         self.used -= size
-        self._metrics.body_bytes.set(self.used)
 
 
 class Held:

@@ -95,7 +95,6 @@ class Pipeline:
         request_id = request_id_from(request.headers)
         name_this_task(request_id, "handler")
         key, record = self._tracker.start(request_id, request.path, engine_request_id(request_id))
-        self._metrics.inflight.inc()
         headers, method, path = request.headers, request.method, request.path
         trace = self._tracing.request(headers, method, path, request_id, route=path)
         try:
@@ -117,7 +116,6 @@ class Pipeline:
         finally:
             record.mark(Phase.DONE)
             self._tracker.finish(key)
-            self._metrics.inflight.dec()
             self._metrics.observe_request(ROUTES[request.path], record)
             if self._options.log_requests:
                 _log_summary(record)

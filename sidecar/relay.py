@@ -132,16 +132,20 @@ async def relay(
 
 
 async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: float | None) -> bytes:
-    parts = [answer.first]
     try:
-        async with (
-            asyncio.timeout_at(deadline),
-            contextlib.aclosing(answer.upstream.chunks(idle_timeout_s)) as source,
-        ):
-            async for chunk in source:
-                parts.append(chunk)
+        if deadline is None:  # no timer to set (SIDECAR_REQUEST_TIMEOUT_S=0, the default)
+            return await _joined(answer, idle_timeout_s)
+        async with asyncio.timeout_at(deadline):
+            return await _joined(answer, idle_timeout_s)
     except TimeoutError:
         raise EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S") from None
+
+
+async def _joined(answer: Answer, idle_timeout_s: float | None) -> bytes:
+    parts = [answer.first]
+    async with contextlib.aclosing(answer.upstream.chunks(idle_timeout_s)) as source:
+        async for chunk in source:
+            parts.append(chunk)
     return b"".join(parts)
 
 

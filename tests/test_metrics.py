@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
 from sidecar.observability.endpoint_labels import OTHER, EndpointLabels
-from sidecar.observability.histograms import LoopHistogram
+from sidecar.observability.histograms import LoopCounter, LoopHistogram
 from sidecar.observability.metrics import _BUCKETS, PREFILL_OUTCOMES
 from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import StartSidecar, chat, completion, eventually
@@ -215,3 +215,24 @@ def test_the_loop_histogram_writes_what_prometheus_client_writes() -> None:
     expected = [line for line in generate_latest(theirs).splitlines() if b"_created" not in line]
     assert generate_latest(ours).splitlines() == expected
     assert len(expected) == 2 + len(_BUCKETS) + 3
+
+
+def test_the_loop_counter_writes_what_prometheus_client_writes() -> None:
+    """Line for line (``_created`` aside, which ``Metrics`` leaves out), after removing a series;
+    and, as prometheus_client's, it refuses to go down."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    loop = LoopCounter("x", "Help.", ["k", "j"], registry=ours)
+    reference = Counter("x", "Help.", ["k", "j"], registry=theirs)
+    for family in (loop, reference):
+        family.labels("a", "1").inc()
+        family.labels("a", "1").inc(2.5)
+        family.labels("b", "2").inc()
+        family.labels("c", "3")
+        family.remove("b", "2")
+    expected = [line for line in generate_latest(theirs).splitlines() if b"_created" not in line]
+    assert generate_latest(ours).splitlines() == expected
+    assert b'x_total{j="1",k="a"} 3.5' in expected
+    with pytest.raises(ValueError, match="only go up"):
+        loop.labels("a", "1").inc(-1)
+    with pytest.raises(ValueError, match="expected labels"):
+        loop.labels("a")

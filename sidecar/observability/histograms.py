@@ -1,4 +1,4 @@
-"""A histogram for the request path, observed by the event loop's thread only.
+"""A histogram and a counter for the request path, used by the event loop's thread only.
 
 prometheus_client's ``Histogram.observe`` checks the child, takes two locks and walks the
 buckets one by one: a request's five observations (four phases, its prefill endpoint's) were
@@ -14,7 +14,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 _le: Callable[[float], str] = floatToGoString  # how prometheus_client writes a bucket's bound
@@ -85,4 +85,64 @@ class LoopHistogram:
                 cumulative += count
                 buckets.append((le, cumulative))
             family.add_metric(list(values), buckets, child.sum)
+        yield family
+
+
+class LoopCounterChild:
+    """One series of a ``LoopCounter``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class LoopCounter:
+    """A labelled counter family with ``labels`` and ``remove``, as prometheus_client's, whose
+    children are ``LoopCounterChild``; registered in ``registry`` as a collector and written as
+    prometheus_client writes a ``Counter`` (``_total`` appended to ``name``; its ``_created``
+    series, which ``Metrics`` leaves out, not written)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name.removesuffix("_total")
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], LoopCounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopCounterChild:
+        child = self._children.get(values)  # values already strings: the request path's case
+        if child is not None:
+            return child
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        key = tuple(str(value) for value in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = LoopCounterChild()
+        return child
+
+    def remove(self, *values: str) -> None:
+        """Drop a series; ``KeyError`` when there is none (as prometheus_client)."""
+        del self._children[tuple(str(value) for value in values)]
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
         yield family

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -26,8 +25,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from sidecar.observability.endpoint_labels import EndpointLabels
-from sidecar.observability.histograms import LoopHistogram, LoopHistogramChild
-from sidecar.observability.tracking import RequestRecord
+from sidecar.observability.histograms import LoopCounter, LoopHistogram, LoopHistogramChild
+from sidecar.observability.tracking import DURATIONS, Phase, RequestRecord
 
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 """Paths the pipeline serves, by their ``route`` label; everything else is ``other``."""
@@ -80,37 +79,6 @@ CONNECTION_CLOSES = ("head_timeout", "evicted")
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-_Family = TypeVar("_Family", Counter, Gauge, Histogram)
-
-
-class Children(Generic[_Family]):
-    """A family's children by label values, each looked up in the family once: ``labels()``
-    checks and converts its values and takes a lock on every call, ~1 µs on the request path.
-
-    Only for families whose label values are bounded (so this stays as small as the family);
-    a series is removed through ``remove``, never the family's own (a removed child kept here
-    would go on counting, unexported).
-    """
-
-    __slots__ = ("_children", "_family")
-
-    def __init__(self, family: _Family) -> None:
-        self._family: _Family = family
-        self._children: dict[tuple[str, ...], _Family] = {}
-
-    def __call__(self, *values: str) -> _Family:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._family.labels(*values)
-        return child
-
-    def remove(self, *values: str) -> None:
-        """Drop the series (absent: nothing to do)."""
-        self._children.pop(values, None)
-        with contextlib.suppress(KeyError):
-            self._family.remove(*values)
-
-
 class _WithoutCreated:
     """A registry's metrics without their ``_created`` samples (a third of the lines, of no use
     to a rate or a quantile). prometheus_client's own switch (``disable_created_metrics``,
@@ -145,7 +113,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "pd_sidecar_requests",
             "Requests answered, by route, P/D decision and outcome.",
             ["route", "decision", "outcome"],
@@ -159,13 +127,13 @@ class Metrics:
             buckets=_BUCKETS,
             registry=self.registry,
         )
-        self.prefill_requests = Counter(
+        self.prefill_requests = LoopCounter(
             "pd_sidecar_prefill_requests",
             "Prefill legs sent, by outcome.",
             ["outcome"],
             registry=self.registry,
         )
-        self.endpoint_prefills = Counter(
+        self.endpoint_prefills = LoopCounter(
             "pd_sidecar_prefill_endpoint_requests",
             "Prefill legs sent, by prefill endpoint (pool members, a few header-named targets, "
             "other) and outcome.",
@@ -208,6 +176,8 @@ class Metrics:
             "Generation requests being served now.",
             registry=self.registry,
         )
+        """Set from the tracker's count when ``/metrics`` is read (``sidecar.server.admin``),
+        not counted per request."""
         self.fallbacks = Counter(
             "pd_sidecar_fallbacks",
             "Requests decoded locally although a prefill server was chosen, by reason.",
@@ -233,7 +203,7 @@ class Metrics:
             ["rank"],
             registry=self.registry,
         )
-        self.decode_rank_requests = Counter(
+        self.decode_rank_requests = LoopCounter(
             "pd_sidecar_decode_rank_requests",
             "Requests (generation and passthrough) sent to a decode rank.",
             ["rank"],
@@ -260,7 +230,7 @@ class Metrics:
         # process_resident_memory_bytes, process_open_fds, ... and python_info.
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.scheduler_decisions = Counter(
+        self.scheduler_decisions = LoopCounter(
             "pd_sidecar_scheduler_decisions",
             "Prefill placements, by decision (remote or local) and reason.",
             ["decision", "reason"],
@@ -368,15 +338,18 @@ class Metrics:
             registry=self.registry,
         )
 
-        # The families counted on every request, by their label values (``Children``).
-        self.requests_by = Children(self.requests)
-        self._phases: dict[tuple[str, str], tuple[tuple[str, LoopHistogramChild], ...]] = {}
+        # The families counted on every request, by their label values (``LoopCounter.labels``:
+        # one dict look-up for values it has seen).
+        self.requests_by = self.requests.labels
+        self._phases: dict[
+            tuple[str, str], tuple[tuple[Phase | None, Phase, LoopHistogramChild], ...]
+        ] = {}
         """The phase histogram's children of a (decision, route): one look-up per request."""
-        self.prefill_requests_by = Children(self.prefill_requests)
-        self.endpoint_prefills_by = Children(self.endpoint_prefills)
+        self.prefill_requests_by = self.prefill_requests.labels
+        self.endpoint_prefills_by = self.endpoint_prefills.labels
         self.endpoint_labels = EndpointLabels(self._forget_endpoint_calls)
-        self.scheduler_decisions_by = Children(self.scheduler_decisions)
-        self.decode_rank_requests_by = Children(self.decode_rank_requests)
+        self.scheduler_decisions_by = self.scheduler_decisions.labels
+        self.decode_rank_requests_by = self.decode_rank_requests.labels
         self._zero_vocabularies()
 
     def _zero_vocabularies(self) -> None:
@@ -436,7 +409,8 @@ class Metrics:
 
     def _forget_endpoint_calls(self, endpoint: str) -> None:
         for outcome in PREFILL_OUTCOMES:
-            self.endpoint_prefills_by.remove(endpoint, outcome)
+            with contextlib.suppress(KeyError):
+                self.endpoint_prefills.remove(endpoint, outcome)
         with contextlib.suppress(KeyError):
             self.endpoint_prefill_duration.remove(endpoint)
 
@@ -456,14 +430,21 @@ class Metrics:
         phases = self._phases.get((decision, route))
         if phases is None:  # its first request: its series appear
             phases = self._phases[decision, route] = tuple(
-                (phase, self.phase_duration.labels(phase, decision, route))
+                (*DURATIONS[phase], self.phase_duration.labels(phase, decision, route))
                 for phase in PHASES_BY_DECISION[decision]
             )
-        durations = record.durations()
-        for phase, child in phases:
-            seconds = durations[phase]
-            if seconds is not None:
-                child.observe(seconds)
+        # RequestRecord.durations inlined: no dict and no call per phase on the request path.
+        marks = record.phases
+        for start, end, child in phases:
+            seconds = marks.get(end)
+            if seconds is None:
+                continue
+            if start is not None:
+                began = marks.get(start)
+                if began is None:
+                    continue
+                seconds -= began
+            child.observe(seconds)
 
     def observe_passthrough(self, status: int | None, cancelled: bool) -> None:
         if cancelled:

@@ -58,6 +58,15 @@ class Phase(StrEnum):
     DONE = "done"
 
 
+DURATIONS: dict[str, tuple[Phase | None, Phase]] = {
+    "prefill": (Phase.PREFILL_SENT, Phase.PREFILL_DONE),
+    "ttft": (None, Phase.FIRST_BYTE),
+    "decode": (Phase.DECODE_SENT, Phase.DONE),
+    "total": (None, Phase.DONE),
+}
+"""Each reported duration's phases: from ``start`` (None: the request's start) to ``end``."""
+
+
 @dataclass(slots=True, eq=False)
 class RequestRecord:
     id: str
@@ -99,12 +108,7 @@ class RequestRecord:
 
     def durations(self) -> dict[str, float | None]:
         """Seconds per reported duration: ``prefill``, ``ttft``, ``decode``, ``total``."""
-        return {
-            "prefill": self.span(Phase.PREFILL_SENT, Phase.PREFILL_DONE),
-            "ttft": self.span(None, Phase.FIRST_BYTE),
-            "decode": self.span(Phase.DECODE_SENT, Phase.DONE),
-            "total": self.span(None, Phase.DONE),
-        }
+        return {name: self.span(start, end) for name, (start, end) in DURATIONS.items()}
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -39,8 +39,15 @@ class Endpoint:
     def is_ipv6(self) -> bool:
         return ":" in self.host
 
+    _text: str = field(init=False, repr=False, compare=False)
+    """``str`` of it, made once: the request path asks for it several times."""
+
+    def __post_init__(self) -> None:
+        text = f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
+        object.__setattr__(self, "_text", text)
+
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if self.is_ipv6 else f"{self.host}:{self.port}"
+        return self._text
 
     @property
     def url(self) -> str:
