@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -188,9 +189,8 @@ async def test_an_address_in_use_stops_the_start_naming_it(start: Start) -> None
     """The first address binds, the second cannot: the start fails naming it, and the first
     socket is closed again (its port free)."""
     with socket.socket() as taken:
-        taken.bind(("127.0.0.2", 0))
+        port = _bind_below_the_ephemeral_range(taken, "127.0.0.2")
         taken.listen()
-        port = taken.getsockname()[1]
         with pytest.raises(CannotListen) as raised:
             await start(host="127.0.0.1,127.0.0.2", port=port)
     assert str(raised.value) == (
@@ -198,6 +198,21 @@ async def test_an_address_in_use_stops_the_start_naming_it(start: Start) -> None
     )
     with socket.socket() as again:  # 127.0.0.1's socket was closed: the port is free
         again.bind(("127.0.0.1", port))
+
+
+def _bind_below_the_ephemeral_range(sock: socket.socket, host: str) -> int:
+    """A port below Linux's ephemeral range (32768 and up), free on ``host`` and on 127.0.0.1:
+    no outgoing connection of another test takes it as its local port meanwhile, as one can take
+    a port the kernel handed out."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 @needs_ipv6
