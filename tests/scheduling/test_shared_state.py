@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from sidecar.config import Settings
 from sidecar.scheduling.state import Load
-from sidecar.scheduling.state.protocol import MAX_ENTRIES
+from sidecar.scheduling.state.protocol import MAX_ENTRIES, SCRIPT, keys
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
@@ -244,15 +244,21 @@ async def test_each_decision_reads_the_reservations_of_a_moment_ago(
         scheduler_choices="2",
     )
     client = aioredis.Redis.from_url(redis_server.url)
-    sidecars_key, reservations_key = "{test}:sidecars", "{test}:reservations"
+    # The other sidecar syncs as every sidecar does, through the script (which keeps the pool's
+    # totals as tables change): its whole table, one heavy reservation, and a lease.
+    script = client.register_script(SCRIPT)
+
+    async def other_sidecar_reserves(endpoint: str) -> None:
+        table = f"{endpoint} 1000000 50"
+        await script(keys=keys("test"), args=["other-sidecar", time.time(), 600, table, 0, 0])
+
     try:
         async with sidecar_process(settings) as sidecar:
             await eventually(functools.partial(_scheduling, http, sidecar.url, 2), within=15)
-            await client.zadd(sidecars_key, {"other-sidecar": time.time() + 600})
             chosen = []
             for index in range(6):
                 busy = endpoints[index % 2]
-                await client.hset(reservations_key, "other-sidecar", f"{busy} 1000000 50")
+                await other_sidecar_reserves(busy)
                 async with http.post(
                     sidecar.url + "/v1/completions",
                     json=completion(f"{index} {LONG_PROMPT}", max_tokens=2),
