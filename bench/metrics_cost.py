@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-ENDPOINT = "10.0.0.7:8000"
+ENDPOINT = "127.0.0.7:8000"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -403,8 +403,8 @@ def test_an_unknown_variable_is_warned_about_naming_the_nearest_setting() -> Non
         "SIDECAR_LOGLEVEL": "DEBUG",
         "SIDECAR_TLS_CERT": "/etc/tls/tls.crt",
         "SIDECAR_WIDGETS": "3",  # near nothing
-        "SIDECAR_SERVICE_HOST": "10.0.0.1",  # the kubelet's, for a Service named sidecar
-        "SIDECAR_PORT_8000_TCP_ADDR": "10.0.0.1",
+        "SIDECAR_SERVICE_HOST": "127.0.0.31",  # the kubelet's, for a Service named sidecar
+        "SIDECAR_PORT_8000_TCP_ADDR": "127.0.0.31",
         "SIDECAR_PORT": "8000",  # settings, whatever the case of the rest of the name
         "SIDECAR_Log_Requests": "true",
         "PATH": "/usr/bin",

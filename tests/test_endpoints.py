@@ -13,9 +13,9 @@ from sidecar.scheduling.endpoints import Endpoint, parse_endpoint
     ("text", "expected"),
     [
         ("prefill-0.prefill.ns.svc:8000", Endpoint("prefill-0.prefill.ns.svc", 8000)),
-        ("10.1.2.3:8000", Endpoint("10.1.2.3", 8000)),
+        ("127.0.2.3:8000", Endpoint("127.0.2.3", 8000)),
         ("[fd00::1]:8000", Endpoint("fd00::1", 8000)),
-        ("http://10.1.2.3:8000", Endpoint("10.1.2.3", 8000)),
+        ("http://127.0.2.3:8000", Endpoint("127.0.2.3", 8000)),
         ("HTTP://Prefill:1", Endpoint("prefill", 1)),
         ("  localhost:65535 ", Endpoint("localhost", 65535)),
         ("host.:80", Endpoint("host.", 80)),
@@ -31,7 +31,7 @@ def test_valid(text: str, expected: Endpoint) -> None:
         "",
         "   ",
         "http://",
-        "10.1.2.3",
+        "127.0.2.3",
         "prefill",
         "prefill:",
         ":8000",
@@ -48,9 +48,9 @@ def test_valid(text: str, expected: Endpoint) -> None:
         "bad_host:8000",
         "-bad.host:8000",
         "host/path:8000",
-        "10.1.2.3:8000/v1",
+        "127.0.2.3:8000/v1",
         "user@host:8000",
-        "https://10.1.2.3:8000",
+        "https://127.0.2.3:8000",
         "a" * 64 + ".example:80",
     ],
 )
@@ -69,10 +69,10 @@ def test_str_and_url_bracket_ipv6() -> None:
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("https://10.1.2.3:8000", "https:// is not accepted here: give host:port"),
-        ("10.1.2.3:8000/v1", "without a path (/v1)"),
-        ("http://10.1.2.3:8000/v1/chat/completions", "without a path (/v1/chat/completions)"),
-        ("grpc://10.1.2.3:8000", "not a URL of scheme grpc"),
+        ("https://127.0.2.3:8000", "https:// is not accepted here: give host:port"),
+        ("127.0.2.3:8000/v1", "without a path (/v1)"),
+        ("http://127.0.2.3:8000/v1/chat/completions", "without a path (/v1/chat/completions)"),
+        ("grpc://127.0.2.3:8000", "not a URL of scheme grpc"),
     ],
 )
 def test_a_scheme_or_a_path_is_refused_as_such(text: str, says: str) -> None:
@@ -82,6 +82,6 @@ def test_a_scheme_or_a_path_is_refused_as_such(text: str, says: str) -> None:
 
 
 def test_a_trailing_slash_and_an_allowed_scheme_are_only_prefixes() -> None:
-    assert parse_endpoint("10.1.2.3:8000/") == Endpoint("10.1.2.3", 8000)
+    assert parse_endpoint("127.0.2.3:8000/") == Endpoint("127.0.2.3", 8000)
     tls = frozenset({"http", "https"})
     assert parse_endpoint("HTTPS://Prefill:1/", schemes=tls) == Endpoint("prefill", 1)
