@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 _le: Callable[[float], str] = floatToGoString  # how prometheus_client writes a bucket's bound
+
+
+Child = TypeVar("Child")
 
 
 class LoopHistogramChild:
@@ -36,7 +40,44 @@ class LoopHistogramChild:
         self.sum += value
 
 
-class LoopHistogram:
+class _LoopFamily(Generic[Child]):
+    """What a labelled family of these does as prometheus_client's does: ``labels`` (a child
+    per label values, made by ``_new_child``) and ``remove``; registered in ``registry`` as a
+    collector, which ``describe``/``collect`` of the subclass write."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Child] = {}
+        registry.register(self)
+
+    def _new_child(self) -> Child:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Child:
+        child = self._children.get(values)  # values already strings: the request path's case
+        if child is not None:
+            return child
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        key = tuple(str(value) for value in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._new_child()
+        return child
+
+    def remove(self, *values: str) -> None:
+        """Drop a series; ``KeyError`` when there is none (as prometheus_client)."""
+        del self._children[tuple(str(value) for value in values)]
+
+
+class LoopHistogram(_LoopFamily[LoopHistogramChild]):
     """A labelled histogram family with ``labels`` and ``remove``, as prometheus_client's, whose
     children are ``LoopHistogramChild``; registered in ``registry`` as a collector. The
     metric's ``name`` is given without a suffix."""
@@ -50,29 +91,12 @@ class LoopHistogram:
         buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
         self._bounds = tuple(float(b) for b in buckets)
         self._les = [_le(b) for b in self._bounds] + ["+Inf"]
-        self._children: dict[tuple[str, ...], LoopHistogramChild] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> LoopHistogramChild:
-        child = self._children.get(values)  # values already strings: the request path's case
-        if child is not None:
-            return child
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        key = tuple(str(value) for value in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = LoopHistogramChild(self._bounds)
-        return child
-
-    def remove(self, *values: str) -> None:
-        """Drop a series; ``KeyError`` when there is none (as prometheus_client)."""
-        del self._children[tuple(str(value) for value in values)]
+    def _new_child(self) -> LoopHistogramChild:
+        return LoopHistogramChild(self._bounds)
 
     def describe(self) -> list[HistogramMetricFamily]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
@@ -102,7 +126,7 @@ class LoopCounterChild:
         self.value += amount
 
 
-class LoopCounter:
+class LoopCounter(_LoopFamily[LoopCounterChild]):
     """A labelled counter family with ``labels`` and ``remove``, as prometheus_client's, whose
     children are ``LoopCounterChild``; registered in ``registry`` as a collector and written as
     prometheus_client writes a ``Counter`` (``_total`` appended to ``name``; its ``_created``
@@ -116,27 +140,10 @@ class LoopCounter:
         *,
         registry: CollectorRegistry,
     ) -> None:
-        self._name = name.removesuffix("_total")
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], LoopCounterChild] = {}
-        registry.register(self)
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> LoopCounterChild:
-        child = self._children.get(values)  # values already strings: the request path's case
-        if child is not None:
-            return child
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        key = tuple(str(value) for value in values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = LoopCounterChild()
-        return child
-
-    def remove(self, *values: str) -> None:
-        """Drop a series; ``KeyError`` when there is none (as prometheus_client)."""
-        del self._children[tuple(str(value) for value in values)]
+    def _new_child(self) -> LoopCounterChild:
+        return LoopCounterChild()
 
     def describe(self) -> list[CounterMetricFamily]:
         return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
