@@ -2,7 +2,7 @@
 
 Start order: KV store, push board, room board (sglang prefill) -> side-channel listener (its port
 is advertised in kv_transfer_params; it is the sglang bootstrap server too) -> API app
-(cleanup_ctx: pull session + engine, expiry sweeper) -> API listener.
+(cleanup_ctx: KV-event publisher + pull session + engine, expiry sweeper) -> API listener.
 Close order (:meth:`RunningEmulator.close`): cancel in-flight API and side-channel handlers (hung,
 stalled and streaming requests, waiting push registrations and sglang claims end at once) -> stop
 the API listener and run its cleanup_ctx in reverse (sweeper, then the pull session) -> stop the
@@ -30,6 +30,7 @@ from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.control import add_control_routes
 from sidecar.emulator.engine import Engine
 from sidecar.emulator.errors import EmulatorError, error_response
+from sidecar.emulator.events import open_kv_events
 from sidecar.emulator.faults import FaultBoard
 from sidecar.emulator.generation import handle_generation
 from sidecar.emulator.keys import (
@@ -194,8 +195,10 @@ def _dumps(obj: Any) -> str:
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The engine and the client session it pulls KV with (closed last)."""
+    """The engine, its KV-event publisher (when enabled) and the client session it pulls KV
+    with (closed last)."""
     config = app[CONFIG]
+    events = open_kv_events(config.kv_events(), config.kv_events_encoding)
     session = aiohttp.ClientSession()
     app[ENGINE] = Engine(
         config,
@@ -207,8 +210,10 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         store=SharedKvStore(config.kv_store, config.kv_store_max_blocks)
         if config.kv_store
         else None,
+        events=events,
     )
     yield
+    await events.close()
     await session.close()
 
 
@@ -326,6 +331,16 @@ class RunningEmulator:
     @property
     def kv(self) -> KvStore:
         return self.app[KV]
+
+    @property
+    def kv_events_port(self) -> int | None:
+        """The KV events' PUB port (None: events off)."""
+        return self.app[ENGINE].events.port
+
+    @property
+    def kv_events_replay_port(self) -> int | None:
+        """The KV events' replay (ROUTER) port (None: events off or no replay endpoint)."""
+        return self.app[ENGINE].events.replay_port
 
     @property
     def faults(self) -> FaultBoard:

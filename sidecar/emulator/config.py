@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sidecar.emulator.events import KvEventsOptions, parse_kv_events_config
 from sidecar.emulator.faults import FaultSpec
 
 Mode = Literal["strict", "lenient"]
@@ -22,11 +23,14 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 DISAGGREGATION_MODES: tuple[DisaggregationMode, ...] = ("null", "prefill", "decode")
 Tokenizer = Literal["chars", "words"]
 TOKENIZERS: tuple[Tokenizer, ...] = ("chars", "words")
+KvEventsEncoding = Literal["map", "array"]
+KV_EVENTS_ENCODINGS: tuple[KvEventsEncoding, ...] = ("map", "array")
 CHOICES: dict[str, tuple[str, ...]] = {
     "mode": MODES,
     "kv_protocol": KV_PROTOCOLS,
     "disaggregation_mode": DISAGGREGATION_MODES,
     "tokenizer": TOKENIZERS,
+    "kv_events_encoding": KV_EVENTS_ENCODINGS,
 }
 ATTENTION_CROSSOVER_TOKENS = 53_250
 """Prompt length at which a prefill's attention FLOPs equal those of the rest of the model, for
@@ -163,6 +167,20 @@ class EmulatorConfig:
         default=None,
         metadata=_doc("HTTPS: require a client certificate signed by this PEM CA (mTLS)"),
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata=_doc(
+            "vLLM's --kv-events-config JSON: publish KV-cache events over ZMQ, e.g. "
+            '{"enable_kv_cache_events": true, "publisher": "zmq", '
+            '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+        ),
+    )
+    kv_events_encoding: KvEventsEncoding = field(
+        default="map",
+        metadata=_doc(
+            "KV events' encoding: map (tagged by type, vLLM 0.32) or array (earlier vLLM)"
+        ),
+    )
     faults: tuple[FaultSpec, ...] = field(
         default=(), metadata=_doc("faults armed at start (CLI: --fault, repeatable)")
     )
@@ -228,10 +246,19 @@ class EmulatorConfig:
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file (HTTPS)")
+        self.kv_events()  # raises ValueError on a bad --kv-events-config
+
+    def kv_events(self) -> KvEventsOptions | None:
+        """The parsed ``kv_events_config`` (None: not given)."""
+        if self.kv_events_config is None:
+            return None
+        return parse_kv_events_config(self.kv_events_config)
 
 
 _PATHS = frozenset({"kv_store", "tls_cert_file", "tls_key_file", "tls_client_ca_file"})
 """Fields whose flag takes a path (default: none)."""
+_JSON = frozenset({"kv_events_config"})
+"""Fields whose flag takes a JSON text (default: none)."""
 
 
 def _fault(text: str) -> FaultSpec:
@@ -272,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, choices=CHOICES[f.name], default=default, help=help_text)
         elif f.name in _PATHS:
             parser.add_argument(flag, type=str, default=None, metavar="PATH", help=help_text)
+        elif f.name in _JSON:
+            parser.add_argument(flag, type=str, default=None, metavar="JSON", help=help_text)
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text)
     return parser

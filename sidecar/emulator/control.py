@@ -46,6 +46,7 @@ async def get_kv(request: web.Request) -> web.Response:
             "store_blocks": store_blocks,
             "prefix_cache_blocks": len(engine.prefix_cache),
             "prefix_cache_evicted_total": engine.prefix_cache.evicted_total,
+            "kv_events": engine.events.snapshot(),
             "staged": staged,
         }
     )
@@ -64,7 +65,7 @@ async def post_reset_prefix_cache(request: web.Request) -> web.Response:
     """vLLM's ``POST /reset_prefix_cache`` (served with ``VLLM_SERVER_DEV_MODE=1``, in
     ``vllm/entrypoints/serve/cache/api_router.py``): forget every cached block; 200, no body.
     Staged KV is not touched, and the counters keep counting."""
-    request.app[ENGINE].prefix_cache.clear()
+    request.app[ENGINE].reset_prefix_cache()  # publishes AllBlocksCleared (KV events)
     return web.Response(status=200)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.errors import EmulatorError
+from sidecar.emulator.events import KvEventSink
 from sidecar.emulator.kv import KvStore, PrefixCache, PullStatus, chain_hashes
 from sidecar.emulator.metrics import EmulatorMetrics
 from sidecar.emulator.nixl import (
@@ -38,6 +39,8 @@ from sidecar.emulator.push import REGISTER_PATH, TRANSFER_MODE
 from sidecar.emulator.responses import Usage
 from sidecar.emulator.sglang import Bootstrap, RoomBoard
 from sidecar.emulator.storage import SharedKvStore
+from sidecar.emulator.text import Prompt
+from sidecar.kvevents.events import MEDIUM_GPU, BlockStored
 
 log = logging.getLogger("sidecar.emulator.engine")
 
@@ -105,8 +108,10 @@ class Engine:
         side_channel_port: int,
         rooms: RoomBoard | None = None,
         store: SharedKvStore | None = None,
+        events: KvEventSink | None = None,
     ) -> None:
-        """``rooms``: an sglang prefill server's room board; ``store``: the shared-storage store."""
+        """``rooms``: an sglang prefill server's room board; ``store``: the shared-storage store;
+        ``events``: where the prefix cache's changes are published (KV events)."""
         self.config = config
         self.kv = kv
         self.metrics = metrics
@@ -122,6 +127,7 @@ class Engine:
         self.rooms = rooms
         self.store = store
         self.rooms_waiting = 0  # sglang decode: requests waiting for their room's KV
+        self.events = events or KvEventSink()
         self._by_rid: dict[str, set[asyncio.Task[Any]]] = {}
 
     @contextlib.asynccontextmanager
@@ -212,10 +218,10 @@ class Engine:
         self.metrics.prefix_hits.inc(local_cached)
         if request.bootstrap is not None and request.is_decode:
             await self._claim_room(request, request.bootstrap)
-            self.prefix_cache.insert(hashes)
+            self._cache(prompt, hashes)
             return prompt.num_tokens  # KV received from the prefill counts as cached
         if remote is not None and await self._pull(request, remote):
-            self.prefix_cache.insert(hashes)
+            self._cache(prompt, hashes)
             return prompt.num_tokens  # vLLM reports pulled KV as cached
         cached = local_cached
         if self.store is not None:
@@ -224,10 +230,40 @@ class Engine:
                 await _sleep(self.latency.transfer((stored - cached) // block_size))
                 cached = stored
         await _sleep(self.latency.prefill(prompt.num_tokens - cached, self.running, cached))
-        self.prefix_cache.insert(hashes)
+        self._cache(prompt, hashes)
         if self.store is not None:
             await asyncio.to_thread(self.store.save, hashes)
         return cached
+
+    def _cache(self, prompt: Prompt, hashes: list[bytes]) -> None:
+        """Cache the prompt's full blocks and publish the change: one BlockStored per run of new
+        blocks (chained after the block before it), then the evicted blocks."""
+        change = self.prefix_cache.insert(hashes)
+        if not change.stored and not change.evicted:
+            return
+        size = self.config.block_size
+        runs: list[BlockStored] = []
+        stored = change.stored
+        start = 0
+        for end in range(1, len(stored) + 1):
+            if end < len(stored) and stored[end] == stored[end - 1] + 1:
+                continue
+            first, last = stored[start], stored[end - 1]
+            runs.append(
+                BlockStored(
+                    block_hashes=tuple(hashes[first : last + 1]),
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=tuple(prompt.token_ids_between(first * size, (last + 1) * size)),
+                    block_size=size,
+                    medium=MEDIUM_GPU,
+                )
+            )
+            start = end
+        self.events.stored(runs, change.evicted)
+
+    def reset_prefix_cache(self) -> None:
+        self.prefix_cache.clear()
+        self.events.cleared()
 
     async def _claim_room(self, request: GenerationRequest, bootstrap: Bootstrap) -> None:
         """SGLang decode: wait at the prefill's bootstrap server for the room's KV."""

@@ -177,6 +177,15 @@ def chain_hashes(blocks: Sequence[bytes]) -> list[bytes]:
     return hashes
 
 
+@dataclass(frozen=True, slots=True)
+class CacheChange:
+    """What one insert did: the indices (into its hashes) of the blocks it added, in order, and
+    the hashes it evicted, least recently used first."""
+
+    stored: tuple[int, ...]
+    evicted: tuple[bytes, ...]
+
+
 class PrefixCache:
     """The engine's prefix cache: chained block hashes, at most ``capacity`` blocks (the
     engine's ``--num-gpu-blocks``), evicted least recently used first.
@@ -215,14 +224,17 @@ class PrefixCache:
         self._touch(hashes[:matched])
         return matched
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
+    def insert(self, hashes: Sequence[bytes]) -> CacheChange:
         """Cache a prompt's full blocks (the most recently used now), evicting beyond capacity:
-        a prompt longer than the capacity keeps its head."""
+        a prompt longer than the capacity keeps its head. Returns what changed (the engine's
+        KV events)."""
+        entries = self._entries
+        new = tuple(i for i, block_hash in enumerate(hashes) if block_hash not in entries)
         self._touch(hashes)
-        excess = len(self._entries) - self._capacity
-        for _ in range(max(0, excess)):
-            self._entries.popitem(last=False)
-        self.evicted_total += max(0, excess)
+        excess = max(0, len(entries) - self._capacity)
+        evicted = tuple(entries.popitem(last=False)[0] for _ in range(excess))
+        self.evicted_total += excess
+        return CacheChange(new, evicted)
 
     def clear(self) -> None:
         self._entries.clear()

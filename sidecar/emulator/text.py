@@ -4,6 +4,7 @@ There is no tokenizer. A text prompt counts ``ceil(characters / 4)`` tokens (at 
 token ``i`` is characters ``[4i, 4i + 4)``; with the ``words`` tokenizer it counts one token per
 whitespace-separated word (at least 1) and token ``i`` is word ``i``, so its count differs from a
 characters / 4 estimate as real text's does. A prompt given as token ids counts one token per id.
+Token ``i``'s id (KV events) is the client's id, else :func:`token_id` of its text.
 Output token ``i`` of choice ``k`` is a word picked by BLAKE2b of (prompt text, k, i), so the answer
 depends on the prompt alone: identical whether prefilled here or remotely, streamed or not.
 """
@@ -60,6 +61,25 @@ class Prompt:
             ]
         width = block_size * CHARS_PER_TOKEN
         return [self.text[k * width : (k + 1) * width].encode() for k in range(count)]
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """The ids of tokens ``[start, stop)`` (what KV events carry): the client's ids, else one
+        id per token of this tokenization (4 characters, or a word), see :func:`token_id`."""
+        if self.token_ids is not None:
+            return list(self.token_ids[start:stop])
+        if self.words:
+            units = [word.encode() for word in self.text.split()[start:stop]]
+        else:
+            width = CHARS_PER_TOKEN
+            units = [self.text[k * width : (k + 1) * width].encode() for k in range(start, stop)]
+        return [token_id(unit) for unit in units]
+
+
+def token_id(unit: bytes) -> int:
+    """The emulator's id of one token's text: the low 31 bits of its BLAKE2b, so equal text has
+    equal ids on every emulator and in every process (there is no vocabulary)."""
+    digest = hashlib.blake2b(unit, digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFF_FFFF
 
 
 def estimate_tokens(text: str) -> int:

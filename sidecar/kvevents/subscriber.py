@@ -1,0 +1,471 @@
+"""One engine's KV-event stream: subscribe, notice what was lost, replay it or say so, reconnect.
+
+One :class:`Subscriber` per publishing engine (an address, its events port, its replay port, its
+topic); it hands batches, in order, to an :class:`EventConsumer` (the exact index) from a task
+of its own, never from the request path. Two tasks::
+
+    receive:  connect SUB (+ monitor) --handshake--> recv -> decode -> sequence check -> queue
+                 ^  lost / refused / timeout: backoff (capped, exponential)  |  gap: replay
+                 +----------------------------------------------------------+
+    apply:    queue -> consumer.apply(batch) | consumer.reset(reason)
+
+Sequence numbers (vLLM's ``ZmqEventPublisher``: consecutive from 0 per publisher) drive it:
+
+- ``seq == expected``: in order, queued.
+- ``seq > expected``: messages were lost (a PUB drops at its high-water mark, and a new
+  subscription misses what was sent before it). The replay socket is asked from ``expected``
+  (at most ``max_replay_batches`` back); the replayed batches fill the gap when they start at
+  ``expected`` and run up to ``seq``. Otherwise (the publisher's buffer of ``buffer_steps``
+  batches moved on, no replay endpoint, no answer within ``replay_timeout_s``) the consumer gets
+  ``reset(GAP)`` (an unknown gap means unknown state) followed by whatever contiguous suffix the
+  replay did give, which is true of the engine from then on.
+- ``seq < expected``: a new publisher (the engine restarted): ``reset(RESTARTED)``, then the
+  same as a first message.
+- A lost connection (``DISCONNECTED`` on the socket monitor, ZMTP heartbeats for a silent peer):
+  ``reset(RECONNECTED)`` at the next connection, which then starts as a first subscription,
+  with ``expected`` 0: a replay from 0 rebuilds the exact state while the engine's history fits
+  its replay buffer.
+
+Bounded memory: a message is at most ``WireLimits.max_payload_bytes`` (larger ones are refused
+by ZMQ before allocation at four times that), ZMQ's receive queue holds ``rcvhwm`` messages, the
+queue to the consumer ``queue_size`` batches (when it is full the pending batches are dropped,
+counted, and replaced by ``reset(QUEUE_FULL)``), a replay keeps at most ``max_replay_batches``.
+A malformed message is a counted drop (:class:`~sidecar.kvevents.wire.DropReason`), never an
+exception out of the task; a consumer that raises is logged, counted and reset.
+
+``zmq`` is imported by this module only: the sidecar imports it when events are enabled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, TypeAlias
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from sidecar.kvevents.events import AllBlocksCleared, EventBatch
+from sidecar.kvevents.wire import (
+    DEFAULT_LIMITS,
+    DropReason,
+    WireError,
+    WireLimits,
+    decode_message,
+    decode_seq,
+    encode_seq,
+)
+
+log = logging.getLogger("sidecar.kvevents.subscriber")
+
+Sleep = Callable[[float], Awaitable[None]]
+Clock = Callable[[], float]
+
+_DRAIN_PER_WAKE = 256
+"""Messages read per wake-up before the loop gets the turn back."""
+_OFFLOAD_BYTES = 256 * 1024
+"""Payloads from this size are decoded in a thread, so a large one does not hold the loop."""
+_CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_LOST = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class ResetReason(StrEnum):
+    """Why the consumer must forget what it knows of this engine."""
+
+    GAP = "gap"  # messages lost and not replayable
+    RESTARTED = "restarted"  # the sequence went back: a new publisher
+    RECONNECTED = "reconnected"  # the connection was lost; what happened meanwhile is unknown
+    QUEUE_FULL = "queue_full"  # the consumer fell behind; pending batches were dropped
+    CONSUMER_ERROR = "consumer_error"  # the consumer raised while applying a batch
+
+
+class EventConsumer(Protocol):
+    """What receives one engine's batches, in sequence order, from the subscriber's apply task."""
+
+    def apply(self, batch: EventBatch) -> None: ...
+
+    def reset(self, reason: ResetReason) -> None:
+        """Forget this engine's blocks: what follows starts from an unknown state."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Capped exponential delays between connection attempts: initial, ×factor, ..., cap."""
+
+    initial_s: float = 0.1
+    cap_s: float = 30.0
+    factor: float = 2.0
+
+    def delays(self) -> Iterator[float]:
+        delay = self.initial_s
+        while True:
+            yield delay
+            delay = min(self.cap_s, delay * self.factor)
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    """Counters of one subscriber (the metrics read them); ``events_total`` counts one stored or
+    removed block, or one clear, as one event."""
+
+    messages_total: int = 0
+    batches_applied_total: int = 0
+    events_total: int = 0
+    drops_total: Counter[DropReason] = field(default_factory=Counter)
+    gaps_total: int = 0
+    replays_total: int = 0
+    replayed_batches_total: int = 0
+    resets_total: Counter[ResetReason] = field(default_factory=Counter)
+    connects_total: int = 0
+    connect_failures_total: int = 0
+    disconnects_total: int = 0
+    connected: bool = False
+    lag_s: float | None = None
+    """The engine's timestamp of the last applied batch against the clock, seconds."""
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Reset:
+    reason: ResetReason
+
+
+_Item: TypeAlias = EventBatch | _Reset
+
+
+class _Lost(Exception):
+    """The connection ended (or never started); the receive loop backs off and reconnects."""
+
+
+def zmq_endpoint(host: str, port: int) -> str:
+    """``tcp://host:port``, an IPv6 literal bracketed."""
+    bare = host.removeprefix("[").removesuffix("]")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(bare).version == 6:
+            return f"tcp://[{bare}]:{port}"
+    return f"tcp://{bare}:{port}"
+
+
+def _ipv6(host: str) -> bool:
+    return ":" in host
+
+
+def batch_events(batch: EventBatch) -> int:
+    """Events as the cost target counts them: each stored or removed block, each clear."""
+    return sum(
+        1 if isinstance(event, AllBlocksCleared) else len(event.block_hashes)
+        for event in batch.events
+    )
+
+
+class Subscriber:
+    """Subscribes to one engine's KV events and feeds ``consumer``; ``start()``, ``close()``.
+
+    ``replay_port`` None: gaps cannot be replayed (each is a reset). ``sleep`` (the backoff's
+    waits) and ``clock`` (wall seconds, for the lag) are injectable; so is ``context``, the ZMQ
+    context (default: the process's shared one, never terminated here).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        consumer: EventConsumer,
+        replay_port: int | None = None,
+        topic: str = "",
+        limits: WireLimits = DEFAULT_LIMITS,
+        queue_size: int = 1024,
+        max_replay_batches: int = 10_000,
+        replay_timeout_s: float = 2.0,
+        connect_timeout_s: float = 5.0,
+        heartbeat_s: float = 5.0,
+        rcvhwm: int = 1000,
+        backoff: Backoff = Backoff(),
+        sleep: Sleep = asyncio.sleep,
+        clock: Clock = time.time,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if queue_size < 2 or max_replay_batches < 0:
+            raise ValueError("queue_size must be >= 2 and max_replay_batches >= 0")
+        self.endpoint = zmq_endpoint(host, port)
+        self.replay_endpoint = None if replay_port is None else zmq_endpoint(host, replay_port)
+        self._ipv6 = _ipv6(host)
+        self._consumer = consumer
+        self._topic = topic.encode()
+        self._limits = limits
+        self._max_replay = max_replay_batches
+        self._replay_timeout_s = replay_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
+        self._rcvhwm = rcvhwm
+        self._backoff = backoff
+        self._sleep = sleep
+        self._clock = clock
+        self._context = context or zmq.asyncio.Context.instance()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue(queue_size)
+        self._expected = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._delays = backoff.delays()
+        self.stats = SubscriberStats()
+
+    async def start(self) -> None:
+        name = f"kvevents {self.endpoint}"
+        self._tasks = [
+            asyncio.create_task(self._receive_forever(), name=f"{name} receive"),
+            asyncio.create_task(self._apply_forever(), name=f"{name} apply"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self.stats.connected = False
+
+    async def __aenter__(self) -> Subscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- receive ---------------------------------------------------------------------------
+
+    async def _receive_forever(self) -> None:
+        first = True
+        while True:
+            try:
+                await self._session(first)
+            except _Lost as exc:
+                log.info("KV events from %s: %s", self.endpoint, exc)
+            except Exception:  # a bug must not end the subscription: log, back off, retry
+                log.exception("KV events from %s: receive failed", self.endpoint)
+            self.stats.connected = False
+            first = False
+            await self._sleep(next(self._delays))
+
+    def _subscribe_socket(self) -> zmq.asyncio.Socket:
+        sock = self._context.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # reconnection is ours, with its backoff
+        sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._limits.max_payload_bytes)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
+        sock.setsockopt(zmq.IPV6, int(self._ipv6))
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        return sock
+
+    async def _session(self, first: bool) -> None:
+        """One connection: connect, then receive until it is lost (raises :class:`_Lost`)."""
+        sub = self._subscribe_socket()
+        monitor = sub.get_monitor_socket()
+        try:
+            sub.connect(self.endpoint)
+            await self._handshake(monitor)
+            self.stats.connects_total += 1
+            self.stats.connected = True
+            if not first:
+                self._push(_Reset(ResetReason.RECONNECTED))
+            self._expected = 0  # a new subscription: what came before it is replayed or reset
+            self._delays = self._backoff.delays()  # the next failure waits the initial delay
+            await self._receive(sub, monitor)
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _handshake(self, monitor: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                frames = await asyncio.wait_for(monitor.recv_multipart(), max(0.0, remaining))
+            except TimeoutError:
+                self.stats.connect_failures_total += 1
+                raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
+            event = parse_monitor_message(frames)["event"]
+            if event & _CONNECTED:
+                return
+            if event & _LOST:
+                self.stats.connect_failures_total += 1
+                raise _Lost(f"connection failed ({zmq.Event(event).name})")
+
+    async def _receive(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        # Reads happen on the socket's synchronous twin: no future per message.
+        plain_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        plain_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        while True:
+            ready = dict(await poller.poll())
+            if monitor in ready:
+                self._check_monitor(plain_monitor)
+            if sub in ready:
+                for _ in range(_DRAIN_PER_WAKE):
+                    try:
+                        frames = plain_sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_message(frames)
+
+    def _check_monitor(self, monitor: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(frames)["event"]
+            if event & zmq.EVENT_DISCONNECTED:
+                self.stats.disconnects_total += 1
+                raise _Lost("disconnected")
+
+    async def _decode(self, frames: list[bytes]) -> EventBatch | None:
+        """The message's batch, or None (a counted drop)."""
+        try:
+            if len(frames) == 3 and len(frames[2]) >= _OFFLOAD_BYTES:
+                return await asyncio.to_thread(
+                    decode_message, frames, topic=self._topic, limits=self._limits
+                )
+            return decode_message(frames, topic=self._topic, limits=self._limits)
+        except WireError as exc:
+            self.stats.drops_total[exc.reason] += 1
+            log.debug("KV events from %s: dropped a message: %s", self.endpoint, exc)
+            return None
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        batch = await self._decode(frames)
+        if batch is None:
+            return
+        self.stats.messages_total += 1
+        if batch.seq < self._expected:
+            self._push(_Reset(ResetReason.RESTARTED))
+            self._expected = 0
+        if batch.seq > self._expected:
+            self.stats.gaps_total += 1
+            await self._fill_gap(batch.seq)
+        self._push(batch)
+        self._expected = batch.seq + 1
+
+    async def _fill_gap(self, seq: int) -> None:
+        """Replay ``[expected, seq)``; a reset, then the contiguous suffix, when it falls short."""
+        start = max(self._expected, seq - self._max_replay)
+        replayed = await self._replay(start, seq) if self._max_replay else []
+        # Keep the run that ends just before seq: true of the engine, whatever came before it.
+        run: list[EventBatch] = []
+        for batch in reversed(replayed):
+            if batch.seq != seq - 1 - len(run):
+                break
+            run.append(batch)
+        run.reverse()
+        if not run or run[0].seq != self._expected:
+            self._push(_Reset(ResetReason.GAP))
+        for batch in run:
+            self._push(batch)
+
+    async def _replay(self, start: int, stop: int) -> list[EventBatch]:
+        """The batches ``[start, stop)`` the replay socket still has, in order (maybe none)."""
+        if self.replay_endpoint is None:
+            return []
+        self.stats.replays_total += 1
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, int(self._ipv6))
+        dealer.setsockopt(zmq.MAXMSGSIZE, 4 * self._limits.max_payload_bytes)
+        dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        got: list[EventBatch] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout_s
+        try:
+            dealer.connect(self.replay_endpoint)
+            await dealer.send_multipart([b"", encode_seq(start)])
+            # Replies past the gap come through the subscription too: read up to stop - 1.
+            while len(got) < stop - start:
+                remaining = deadline - loop.time()
+                frames = await asyncio.wait_for(dealer.recv_multipart(), max(0.0, remaining))
+                if len(frames) == 4 and frames[0] == b"" and _is_end(frames[2]):
+                    break
+                if len(frames) != 4 or frames[0] != b"":
+                    self.stats.drops_total[DropReason.FRAMES] += 1
+                    break
+                batch = await self._decode(frames[1:])
+                if batch is None:
+                    break
+                if batch.seq >= stop:
+                    break
+                if batch.seq >= start and (not got or batch.seq > got[-1].seq):
+                    got.append(batch)  # _fill_gap keeps the contiguous suffix
+        except TimeoutError:
+            log.info("KV events from %s: replay from %d timed out", self.endpoint, start)
+        finally:
+            dealer.close(linger=0)
+        self.stats.replayed_batches_total += len(got)
+        return got
+
+    def _push(self, item: _Item) -> None:
+        """Queue for the consumer; when full, the pending batches make way for a reset."""
+        try:
+            self._queue.put_nowait(item)
+        except asyncio.QueueFull:
+            dropped = 0
+            while not self._queue.empty():
+                if isinstance(self._queue.get_nowait(), EventBatch):
+                    dropped += 1
+                self._queue.task_done()
+            self.stats.drops_total[DropReason.QUEUE_FULL] += dropped
+            self._queue.put_nowait(_Reset(ResetReason.QUEUE_FULL))
+            if isinstance(item, EventBatch):  # true of the engine after the reset: kept
+                self._queue.put_nowait(item)
+        self.stats.queued = self._queue.qsize()
+
+    # -- apply -----------------------------------------------------------------------------
+
+    async def _apply_forever(self) -> None:
+        while True:
+            item = await self._queue.get()
+            self.stats.queued = self._queue.qsize()
+            try:
+                if isinstance(item, _Reset):
+                    self.stats.resets_total[item.reason] += 1
+                    self._consumer.reset(item.reason)
+                else:
+                    self._consumer.apply(item)
+                    self.stats.batches_applied_total += 1
+                    self.stats.events_total += batch_events(item)
+                    self.stats.lag_s = self._clock() - item.ts
+            except Exception:
+                log.exception("KV events from %s: the consumer failed", self.endpoint)
+                self.stats.resets_total[ResetReason.CONSUMER_ERROR] += 1
+                with contextlib.suppress(Exception):
+                    self._consumer.reset(ResetReason.CONSUMER_ERROR)
+            finally:
+                self._queue.task_done()
+            await asyncio.sleep(0)  # a long queue does not hold the loop
+
+    async def drained(self) -> None:
+        """Wait until everything queued so far was applied (tests, benchmarks)."""
+        await self._queue.join()
+
+
+def _is_end(frame: bytes) -> bool:
+    try:
+        return decode_seq(frame) == -1
+    except WireError:
+        return False

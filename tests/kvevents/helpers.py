@@ -1,0 +1,103 @@
+"""Helpers of the KV-event tests: a consumer that records, a raw publisher on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from sidecar.emulator import RunningEmulator
+from sidecar.emulator.events import ZmqKvEvents
+from sidecar.emulator.keys import ENGINE
+from sidecar.kvevents.events import EventBatch
+from sidecar.kvevents.subscriber import ResetReason
+
+WAIT_S = 5.0
+"""Upper bound of every wait on a condition (they end as soon as it holds)."""
+
+
+class Recorder:
+    """An :class:`~sidecar.kvevents.subscriber.EventConsumer` that keeps what it was given:
+    ``EventBatch`` and ``ResetReason`` items, in order."""
+
+    def __init__(self) -> None:
+        self.items: list[EventBatch | ResetReason] = []
+        self._changed = asyncio.Event()
+
+    def apply(self, batch: EventBatch) -> None:
+        self._record(batch)
+
+    def reset(self, reason: ResetReason) -> None:
+        self._record(reason)
+
+    def _record(self, item: EventBatch | ResetReason) -> None:
+        self.items.append(item)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @property
+    def batches(self) -> list[EventBatch]:
+        return [item for item in self.items if isinstance(item, EventBatch)]
+
+    @property
+    def resets(self) -> list[ResetReason]:
+        return [item for item in self.items if isinstance(item, ResetReason)]
+
+    async def wait_for(self, condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+        async def until() -> None:
+            while not condition():
+                await self._changed.wait()
+
+        await asyncio.wait_for(until(), timeout_s)
+
+    async def wait_batches(self, count: int) -> list[EventBatch]:
+        await self.wait_for(lambda: len(self.batches) >= count)
+        return self.batches
+
+
+def publisher(emulator: RunningEmulator) -> ZmqKvEvents:
+    events = emulator.app[ENGINE].events
+    assert isinstance(events, ZmqKvEvents)
+    return events
+
+
+def events_config(**fields: Any) -> str:
+    """An emulator's ``kv_events_config`` on loopback, free ports (and a replay socket)."""
+    import json
+
+    values: dict[str, Any] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:0",
+        "replay_endpoint": "tcp://127.0.0.1:0",
+    }
+    values.update(fields)
+    return json.dumps(values)
+
+
+class RawPublisher:
+    """An XPUB on 127.0.0.1 (a free port) that sends whatever frames a test gives it, and tells
+    when a subscription arrived (so nothing sent after it is lost to a slow joiner)."""
+
+    def __init__(self) -> None:
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.XPUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+
+    async def wait_subscribed(self) -> None:
+        async def until() -> None:
+            while (await self._socket.recv())[:1] != b"\x01":
+                pass
+
+        await asyncio.wait_for(until(), WAIT_S)
+
+    def send(self, frames: list[bytes]) -> None:
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
+        plain.send_multipart(frames, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._context.destroy(linger=0)
