@@ -439,25 +439,35 @@ class Subscriber:
 
     async def _apply_forever(self) -> None:
         while True:
-            item = await self._queue.get()
+            self._apply(await self._queue.get())
+            # What else is queued, up to as many as the receiver reads per wake-up, then the
+            # loop gets the turn back: neither side starves the other, nor the request path.
+            for _ in range(_DRAIN_PER_WAKE - 1):
+                try:
+                    item = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    break
+                self._apply(item)
             self.stats.queued = self._queue.qsize()
-            try:
-                if isinstance(item, _Reset):
-                    self.stats.resets_total[item.reason] += 1
-                    self._consumer.reset(item.reason)
-                else:
-                    self._consumer.apply(item)
-                    self.stats.batches_applied_total += 1
-                    self.stats.events_total += batch_events(item)
-                    self.stats.lag_s = self._clock() - item.ts
-            except Exception:
-                log.exception("KV events from %s: the consumer failed", self.endpoint)
-                self.stats.resets_total[ResetReason.CONSUMER_ERROR] += 1
-                with contextlib.suppress(Exception):
-                    self._consumer.reset(ResetReason.CONSUMER_ERROR)
-            finally:
-                self._queue.task_done()
-            await asyncio.sleep(0)  # a long queue does not hold the loop
+            await asyncio.sleep(0)
+
+    def _apply(self, item: _Item) -> None:
+        try:
+            if isinstance(item, _Reset):
+                self.stats.resets_total[item.reason] += 1
+                self._consumer.reset(item.reason)
+            else:
+                self._consumer.apply(item)
+                self.stats.batches_applied_total += 1
+                self.stats.events_total += batch_events(item)
+                self.stats.lag_s = self._clock() - item.ts
+        except Exception:
+            log.exception("KV events from %s: the consumer failed", self.endpoint)
+            self.stats.resets_total[ResetReason.CONSUMER_ERROR] += 1
+            with contextlib.suppress(Exception):
+                self._consumer.reset(ResetReason.CONSUMER_ERROR)
+        finally:
+            self._queue.task_done()
 
     async def drained(self) -> None:
         """Wait until everything queued so far was applied (tests, benchmarks)."""

@@ -27,6 +27,7 @@ not vLLM's ``msgspec`` structs: the sidecar needs none of vLLM's libraries.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -79,7 +80,8 @@ _HASH_MIN = -(2**63)  # Python's hash() of older vLLM versions: signed 64-bit
 _HASH_MAX = 2**64 - 1  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES: the digest's low 64 bits
 _TOKEN_MAX = 2**32 - 1
 _SMALL_INT_MAX = 2**31 - 1  # lora ids, group indices, data-parallel ranks
-_SEQ_MAX = 2**63 - 1
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+_U64 = next(code for code in "LQ" if array(code).itemsize == 8)
 
 
 class DropReason(StrEnum):
@@ -244,11 +246,10 @@ def _stored(fields: dict[str, Any], limits: WireLimits) -> BlockStored:
         raise WireError(DropReason.LIMITS, f"{len(tokens)} token ids in one event")
     if len(tokens) != block_size * len(hashes):
         raise _shape(f"{len(tokens)} token ids for {len(hashes)} blocks of {block_size}")
-    # C-speed checks: one type test per id, then the range from min and max.
-    if tokens and (
-        not all(type(t) is int for t in tokens) or min(tokens) < 0 or max(tokens) > _TOKEN_MAX
-    ):
-        raise _shape("token_ids are not all ints in [0, 2**32)")
+    try:
+        array(_U32, tokens)  # at C speed: every id an int in [0, 2**32)
+    except (TypeError, OverflowError):
+        raise _shape("token_ids are not all ints in [0, 2**32)") from None
     parent = fields.get("parent_block_hash")
     return BlockStored(
         block_hashes=hashes,
@@ -268,7 +269,11 @@ def _hashes(value: Any, limits: WireLimits) -> tuple[EngineBlockHash, ...]:
         raise _shape("block_hashes is not an array")
     if len(value) > limits.max_blocks_per_event:
         raise WireError(DropReason.LIMITS, f"{len(value)} block hashes in one event")
-    return tuple(_hash(item, limits) for item in value)
+    try:
+        array(_U64, value)  # the usual case at C speed: unsigned 64-bit ints
+    except (TypeError, OverflowError):
+        return tuple(_hash(item, limits) for item in value)  # bytes, signed ints, or wrong
+    return tuple(value)
 
 
 def _hash(value: Any, limits: WireLimits) -> EngineBlockHash:
