@@ -18,7 +18,7 @@ tokens under the same identity: ``extra_keys`` is what vLLM hashes besides the t
 (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``, published untagged by
 ``to_event_extra_keys``): the LoRA name on every block, then multimodal ``(identifier, offset)``
 pairs, then the cache salt on block 0 only, then prompt-embedding digests. A text request's
-entries are therefore known from its salt alone (``request_extra_keys``); a request
+entries are therefore known from its salt alone (``PromptKeys``); a request
 with images or embeddings cannot be keyed and is the caller's to route by the approximate index.
 
 **What removal needs.** ``BlockRemoved`` names the engine's hash (per medium and group), so each
@@ -52,8 +52,8 @@ then what storage (or a medium of another name) adds beyond both: the caller wei
 **Bounds.** The engine's own evictions bound the index to its number of blocks; ``max_blocks``
 is a hard cap on top (the oldest stored block goes first, counted ``dropped``).
 ``BYTES_PER_BLOCK`` is what one held block costs, measured with ``tracemalloc``
-(``tests/kvevents/test_index.py`` checks it). A look-up keys at most ``MAX_LOOKUP_BLOCKS`` blocks
-per group.
+(``tests/kvevents/test_index.py`` checks it). A look-up keys at most ``MAX_LOOKUP_TOKENS`` of a
+prompt, once for every index it is looked up in (``PromptKeys``).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ BYTES_PER_BLOCK = 320
 32-byte ones (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), 100,000 blocks of one group in one
 medium (``bench/kv_index.py``; ``tests/kvevents/test_index.py`` holds the int case to it). What
 ``max_blocks`` is to be derived from."""
-MAX_LOOKUP_BLOCKS = 8192
-"""Blocks keyed per group and look-up (131,072 tokens at 16 per block): bounds a huge prompt's
-cost on the event loop; beyond it a prompt counts as uncached."""
+MAX_LOOKUP_TOKENS = 131_072
+"""A prompt's tokens a look-up keys at most (8,192 blocks of 16): bounds a huge prompt's cost on
+the event loop; beyond it a prompt counts as uncached."""
 MAX_BLOCKS_LIMIT = (1 << 20) - 1
 """The largest ``max_blocks``: a key's count of holders per medium is packed in 20 bits."""
 
@@ -118,16 +118,6 @@ def _medium_slot(medium: str | None) -> int:
     if medium == MEDIUM_STORAGE:
         return 2
     return 3
-
-
-def request_extra_keys(blocks: int, *, salt: str | None) -> list[tuple[object, ...] | None]:
-    """The ``extra_keys`` entries of a text prompt's ``blocks`` blocks as the index keys them: the
-    cache salt on block 0 only (``generate_block_hash_extra_keys``), nothing on the others. The
-    LoRA name vLLM puts first in every entry is keyed in the chain's root instead
-    (``_event_extras``)."""
-    if blocks <= 0:
-        return []
-    return [(salt,) if salt else None, *([None] * (blocks - 1))]
 
 
 def _event_extras(event: BlockStored, count: int) -> Sequence[object]:
@@ -187,6 +177,85 @@ def _chain(
         key = hash((key, data[start : start + block_bytes], extras[i])) & _KEY_MASK
         append(key)
     return keys
+
+
+class PromptKeys:
+    """A request's block keys, computed lazily and at most once, then shared by every index the
+    request is looked up in (the keys are this process's, not an engine's): with eight prefill
+    engines and the local one, a prompt is hashed once, and each index costs a dictionary probe
+    per block. A look-up that misses at block *i* has keyed a few blocks past *i*, not the
+    prompt. Token ids that are not 32-bit unsigned ints key nothing (no hit anywhere)."""
+
+    __slots__ = ("_chains", "_data", "_ids", "limit", "lora", "salt")
+
+    def __init__(
+        self, token_ids: Sequence[int], *, lora: str | None = None, salt: str | None = None
+    ) -> None:
+        self._ids = token_ids
+        self.lora = lora
+        self.salt = salt
+        self.limit = min(max(0, len(token_ids) - 1), MAX_LOOKUP_TOKENS)
+        """Tokens a hit may cover: vLLM computes at least the prompt's last token."""
+        self._data: bytes | None = None
+        self._chains: dict[tuple[int, int], list[int]] = {}
+
+    def _bytes(self) -> bytes:
+        if self._data is None:
+            try:
+                self._data = array(_TOKEN, self._ids[: self.limit]).tobytes()
+            except (OverflowError, TypeError):
+                self._data = b""
+                self.limit = 0
+        return self._data
+
+    def chain(self, group: int, size: int, upto: int) -> list[int]:
+        """The keys of group ``group``'s blocks of ``size`` tokens, at least the first ``upto``
+        of them (fewer when the prompt has fewer)."""
+        chain = self._chains.get((group, size))
+        if chain is None:
+            chain = self._chains[(group, size)] = []
+        done = len(chain)
+        if done >= upto:
+            return chain
+        data = self._bytes()
+        count = min(upto, self.limit // size)
+        width = size * 4
+        key = chain[-1] if chain else _root(group, self.lora)
+        first = (self.salt,) if self.salt else None
+        append = chain.append
+        for i in range(done, count):
+            start = i * width
+            key = hash((key, data[start : start + width], first if i == 0 else None)) & _KEY_MASK
+            append(key)
+        return chain
+
+
+def _by_need(item: tuple[int, _Group]) -> int:
+    return item[1].need
+
+
+def _leading(
+    held: dict[int, int], keys: PromptKeys, group_idx: int, size: int, count: int
+) -> list[int]:
+    """Packed holders of the prompt's blocks in a full-attention group, up to the first block
+    no medium holds (keyed in growing steps: an early miss keys few blocks)."""
+    values: list[int] = []
+    append = values.append
+    step = 8
+    done = 0
+    while done < count:
+        upto = min(count, done + step)
+        chain = keys.chain(group_idx, size, upto)
+        for i in range(done, min(upto, len(chain))):
+            value = held.get(chain[i])
+            if value is None:
+                return values
+            append(value)
+        if len(chain) < upto:
+            return values
+        done = upto
+        step *= 2
+    return values
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,38 +457,42 @@ class KVIndex:
     # -- look-ups -------------------------------------------------------------------------------
 
     def lookup(
-        self, token_ids: Sequence[int], *, lora: str | None = None, salt: str | None = None
+        self,
+        prompt: PromptKeys | Sequence[int],
+        *,
+        lora: str | None = None,
+        salt: str | None = None,
     ) -> Hit:
-        """The prompt's leading tokens this engine holds, for a request of adapter ``lora``
-        (None: the base model) and cache salt ``salt``; a look-up only."""
+        """The prompt's leading tokens this engine holds; a look-up only. ``prompt``: its
+        ``PromptKeys`` (shared by every index it is looked up in: its keys are computed once),
+        or its token ids with the request's adapter ``lora`` (None: the base model) and cache
+        ``salt``."""
         groups = self._groups
         if not groups:
             return Hit()
-        limit = len(token_ids) - 1  # vLLM computes at least the prompt's last token
-        longest = min(limit, MAX_LOOKUP_BLOCKS * max(g.block_size for g in groups.values()))
-        if longest <= 0:
-            return Hit()
-        try:
-            data = array(_TOKEN, token_ids[:longest]).tobytes()
-        except (OverflowError, TypeError):
-            return Hit()
+        keys = (
+            prompt if isinstance(prompt, PromptKeys) else PromptKeys(prompt, lora=lora, salt=salt)
+        )
         held = self._held
         # Full-attention groups first: their runs bound how far the others need keying.
-        order = sorted(groups.items(), key=lambda item: item[1].need)
         fulls: list[tuple[int, list[int]]] = []
         windows: list[tuple[int, int, list[int]]] = []
-        bound = longest
-        for group_idx, group in order:
+        bound = keys.limit
+        for group_idx, group in sorted(groups.items(), key=_by_need):
             size = group.block_size
-            count = min(bound // size, MAX_LOOKUP_BLOCKS)
-            extras = request_extra_keys(count, salt=salt)
+            count = bound // size
+            if count <= 0:
+                bound = 0
+                break
             if group.need == 0:
-                values = self._leading(group_idx, lora, data, size, extras, count)
+                values = _leading(held, keys, group_idx, size, count)
                 fulls.append((size, values))
                 bound = min(bound, len(values) * size)
             else:
-                keys = _chain(_root(group_idx, lora), data, size * 4, extras, count)
-                windows.append((size, group.need, [held.get(k, 0) for k in keys]))
+                chain = keys.chain(group_idx, size, count)
+                windows.append((size, group.need, [held.get(k, 0) for k in chain[:count]]))
+        if bound <= 0:
+            return Hit()
         align = math.lcm(*(g.block_size for g in groups.values()))
         gpu = _hit(_TIER_GPU, fulls, windows, bound, align)
         if not self._offloaded:
@@ -427,31 +500,6 @@ class KVIndex:
         cpu = _hit(_TIER_CPU, fulls, windows, bound, align)
         every = _hit(_TIER_ALL, fulls, windows, bound, align)
         return Hit(gpu=gpu, cpu=cpu - gpu, storage=every - cpu)
-
-    def _leading(
-        self,
-        group_idx: int,
-        lora: str | None,
-        data: bytes,
-        size: int,
-        extras: Sequence[object],
-        count: int,
-    ) -> list[int]:
-        """Packed holders of the prompt's blocks in a full-attention group, up to the first block
-        no medium holds (keyed lazily: a miss ends the work)."""
-        held = self._held
-        values: list[int] = []
-        append = values.append
-        key = _root(group_idx, lora)
-        width = size * 4
-        for i in range(count):
-            start = i * width
-            key = hash((key, data[start : start + width], extras[i])) & _KEY_MASK
-            value = held.get(key)
-            if value is None:
-                break
-            append(value)
-        return values
 
     def stats(self) -> IndexStats:
         return IndexStats(

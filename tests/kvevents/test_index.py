@@ -24,10 +24,10 @@ from sidecar.kvevents.events import (
 )
 from sidecar.kvevents.index import (
     BYTES_PER_BLOCK,
-    MAX_LOOKUP_BLOCKS,
+    MAX_LOOKUP_TOKENS,
     Hit,
     KVIndex,
-    request_extra_keys,
+    PromptKeys,
 )
 
 BS = 16
@@ -361,16 +361,25 @@ def test_a_look_up_keys_a_bounded_number_of_blocks() -> None:
     engine, index = Engine(), KVIndex(max_blocks=100)
     prompt = tokens(22, 2 * BS)
     index.apply(engine.batch(engine.store(prompt)))
-    huge = [*prompt, *range(MAX_LOOKUP_BLOCKS * BS)]
+    huge = [*prompt, *range(MAX_LOOKUP_TOKENS)]
     assert index.lookup(huge).gpu == 2 * BS
     assert index.lookup([1 << 40, *prompt]) == Hit()  # not a token id: cannot be keyed
     assert index.lookup([]) == Hit()
 
 
-def test_request_extra_keys_are_the_salt_on_block_zero() -> None:
-    assert request_extra_keys(3, salt="s") == [("s",), None, None]
-    assert request_extra_keys(2, salt=None) == [None, None]
-    assert request_extra_keys(0, salt="s") == []
+def test_prompt_keys_are_shared_by_every_index_and_keyed_lazily() -> None:
+    engine = Engine()
+    prompt = tokens(23, 100 * BS)
+    one, two = KVIndex(max_blocks=1000), KVIndex(max_blocks=1000)
+    one.apply(engine.batch(engine.store(prompt[: 3 * BS])))
+    two.apply(engine.batch(engine.store(prompt[: 40 * BS], salt="s")))
+    keys = PromptKeys(prompt, salt="s")
+    assert one.lookup(keys).gpu == 0  # the salt: block 0 differs
+    # The miss at block 0 keyed a first step of blocks, not the prompt.
+    assert len(keys.chain(0, BS, 0)) < 100
+    assert two.lookup(keys).gpu == 40 * BS
+    assert one.lookup(PromptKeys(prompt)).gpu == 3 * BS
+    assert one.lookup(prompt).gpu == 3 * BS  # token ids: keys of their own
 
 
 def test_keys_are_private_to_the_process() -> None:
