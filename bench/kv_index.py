@@ -223,7 +223,10 @@ def memory_per_block(as_bytes: bool) -> float:
         index = KVIndex(max_blocks=200_000)
         for p, h in zip(prompts, hashes, strict=True):
             # The hashes are made inside the measurement, as the decoder makes them.
-            own = [bytes(bytearray(x)) if as_bytes else int.from_bytes(x[:8], "big") for x in h]  # type: ignore[arg-type]
+            raw = [x for x in h if isinstance(x, bytes)]
+            own: list[int | bytes] = [
+                bytes(bytearray(x)) if as_bytes else int.from_bytes(x[:8], "big") for x in raw
+            ]
             index.apply(EventBatch(seq=0, ts=0.0, events=(stored(p, own),)))
         used = tracemalloc.get_traced_memory()[0] - before
     finally:
