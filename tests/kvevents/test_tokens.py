@@ -15,6 +15,8 @@ from aiohttp import web
 from sidecar.emulator.text import prompt_from_messages, text_prompt
 from sidecar.emulator.tokenize import prompt_token_ids, prompt_units, unit_token_id
 from sidecar.engines.upstream import HttpClient
+from sidecar.kvevents.events import BlockStored, EventBatch
+from sidecar.kvevents.index import Hit, KVIndex, PromptKeys
 from sidecar.kvevents.tokens import TokenSource, tokenize_request
 from tests.conftest import StartEmulator
 
@@ -229,3 +231,33 @@ async def test_bad_answers_are_none(client: HttpClient, answer: web.Response, co
         assert stats["answered"] == 0
     finally:
         await runner.cleanup()
+
+
+async def test_the_ids_key_the_blocks_the_emulators_events_announce(
+    start_engine: StartEmulator, client: HttpClient
+) -> None:
+    """A publisher following the emulator's rule (block k holds ids [16k, 16k + 16)) and the
+    ids ``/tokenize`` gives meet in the index: the chat's cached blocks are found."""
+    engine = await start_engine()
+    messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "Why?"}]
+    prompt = prompt_from_messages(messages)
+    ids = prompt_token_ids(prompt)
+    blocks = len(prompt.full_blocks(16))
+    index = KVIndex(max_blocks=1000)
+    stored = BlockStored(
+        block_hashes=tuple(range(1, blocks + 1)),
+        parent_block_hash=None,
+        token_ids=ids[: blocks * 16],
+        block_size=16,
+    )
+    index.apply(EventBatch(seq=0, ts=0.0, events=(stored,)))
+    source = TokenSource(client, engine.url, timeout_s=2.0)
+    asked = await source.token_ids({"messages": messages})
+    assert asked is not None
+    expected = min(blocks, (len(asked) - 1) // 16) * 16
+    assert expected > 0
+    assert index.lookup(PromptKeys(asked)) == Hit(gpu=expected)
+    # Another conversation's system prompt shares nothing.
+    other = await source.token_ids({"messages": [{"role": "system", "content": "x" + LONG}]})
+    assert other is not None
+    assert index.lookup(PromptKeys(other)) == Hit()
