@@ -56,6 +56,7 @@ from sidecar.emulator.push import PushBoard, add_push_routes
 from sidecar.emulator.reqlog import RequestLog
 from sidecar.emulator.sglang import RoomBoard, add_bootstrap_routes
 from sidecar.emulator.storage import SharedKvStore
+from sidecar.emulator.tokenize import handle_tokenize
 from sidecar.server.binding import bind, reachable
 
 log = logging.getLogger("sidecar.emulator")
@@ -163,6 +164,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     return await handle_generation(request, Endpoint.CHAT)
 
 
+async def _tokenize(request: web.Request) -> web.Response:
+    return await handle_tokenize(request, request.app[CONFIG])
+
+
 async def _models(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     card = {
@@ -266,6 +271,7 @@ def create_api_app(
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     add_control_routes(app)

