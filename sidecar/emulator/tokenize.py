@@ -17,7 +17,6 @@ Request and answer are vLLM's (``vllm/entrypoints/serve/tokenize/protocol.py``):
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import orjson
@@ -25,15 +24,19 @@ from aiohttp import web
 
 from sidecar.emulator.config import EmulatorConfig
 from sidecar.emulator.errors import EmulatorError
-from sidecar.emulator.text import CHARS_PER_TOKEN, Prompt, prompt_from_messages, text_prompt
-
-_TOP_BIT_CLEARED = 0x7FFF_FFFF
+from sidecar.emulator.text import (
+    CHARS_PER_TOKEN,
+    Prompt,
+    prompt_from_messages,
+    text_prompt,
+    token_id,
+)
 
 
 def unit_token_id(unit: str) -> int:
-    """The token id of one unit of a text prompt (four characters, or a word)."""
-    digest = hashlib.blake2b(unit.encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") & _TOP_BIT_CLEARED
+    """The token id of one unit of a text prompt (four characters, or a word): ``token_id``,
+    the rule the KV-event publisher uses too."""
+    return token_id(unit.encode())
 
 
 def prompt_units(prompt: Prompt) -> list[str]:

@@ -71,6 +71,8 @@ _STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
 )
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _STORED_REQUIRED = 4  # block_hashes .. block_size; the rest were added over time
@@ -261,6 +263,10 @@ def _stored(fields: dict[str, Any], limits: WireLimits) -> BlockStored:
         lora_name=_optional_str(fields.get("lora_name"), "lora_name"),
         extra_keys=_extra_keys(fields.get("extra_keys"), len(hashes), limits),
         group_idx=_optional_small_int(fields.get("group_idx"), "group_idx"),
+        kv_cache_spec_kind=_optional_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        kv_cache_spec_sliding_window=_optional_small_int(
+            fields.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
+        ),
     )
 
 
@@ -362,6 +368,8 @@ def _encode_event(event: KVEvent, encoding: Encoding) -> Any:
             event.lora_name,
             None if event.extra_keys is None else [_list(e) for e in event.extra_keys],
             event.group_idx,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
         ]
         # Fields without a default are always written: through lora_name in 0.32's maps,
         # through medium in the array-like versions (lora_name came later).

@@ -98,6 +98,8 @@ FULL = EventBatch(
             lora_name="adapter",
             extra_keys=(("adapter", ("image-1", 0), "salt"), None),
             group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=128,
         ),
         BlockRemoved(block_hashes=(b"\xaa" * 32,), medium="CPU", group_idx=1),
         AllBlocksCleared(),
@@ -246,4 +248,5 @@ def test_unknown_fields_of_newer_versions_are_ignored() -> None:
         token_ids=(1, 2, 3, 4),
         block_size=2,
         medium="GPU",
+        kv_cache_spec_kind="full_attention",
     )
