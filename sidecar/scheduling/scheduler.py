@@ -403,6 +403,8 @@ class Scheduler:
 
     def _record_prefill(self, key: str, hashes: Sequence[bytes]) -> None:
         assert self._prefixes is not None
+        if key not in self._pool:  # it left the pool since: its index is forgotten
+            return
         full = hashes.all() if isinstance(hashes, LazyHashes) else hashes
         self._prefixes.placed(key, full)
         self.backend.publish_prefix(key, full)
@@ -420,7 +422,6 @@ class Scheduler:
         None (cancelled, or the client's own fault: says nothing about the endpoint). With a
         usable answer, ``prompt_tokens`` and ``cached_tokens`` are what the engine's usage said
         (None: it did not): the prefill prefix index's feedback."""
-        self._record()
         reservation = placement.reservation
         if reservation is None:
             return
@@ -431,6 +432,7 @@ class Scheduler:
         state.inflight -= 1
         if ok is True:
             if placement.prefix is not None:
+                self._record()  # the answer is weighed against the index as it stands
                 self._prefix_answered(state.key, placement.prefix, prompt_tokens, cached_tokens)
             state.health.success()
             if seconds is not None:
