@@ -39,6 +39,7 @@ PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
 LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
 STALE_AFTER_SCRAPES = 3
 """A scrape older than this many intervals is ignored (treated as unknown)."""
+HEALTHY = Availability.HEALTHY  # read per endpoint per decision: one global, not an enum look-up
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
 
@@ -172,7 +173,8 @@ class Planner:
         prefixes = self.prefixes if hashes else None
         candidates = []
         for key, state in self.pool.items():
-            if state.draining or not state.health.available(now):
+            health = state.health  # a healthy endpoint stays so without a failure: no refresh
+            if state.draining or (health.state is not HEALTHY and not health.available(now)):
                 continue
             if view.ejected_until.get(key, 0.0) > wall:
                 continue

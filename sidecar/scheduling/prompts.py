@@ -9,7 +9,7 @@ is recognized as cached, on the rank that holds it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import orjson
@@ -113,6 +113,21 @@ class LazyHashes(Sequence[K]):
             return iter(self._done)
         return self._reading()
 
+    def leading(self, blocks: Container[K]) -> int:
+        """``leading_blocks`` of an LRU: hashed as far as the first miss (no iterator)."""
+        done, total = self._done, self._total
+        matched = 0
+        for digest in done:
+            if digest not in blocks:
+                return matched
+            matched += 1
+        while matched < total:
+            self._extend(matched + 1)
+            if done[matched] not in blocks:
+                return matched
+            matched += 1
+        return matched
+
     def _reading(self) -> Iterator[K]:
         done, total = self._done, self._total
         i = 0
@@ -147,6 +162,8 @@ class TextBlocks(LazyHashes[int]):
 def leading_blocks(blocks: Mapping[K, None], hashes: Iterable[K]) -> int:
     """How many of ``hashes``, from the first, an LRU of chained block hashes holds: the blocks
     of the longest indexed prefix (a look-up only)."""
+    if isinstance(hashes, LazyHashes):
+        return hashes.leading(blocks)
     matched = 0
     for digest in hashes:
         if digest not in blocks:
