@@ -191,6 +191,56 @@ async def time_placements(
     return figures, reasons, status
 
 
+HISTORY = "".join(
+    f"turn {n:04d}: something said in the conversation. ".ljust(100) for n in range(80)
+)
+"""A conversation's 2,000-token history (8,000 characters), for ``time_continuations``."""
+
+
+async def time_continuations(iterations: int, block_tokens: int) -> dict[str, float]:
+    """A continuation's decision: ``HISTORY`` placed once, then each placement that history and
+    a distinct 50-token turn (the local rank and the endpoint it went to hold the history, so
+    both indexes hash its blocks to find the match); local blocks of ``block_tokens``. The
+    thread's CPU median of the decision and of its recording after."""
+    settings = Settings(
+        decode_url="http://127.0.0.1:1",
+        prefill_endpoints=pool(),
+        scheduler_seed=0,
+        prefix_hash_key=HASH_KEY,
+        prefix_block_tokens=block_tokens,
+    )
+    scheduler = Scheduler(
+        SchedulerOptions.from_settings(settings),
+        discovery=Discovery(settings.prefill_endpoints, None),
+        backend=MemoryState(),
+        metrics=Metrics(),
+    )
+    await scheduler.start()
+    record: Callable[[], None] = getattr(scheduler, "_record", lambda: None)
+    cpu = time.thread_time_ns
+    decisions: list[int] = []
+    after: list[int] = []
+    try:
+        finish(scheduler, await scheduler.place({"model": "m", "prompt": HISTORY}, None))
+        for i in range(iterations + iterations // 10):
+            turn = {"model": "m", "prompt": HISTORY + f"{i:>8} " + "q" * 192, "max_tokens": 1}
+            start = cpu()
+            placement = await scheduler.place(turn, None)
+            middle = cpu()
+            record()
+            end = cpu()
+            finish(scheduler, placement)
+            if i >= iterations // 10:
+                decisions.append(middle - start)
+                after.append(end - middle)
+    finally:
+        await scheduler.close()
+    return {
+        "cpu_median_us": summary(decisions)["median_us"],
+        "recorded_after_cpu_median_us": summary(after)["median_us"],
+    }
+
+
 def time_parts(iterations: int) -> dict[str, dict[str, float]]:
     """The pieces of one placement, each timed on its own, on a scheduler's own objects (the
     ``Scheduler``'s private parts: this bench reads them as ``_place`` and ``_record`` use
@@ -203,12 +253,12 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
     # What _reserve would record after the decision is applied (and timed) below instead.
     scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     names = [
-        "local index: hashes to the first miss, look-up",
-        "candidates: per-endpoint look-ups (8)",
+        "local index, to the first miss",
+        "candidates, their look-ups (8)",
         "policy (qoe, 8 candidates)",
         "reservation",
-        "recorded after: local index (125 blocks)",
-        "recorded after: prefill index (31 blocks)",
+        "after: local index (125 blocks)",
+        "after: prefill index (31 blocks)",
     ]
     parts: dict[str, list[int]] = {name: [] for name in names}
     clock = time.perf_counter_ns
@@ -388,6 +438,9 @@ async def measure(
     for policy in policies:
         figures, reasons, _ = await time_placements(policy, MemoryState(), iterations)
         result["memory"][policy] = {**figures, "reasons": dict(reasons)}
+    result["continuations"] = {
+        block: await time_continuations(iterations, block) for block in (16, 64)
+    }
 
     if redis_policy not in result["memory"]:
         figures, _, _ = await time_placements(redis_policy, MemoryState(), iterations)
@@ -438,6 +491,12 @@ def report(result: dict[str, Any]) -> list[str]:
             lines.append(f"  {'  recorded after it (CPU median)':<44} {after:>10.1f}")
     for part, figures in result["parts"].items():
         row("  part: " + part, figures)
+    for block, figures in result["continuations"].items():
+        lines.append(
+            f"  place(), a continuation of {len(HISTORY) // 4} tokens, local blocks of {block}:"
+            f" CPU median {figures['cpu_median_us']:.1f} µs, recorded after"
+            f" {figures['recorded_after_cpu_median_us']:.1f} µs"
+        )
     redis = result["redis"]
     if isinstance(redis, str):
         lines.append(f"  place(), redis: {redis}")
