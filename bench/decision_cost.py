@@ -231,16 +231,29 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
 
 
 async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
-    """One PING, and one EVALSHA of a script that does nothing, through redis.asyncio (the
-    client the Redis backend uses)."""
+    """One PING, and one EVALSHA of a script that does nothing, through redis.asyncio; and, when
+    this checkout has it, through the backend's bare connection (``bare_ping``,
+    ``bare_empty_evalsha``: the round trip the syncs pay on a standalone Redis)."""
     client = aioredis.Redis.from_url(url)
     empty = client.register_script("return 0")
+    calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+        ("ping", client.ping),
+        ("empty_evalsha", lambda: empty(keys=[], args=[])),
+    ]
+    bare: Any = None
+    try:
+        from sidecar.scheduling.state.resp import RespConnection
+
+        bare = RespConnection(url, timeout_s=1.0)
+        calls += [
+            ("bare_ping", lambda: bare.call("PING")),
+            ("bare_empty_evalsha", lambda: bare.evalsha(empty.sha, "return 0", (), [])),
+        ]
+    except ImportError:  # a checkout from before it
+        pass
     figures = {}
     try:
-        for name, call in (
-            ("ping", client.ping),
-            ("empty_evalsha", lambda: empty(keys=[], args=[])),
-        ):
+        for name, call in calls:
             await call()
             samples = []
             for _ in range(iterations):
@@ -250,6 +263,8 @@ async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
             figures[name] = summary(samples)
     finally:
         await client.aclose()
+        if bare is not None:
+            bare.close()
     return figures
 
 
@@ -476,7 +491,7 @@ async def measure(
             url, iterations, redis_policy, prefix="bench-alone", key=None
         )
         trips = await round_trips(url, iterations)
-        ping = trips["ping"]
+        ping = trips.get("bare_ping", trips["ping"])  # the round trip the syncs pay
         return {
             "policy": redis_policy,
             **shared,
@@ -484,6 +499,8 @@ async def measure(
             **trips,
             "over_round_trip_us": shared["median_us"] - ping["median_us"],
             "over_memory_us": shared["median_us"] - memory_median,
+            "beyond_us": shared["median_us"] - memory_median - ping["median_us"],
+            "beyond_share_off_us": alone["median_us"] - memory_median - ping["median_us"],
         }
 
     async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
@@ -517,12 +534,17 @@ def report(result: dict[str, Any]) -> list[str]:
         return lines
     row("place(), redis, " + redis["policy"] + ", prefix share on", redis)
     row("place(), redis, " + redis["policy"] + ", prefix share off", redis["share_off"])
-    row("  redis PING round trip", redis["ping"])
-    row("  redis EVALSHA of an empty script", redis["empty_evalsha"])
+    row("  redis PING round trip (redis.asyncio)", redis["ping"])
+    row("  redis EVALSHA of an empty script (redis.asyncio)", redis["empty_evalsha"])
+    if "bare_ping" in redis:
+        row("  redis PING round trip (the syncs' connection)", redis["bare_ping"])
+        row("  redis empty EVALSHA (the syncs' connection)", redis["bare_empty_evalsha"])
     share = redis["prefix_share"]
     lines.append(
         f"  = one round trip + {redis['over_round_trip_us']:.1f} µs (medians);"
         f" {redis['over_memory_us']:.1f} µs more than on the memory backend;"
+        f" beyond the memory placement and the round trip: {redis['beyond_us']:.1f} µs"
+        f" (share off {redis['beyond_share_off_us']:.1f} µs);"
         f" decisions {redis['reasons']}; over the 5 ms budget"
         f" {redis['backend_errors'].get('timeout', 0)} times"
     )
@@ -603,12 +625,15 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
                         run_child, repo, "redis", iterations, url, f"ab-{name}-{r}-{count}",
                         (), count,
                     )  # fmt: skip
-                    ping = (await round_trips(url, 300))["ping"]["median_us"]
+                    trips = await round_trips(url, 300)
+                    ping = trips["ping"]["median_us"]
+                    bare = trips.get("bare_ping", {}).get("median_us", float("nan"))
                     lines.append(
                         f"  round {r + 1} {name:<8} redis, {count:>3} others"
                         f" {figures['median_us']:>8.1f} / {figures['p99_us']:>8.1f}"
                         f"  CPU {figures['cpu_median_us']:>6.1f}"
                         f"  script {figures['script_usec']:>6.1f}  PING {ping:>6.1f}"
+                        f" (bare {bare:>5.1f})"
                         f"  timeouts {figures['backend_errors'].get('timeout', 0)}  ({load()})"
                     )
         return {}

@@ -5,6 +5,7 @@ decision; and the Redis backend's syncs travelling over it rather than redis-py'
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -209,4 +210,40 @@ async def test_the_backend_syncs_over_its_own_connection_and_survives_losing_it(
         assert stats["cmdstat_eval"]["calls"] == 1  # loaded once; the digest since
     finally:
         await state.close()
+        await client.aclose()
+
+
+async def test_a_refresh_leaves_at_its_budget_and_the_sync_answers_the_view_later(
+    redis_server,
+) -> None:
+    """Redis paused: the decision's refresh gives up at its budget (a timeout counted, the view
+    as it was); the sync it began goes on, and its answer, when Redis resumes, is the view."""
+    errors: list[str] = []
+    client = aioredis.Redis.from_url(redis_server.url)
+    other = RedisState(redis_server.url, prefix="late", lease_s=600, timeout_s=1)
+    state = RedisState(redis_server.url, prefix="late", lease_s=600, timeout_s=0.05,
+                       on_error=errors.append)  # fmt: skip
+    try:
+        await state.start()
+        await other.start()
+        await other.refresh()
+        await state.refresh()  # its worker's first sync (the registration) is over by now
+        await state.refresh()
+        assert errors == []
+        other.reserve(A, 40)
+        await other.refresh()
+        await client.ping()
+        assert await client.execute_command("CLIENT", "PAUSE", "400", "ALL")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await state.refresh()
+        assert loop.time() - started < 0.3
+        assert errors == ["timeout"]
+        assert A not in state.view().loads
+        await other.refresh()  # answered when the pause ends, after the late sync's
+        await state.refresh()  # no newer sync needed: the late answer is in
+        assert state.view().loads[A] == Load(40, 1)
+    finally:
+        await state.close()
+        await other.close()
         await client.aclose()
