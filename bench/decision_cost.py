@@ -565,6 +565,20 @@ async def child(
     if kind == "count":  # untimed, for callgrind
         await time_placements("qoe", MemoryState(), iterations, timed=False)
         return {}
+    if kind == "count-syncs":  # the backend alone, for callgrind: reserve, refresh, release
+        assert url is not None
+        await reset_stats(url)
+        backend = RedisState(url, prefix=prefix, lease_s=60, timeout_s=1.0)
+        await backend.start()
+        try:
+            for _ in range(iterations + iterations // 10):
+                reservation = backend.reserve(str(pool()[0]), PROMPT_TOKENS)
+                await backend.refresh()
+                backend.release(reservation)
+                await asyncio.sleep(0.002)  # the worker's sync of both
+        finally:
+            await backend.close()
+        return {"script_calls": await script_calls(url)}
     if kind == "count-redis":  # untimed, for callgrind: a budget no slowed-down sync misses
         assert url is not None
         await reset_stats(url)
@@ -664,7 +678,9 @@ def instructions(repo: Path, short: int, long: int) -> float:
     return (counts[1] - counts[0]) / ((long - short) * 1.1)  # the warm-up tenth runs too
 
 
-def redis_instructions(baseline: Path | None, short: int, long: int) -> list[str]:
+def redis_instructions(
+    baseline: Path | None, short: int, long: int, kind: str = "count-redis"
+) -> list[str]:
     """Ir per Redis placement (qoe, the prefix share off, 2 ms between placements as in the
     timed runs: the background syncs of each reservation and release included), of this
     checkout and ``baseline``, with hiredis and (a checkout without the syncs' own connection)
@@ -672,7 +688,8 @@ def redis_instructions(baseline: Path | None, short: int, long: int) -> list[str
     repos = {"this": BENCH.parent.parent}
     if baseline is not None:
         repos["baseline"] = baseline
-    lines = [f"instructions per Redis placement (qoe, share off; {short} and {long} placements)"]
+    what = "placement (qoe, share off)" if kind == "count-redis" else "reserve, refresh, release"
+    lines = [f"instructions per Redis {what}; {short} and {long} of them"]
 
     async def run(url: str) -> dict[str, Any]:
         for name, repo in repos.items():
@@ -688,14 +705,16 @@ def redis_instructions(baseline: Path | None, short: int, long: int) -> list[str
                             "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}",
                         )  # fmt: skip
                         figures = await asyncio.to_thread(
-                            run_child, repo, "count-redis", n, url, f"ir-{name}-{parser}-{n}", wrap
+                            run_child, repo, kind, n, url, f"ir-{name}-{parser}-{n}-{kind}", wrap
                         )
                         calls.append(figures["script_calls"])
                         counts.append(await asyncio.to_thread(callgrind_total, f"{out}/cg.{n}"))
                 placements = (long - short) * 1.1
+                syncs = calls[1] - calls[0]
                 lines.append(
                     f"  {name:<8} {parser:<8} {(counts[1] - counts[0]) / placements:>12,.0f} Ir"
-                    f"  script calls per placement {(calls[1] - calls[0]) / placements:.2f}"
+                    f"  script calls per placement {syncs / placements:.2f}"
+                    f"  Ir per script call {(counts[1] - counts[0]) / max(syncs, 1):>10,.0f}"
                     f"  ({load()})"
                 )
         return {}
@@ -745,7 +764,14 @@ def main(argv: list[str] | None = None) -> int:
         help="one PING / EVALSHA's cost in this process, hiredis against redis-py's parser",
     )
     parser.add_argument(
-        "--child", choices=("memory", "redis", "count", "count-redis"), help=argparse.SUPPRESS
+        "--syncs-only",
+        action="store_true",
+        help="with --redis-instructions: the backend alone (reserve, refresh, release)",
+    )
+    parser.add_argument(
+        "--child",
+        choices=("memory", "redis", "count", "count-redis", "count-syncs"),
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--redis-prefix", default="bench", help=argparse.SUPPRESS)
@@ -766,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.redis_instructions:
         baseline = args.baseline.resolve() if args.baseline is not None else None
-        print("\n".join(redis_instructions(baseline, 100, 400)))
+        kind = "count-syncs" if args.syncs_only else "count-redis"
+        print("\n".join(redis_instructions(baseline, 100, 400, kind)))
         return 0
 
     async def go() -> int:
