@@ -97,8 +97,28 @@ class Pipeline:
         key, record = self._tracker.start(request_id, request.path, engine_request_id(request_id))
         headers, method, path = request.headers, request.method, request.path
         trace = self._tracing.request(headers, method, path, request_id, route=path)
+        options = self._options
+        deadline = (
+            asyncio.get_running_loop().time() + options.request_timeout_s
+            if options.request_timeout_s
+            else None
+        )
+        # The exchange and the relay in this frame, not in one of their own: a frame more is
+        # held for a stream's whole life (memory per open stream, bench/stream_memory.py).
         try:
-            return await self._serve(request, record, request_id, trace)
+            with self._bodies.budget.hold() as held:
+                placement, progress, answer = await self._exchange(
+                    request, record, request_id, trace, deadline, held
+                )
+            # Returned to the budget: no leg is built from the body again, and nothing still
+            # refers to it (``_exchange``'s frame is gone), so a long stream does not keep it
+            # alive.
+            try:
+                return await self._relay(
+                    request, record, answer, request_id, deadline, progress, trace
+                )
+            finally:
+                placement.rank.end()  # the decode rank's slot, held from the placement on
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
@@ -120,27 +140,6 @@ class Pipeline:
             if self._options.log_requests:
                 _log_summary(record)
             trace.end(record)
-
-    async def _serve(
-        self,
-        request: web.Request,
-        record: RequestRecord,
-        request_id: str,
-        trace: RequestTrace,
-    ) -> web.StreamResponse:
-        options = self._options
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + options.request_timeout_s if options.request_timeout_s else None
-        with self._bodies.budget.hold() as held:
-            placement, progress, answer = await self._exchange(
-                request, record, request_id, trace, deadline, held
-            )
-        # Returned to the budget: no leg is built from the body again, and nothing still refers
-        # to it (``_exchange``'s frame is gone), so a long stream does not keep it alive.
-        try:
-            return await self._relay(request, record, answer, request_id, deadline, progress, trace)
-        finally:
-            placement.rank.end()  # the decode rank's slot, held from the placement on
 
     async def _exchange(
         self,

@@ -87,12 +87,16 @@ class EngineAnswer:
     Body errors surface as ``EngineStreamBroken`` (or ``EngineTimeout`` for a one-shot read).
     """
 
-    __slots__ = ("_response", "engine")
+    __slots__ = ("_idle", "_response", "engine")
 
-    def __init__(self, response: aiohttp.ClientResponse, engine: str) -> None:
+    def __init__(
+        self, response: aiohttp.ClientResponse, engine: str, idle: IdleWatches | None = None
+    ) -> None:
+        """``idle``: the idle watches ``chunks`` joins (its client's; None: one of its own)."""
         self._response = response
         self.engine = engine
         """``host:port`` of the engine, for messages."""
+        self._idle = idle
 
     @property
     def status(self) -> int:
@@ -182,20 +186,21 @@ class EngineAnswer:
             except _TRANSPORT_ERRORS as exc:
                 raise self._broken(exc) from exc
             return
-        loop = asyncio.get_running_loop()
-        watch = _IdleWatch(loop, idle_timeout_s, self._response.close)
+        if self._idle is None:
+            self._idle = IdleWatches()
+        watch = self._idle.watch(idle_timeout_s, self._response.close)
         try:
             while True:
-                watch.since = loop.time()
+                watch.reading()
                 chunk = await content.readany()
-                watch.since = None
+                watch.read()
                 if not chunk:
                     return
                 yield chunk
         except _TRANSPORT_ERRORS as exc:
             raise self._broken(TimeoutError() if watch.fired else exc) from exc
         finally:
-            watch.stop()
+            watch.read()
 
     def close(self) -> None:
         """Drop the connection (an answer not read to its end cannot be reused)."""
@@ -209,38 +214,84 @@ class EngineAnswer:
         return EngineStreamBroken(f"{self.engine} broke the stream: {_describe(exc)}")
 
 
-class _IdleWatch:
-    """Closes a response once a read of it has waited ``seconds`` for data.
+class IdleWatches:
+    """Reads of engine answers waiting for data, each closing its answer once it has waited its
+    timeout, under one timer per timeout (``IdleQueue``) rather than one per stream: an open
+    stream costs an entry in a dict while a read of it waits, and nothing between reads
+    (memory per open stream, bench/stream_memory.py). One per ``HttpClient``; a stream's
+    timeout is the one setting, so there is one queue, bounded by the settings' values."""
 
-    One timer per idle period rather than one per chunk: the reader only stamps ``since`` around
-    each read, and the timer re-arms itself at the current read's deadline. Only time spent
-    waiting for the engine counts, not time the caller spends writing what it read.
-    """
+    __slots__ = ("_queues",)
 
-    __slots__ = ("_close", "_handle", "_loop", "_seconds", "fired", "since")
+    def __init__(self) -> None:
+        self._queues: dict[float, IdleQueue] = {}
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, seconds: float, close: Callable[[], None]
-    ) -> None:
-        self._loop = loop
+    def watch(self, seconds: float, close: Callable[[], None]) -> IdleWatch:
+        queue = self._queues.get(seconds)
+        if queue is None:
+            queue = self._queues[seconds] = IdleQueue(seconds)
+        return IdleWatch(queue, close)
+
+
+class IdleQueue:
+    """The waiting reads of one timeout, in the order they began to wait — which, with one
+    timeout, is the order they are due in: the timer is set for the first one only, and moved
+    on when it fires (as ``sidecar.server.listener.Deadlines`` does for request heads)."""
+
+    __slots__ = ("_due", "_seconds", "_timer")
+
+    def __init__(self, seconds: float) -> None:
         self._seconds = seconds
+        self._due: dict[IdleWatch, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, watch: IdleWatch) -> None:
+        """From now; ``watch`` must not be waiting already."""
+        loop = asyncio.get_running_loop()
+        due = self._due[watch] = loop.time() + self._seconds
+        if self._timer is None:
+            self._timer = loop.call_at(due, self._expire)
+
+    def stop(self, watch: IdleWatch) -> None:
+        self._due.pop(watch, None)  # the timer stays: it finds nothing due and moves on
+
+    def _expire(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = self._due
+        while due:
+            watch = next(iter(due))
+            when = due[watch]
+            if when > now:
+                self._timer = loop.call_at(when, self._expire)
+                return
+            del due[watch]
+            watch.expire()
+
+
+class IdleWatch:
+    """One answer's reads: ``reading()`` before each, ``read()`` after it (and at the end).
+    A read that waits the queue's timeout closes the answer (the pending read fails) and sets
+    ``fired``. Only time spent waiting for the engine counts, not time the caller spends
+    writing what it read."""
+
+    __slots__ = ("_close", "_queue", "fired")
+
+    def __init__(self, queue: IdleQueue, close: Callable[[], None]) -> None:
+        self._queue = queue
         self._close = close
-        self.since: float | None = None
-        """Loop time the pending read started; None between reads."""
         self.fired = False
-        self._handle = loop.call_at(loop.time() + seconds, self._check)
 
-    def _check(self) -> None:
-        now = self._loop.time()
-        if self.since is not None and now - self.since >= self._seconds:
-            self.fired = True
-            self._close()  # the pending read fails
-            return
-        start = now if self.since is None else self.since
-        self._handle = self._loop.call_at(start + self._seconds, self._check)
+    def reading(self) -> None:
+        self._queue.start(self)
 
-    def stop(self) -> None:
-        self._handle.cancel()
+    def read(self) -> None:
+        self._queue.stop(self)
+
+    def expire(self) -> None:
+        self.fired = True
+        self._close()
 
 
 class HttpClient:
@@ -254,6 +305,7 @@ class HttpClient:
 
     __slots__ = (
         "_headers",
+        "_idle",
         "_keepalive_s",
         "_limit",
         "_limit_per_host",
@@ -281,6 +333,7 @@ class HttpClient:
         self._limit_per_host = limit_per_host
         self._tls = tls
         self._headers = headers
+        self._idle = IdleWatches()
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: BoundedCache[float | None, aiohttp.ClientTimeout] = BoundedCache(
             _TIMEOUTS_KEPT
@@ -358,7 +411,7 @@ class HttpClient:
             ) from exc
         except _TRANSPORT_ERRORS as exc:
             raise _translate(exc, f"{role} at {name} is unreachable") from exc
-        return EngineAnswer(response, name)
+        return EngineAnswer(response, name, self._idle)
 
     def _timeout(self, total_s: float | None) -> aiohttp.ClientTimeout:
         # The settings give a few values; a deadline-bounded prefill gives a new one per
