@@ -103,8 +103,9 @@ class Pipeline:
             if options.request_timeout_s
             else None
         )
-        # The exchange and the relay in this frame, not in one of their own: a frame more is
-        # held for a stream's whole life (memory per open stream, bench/stream_memory.py).
+        # The exchange's outcome is relayed from this frame, not from one of its own: a frame
+        # more is held for a stream's whole life (memory per open stream,
+        # bench/stream_memory.py).
         try:
             with self._bodies.budget.hold() as held:
                 placement, progress, answer = await self._exchange(
@@ -114,9 +115,23 @@ class Pipeline:
             # refers to it (``_exchange``'s frame is gone), so a long stream does not keep it
             # alive.
             try:
-                return await self._relay(
-                    request, record, answer, request_id, deadline, progress, trace
-                )
+                if isinstance(answer, Refused):
+                    return _refusal(record, answer, request_id)
+                relaying = trace.phase("relay")
+                try:
+                    relayed = await relay(
+                        request,
+                        answer,
+                        request_id=request_id,
+                        idle_timeout_s=options.stream_idle_timeout_s,
+                        deadline=deadline,
+                        status_sent=progress.status_sent,
+                    )
+                finally:
+                    answer.upstream.close()
+                trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
+                _record_relayed(record, relayed, request_id)
+                return relayed.response
             finally:
                 placement.rank.end()  # the decode rank's slot, held from the placement on
         except SidecarError as exc:  # raised before any byte of an answer went out
@@ -189,48 +204,6 @@ class Pipeline:
                 progress.exchange_ended()
         return placement, progress, answer
 
-    async def _relay(
-        self,
-        request: web.Request,
-        record: RequestRecord,
-        answer: Answer | Refused,
-        request_id: str,
-        deadline: float | None,
-        progress: _Progress,
-        trace: RequestTrace,
-    ) -> web.StreamResponse:
-        if isinstance(answer, Refused):
-            record.state, record.status, record.error = State.FAILED, answer.status, answer.error
-            return web.Response(
-                status=answer.status,
-                body=answer.body,
-                headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
-            )
-        relaying = trace.phase("relay")
-        try:
-            relayed = await relay(
-                request,
-                answer,
-                request_id=request_id,
-                idle_timeout_s=self._options.stream_idle_timeout_s,
-                deadline=deadline,
-                status_sent=progress.status_sent,
-            )
-        finally:
-            answer.upstream.close()
-        trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
-        _record_relayed(record, relayed)
-        if relayed.error is not None and not relayed.client_gone:
-            # The client was told a stable sentence (sidecar.errors): the why is here, and in
-            # the record.
-            logger.warning(
-                "request %s: the answer was cut after it started: %s",
-                request_id,
-                relayed.error.message,
-                extra={"request_id": request_id},
-            )
-        return relayed.response
-
 
 class _Progress:
     """The connector's milestones, written into the record (and the scheduler's local view)."""
@@ -291,7 +264,25 @@ class _Progress:
             self._scheduler.local_first_byte(self._placement, seconds)
 
 
-def _record_relayed(record: RequestRecord, relayed: Relayed) -> None:
+def _refusal(record: RequestRecord, refused: Refused, request_id: str) -> web.Response:
+    record.state, record.status, record.error = State.FAILED, refused.status, refused.error
+    return web.Response(
+        status=refused.status,
+        body=refused.body,
+        headers={"content-type": refused.content_type, REQUEST_ID_HEADER: request_id},
+    )
+
+
+def _record_relayed(record: RequestRecord, relayed: Relayed, request_id: str) -> None:
+    if relayed.error is not None and not relayed.client_gone:
+        # The client was told a stable sentence (sidecar.errors): the why is here, and in the
+        # record.
+        logger.warning(
+            "request %s: the answer was cut after it started: %s",
+            request_id,
+            relayed.error.message,
+            extra={"request_id": request_id},
+        )
     record.status = relayed.status
     if relayed.client_gone:
         record.state = State.CANCELLED
