@@ -78,7 +78,7 @@ async def relay(
     if patch is None and not is_sse and upstream.complete:
         # The whole answer came with its first chunk (a non-streamed completion, typically):
         # one response written at once, with no timers, no per-chunk loop.
-        response = web.Response(status=upstream.status, headers=headers, body=answer.first)
+        response = web.Response(status=upstream.status, headers=headers, body=answer.take_first())
         return Relayed(response, upstream.status)
 
     # What a stream keeps for its whole life is memory per open stream (bench/stream_memory.py):
@@ -98,11 +98,11 @@ async def relay(
         try:
             async with contextlib.aclosing(upstream.chunks(idle_timeout_s)) as source:
                 if rewriter is None:
-                    await out.write(answer.first)
+                    await out.write(answer.take_first())
                     async for chunk in source:
                         await out.write(chunk)
                 else:
-                    await out.write(rewriter.feed(answer.first))
+                    await out.write(rewriter.feed(answer.take_first()))
                     async for chunk in source:
                         await out.write(rewriter.feed(chunk))
                     await out.write(rewriter.rest())
@@ -158,7 +158,7 @@ async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: flo
 
 
 async def _joined(answer: Answer, idle_timeout_s: float | None) -> bytes:
-    parts = [answer.first]
+    parts = [answer.take_first()]
     async with contextlib.aclosing(answer.upstream.chunks(idle_timeout_s)) as source:
         async for chunk in source:
             parts.append(chunk)
