@@ -82,8 +82,8 @@ async def relay(
         return Relayed(response, upstream.status)
 
     # What a stream keeps for its whole life is memory per open stream (bench/stream_memory.py):
-    # the response copies the headers (the local copy goes), and the deadline's timer and its
-    # closure exist only when there is a deadline.
+    # the response copies the headers (the local copy goes), and the deadline's timer exists
+    # only when there is a deadline.
     out = web.StreamResponse(status=upstream.status, headers=headers)
     del headers
     expiry = _Expiry(upstream.close, deadline) if deadline else None
