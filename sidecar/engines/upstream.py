@@ -188,19 +188,20 @@ class EngineAnswer:
             return
         if self._idle is None:
             self._idle = IdleWatches()
+        loop = asyncio.get_running_loop()
         watch = self._idle.watch(idle_timeout_s, self._response.close)
         try:
             while True:
-                watch.reading()
+                watch.since = loop.time()
                 chunk = await content.readany()
-                watch.read()
+                watch.since = None
                 if not chunk:
                     return
                 yield chunk
         except _TRANSPORT_ERRORS as exc:
             raise self._broken(TimeoutError() if watch.fired else exc) from exc
         finally:
-            watch.read()
+            watch.stop()
 
     def close(self) -> None:
         """Drop the connection (an answer not read to its end cannot be reused)."""
@@ -215,11 +216,10 @@ class EngineAnswer:
 
 
 class IdleWatches:
-    """Reads of engine answers waiting for data, each closing its answer once it has waited its
-    timeout, under one timer per timeout (``IdleQueue``) rather than one per stream: an open
-    stream costs an entry in a dict while a read of it waits, and nothing between reads
-    (memory per open stream, bench/stream_memory.py). One per ``HttpClient``; a stream's
-    timeout is the one setting, so there is one queue, bounded by the settings' values."""
+    """Engine answers being read, each closed once a read of it has waited its timeout for
+    data, under one timer per timeout (``IdleQueue``) rather than one per stream (memory per
+    open stream, bench/stream_memory.py). One per ``HttpClient``; a stream's timeout is the one
+    setting, so there is one queue, bounded by the settings' values."""
 
     __slots__ = ("_queues",)
 
@@ -227,67 +227,76 @@ class IdleWatches:
         self._queues: dict[float, IdleQueue] = {}
 
     def watch(self, seconds: float, close: Callable[[], None]) -> IdleWatch:
+        """A watch for one answer's reads, until its ``stop()``."""
         queue = self._queues.get(seconds)
         if queue is None:
-            queue = self._queues[seconds] = IdleQueue(seconds)
-        return IdleWatch(queue, close)
+            queue = self._queues[seconds] = IdleQueue(seconds, asyncio.get_running_loop())
+        watch = IdleWatch(queue, close)
+        queue.add(watch)
+        return watch
 
 
 class IdleQueue:
-    """The waiting reads of one timeout, in the order they began to wait — which, with one
-    timeout, is the order they are due in: the timer is set for the first one only, and moved
-    on when it fires (as ``sidecar.server.listener.Deadlines`` does for request heads)."""
+    """The watches of one timeout, under one timer set for the earliest moment a pending read
+    can have waited the timeout; when it fires it closes the reads that have, and is set again
+    for the next earliest. A reader only stamps ``since`` around each read (as cheap per chunk
+    as a timer of its own was): a read that starts later is due later than the timer, never
+    earlier, so the timer is exact. A sweep visits every watch, and happens about once per
+    timeout while the streams flow."""
 
-    __slots__ = ("_due", "_seconds", "_timer")
+    __slots__ = ("_loop", "_seconds", "_timer", "_watches")
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
         self._seconds = seconds
-        self._due: dict[IdleWatch, float] = {}
+        self._loop = loop
+        self._watches: set[IdleWatch] = set()
         self._timer: asyncio.TimerHandle | None = None
 
-    def start(self, watch: IdleWatch) -> None:
-        """From now; ``watch`` must not be waiting already."""
-        loop = asyncio.get_running_loop()
-        due = self._due[watch] = loop.time() + self._seconds
+    def add(self, watch: IdleWatch) -> None:
+        self._watches.add(watch)
         if self._timer is None:
-            self._timer = loop.call_at(due, self._expire)
+            self._timer = self._loop.call_at(self._loop.time() + self._seconds, self._sweep)
 
-    def stop(self, watch: IdleWatch) -> None:
-        self._due.pop(watch, None)  # the timer stays: it finds nothing due and moves on
+    def remove(self, watch: IdleWatch) -> None:
+        self._watches.discard(watch)  # the timer stays: it finds nothing due and stops
 
-    def _expire(self) -> None:
+    def _sweep(self) -> None:
         self._timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        due = self._due
-        while due:
-            watch = next(iter(due))
-            when = due[watch]
-            if when > now:
-                self._timer = loop.call_at(when, self._expire)
-                return
-            del due[watch]
+        seconds = self._seconds
+        now = self._loop.time()
+        earliest = now + seconds  # a read starting from now on is due no earlier
+        late = []
+        for watch in self._watches:
+            since = watch.since
+            if since is None:
+                continue
+            if now - since >= seconds:
+                late.append(watch)
+            elif since + seconds < earliest:
+                earliest = since + seconds
+        for watch in late:
+            self._watches.discard(watch)
             watch.expire()
+        if self._watches:
+            self._timer = self._loop.call_at(earliest, self._sweep)
 
 
 class IdleWatch:
-    """One answer's reads: ``reading()`` before each, ``read()`` after it (and at the end).
-    A read that waits the queue's timeout closes the answer (the pending read fails) and sets
-    ``fired``. Only time spent waiting for the engine counts, not time the caller spends
-    writing what it read."""
+    """One answer's reads: its reader sets ``since`` (loop time) when a read starts and None
+    when it ends. A read that waits the queue's timeout closes the answer (the pending read
+    fails) and sets ``fired``. Only time spent waiting for the engine counts, not time the
+    caller spends writing what it read."""
 
-    __slots__ = ("_close", "_queue", "fired")
+    __slots__ = ("_close", "_queue", "fired", "since")
 
     def __init__(self, queue: IdleQueue, close: Callable[[], None]) -> None:
         self._queue = queue
         self._close = close
         self.fired = False
+        self.since: float | None = None
 
-    def reading(self) -> None:
-        self._queue.start(self)
-
-    def read(self) -> None:
-        self._queue.stop(self)
+    def stop(self) -> None:
+        self._queue.remove(self)
 
     def expire(self) -> None:
         self.fired = True
