@@ -439,12 +439,14 @@ async def test_a_prompt_of_whole_blocks_stored_twice_is_held_until_both_copies_g
     blocks = full_blocks(ids)
 
     await send(http, following, request)
-    batches = len(follower.batches)
+    batches, copies = len(follower.batches), index.stats().copies
     again = await send(http, following, request)
     # The last token is always computed: one block less than the whole prompt.
     assert again.cached_tokens == index.lookup(ids).gpu == (blocks - 1) * BLOCK
     restored = [e for e in follower.events_since(batches) if isinstance(e, BlockStored)]
     assert [len(e.block_hashes) for e in restored] == [1], restored
+    assert restored[0].parent_block_hash is not None
+    assert index.stats().copies == copies + 1
     last = restored[0].block_hashes[0]
 
     # Prompts of one full block and a part: each takes two blocks from the head of vLLM's free
