@@ -16,10 +16,15 @@ bench key), as is the local decode prefix index. Each iteration times
 prefix indexes hash and insert every block every time: 125 local blocks of 16 tokens, 31 prefill
 blocks of 64); up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new
 one, so policies see non-trivial reservations. Reported: the median and p99 in microseconds, and
-the parts of a placement timed on their own: hashing (the local index's and the prefill index's),
-the local index (look-up on the rank, insert), the per-endpoint look-ups (8 prefill indexes),
-the policy (the decider on 8 ready-made candidates) and the reservation (the backend's reserve,
-the chosen endpoint's index updated, the prefix published).
+the parts of a placement timed on their own. A decision hashes a prompt only as far as its
+look-ups read it (the first miss, for a distinct prompt); what the placement teaches the indexes
+is recorded after ``place()`` returns (``Scheduler._record``, in the loop's next turn): timed
+apart, right after each placement, as "recorded after". The parts: the local index (the prompt's
+hashes to the first miss, the rank's look-up), the candidates with their per-endpoint look-ups
+(8 prefill indexes), the policy (the decider on 8 ready-made candidates), the reservation (the
+backend's reserve, the prediction kept), and, recorded after, the local index's insert (every
+block hashed) and the prefill index's (every block hashed, the chosen endpoint's index updated,
+the prefix published).
 
 With Redis: the round trip of one ``PING`` and of an ``EVALSHA`` of an empty script through the
 same client library, measured apart, so that the placement reads as one round trip plus the
@@ -29,7 +34,9 @@ its blocks) and off, to show that publishing stays off the decision's path.
 ``--baseline DIR``: the placements (memory and Redis, qoe) of the checkout DIR's ``sidecar``
 too, each variant in a process of its own, alternated ``--rounds`` times against one
 redis-server. ``--instructions``: instructions (callgrind's ``Ir``) per memory placement, of
-this checkout and of the baseline, which the machine's load does not move.
+this checkout and of the baseline, which the machine's load does not move; for a checkout that
+records after the decision, the decision's own too (the same run with the recording left out,
+which for distinct prompts changes no look-up: they miss at the first block either way).
 """
 
 from __future__ import annotations
@@ -133,17 +140,25 @@ async def time_placements(
     pause_s: float = 0.0,
     key: str | None = HASH_KEY,
     timed: bool = True,
+    recorded: bool = True,
 ) -> tuple[dict[str, float], Counter[str], dict[str, Any]]:
     """Placements timed one by one on a scheduler over ``backend``; ``pause_s`` between them
-    (untimed) lets a Redis backend's background sync of the last release finish first. Returns
-    the figures, the decisions' reasons and the backend's status at the end."""
+    (untimed) lets a Redis backend's background sync of the last release finish first. Each
+    placement's recording (this checkout's ``Scheduler._record``) is applied right after it,
+    timed apart (``recorded=False``: left out, to count the decision alone). Returns the
+    figures, the decisions' reasons and the backend's status at the end."""
     scheduler = scheduler_on(backend, policy, key=key)
     # No engine monitor: its scrapes would eject the 8 endpoints nobody listens on.
     await scheduler.start()
+    # What the placement records after its decision (a checkout that records in place(): None).
+    record: Callable[[], None] | None = getattr(scheduler, "_record", None)
+    if record is not None and not recorded:
+        scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     reasons: Counter[str] = Counter()
     held: deque[Placement] = deque()
     samples: list[int] = []
     cpu_samples: list[int] = []
+    record_cpu: list[int] = []
     clock, cpu = time.perf_counter_ns, time.thread_time_ns
     try:
         for index in range(iterations + iterations // 10):  # the first tenth warms up
@@ -151,6 +166,11 @@ async def time_placements(
             start, cpu_start = clock(), cpu()
             placement = await scheduler.place(request, None)
             elapsed, cpu_elapsed = clock() - start, cpu() - cpu_start
+            if record is not None:  # as the loop's next turn would: not in the decision's time
+                cpu_start = cpu()
+                record()
+                if index >= iterations // 10:
+                    record_cpu.append(cpu() - cpu_start)
             if index >= iterations // 10:
                 samples.append(elapsed)
                 cpu_samples.append(cpu_elapsed)
@@ -166,42 +186,94 @@ async def time_placements(
     figures = summary(samples) if timed else {}
     if timed:  # the thread's CPU time: what other processes on the machine inflate least
         figures["cpu_median_us"] = summary(cpu_samples)["median_us"]
+        if record_cpu:
+            figures["recorded_after_cpu_median_us"] = summary(record_cpu)["median_us"]
     return figures, reasons, status
+
+
+HISTORY = "".join(
+    f"turn {n:04d}: something said in the conversation. ".ljust(100) for n in range(80)
+)
+"""A conversation's 2,000-token history (8,000 characters), for ``time_continuations``."""
+
+
+async def time_continuations(iterations: int, block_tokens: int) -> dict[str, float]:
+    """A continuation's decision: ``HISTORY`` placed once, then each placement that history and
+    a distinct 50-token turn (the local rank and the endpoint it went to hold the history, so
+    both indexes hash its blocks to find the match); local blocks of ``block_tokens``. The
+    thread's CPU median of the decision and of its recording after."""
+    settings = Settings(
+        decode_url="http://127.0.0.1:1",
+        prefill_endpoints=pool(),
+        scheduler_seed=0,
+        prefix_hash_key=HASH_KEY,
+        prefix_block_tokens=block_tokens,
+    )
+    scheduler = Scheduler(
+        SchedulerOptions.from_settings(settings),
+        discovery=Discovery(settings.prefill_endpoints, None),
+        backend=MemoryState(),
+        metrics=Metrics(),
+    )
+    await scheduler.start()
+    record: Callable[[], None] = getattr(scheduler, "_record", lambda: None)
+    cpu = time.thread_time_ns
+    decisions: list[int] = []
+    after: list[int] = []
+    try:
+        finish(scheduler, await scheduler.place({"model": "m", "prompt": HISTORY}, None))
+        for i in range(iterations + iterations // 10):
+            turn = {"model": "m", "prompt": HISTORY + f"{i:>8} " + "q" * 192, "max_tokens": 1}
+            start = cpu()
+            placement = await scheduler.place(turn, None)
+            middle = cpu()
+            record()
+            end = cpu()
+            finish(scheduler, placement)
+            if i >= iterations // 10:
+                decisions.append(middle - start)
+                after.append(end - middle)
+    finally:
+        await scheduler.close()
+    return {
+        "cpu_median_us": summary(decisions)["median_us"],
+        "recorded_after_cpu_median_us": summary(after)["median_us"],
+    }
 
 
 def time_parts(iterations: int) -> dict[str, dict[str, float]]:
     """The pieces of one placement, each timed on its own, on a scheduler's own objects (the
-    ``Scheduler``'s private parts: this bench reads them as ``_place`` uses them)."""
+    ``Scheduler``'s private parts: this bench reads them as ``_place`` and ``_record`` use
+    them)."""
     scheduler = scheduler_on(MemoryState(), "qoe")
     planner, ranks, hasher = scheduler._planner, scheduler.ranks, scheduler._hasher
     assert hasher is not None
     for endpoint in pool():
         planner.join(endpoint, scheduler._new_health())
+    # What _reserve would record after the decision is applied (and timed) below instead.
+    scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     names = [
-        "hashing: local index (125 blocks)",
-        "hashing: prefill index (31 blocks)",
-        "local index: look-up and insert",
-        "per-endpoint look-ups (8)",
+        "local index, to the first miss",
+        "candidates, their look-ups (8)",
         "policy (qoe, 8 candidates)",
         "reservation",
+        "after: local index (125 blocks)",
+        "after: prefill index (31 blocks)",
     ]
     parts: dict[str, list[int]] = {name: [] for name in names}
     clock = time.perf_counter_ns
-    local = ranks[0].prefix
     held: deque[Any] = deque()
     for i in range(iterations + iterations // 10):
         text = body(10**9 + i)["prompt"]
         t0 = clock()
-        local_hashes = local.hashes(text)
+        local = ranks.blocks(text)
+        claim, cached = ranks.choose(local, PROMPT_TOKENS, text)
         t1 = clock()
         data = text.encode()
-        hashes = hasher.hashes(data)
-        t2 = clock()
-        claim, cached = ranks.claim_blocks(local_hashes, PROMPT_TOKENS)
-        t3 = clock()
+        hashes = hasher.blocks(data)
         view, now, wall = scheduler._now()
         candidates = planner.candidates(view, now, wall, hashes)
-        t4 = clock()
+        t2 = clock()
         decision = planner.decider.decide(
             candidates,
             LocalView(
@@ -210,11 +282,15 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
             prompt_tokens=PROMPT_TOKENS,
             cached_tokens=cached,
         )
-        t5 = clock()
+        t3 = clock()
         chosen = decision.endpoint or candidates[0].key
         placement = scheduler._reserve(
             decision, planner.pool[chosen].endpoint, claim, hashes, len(data)
         )
+        t4 = clock()
+        scheduler._record_rank(claim.rank, local)
+        t5 = clock()
+        scheduler._record_prefill(chosen, hashes)
         t6 = clock()
         held.append(placement)
         if len(held) > IN_FLIGHT:
@@ -362,6 +438,9 @@ async def measure(
     for policy in policies:
         figures, reasons, _ = await time_placements(policy, MemoryState(), iterations)
         result["memory"][policy] = {**figures, "reasons": dict(reasons)}
+    result["continuations"] = {
+        block: await time_continuations(iterations, block) for block in (16, 64)
+    }
 
     if redis_policy not in result["memory"]:
         figures, _, _ = await time_placements(redis_policy, MemoryState(), iterations)
@@ -407,8 +486,17 @@ def report(result: dict[str, Any]) -> list[str]:
 
     for policy, figures in result["memory"].items():
         row("place(), memory, " + policy, figures)
+        after = figures.get("recorded_after_cpu_median_us")
+        if after is not None:
+            lines.append(f"  {'  recorded after it (CPU median)':<44} {after:>10.1f}")
     for part, figures in result["parts"].items():
         row("  part: " + part, figures)
+    for block, figures in result["continuations"].items():
+        lines.append(
+            f"  place(), a continuation of {len(HISTORY) // 4} tokens, local blocks of {block}:"
+            f" CPU median {figures['cpu_median_us']:.1f} µs, recorded after"
+            f" {figures['recorded_after_cpu_median_us']:.1f} µs"
+        )
     redis = result["redis"]
     if isinstance(redis, str):
         lines.append(f"  place(), redis: {redis}")
@@ -438,8 +526,9 @@ async def child(
     if kind == "memory":
         figures, reasons, _ = await time_placements("qoe", MemoryState(), iterations)
         return {**figures, "reasons": dict(reasons)}
-    if kind == "count":  # untimed, for callgrind
-        await time_placements("qoe", MemoryState(), iterations, timed=False)
+    if kind in ("count", "count-decision"):  # untimed, for callgrind
+        recorded = kind == "count"
+        await time_placements("qoe", MemoryState(), iterations, timed=False, recorded=recorded)
         return {}
     assert url is not None
     return await redis_placements(url, iterations, "qoe", prefix=prefix, key=None, others=others)
@@ -485,10 +574,12 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
         for r in range(rounds):
             for name, repo in variants.items():
                 figures = await asyncio.to_thread(run_child, repo, "memory", iterations)
+                after = figures.get("recorded_after_cpu_median_us")
                 lines.append(
                     f"  round {r + 1} {name:<8} memory            {figures['median_us']:>8.1f}"
                     f" / {figures['p99_us']:>8.1f}  CPU {figures['cpu_median_us']:>6.1f}"
-                    f"  ({load()})"
+                    + (f"  recorded after: CPU {after:>6.1f}" if after is not None else "")
+                    + f"  ({load()})"
                 )
                 for count in others:
                     figures = await asyncio.to_thread(
@@ -512,17 +603,23 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
     return lines
 
 
-def instructions(repo: Path, short: int, long: int) -> float:
+def instructions(repo: Path, short: int, long: int, kind: str = "count") -> float:
     """Ir per memory placement of ``repo``'s sidecar: two runs under callgrind, ``short`` and
-    ``long`` placements, the difference divided by ``long - short`` (start-up cancels out)."""
+    ``long`` placements, the difference divided by ``long - short`` (start-up cancels out).
+    ``kind``: ``count-decision`` leaves each placement's recording out (the decision alone)."""
     counts = []
     with tempfile.TemporaryDirectory() as out:
         for n in (short, long):
             wrap = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}")
-            run_child(repo, "count", n, wrap=wrap)
+            run_child(repo, kind, n, wrap=wrap)
             text = Path(glob.glob(f"{out}/cg.{n}")[0]).read_text()
             counts.append(int(text.split("\nsummary: ")[1].split()[0]))
     return (counts[1] - counts[0]) / ((long - short) * 1.1)  # the warm-up tenth runs too
+
+
+def records_after(repo: Path) -> bool:
+    """``repo``'s scheduler records a placement after its decision (``Scheduler._record``)."""
+    return "def _record(" in (repo / "sidecar/scheduling/scheduler.py").read_text()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -537,7 +634,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--instructions", action="store_true", help="callgrind Ir per memory placement"
     )
-    parser.add_argument("--child", choices=("memory", "redis", "count"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child", choices=("memory", "redis", "count", "count-decision"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--redis-prefix", default="bench", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -553,6 +652,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, repo in repos.items():
             ir = instructions(repo, 100, 600)
             print(f"instructions per placement (memory, qoe), {name} ({repo}): {ir:,.0f}")
+            if records_after(repo):
+                ir = instructions(repo, 100, 600, "count-decision")
+                print(f"  of which the decision (the recording left out): {ir:,.0f}")
         return 0
 
     async def go() -> int:

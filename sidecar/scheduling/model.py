@@ -32,10 +32,13 @@ class Transfer:
         return self.fixed_s + self.s_per_token * tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
     """One prefill endpoint as a policy sees it. Only available endpoints are ever candidates
-    (ejected, probing and draining ones are filtered out before a policy runs).
+    (ejected, probing and draining ones are filtered out before a policy runs). Built anew for
+    every endpoint on every decision, and never changed once built; not ``frozen``, as a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``: 4× the instructions
+    (13,400 against 3,100 a candidate, callgrind; docs/benchmarks.md, issue 25).
 
     ``reserved_*`` are reservations of prefills chosen and not yet finished (every sidecar's with a
     shared backend, this sidecar's own otherwise): fresh. ``waiting``/``running`` are the engine's

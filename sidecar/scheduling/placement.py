@@ -39,6 +39,7 @@ PREFILL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.02)
 LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
 STALE_AFTER_SCRAPES = 3
 """A scrape older than this many intervals is ignored (treated as unknown)."""
+HEALTHY = Availability.HEALTHY  # read per endpoint per decision: one global, not an enum look-up
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
 
@@ -172,21 +173,26 @@ class Planner:
         prefixes = self.prefixes if hashes else None
         candidates = []
         for key, state in self.pool.items():
-            if state.draining or not state.health.available(now):
+            health = state.health  # a healthy endpoint stays so without a failure: no refresh
+            if state.draining or (health.state is not HEALTHY and not health.available(now)):
                 continue
             if view.ejected_until.get(key, 0.0) > wall:
                 continue
             load = view.loads.get(key)
+            scraped = state.load  # its gauges, while fresh (``fresh``, read once)
+            if scraped is not None and now - scraped.at > self._stale_after_s:
+                scraped = None
+            # Positional, in the fields' order: a candidate per endpoint per decision.
             candidates.append(
                 Candidate(
-                    key=key,
-                    reserved_tokens=load.tokens if load else 0,
-                    reserved_requests=load.requests if load else 0,
-                    waiting=self.fresh(state.load, "waiting", now),
-                    running=self.fresh(state.load, "running", now),
-                    kv_usage=self.fresh(state.load, "kv_usage", now),
-                    speed=self.speed(state, view.speeds.get(key), now),
-                    cached_tokens=0
+                    key,
+                    load.tokens if load else 0,
+                    load.requests if load else 0,
+                    None if scraped is None else scraped.waiting,
+                    None if scraped is None else scraped.running,
+                    None if scraped is None else scraped.kv_usage,
+                    self.speed(state, view.speeds.get(key), now),
+                    0
                     if prefixes is None
                     else prefixes.predicted_tokens(prefixes.matched_blocks(key, hashes)),
                 )

@@ -39,6 +39,7 @@ from typing import Any
 from sidecar.scheduling.prompts import (
     CHARS_PER_TOKEN,
     INDEX_BYTES_PER_BLOCK,
+    LazyHashes,
     leading_blocks,
     touch_blocks,
 )
@@ -83,18 +84,41 @@ class PrefixHasher:
         self.block_tokens = block_tokens
 
     def hashes(self, text: str | bytes) -> tuple[bytes, ...]:
+        return tuple(self.blocks(text).all())
+
+    def blocks(self, text: str | bytes) -> DigestBlocks:
+        """``hashes`` of ``text``, computed as far as they are read (``LazyHashes``)."""
         data = text.encode() if isinstance(text, str) else text
         size = self.block_bytes
-        end = min(len(data), MAX_PROMPT_BLOCKS * size)
-        running = self._base.copy()
+        return DigestBlocks(
+            self._base, data, size, min(len(data), MAX_PROMPT_BLOCKS * size) // size
+        )
+
+
+class DigestBlocks(LazyHashes[bytes]):
+    """The prefill index's hashes of a prompt's bytes (``PrefixHasher.blocks``): the digests of
+    one running keyed BLAKE2b, taken at the end of each block."""
+
+    __slots__ = ("_data", "_running", "_size")
+
+    def __init__(self, base: Any, data: bytes, size: int, total: int) -> None:
+        super().__init__(total)
+        self._data = data
+        self._size = size
+        self._running = base.copy()
+
+    def _extend(self, count: int) -> None:
+        done, data, size = self._done, self._data, self._size
         # ``digest()`` leaves the running state as it was (hashlib finalizes a copy): the next
         # block goes on from there, so no copy of the state per block.
-        update, digest = running.update, running.digest
-        digests = []
-        for start in range(0, end - size + 1, size):
+        update, digest, append = self._running.update, self._running.digest, done.append
+        for start in range(len(done) * size, count * size, size):
             update(data[start : start + size])
-            digests.append(digest())
-        return tuple(digests)
+            append(digest())
+        if len(done) == self._total:
+            # Complete: the prompt's bytes (a copy, for a text prompt) and the hash state are
+            # not kept as long as the placement that holds these digests.
+            self._data, self._running = b"", None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +126,9 @@ class PrefixGuess:
     """What the index predicted for one prompt on the endpoint it was placed on: kept with the
     placement, to compare with what the endpoint reports."""
 
-    hashes: tuple[bytes, ...]
+    hashes: Sequence[bytes]
+    """The prompt's block hashes (``PrefixHasher.blocks``: complete once the placement is
+    recorded)."""
     prompt_bytes: int
     """The prompt's length in the hasher's bytes (the base of the predicted fraction)."""
     matched_blocks: int

@@ -9,8 +9,8 @@ is recognized as cached, on the rank that holds it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Container, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, overload
 
 import orjson
 
@@ -64,9 +64,106 @@ K = TypeVar("K", bound=Hashable)
 """A block hash: Python's ``int`` in the local index, a keyed digest in the prefill index."""
 
 
+class LazyHashes(Sequence[K]):
+    """A prompt's chained block hashes, each computed once and only when first read.
+
+    A look-up (``leading_blocks``) stops at its first miss, so a decision hashes a prompt no
+    further than its longest indexed prefix (one block for a prompt seen nowhere); the rest is
+    computed when the placement is recorded (``all``), off the decision's latency. Block *i*'s
+    hash chains blocks 0..i, so the blocks are computed in order, from the last one reached:
+    the same values as hashing the whole prompt at once. ``len`` is the number of full blocks.
+    """
+
+    __slots__ = ("_done", "_total")
+
+    def __init__(self, total: int) -> None:
+        self._done: list[K] = []
+        self._total = total
+
+    def _extend(self, count: int) -> None:
+        """Compute the hashes up to block ``count`` (excluded), after those done."""
+        raise NotImplementedError
+
+    def all(self) -> list[K]:
+        """Every block's hash (the list this holds: not to be changed)."""
+        if len(self._done) < self._total:
+            self._extend(self._total)
+        return self._done
+
+    def __len__(self) -> int:
+        return self._total
+
+    @overload
+    def __getitem__(self, index: int) -> K: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[K]: ...
+    def __getitem__(self, index: int | slice) -> K | list[K]:
+        if isinstance(index, slice):
+            return self.all()[index]
+        if index < 0:
+            index += self._total
+        if not 0 <= index < self._total:
+            raise IndexError(index)
+        if index >= len(self._done):
+            self._extend(index + 1)
+        return self._done[index]
+
+    def __iter__(self) -> Iterator[K]:
+        if len(self._done) == self._total:
+            return iter(self._done)
+        return self._reading()
+
+    def leading(self, blocks: Container[K]) -> int:
+        """``leading_blocks`` of an LRU: hashed as far as the first miss (no iterator)."""
+        done, total = self._done, self._total
+        matched = 0
+        for digest in done:
+            if digest not in blocks:
+                return matched
+            matched += 1
+        while matched < total:
+            self._extend(matched + 1)
+            if done[matched] not in blocks:
+                return matched
+            matched += 1
+        return matched
+
+    def _reading(self) -> Iterator[K]:
+        done, total = self._done, self._total
+        i = 0
+        while i < total:
+            if i == len(done):
+                self._extend(i + 1)
+            yield done[i]
+            i += 1
+
+
+class TextBlocks(LazyHashes[int]):
+    """The local index's hashes of a text (``PrefixIndex.blocks``): Python's ``hash`` of each
+    block's slice, chained to the previous block's through a tuple."""
+
+    __slots__ = ("_chained", "_size", "_text")
+
+    def __init__(self, text: str | bytes, size: int, total: int) -> None:
+        super().__init__(total)
+        self._text = text
+        self._size = size
+        self._chained = 0
+
+    def _extend(self, count: int) -> None:
+        done, text, size, chained = self._done, self._text, self._size, self._chained
+        append = done.append
+        for start in range(len(done) * size, count * size, size):
+            chained = hash((chained, text[start : start + size]))
+            append(chained)
+        self._chained = chained
+
+
 def leading_blocks(blocks: Mapping[K, None], hashes: Iterable[K]) -> int:
     """How many of ``hashes``, from the first, an LRU of chained block hashes holds: the blocks
     of the longest indexed prefix (a look-up only)."""
+    if isinstance(hashes, LazyHashes):
+        return hashes.leading(blocks)
     matched = 0
     for digest in hashes:
         if digest not in blocks:
@@ -78,6 +175,8 @@ def leading_blocks(blocks: Mapping[K, None], hashes: Iterable[K]) -> int:
 def touch_blocks(blocks: OrderedDict[K, None], hashes: Iterable[K], capacity: int) -> None:
     """Make ``hashes`` the most recent blocks of an LRU, then drop the oldest beyond
     ``capacity``."""
+    if isinstance(hashes, LazyHashes):  # every block is read: computed in one loop
+        hashes = hashes.all()
     move = blocks.move_to_end
     for digest in hashes:
         if digest in blocks:
@@ -139,15 +238,12 @@ class PrefixIndex:
     def hashes(self, text: str | bytes) -> list[int]:
         """The chained hashes of ``text``'s full blocks (computed once per request, then looked
         up in every rank's index)."""
+        return self.blocks(text).all()
+
+    def blocks(self, text: str | bytes) -> TextBlocks:
+        """``hashes`` of ``text``, computed as far as they are read (``LazyHashes``)."""
         size = self._block_chars
-        end = min(len(text), MAX_HASHED_BLOCKS * size)
-        hashes: list[int] = []
-        append = hashes.append
-        chained = 0
-        for start in range(0, end - size + 1, size):
-            chained = hash((chained, text[start : start + size]))
-            append(chained)
-        return hashes
+        return TextBlocks(text, size, min(len(text), MAX_HASHED_BLOCKS * size) // size)
 
     def cached_tokens(self, hashes: Sequence[Hashable]) -> int:
         """Tokens of the longest indexed prefix of a prompt with these ``hashes``; a look-up

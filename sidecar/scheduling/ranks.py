@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar.engines.scrape import EngineLoad, describe_load
 from sidecar.engines.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
 from sidecar.scheduling.policies import TOKENS_PER_WAITING
-from sidecar.scheduling.prompts import PrefixIndex
+from sidecar.scheduling.prompts import PrefixIndex, TextBlocks
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -271,6 +271,25 @@ class DecodeRanks:
     ) -> tuple[RankClaim, int]:
         """``claim`` for a prompt given by its block hashes (``PrefixIndex.hashes``; the
         simulator gives stand-ins). ``text``, when given, goes with a claim that ``move``s."""
+        claim, cached = self.choose(hashes, prompt_tokens, text, pinned)
+        claim.rank.prefix.insert(hashes)
+        return claim, cached
+
+    def blocks(self, text: str | bytes) -> TextBlocks:
+        """The prompt's block hashes for the ranks' indexes, computed as far as they are read
+        (``PrefixIndex.blocks``)."""
+        return self._hasher.blocks(text)
+
+    def choose(
+        self,
+        hashes: Sequence[Hashable],
+        prompt_tokens: int,
+        text: str | bytes = "",
+        pinned: int | None = None,
+    ) -> tuple[RankClaim, int]:
+        """``claim_blocks`` without remembering the prompt in the chosen rank's index: the
+        caller inserts ``hashes`` there (``PrefixIndex.insert``) before the next choice reads
+        it (the scheduler records a placement after its decision)."""
         candidates = self.candidates() if pinned is None else [self._ranks[pinned]]
         if len(candidates) == 1:
             rank = candidates[0]
@@ -282,7 +301,6 @@ class DecodeRanks:
             ]
             chosen = choose_rank(views, prompt_tokens, self._rng)
             rank, cached = self._ranks[chosen.index], chosen.cached_tokens
-        rank.prefix.insert(hashes)
         return RankClaim(rank, text, pinned=pinned is not None), cached
 
     def claim_any(self, pinned: int | None = None) -> RankClaim:

@@ -5,10 +5,15 @@ The pure part (per-endpoint knowledge, candidates, the decision, what is reserve
 health transitions (ejection with growing backoff, re-admission after a successful probe, logged
 and published), reservations in the state backend, metrics. Each request is first given a rank
 of the local decode engine (``ranks``: the prefix index per rank, then load); the decision to
-prefill locally weighs that rank. A background task re-resolves discovery; the engines are polled
-by the engine monitor (``sidecar.engines.monitor``), which asks the scheduler what to poll in the
-pool (``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it
-found (``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
+prefill locally weighs that rank. A decision reads the prompt's prefix hashes only as far as its
+look-ups go (``LazyHashes``); what the placement teaches the indexes (the rank's and the prefill
+endpoint's blocks, the prefix published) is recorded after the decision returns, in the loop's
+next turn, and in any case before the next decision or anything else reads those indexes
+(``_record``): no decision sees less than it did when the recording was part of it. A background
+task re-resolves discovery; the engines are polled by the engine monitor
+(``sidecar.engines.monitor``), which asks the scheduler what to poll in the pool
+(``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it found
+(``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
 path does no I/O but the backend's single bounded ``reserve``.
 """
 
@@ -20,7 +25,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +51,8 @@ from sidecar.scheduling.placement import (
 )
 from sidecar.scheduling.policies import make_policy
 from sidecar.scheduling.prefixes import PrefillPrefixes, PrefixGuess, PrefixHasher, blocks_within
-from sidecar.scheduling.prompts import estimate_tokens, prompt_text
-from sidecar.scheduling.ranks import DecodeRanks, RankClaim
+from sidecar.scheduling.prompts import LazyHashes, estimate_tokens, prompt_text
+from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.tasks import OnFailure, stop_task
 
@@ -169,6 +174,10 @@ class Scheduler:
         self._pool = self._planner.pool
         self._reasons: Counter[str] = Counter()
         self._tasks: list[asyncio.Task[None]] = []
+        self._unrecorded: list[tuple[Callable[[Any, Any], None], Any, Any]] = []
+        """Placements' bookkeeping not applied yet, in the order of their decisions: at most
+        one per placement decided since the loop's last turn (``_record`` empties it)."""
+        self._recording: asyncio.Handle | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -200,6 +209,10 @@ class Scheduler:
             self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
 
     async def close(self) -> None:
+        self._record()
+        if self._recording is not None:
+            self._recording.cancel()
+            self._recording = None
         for task in self._tasks:
             await stop_task(task)
         self._tasks.clear()
@@ -249,10 +262,14 @@ class Scheduler:
         anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
         ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
         the decode rank the request named (``RankPorts``), taken as is."""
+        self._record()  # the placements before this one, as this decision must see them
         prompt = prompt_text(body) if text is None else text
         tokens = estimate_tokens(body, prompt)
-        # The chosen rank will hold this prompt's KV either way (computed or pulled).
-        claim, cached = self.ranks.claim(prompt, tokens, rank)
+        local = self.ranks.blocks(prompt)
+        claim, cached = self.ranks.choose(local, tokens, prompt, rank)
+        # The chosen rank will hold this prompt's KV either way (computed or pulled): recorded
+        # now, before the decision awaits anything (another placement may run meanwhile).
+        self._defer(self._record_rank, claim.rank, local)
         with OnFailure(claim.end):
             return await self._place(claim, tokens, cached, header, local_reason, prompt)
 
@@ -271,13 +288,13 @@ class Scheduler:
             self._count(decision)
             claim.prefilling(uncached)
             return Placement(decision, None, claim, local_tokens=uncached)
-        # The prompt's prefix blocks, hashed once and looked up on every candidate (a short
-        # prompt too: weighing the stall, the decider may send it remote; it has few blocks).
-        hashes: tuple[bytes, ...] = ()
+        # The prompt's prefix blocks, hashed as far as the look-ups on the candidates read them
+        # (a short prompt too: weighing the stall, the decider may send it remote).
+        hashes: Sequence[bytes] = ()
         size = 0
         if self._hasher is not None:
             data = prompt.encode() if isinstance(prompt, str) else prompt
-            hashes, size = self._hasher.hashes(data), len(data)
+            hashes, size = self._hasher.blocks(data), len(data)
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
             candidate = self._planner.candidate(str(header), *self._now(), hashes)
@@ -311,6 +328,7 @@ class Scheduler:
     async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
         named it, else another available one the policy picks (None when none is left)."""
+        self._record()
         decision = failed.decision
         if failed.endpoint is None:
             return None
@@ -338,7 +356,7 @@ class Scheduler:
         decision: Decision,
         endpoint: Endpoint,
         rank: RankClaim,
-        hashes: tuple[bytes, ...] = (),
+        hashes: Sequence[bytes] = (),
         prompt_bytes: int = 0,
     ) -> Placement:
         state = self._pool.get(str(endpoint))
@@ -352,9 +370,44 @@ class Scheduler:
             matched = self._prefixes.matched_blocks(state.key, hashes)
             guess = PrefixGuess(hashes, prompt_bytes, matched)
             # The endpoint is about to compute (or find) the whole prompt: it holds it next.
-            self._prefixes.placed(state.key, hashes)
-            self.backend.publish_prefix(state.key, hashes)
+            self._defer(self._record_prefill, state.key, hashes)
         return Placement(decision, endpoint, rank, reservation, prefix=guess)
+
+    # --- recording placements, after their decisions ---------------------------------------
+
+    def _defer(self, record: Callable[[Any, Any], None], first: Any, second: Any) -> None:
+        """Apply ``record(first, second)`` after the decision returns: in the loop's next turn,
+        or earlier when the next decision (or anything reading the indexes) comes first."""
+        self._unrecorded.append((record, first, second))
+        if self._recording is None:
+            self._recording = asyncio.get_running_loop().call_soon(self._recorded_soon)
+
+    def _recorded_soon(self) -> None:
+        self._recording = None
+        self._record()
+
+    def _record(self) -> None:
+        """Apply every placement's bookkeeping not applied yet, in the order of the decisions.
+        A failure is logged, never raised into the request or the loop."""
+        if not self._unrecorded:
+            return
+        pending, self._unrecorded = self._unrecorded, []
+        for record, first, second in pending:
+            try:
+                record(first, second)
+            except Exception:
+                logger.exception("recording a placement in the prefix indexes failed")
+
+    def _record_rank(self, rank: DecodeRank, hashes: LazyHashes[int]) -> None:
+        rank.prefix.insert(hashes.all())
+
+    def _record_prefill(self, key: str, hashes: Sequence[bytes]) -> None:
+        assert self._prefixes is not None
+        if key not in self._pool:  # it left the pool since: its index is forgotten
+            return
+        full = hashes.all() if isinstance(hashes, LazyHashes) else hashes
+        self._prefixes.placed(key, full)
+        self.backend.publish_prefix(key, full)
 
     def prefill_finished(
         self,
@@ -379,6 +432,7 @@ class Scheduler:
         state.inflight -= 1
         if ok is True:
             if placement.prefix is not None:
+                self._record()  # the answer is weighed against the index as it stands
                 self._prefix_answered(state.key, placement.prefix, prompt_tokens, cached_tokens)
             state.health.success()
             if seconds is not None:
@@ -415,6 +469,7 @@ class Scheduler:
     def learned_prefix(self, key: str, hashes: Sequence[bytes]) -> None:
         """Another sidecar placed a prompt with these ``hashes`` on ``key`` (the state backend's
         prefix share): only for endpoints of this pool."""
+        self._record()
         if self._prefixes is not None and key in self._pool:
             self._prefixes.placed(key, hashes)
 
@@ -492,6 +547,7 @@ class Scheduler:
     def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
         """What the monitor found: a probe re-admits the endpoint or ejects it again; a scrape
         brings its load, and one that could not reach it (refused or reset) is a failure."""
+        self._record()
         state = self._pool.get(poll.key)
         if state is None:  # it left the pool while polled
             return
@@ -511,6 +567,7 @@ class Scheduler:
 
     def publish_gauges(self) -> None:
         """Per-endpoint gauges, brought up to date when /metrics is read."""
+        self._record()
         view = self.backend.view()
         for key, state in self._pool.items():
             load = view.loads.get(key)
@@ -531,6 +588,7 @@ class Scheduler:
     # --- /debug/scheduler ------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
+        self._record()
         now, wall = time.monotonic(), time.time()
         view = self.backend.view()
         return {
