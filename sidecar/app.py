@@ -138,6 +138,7 @@ def create_app(
         discovery=discovery,
         backend=_state_backend(settings, metrics),
         metrics=metrics,
+        kv_events=kv_fleet,
     )
     metrics.zero_ranks(len(scheduler.ranks))
     options = MonitorOptions.from_settings(settings)

@@ -23,9 +23,10 @@ path. This module imports ``zmq`` (through the subscriber): the app imports it o
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from yarl import URL
@@ -34,7 +35,7 @@ from sidecar.config import Settings
 from sidecar.kvevents.events import BlockStored, EventBatch
 from sidecar.kvevents.index import Hit, KVIndex, PromptKeys
 from sidecar.kvevents.subscriber import ResetReason, Subscriber
-from sidecar.kvevents.tokens import TokenSource, TokenSourceStats
+from sidecar.kvevents.tokens import TokenSource, TokenSourceStats, tokenize_request
 from sidecar.kvevents.wire import DropReason
 from sidecar.observability.kv_metrics import (
     SOURCE_APPROXIMATE,
@@ -43,6 +44,7 @@ from sidecar.observability.kv_metrics import (
     FleetReport,
 )
 from sidecar.scheduling.endpoints import Endpoint
+from sidecar.scheduling.placement import Placement
 
 log = logging.getLogger("sidecar.kvevents.fleet")
 
@@ -136,6 +138,37 @@ class _Engine:
         )
 
 
+class PromptLookup:
+    """One request's look-ups in the exact indexes, for its decision: called with a pool
+    member's key (``placement.ExactCache``), ``rank`` for the local decode rank. Keeps which
+    source each engine's cached tokens came from. ``keys`` None: the token ids could not be had
+    (every engine then answers from the approximate index)."""
+
+    __slots__ = ("_fleet", "keys", "seconds", "sources", "tokens")
+
+    def __init__(
+        self, fleet: KVFleet, keys: PromptKeys | None, tokens: int | None, seconds: float | None
+    ) -> None:
+        self._fleet = fleet
+        self.keys = keys
+        self.tokens = tokens
+        """The prompt's token count (None: unknown)."""
+        self.seconds = seconds
+        """Spent getting the token ids (None: not asked of the engine)."""
+        self.sources: dict[str, str] = {}
+
+    def __call__(self, key: str) -> int | None:
+        hit = None if self.keys is None else self._fleet.lookup(key, self.keys)
+        self.sources[key] = SOURCE_APPROXIMATE if hit is None else SOURCE_EVENTS
+        return None if hit is None else self._fleet.cached_tokens(hit)
+
+    def rank(self, rank: int, approximate: int) -> int:
+        """Decode rank ``rank``'s cached tokens: its exact index's, else ``approximate``."""
+        hit = None if self.keys is None else self._fleet.lookup_rank(rank, self.keys)
+        self.sources[decode_engine(rank)] = SOURCE_APPROXIMATE if hit is None else SOURCE_EVENTS
+        return approximate if hit is None else self._fleet.cached_tokens(hit)
+
+
 def decode_engine(rank: int) -> str:
     """The name (and metrics label) of decode rank ``rank``'s engine."""
     return f"decode:{rank}"
@@ -160,7 +193,9 @@ class KVFleet:
         self._prefill: dict[str, _Engine] = {}
         self._ranks: list[_Engine | None] = []
         self.lookups: Counter[str] = Counter()
-        """Engines whose cached tokens a decision took from each source (``count``)."""
+        """Engines whose cached tokens a decision took from each source (``decided``)."""
+        self.last_decision: dict[str, Any] | None = None
+        """The last decision's look-ups: the token-id time and count, the source per engine."""
         self._running = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -229,13 +264,12 @@ class KVFleet:
         """``key`` is a pool member this fleet subscribes to."""
         return key in self._prefill
 
-    def any_synced(self, keys: Iterable[str], rank: int | None = None) -> bool:
-        """Whether one of ``keys`` (pool members) or decode rank ``rank`` is in sync: only then
-        is a request's token ids worth asking for."""
-        if rank is not None and self._rank(rank) is not None:
-            return True
-        prefill = self._prefill
-        return any(engine.synced for key in keys if (engine := prefill.get(key)) is not None)
+    def any_synced(self) -> bool:
+        """Whether a pool member's or a decode rank's index is in sync: only then is a
+        request's token ids worth asking for."""
+        return any(engine.synced for engine in self._prefill.values()) or any(
+            engine is not None and engine.synced for engine in self._ranks
+        )
 
     def _rank(self, rank: int) -> _Engine | None:
         engine = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
@@ -264,13 +298,46 @@ class KVFleet:
         engine = self._rank(rank)
         return None if engine is None else engine.index.lookup(prompt)
 
+    async def prompt(self, body: Mapping[str, Any], *, ask: bool) -> PromptLookup | None:
+        """The look-ups of a request's decision, or None when no engine's index is in sync
+        (nothing asked then). ``ask``: the token ids may be asked of the decode engine (a
+        choice is to be made); otherwise only a prompt given as token ids is looked up."""
+        if not self.any_synced():
+            return None
+        if not ask:
+            request = tokenize_request(body)
+            if not isinstance(request, list):
+                return None
+            return PromptLookup(self, self.prompt_keys(request, body), len(request), None)
+        started = time.monotonic()
+        ids = await self.tokens.token_ids(body)
+        seconds = time.monotonic() - started
+        if ids is None:
+            return PromptLookup(self, None, None, seconds)
+        return PromptLookup(self, self.prompt_keys(ids, body), len(ids), seconds)
+
+    def decided(self, placement: Placement, lookup: PromptLookup) -> Placement:
+        """Count where the decision's cached tokens came from; the placement with its
+        ``tokenize_s`` and ``cached_source``."""
+        sources = lookup.sources
+        for source in sources.values():
+            self.lookups[source] += 1
+        self.last_decision = {
+            "tokenize_s": None if lookup.seconds is None else round(lookup.seconds, 6),
+            "token_ids": lookup.tokens,
+            "sources": dict(sources),
+        }
+        key = (
+            decode_engine(placement.rank.index)
+            if placement.endpoint is None
+            else str(placement.endpoint)
+        )
+        return replace(placement, tokenize_s=lookup.seconds, cached_source=sources.get(key))
+
     def cached_tokens(self, hit: Hit) -> int:
         """The tokens a hit counts for in the decision: GPU in full, the offload tiers
         weighed (``SIDECAR_KV_EVENTS_CPU_WEIGHT``, ``_STORAGE_WEIGHT``)."""
         return int(hit.weighted(self.options.cpu_weight, self.options.storage_weight))
-
-    def count(self, source: str, engines: int = 1) -> None:
-        self.lookups[source] += engines
 
     # -- what it shows ------------------------------------------------------------------------
 
@@ -312,6 +379,7 @@ class KVFleet:
                 **report.token_ids,
             },
             "lookups": dict(report.lookups),
+            "last_decision": self.last_decision,
             "adapters_seen": len(self._adapters),
         }
 

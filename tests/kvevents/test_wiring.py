@@ -285,3 +285,186 @@ async def test_an_eviction_and_a_cache_reset_leave_the_index(
     shown = (await kv_view(http, sidecar))["endpoints"][engine.endpoint]
     assert shown["source"] == "events"  # a clear is an event like any other: still in sync
     assert shown["resets"] == {}
+
+
+async def through(
+    http: aiohttp.ClientSession, sidecar: RunningSidecar, prompt: str, **headers: str
+) -> dict[str, Any]:
+    """A completion through the sidecar; its record in /debug/requests."""
+    request_id = uuid.uuid4().hex
+    body = {"model": "emulated-model", "prompt": prompt, "max_tokens": 1}
+    async with http.post(
+        sidecar.url + "/v1/completions", json=body, headers={"x-request-id": request_id, **headers}
+    ) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+    record: dict[str, Any] = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+    return record
+
+
+async def in_sync(http: aiohttp.ClientSession, sidecar: RunningSidecar, *keys: str) -> None:
+    async def synced() -> bool:
+        endpoints = (await kv_view(http, sidecar))["endpoints"]
+        return all(endpoints[key]["source"] == "events" for key in keys)
+
+    await eventually(synced)
+
+
+async def test_the_decision_goes_where_the_events_say_the_prompt_is_cached(
+    pool: Pool, start_sidecar_with: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    first, second = await pool.add(), await pool.add()
+    sidecar = await start_sidecar_with(**pool.settings())
+    await publisher(first).wait_subscriptions(1)
+    await publisher(second).wait_subscriptions(1)
+    # Each engine's events come in sync with a prompt of its own; then four prompts, two cached
+    # on each engine by a client of its own (the sidecar sent them nothing: its approximate
+    # index knows none of them). Equally loaded, each must go where it is cached.
+    await complete_on(http, first, long_prompt())
+    await complete_on(http, second, long_prompt())
+    await in_sync(http, sidecar, first.endpoint, second.endpoint)
+    cached = [(long_prompt(), engine) for engine in (first, second, first, second)]
+    for prompt, engine in cached:
+        await complete_on(http, engine, prompt)
+
+    async def applied() -> bool:
+        endpoints = (await kv_view(http, sidecar))["endpoints"]
+        return all(endpoints[e.endpoint]["batches_applied"] == 3 for e in (first, second))
+
+    await eventually(applied)
+    for prompt, engine in cached:
+        record = await through(http, sidecar, prompt)
+        assert (record["decision"], record["reason"]) == ("remote", "scheduled")
+        assert record["prefill_endpoint"] == engine.endpoint
+        assert record["cached_source"] == "events"
+        # The whole prompt but its last, partial block: counted in the engine's tokens.
+        assert record["prefill_predicted_cached_tokens"] >= len(prompt) // 4 - 16
+        assert record["tokenize_ms"] is not None
+        assert record["tokenize_ms"] <= record["durations_ms"]["ttft"]
+    view = await kv_view(http, sidecar)
+    assert view["token_ids"]["answered"] == 4
+    assert view["lookups"]["events"] == 4 * 2  # both candidates, four decisions
+    assert view["last_decision"]["sources"] == {
+        first.endpoint: "events",
+        second.endpoint: "events",
+        "decode:0": "approximate",  # the decode rank is not subscribed to here
+    }
+    assert await metric(http, sidecar.url, 'pd_sidecar_kv_events_lookups_total{source="events"}')
+
+
+async def test_an_eviction_or_a_reset_takes_the_prediction_back(
+    pool: Pool, start_sidecar_with: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    engine = await pool.add(num_gpu_blocks=64)  # one long prompt's worth of blocks
+    # The local index remembers nothing: a prompt sent twice goes remote both times.
+    sidecar = await start_sidecar_with(prefix_cache_blocks=0, **pool.settings())
+    await publisher(engine).wait_subscriptions(1)
+    evicted, newer, reset = long_prompt(), long_prompt(), long_prompt()
+    await complete_on(http, engine, evicted)
+    await complete_on(http, engine, newer)  # the LRU evicts all but evicted's first blocks
+    await in_sync(http, sidecar, engine.endpoint)
+
+    async def applied(count: int) -> bool:
+        shown = (await kv_view(http, sidecar))["endpoints"][engine.endpoint]
+        return bool(shown["batches_applied"] == count)
+
+    await eventually(lambda: applied(2))
+    record = await through(http, sidecar, evicted)
+    assert record["prefill_endpoint"] == engine.endpoint  # the only member
+    assert record["cached_source"] == "events"
+    # What the LRU left of it: the 64 blocks less the newer prompt's (4 characters a token).
+    left = 64 - len(newer) // 4 // 16
+    assert 0 < left < 8
+    assert record["prefill_predicted_cached_tokens"] == left * 16
+    # The sidecar's own request stored it again; a cache reset forgets everything.
+    await eventually(lambda: applied(3))
+    await complete_on(http, engine, reset)
+    await eventually(lambda: applied(4))
+    held = await through(http, sidecar, reset)
+    assert held["prefill_predicted_cached_tokens"] >= len(reset) // 4 - 16
+    async with http.post(engine.url + "/reset_prefix_cache") as response:
+        assert response.status == 200
+
+    async def cleared() -> bool:
+        return await blocks_of(http, sidecar, engine.endpoint) == 0
+
+    await eventually(cleared)
+    record = await through(http, sidecar, reset)
+    assert record["cached_source"] == "events"
+    assert record["prefill_predicted_cached_tokens"] == 0
+
+
+async def test_a_header_choice_asks_for_no_token_ids(
+    pool: Pool, start_sidecar_with: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    engine = await pool.add()
+    sidecar = await start_sidecar_with(**pool.settings())
+    await publisher(engine).wait_subscriptions(1)
+    await complete_on(http, engine, long_prompt())
+    await in_sync(http, sidecar, engine.endpoint)
+    record = await through(
+        http, sidecar, long_prompt(), **{"x-prefiller-host-port": engine.endpoint}
+    )
+    assert (record["decision"], record["reason"]) == ("remote", "header")
+    assert record["tokenize_ms"] is None
+    assert (await kv_view(http, sidecar))["token_ids"]["answered"] == 0
+    # A prompt given as token ids needs no call: the header's target is looked up for the record.
+    ids = list(range(1000, 1400))
+    await complete_on_ids(http, engine, ids)
+
+    async def stored() -> bool:
+        return bool((await kv_view(http, sidecar))["endpoints"][engine.endpoint]["blocks"] > 80)
+
+    await eventually(stored)
+    request_id = uuid.uuid4().hex
+    body = {"model": "emulated-model", "prompt": ids, "max_tokens": 1}
+    headers = {"x-request-id": request_id, "x-prefiller-host-port": engine.endpoint}
+    async with http.post(sidecar.url + "/v1/completions", json=body, headers=headers) as response:
+        assert response.status == 200
+        await response.read()
+    record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+    assert record["cached_source"] == "events"
+    assert record["prefill_predicted_cached_tokens"] == 384  # 399 tokens a hit may cover: 24 blocks
+    assert record["tokenize_ms"] is None
+    assert (await kv_view(http, sidecar))["token_ids"]["answered"] == 0
+
+
+async def complete_on_ids(
+    http: aiohttp.ClientSession, engine: RunningEmulator, ids: list[int]
+) -> None:
+    body = {"model": "emulated-model", "prompt": ids, "max_tokens": 1}
+    async with http.post(engine.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_the_local_rank_cached_by_events_prefills_locally(
+    pool: Pool, http: aiohttp.ClientSession
+) -> None:
+    prefill = await pool.add()
+    decode = await start_emulator(EmulatorConfig(kv_events_config=events_on("127.0.0.1")))
+    pool.started.append(decode)
+    assert decode.kv_events_port is not None
+    settings = pool.settings()
+    settings.update(
+        kv_events_decode_port=decode.kv_events_port,
+        kv_events_decode_replay_port=decode.kv_events_replay_port,
+    )
+    sidecar = await start_sidecar(
+        Settings(host="127.0.0.1", port=0, decode_url=decode.url, **settings)
+    )
+    try:
+        await publisher(decode).wait_subscriptions(1)
+        await publisher(prefill).wait_subscriptions(1)
+        prompt = long_prompt()
+        await complete_on(http, decode, prompt)  # the decode engine holds it, by its own account
+
+        async def synced() -> bool:
+            return bool((await kv_view(http, sidecar))["decode_ranks"][0]["source"] == "events")
+
+        await eventually(synced)
+        record = await through(http, sidecar, prompt)
+        # Without the rank's events the prompt counts as uncached here, and goes remote.
+        assert (record["decision"], record["reason"]) == ("local", "prefix_cached")
+        assert record["cached_source"] == "events"
+    finally:
+        await sidecar.close()
