@@ -260,10 +260,6 @@ class KVFleet:
 
     # -- the request path ---------------------------------------------------------------------
 
-    def subscribed(self, key: str) -> bool:
-        """``key`` is a pool member this fleet subscribes to."""
-        return key in self._prefill
-
     def any_synced(self) -> bool:
         """Whether a pool member's or a decode rank's index is in sync: only then is a
         request's token ids worth asking for."""

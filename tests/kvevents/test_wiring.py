@@ -17,6 +17,7 @@ from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
 from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import StartSidecar, eventually, get_json, metric
+from tests.imports import imported
 
 from .helpers import publisher
 
@@ -264,19 +265,13 @@ async def test_an_eviction_and_a_cache_reset_leave_the_index(
     engine = await pool.add(num_gpu_blocks=64)
     sidecar = await start_sidecar_with(**pool.settings())
     await publisher(engine).wait_subscriptions(1)
-    await complete_on(http, engine, long_prompt())  # ~1,000 tokens: 62 blocks of 16
+    first = long_prompt()
+    await complete_on(http, engine, first)
 
     async def held(count: int) -> bool:
         return await blocks_of(http, sidecar, engine.endpoint) == count
 
-    first = 0
-
-    async def stored() -> bool:
-        nonlocal first
-        first = await blocks_of(http, sidecar, engine.endpoint)
-        return first > 0
-
-    await eventually(stored)
+    await eventually(lambda: held(len(first) // 4 // 16))  # 4 characters a token
     await complete_on(http, engine, long_prompt())  # evicts most of the first one's blocks
     await eventually(lambda: held(64))
     async with http.post(engine.url + "/reset_prefix_cache") as response:
@@ -413,7 +408,9 @@ async def test_a_header_choice_asks_for_no_token_ids(
     await complete_on_ids(http, engine, ids)
 
     async def stored() -> bool:
-        return bool((await kv_view(http, sidecar))["endpoints"][engine.endpoint]["blocks"] > 80)
+        # A batch each: the first prompt, the header request's prefill, the ids.
+        shown = (await kv_view(http, sidecar))["endpoints"][engine.endpoint]
+        return bool(shown["batches_applied"] == 3)
 
     await eventually(stored)
     request_id = uuid.uuid4().hex
@@ -468,3 +465,19 @@ async def test_the_local_rank_cached_by_events_prefills_locally(
         assert record["cached_source"] == "events"
     finally:
         await sidecar.close()
+
+
+APP = (
+    "import asyncio\n"
+    "from sidecar.app import create_app\n"
+    "from sidecar.config import Settings\n"
+    "async def main():\n"
+    "    create_app(Settings(prefill_endpoints='127.0.0.2:8000', kv_events={on}))\n"
+    "asyncio.run(main())\n"
+)
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_zmq_is_imported_only_with_events_on(on: bool) -> None:
+    modules = imported("-c", APP.format(on=on))
+    assert bool({name for name in modules if name.split(".")[0] in ("zmq", "msgpack")}) is on
