@@ -50,6 +50,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 _MEASURED = os.environ.get("DECISION_COST_REPO")
 if _MEASURED:  # a child measuring another checkout's sidecar package
     sys.path.insert(0, _MEASURED)
+if os.environ.get("DECISION_COST_NO_HIREDIS"):  # redis-py as without hiredis: its Python parser
+    sys.modules["hiredis"] = None  # type: ignore[assignment]
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -305,16 +307,29 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
 
 
 async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
-    """One PING, and one EVALSHA of a script that does nothing, through redis.asyncio (the
-    client the Redis backend uses)."""
+    """One PING, and one EVALSHA of a script that does nothing, through redis.asyncio; and, when
+    this checkout has it, through the backend's bare connection (``bare_ping``,
+    ``bare_empty_evalsha``: the round trip the syncs pay on a standalone Redis)."""
     client = aioredis.Redis.from_url(url)
     empty = client.register_script("return 0")
+    calls: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+        ("ping", client.ping),
+        ("empty_evalsha", lambda: empty(keys=[], args=[])),
+    ]
+    bare: Any = None
+    try:
+        from sidecar.scheduling.state.resp import RespConnection
+
+        bare = RespConnection(url, timeout_s=1.0)
+        calls += [
+            ("bare_ping", lambda: bare.call("PING")),
+            ("bare_empty_evalsha", lambda: bare.evalsha(empty.sha, "return 0", (), [])),
+        ]
+    except ImportError:  # a checkout from before it
+        pass
     figures = {}
     try:
-        for name, call in (
-            ("ping", client.ping),
-            ("empty_evalsha", lambda: empty(keys=[], args=[])),
-        ):
+        for name, call in calls:
             await call()
             samples = []
             for _ in range(iterations):
@@ -324,7 +339,99 @@ async def round_trips(url: str, iterations: int) -> dict[str, dict[str, float]]:
             figures[name] = summary(samples)
     finally:
         await client.aclose()
+        if bare is not None:
+            bare.close()
     return figures
+
+
+async def call_costs(url: str, iterations: int, rounds: int = 3) -> dict[str, dict[str, Any]]:
+    """What one call costs this process, alternated in ``rounds`` blocks on one connection
+    each: through redis.asyncio with hiredis's parser and with redis-py's own (Python) one, and
+    through the backend's bare connection (``state.resp``, hiredis) when this checkout has it.
+    A ``PING``, an ``EVALSHA`` of an empty script and one of the sync script (a table of
+    ``IN_FLIGHT`` reservations; the reply, the pool's totals of 8 endpoints with 32 other
+    sidecars, decoded and applied as a refresh does). Wall and thread CPU per call, medians and
+    p99."""
+    import hashlib
+
+    from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
+
+    from sidecar.scheduling.state.protocol import SCRIPT, SyncProtocol, decode_reply, keys
+
+    try:
+        from sidecar.scheduling.state.resp import RespConnection
+    except ImportError:  # a checkout from before it
+        RespConnection = None  # type: ignore[assignment,misc]
+
+    prefix = "bench-calls"
+    await seed_sidecars(url, prefix, 32)
+    me = SyncProtocol("bench-calls-me", lease_s=600, wake=lambda: None)
+    for endpoint in list(pool())[:IN_FLIGHT]:
+        me.reserve(str(endpoint), PROMPT_TOKENS)
+    sha = hashlib.sha1(SCRIPT.encode()).hexdigest()
+    empty_sha = hashlib.sha1(b"return 0").hexdigest()
+
+    def through_redis_py(parser_class: Any) -> tuple[dict[str, Any], Callable[[], Any]]:
+        client = aioredis.Redis.from_url(url, parser_class=parser_class)
+        empty = client.register_script("return 0")
+        script = client.register_script(SCRIPT)
+        return {
+            "ping": client.ping,
+            "empty_evalsha": lambda: empty(keys=[], args=[]),
+            "sync_evalsha": lambda: script(keys=keys(prefix), args=sync_args()),
+        }, client.aclose
+
+    def bare() -> tuple[dict[str, Any], Callable[[], Any]]:
+        conn = RespConnection(url, timeout_s=1.0)
+
+        async def closed() -> None:
+            conn.close()
+
+        return {
+            "ping": lambda: conn.call("PING"),
+            "empty_evalsha": lambda: conn.evalsha(empty_sha, "return 0", (), []),
+            "sync_evalsha": lambda: conn.evalsha(sha, SCRIPT, keys(prefix), sync_args()),
+        }, closed
+
+    pending: list[Any] = []
+
+    def sync_args() -> list[Any]:
+        sync = me.begin(time.time())
+        pending.append(sync)
+        return sync.args()
+
+    variants: dict[str, Callable[[], tuple[dict[str, Any], Callable[[], Any]]]] = {
+        "hiredis": lambda: through_redis_py(_AsyncHiredisParser),
+        "python": lambda: through_redis_py(_AsyncRESP2Parser),
+    }
+    if RespConnection is not None:
+        variants["bare"] = bare
+    samples: dict[str, dict[str, tuple[list[int], list[int]]]] = {}
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
+    for _ in range(rounds):
+        for variant, make in variants.items():
+            calls, aclose = make()
+            try:
+                for name, call in calls.items():
+                    wall, thread = samples.setdefault(variant, {}).setdefault(name, ([], []))
+                    for i in range(iterations + 1):  # the first connects (and loads)
+                        start, cpu_start = clock(), cpu()
+                        raw = await call()
+                        if pending:
+                            reply = decode_reply(raw, now=time.time(), max_ejection_s=3600)
+                            me.received(pending.pop(), reply)
+                        if i:
+                            wall.append(clock() - start)
+                            thread.append(cpu() - cpu_start)
+            finally:
+                await aclose()
+    return {
+        variant: {
+            name: {**summary(wall), "cpu": summary(thread)}
+            for name, (wall, thread) in figures.items()
+        }
+        for variant, figures in samples.items()
+    }
 
 
 async def seed_sidecars(url: str, prefix: str, count: int) -> None:
@@ -343,6 +450,16 @@ async def seed_sidecars(url: str, prefix: str, count: int) -> None:
             await script(keys=keys(prefix), args=sync.args())
     finally:
         await client.aclose()
+
+
+async def script_calls(url: str) -> int:
+    """``EVALSHA`` calls Redis answered since the last ``CONFIG RESETSTAT``."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+    finally:
+        await client.aclose()
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 async def script_usec(url: str) -> float:
@@ -453,7 +570,7 @@ async def measure(
             url, iterations, redis_policy, prefix="bench-alone", key=None
         )
         trips = await round_trips(url, iterations)
-        ping = trips["ping"]
+        ping = trips.get("bare_ping", trips["ping"])  # the round trip the syncs pay
         return {
             "policy": redis_policy,
             **shared,
@@ -461,6 +578,8 @@ async def measure(
             **trips,
             "over_round_trip_us": shared["median_us"] - ping["median_us"],
             "over_memory_us": shared["median_us"] - memory_median,
+            "beyond_us": shared["median_us"] - memory_median - ping["median_us"],
+            "beyond_share_off_us": alone["median_us"] - memory_median - ping["median_us"],
         }
 
     async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
@@ -503,12 +622,17 @@ def report(result: dict[str, Any]) -> list[str]:
         return lines
     row("place(), redis, " + redis["policy"] + ", prefix share on", redis)
     row("place(), redis, " + redis["policy"] + ", prefix share off", redis["share_off"])
-    row("  redis PING round trip", redis["ping"])
-    row("  redis EVALSHA of an empty script", redis["empty_evalsha"])
+    row("  redis PING round trip (redis.asyncio)", redis["ping"])
+    row("  redis EVALSHA of an empty script (redis.asyncio)", redis["empty_evalsha"])
+    if "bare_ping" in redis:
+        row("  redis PING round trip (the syncs' connection)", redis["bare_ping"])
+        row("  redis empty EVALSHA (the syncs' connection)", redis["bare_empty_evalsha"])
     share = redis["prefix_share"]
     lines.append(
         f"  = one round trip + {redis['over_round_trip_us']:.1f} µs (medians);"
         f" {redis['over_memory_us']:.1f} µs more than on the memory backend;"
+        f" beyond the memory placement and the round trip: {redis['beyond_us']:.1f} µs"
+        f" (share off {redis['beyond_share_off_us']:.1f} µs);"
         f" decisions {redis['reasons']}; over the 5 ms budget"
         f" {redis['backend_errors'].get('timeout', 0)} times"
     )
@@ -530,6 +654,26 @@ async def child(
         recorded = kind == "count"
         await time_placements("qoe", MemoryState(), iterations, timed=False, recorded=recorded)
         return {}
+    if kind == "count-syncs":  # the backend alone, for callgrind: reserve, refresh, release
+        assert url is not None
+        await reset_stats(url)
+        backend = RedisState(url, prefix=prefix, lease_s=60, timeout_s=1.0)
+        await backend.start()
+        try:
+            for _ in range(iterations + iterations // 10):
+                reservation = backend.reserve(str(pool()[0]), PROMPT_TOKENS)
+                await backend.refresh()
+                backend.release(reservation)
+                await asyncio.sleep(0.002)  # the worker's sync of both
+        finally:
+            await backend.close()
+        return {"script_calls": await script_calls(url)}
+    if kind == "count-redis":  # untimed, for callgrind: a budget no slowed-down sync misses
+        assert url is not None
+        await reset_stats(url)
+        backend = RedisState(url, prefix=prefix, lease_s=60, timeout_s=1.0)
+        await time_placements("qoe", backend, iterations, pause_s=0.002, key=None, timed=False)
+        return {"script_calls": await script_calls(url)}
     assert url is not None
     return await redis_placements(url, iterations, "qoe", prefix=prefix, key=None, others=others)
 
@@ -586,12 +730,15 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
                         run_child, repo, "redis", iterations, url, f"ab-{name}-{r}-{count}",
                         (), count,
                     )  # fmt: skip
-                    ping = (await round_trips(url, 300))["ping"]["median_us"]
+                    trips = await round_trips(url, 300)
+                    ping = trips["ping"]["median_us"]
+                    bare = trips.get("bare_ping", {}).get("median_us", float("nan"))
                     lines.append(
                         f"  round {r + 1} {name:<8} redis, {count:>3} others"
                         f" {figures['median_us']:>8.1f} / {figures['p99_us']:>8.1f}"
                         f"  CPU {figures['cpu_median_us']:>6.1f}"
                         f"  script {figures['script_usec']:>6.1f}  PING {ping:>6.1f}"
+                        f" (bare {bare:>5.1f})"
                         f"  timeouts {figures['backend_errors'].get('timeout', 0)}  ({load()})"
                     )
         return {}
@@ -603,6 +750,12 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
     return lines
 
 
+def callgrind_total(path: str) -> int:
+    """The ``Ir`` a callgrind run counted (its output file's summary)."""
+    text = Path(glob.glob(path)[0]).read_text()
+    return int(text.split("\nsummary: ")[1].split()[0])
+
+
 def instructions(repo: Path, short: int, long: int, kind: str = "count") -> float:
     """Ir per memory placement of ``repo``'s sidecar: two runs under callgrind, ``short`` and
     ``long`` placements, the difference divided by ``long - short`` (start-up cancels out).
@@ -612,14 +765,76 @@ def instructions(repo: Path, short: int, long: int, kind: str = "count") -> floa
         for n in (short, long):
             wrap = ("valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}")
             run_child(repo, kind, n, wrap=wrap)
-            text = Path(glob.glob(f"{out}/cg.{n}")[0]).read_text()
-            counts.append(int(text.split("\nsummary: ")[1].split()[0]))
+            counts.append(callgrind_total(f"{out}/cg.{n}"))
     return (counts[1] - counts[0]) / ((long - short) * 1.1)  # the warm-up tenth runs too
 
 
 def records_after(repo: Path) -> bool:
     """``repo``'s scheduler records a placement after its decision (``Scheduler._record``)."""
     return "def _record(" in (repo / "sidecar/scheduling/scheduler.py").read_text()
+
+
+def redis_instructions(
+    baseline: Path | None, short: int, long: int, kind: str = "count-redis"
+) -> list[str]:
+    """Ir per Redis placement (qoe, the prefix share off, 2 ms between placements as in the
+    timed runs: the background syncs of each reservation and release included), of this
+    checkout and ``baseline``, with hiredis and (a checkout without the syncs' own connection)
+    with redis-py's Python parser; and the script calls Redis answered per placement."""
+    repos = {"this": BENCH.parent.parent}
+    if baseline is not None:
+        repos["baseline"] = baseline
+    what = "placement (qoe, share off)" if kind == "count-redis" else "reserve, refresh, release"
+    lines = [f"instructions per Redis {what}; {short} and {long} of them"]
+
+    async def run(url: str) -> dict[str, Any]:
+        for name, repo in repos.items():
+            # A checkout with the syncs' own connection needs hiredis; one before it runs
+            # without (redis-py's Python parser) as well.
+            own = (repo / "sidecar/scheduling/state/resp.py").exists()
+            for parser in ("hiredis",) if own else ("hiredis", "python"):
+                counts, calls = [], []
+                with tempfile.TemporaryDirectory() as out:
+                    for n in (short, long):
+                        wrap = (
+                            "env", *(("DECISION_COST_NO_HIREDIS=1",) if parser == "python" else ()),
+                            "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}",
+                        )  # fmt: skip
+                        figures = await asyncio.to_thread(
+                            run_child, repo, kind, n, url, f"ir-{name}-{parser}-{n}-{kind}", wrap
+                        )
+                        calls.append(figures["script_calls"])
+                        counts.append(await asyncio.to_thread(callgrind_total, f"{out}/cg.{n}"))
+                placements = (long - short) * 1.1
+                syncs = calls[1] - calls[0]
+                lines.append(
+                    f"  {name:<8} {parser:<8} {(counts[1] - counts[0]) / placements:>12,.0f} Ir"
+                    f"  script calls per placement {syncs / placements:.2f}"
+                    f"  Ir per script call {(counts[1] - counts[0]) / max(syncs, 1):>10,.0f}"
+                    f"  ({load()})"
+                )
+        return {}
+
+    async def go() -> None:
+        async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
+            outcome = await with_redis(launcher, run)
+        if isinstance(outcome, str):
+            lines.append(outcome)
+
+    asyncio.run(go())
+    return lines
+
+
+def call_report(figures: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["one call through redis.asyncio: wall median / p99 µs, thread CPU median / p99 µs"]
+    for name in ("ping", "empty_evalsha", "sync_evalsha"):
+        for parser, calls in figures.items():
+            f = calls[name]
+            lines.append(
+                f"  {name:<14} {parser:<8} {f['median_us']:>8.1f} / {f['p99_us']:>8.1f}"
+                f"   CPU {f['cpu']['median_us']:>7.1f} / {f['cpu']['p99_us']:>8.1f}"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -635,7 +850,24 @@ def main(argv: list[str] | None = None) -> int:
         "--instructions", action="store_true", help="callgrind Ir per memory placement"
     )
     parser.add_argument(
-        "--child", choices=("memory", "redis", "count", "count-decision"), help=argparse.SUPPRESS
+        "--redis-instructions",
+        action="store_true",
+        help="callgrind Ir per Redis placement, hiredis and not (and the baseline's)",
+    )
+    parser.add_argument(
+        "--redis-calls",
+        action="store_true",
+        help="one PING / EVALSHA's cost in this process, hiredis against redis-py's parser",
+    )
+    parser.add_argument(
+        "--syncs-only",
+        action="store_true",
+        help="with --redis-instructions: the backend alone (reserve, refresh, release)",
+    )
+    parser.add_argument(
+        "--child",
+        choices=("memory", "redis", "count", "count-decision", "count-redis", "count-syncs"),
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--redis-url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--redis-prefix", default="bench", help=argparse.SUPPRESS)
@@ -657,7 +889,24 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  of which the decision (the recording left out): {ir:,.0f}")
         return 0
 
+    if args.redis_instructions:
+        baseline = args.baseline.resolve() if args.baseline is not None else None
+        kind = "count-syncs" if args.syncs_only else "count-redis"
+        print("\n".join(redis_instructions(baseline, 100, 400, kind)))
+        return 0
+
     async def go() -> int:
+        if args.redis_calls:
+            print(load())
+
+            async def calls(url: str) -> dict[str, Any]:
+                return await call_costs(url, args.iterations)
+
+            async with Launcher(prefix="pd-sidecar-bench-redis-") as launcher:
+                figures = await with_redis(launcher, calls)
+            print(figures if isinstance(figures, str) else "\n".join(call_report(figures)))
+            print(load())
+            return 0
         if args.child is not None:
             figures = await child(
                 args.child,

@@ -150,15 +150,22 @@ def _without_dot_segments(path: str) -> str:
 
 
 @web.middleware
-async def canonical_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
+def canonical_paths(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
     """Route every request on its canonical target; answer 400 for a refused spelling.
 
     A target already canonical goes on at the cost of ``is_plain``. Another is served as a
     request for its canonical target: aiohttp routes before any middleware runs, so the request
-    is handed back to the application's dispatcher (routing, then every middleware) once."""
+    is handed back to the application's dispatcher (routing, then every middleware) once.
+
+    A plain function, not a coroutine, for a canonical target: aiohttp awaits what it returns,
+    the handler's own awaitable, so no frame of this middleware stays for a stream's life."""
+    if is_plain(request.raw_path) or _CANONICAL in request:
+        return handler(request)
+    return _route_canonical(request, handler)
+
+
+async def _route_canonical(request: web.Request, handler: Handler) -> web.StreamResponse:
     target = request.raw_path
-    if is_plain(target) or _CANONICAL in request:
-        return await handler(request)
     try:
         canonical = canonical_target(target)
     except BadRequest as exc:

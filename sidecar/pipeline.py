@@ -97,8 +97,43 @@ class Pipeline:
         key, record = self._tracker.start(request_id, request.path, engine_request_id(request_id))
         headers, method, path = request.headers, request.method, request.path
         trace = self._tracing.request(headers, method, path, request_id, route=path)
+        options = self._options
+        deadline = (
+            asyncio.get_running_loop().time() + options.request_timeout_s
+            if options.request_timeout_s
+            else None
+        )
+        # The exchange's outcome is relayed from this frame, not from one of its own: a frame
+        # more is held for a stream's whole life (memory per open stream,
+        # bench/stream_memory.py).
         try:
-            return await self._serve(request, record, request_id, trace)
+            with self._bodies.budget.hold() as held:
+                placement, progress, answer = await self._exchange(
+                    request, record, request_id, trace, deadline, held
+                )
+            # Returned to the budget: no leg is built from the body again, and nothing still
+            # refers to it (``_exchange``'s frame is gone), so a long stream does not keep it
+            # alive.
+            try:
+                if isinstance(answer, Refused):
+                    return _refusal(record, answer, request_id)
+                relaying = trace.phase("relay")
+                try:
+                    relayed = await relay(
+                        request,
+                        answer,
+                        request_id=request_id,
+                        idle_timeout_s=options.stream_idle_timeout_s,
+                        deadline=deadline,
+                        status_sent=progress.status_sent,
+                    )
+                finally:
+                    answer.upstream.close()
+                trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
+                _record_relayed(record, relayed, request_id)
+                return relayed.response
+            finally:
+                placement.rank.end()  # the decode rank's slot, held from the placement on
         except SidecarError as exc:  # raised before any byte of an answer went out
             _fail(record, exc)
             return error_response(exc, request_id)
@@ -120,27 +155,6 @@ class Pipeline:
             if self._options.log_requests:
                 _log_summary(record)
             trace.end(record)
-
-    async def _serve(
-        self,
-        request: web.Request,
-        record: RequestRecord,
-        request_id: str,
-        trace: RequestTrace,
-    ) -> web.StreamResponse:
-        options = self._options
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + options.request_timeout_s if options.request_timeout_s else None
-        with self._bodies.budget.hold() as held:
-            placement, progress, answer = await self._exchange(
-                request, record, request_id, trace, deadline, held
-            )
-        # Returned to the budget: no leg is built from the body again, and nothing still refers
-        # to it (``_exchange``'s frame is gone), so a long stream does not keep it alive.
-        try:
-            return await self._relay(request, record, answer, request_id, deadline, progress, trace)
-        finally:
-            placement.rank.end()  # the decode rank's slot, held from the placement on
 
     async def _exchange(
         self,
@@ -189,48 +203,6 @@ class Pipeline:
             finally:
                 progress.exchange_ended()
         return placement, progress, answer
-
-    async def _relay(
-        self,
-        request: web.Request,
-        record: RequestRecord,
-        answer: Answer | Refused,
-        request_id: str,
-        deadline: float | None,
-        progress: _Progress,
-        trace: RequestTrace,
-    ) -> web.StreamResponse:
-        if isinstance(answer, Refused):
-            record.state, record.status, record.error = State.FAILED, answer.status, answer.error
-            return web.Response(
-                status=answer.status,
-                body=answer.body,
-                headers={"content-type": answer.content_type, REQUEST_ID_HEADER: request_id},
-            )
-        relaying = trace.phase("relay")
-        try:
-            relayed = await relay(
-                request,
-                answer,
-                request_id=request_id,
-                idle_timeout_s=self._options.stream_idle_timeout_s,
-                deadline=deadline,
-                status_sent=progress.status_sent,
-            )
-        finally:
-            answer.upstream.close()
-        trace.done(relaying, {"pd_sidecar.client_gone": relayed.client_gone or None})
-        _record_relayed(record, relayed)
-        if relayed.error is not None and not relayed.client_gone:
-            # The client was told a stable sentence (sidecar.errors): the why is here, and in
-            # the record.
-            logger.warning(
-                "request %s: the answer was cut after it started: %s",
-                request_id,
-                relayed.error.message,
-                extra={"request_id": request_id},
-            )
-        return relayed.response
 
 
 class _Progress:
@@ -292,7 +264,25 @@ class _Progress:
             self._scheduler.local_first_byte(self._placement, seconds)
 
 
-def _record_relayed(record: RequestRecord, relayed: Relayed) -> None:
+def _refusal(record: RequestRecord, refused: Refused, request_id: str) -> web.Response:
+    record.state, record.status, record.error = State.FAILED, refused.status, refused.error
+    return web.Response(
+        status=refused.status,
+        body=refused.body,
+        headers={"content-type": refused.content_type, REQUEST_ID_HEADER: request_id},
+    )
+
+
+def _record_relayed(record: RequestRecord, relayed: Relayed, request_id: str) -> None:
+    if relayed.error is not None and not relayed.client_gone:
+        # The client was told a stable sentence (sidecar.errors): the why is here, and in the
+        # record.
+        logger.warning(
+            "request %s: the answer was cut after it started: %s",
+            request_id,
+            relayed.error.message,
+            extra={"request_id": request_id},
+        )
     record.status = relayed.status
     if relayed.client_gone:
         record.state = State.CANCELLED

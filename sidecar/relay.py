@@ -78,18 +78,15 @@ async def relay(
     if patch is None and not is_sse and upstream.complete:
         # The whole answer came with its first chunk (a non-streamed completion, typically):
         # one response written at once, with no timers, no per-chunk loop.
-        response = web.Response(status=upstream.status, headers=headers, body=answer.first)
+        response = web.Response(status=upstream.status, headers=headers, body=answer.take_first())
         return Relayed(response, upstream.status)
 
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        expired = True
-        upstream.close()  # the pending read fails: the loop below ends the stream
-
-    timer = asyncio.get_running_loop().call_at(deadline, expire) if deadline else None
+    # What a stream keeps for its whole life is memory per open stream (bench/stream_memory.py):
+    # the response copies the headers (the local copy goes), and the deadline's timer exists
+    # only when there is a deadline.
     out = web.StreamResponse(status=upstream.status, headers=headers)
+    del headers
+    expiry = _Expiry(upstream.close, deadline) if deadline else None
     if patch is None and upstream.content_length is not None:
         out.content_length = upstream.content_length
     rewriter = _EventRewriter(patch) if patch is not None and is_sse else None
@@ -101,17 +98,17 @@ async def relay(
         try:
             async with contextlib.aclosing(upstream.chunks(idle_timeout_s)) as source:
                 if rewriter is None:
-                    await out.write(answer.first)
+                    await out.write(answer.take_first())
                     async for chunk in source:
                         await out.write(chunk)
                 else:
-                    await out.write(rewriter.feed(answer.first))
+                    await out.write(rewriter.feed(answer.take_first()))
                     async for chunk in source:
                         await out.write(rewriter.feed(chunk))
                     await out.write(rewriter.rest())
         except EngineStreamBroken as broken:
             error = broken
-            if expired:
+            if expiry is not None and expiry.fired:
                 error = EngineTimeout("the request exceeded SIDECAR_REQUEST_TIMEOUT_S")
             if not is_sse:
                 # Nothing but the connection itself can mark a truncated body as broken.
@@ -126,9 +123,28 @@ async def relay(
     except ConnectionResetError:
         return Relayed(out, upstream.status, error, client_gone=True)
     finally:
-        if timer is not None:
-            timer.cancel()
+        if expiry is not None:
+            expiry.cancel()
     return Relayed(out, upstream.status, error)
+
+
+class _Expiry:
+    """Closes the engine's answer at ``deadline`` (loop time): the pending read fails, and the
+    relay ends the stream."""
+
+    __slots__ = ("_close", "_timer", "fired")
+
+    def __init__(self, close: Callable[[], None], deadline: float) -> None:
+        self._close = close
+        self.fired = False
+        self._timer = asyncio.get_running_loop().call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self.fired = True
+        self._close()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: float | None) -> bytes:
@@ -142,7 +158,7 @@ async def _read_rest(answer: Answer, idle_timeout_s: float | None, deadline: flo
 
 
 async def _joined(answer: Answer, idle_timeout_s: float | None) -> bytes:
-    parts = [answer.first]
+    parts = [answer.take_first()]
     async with contextlib.aclosing(answer.upstream.chunks(idle_timeout_s)) as source:
         async for chunk in source:
             parts.append(chunk)

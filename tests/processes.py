@@ -89,17 +89,19 @@ async def sidecar_process(
 
 
 class RedisServer:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *flags: str) -> None:
+        """``flags``: more of ``redis-server``'s options (``--requirepass``, ``--unixsocket``)."""
         self.port = port
         self.url = f"redis://127.0.0.1:{port}/0"
         self.process: Child | None = None
+        self._flags = flags
         self._launcher = Launcher(prefix="pd-sidecar-redis-")
 
     async def start(self) -> None:
         binary = program("redis-server", "redis-server")
         argv = [
             binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "no", *self._flags,
         ]  # fmt: skip
         self.process = await self._launcher.start(
             "redis", argv, ready=lambda: tcp_open("127.0.0.1", self.port), timeout_s=10

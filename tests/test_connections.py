@@ -80,6 +80,20 @@ async def test_a_connection_that_never_sends_is_closed_after_the_head_timeout(
     assert await metric_of(sidecar, "closed", f'listener="{port}",reason="head_timeout"') == 1
 
 
+async def test_a_connection_that_never_sends_is_closed_after_a_shorter_keep_alive_timeout(
+    start_sidecar_with: StartSidecar,
+) -> None:
+    """The listener drops aiohttp's keep-alive timer of a new connection only when the head
+    deadline comes first; with a shorter keep-alive time, that timer still closes it."""
+    sidecar = await start_sidecar_with(
+        client_header_timeout_s=KEEPALIVE_S, client_keepalive_s=HEAD_TIMEOUT_S
+    )
+    async with raw(sidecar.url) as (reader, _):
+        waited = await closed_after(reader, within=KEEPALIVE_S)
+    assert HEAD_TIMEOUT_S * 0.9 <= waited < KEEPALIVE_S, waited
+    assert await metric_of(sidecar, "closed", 'listener="api",reason="head_timeout"') == 0
+
+
 async def test_a_head_dripped_a_byte_at_a_time_is_closed_after_the_head_timeout(
     sidecar_with_timeouts: RunningSidecar,
 ) -> None:

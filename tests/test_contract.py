@@ -712,7 +712,7 @@ async def test_cancelled_twice(rig_with: RigFactory, spec: Spec, moment: str) ->
 
 
 def _serving(task: asyncio.Task[Any]) -> bool:
-    return any(where.endswith("pipeline.py:_serve") for where in awaiting(task))
+    return any(where.endswith("pipeline.py:handle") for where in awaiting(task))
 
 
 async def _held_is(rig: Rig, engine: RunningEmulator, count: int) -> bool:

@@ -167,6 +167,38 @@ async def test_stream_idle_timeout_ends_the_stream(
         assert response.status in (200, 204)
 
 
+async def test_stream_idle_timeout_cuts_only_the_silent_stream(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
+) -> None:
+    # Streams share their idle timer (sidecar.engines.upstream.IdleQueue): one that stalls is
+    # cut on time while another, flowing for many timeouts beside it, is not.
+    slow = await start_engine(decode_s_per_token=0.05)
+    sidecar = await start_sidecar_with(decode_url=slow.url, stream_idle_timeout_s=0.3)
+    await inject(http, slow, kind="stall", role="plain", after_chunks=2)
+
+    async def stream(max_tokens: int) -> tuple[int, list[bytes]]:
+        body = completion(stream=True, max_tokens=max_tokens)
+        async with http.post(sidecar.url + "/v1/completions", json=body) as response:
+            return response.status, sse_events(await response.read())
+
+    stalled = asyncio.create_task(stream(10))
+    await eventually(lambda: _inflight_is(http, sidecar, 1))
+    flowing = await stream(40)  # 2 s of tokens: more than six idle timeouts
+    status, events = await stalled
+    assert status == 200
+    assert b"[DONE]" not in events
+    assert "idle timeout" in orjson.loads(events[-1])["error"]["message"]
+    assert flowing[0] == 200
+    assert flowing[1][-1] == b"[DONE]"
+    async with http.post(slow.url + "/emulator/release") as response:
+        assert response.status in (200, 204)
+
+
+async def _inflight_is(http, sidecar, count: int) -> bool:
+    async with http.get(sidecar.url + "/debug/requests") as response:
+        return len((await response.json())["inflight"]) == count
+
+
 async def test_request_timeout_cuts_a_long_stream(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:

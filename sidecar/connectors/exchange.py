@@ -125,10 +125,19 @@ class Patch(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
-    """The decode engine's answer, started: status and headers in, the first body chunk read."""
+    """The decode engine's answer, started: status and headers in, the first body chunk read.
+
+    Not frozen: the relay takes ``first`` out (``take_first``) as it writes it, so that a
+    stream does not hold its first chunk for its whole life (memory per open stream,
+    bench/stream_memory.py)."""
 
     upstream: EngineAnswer
     first: bytes
     patch: Patch | None = None
+
+    def take_first(self) -> bytes:
+        """``first``, which this answer then no longer holds (``b""`` once taken)."""
+        first, self.first = self.first, b""
+        return first

@@ -87,12 +87,16 @@ class EngineAnswer:
     Body errors surface as ``EngineStreamBroken`` (or ``EngineTimeout`` for a one-shot read).
     """
 
-    __slots__ = ("_response", "engine")
+    __slots__ = ("_idle", "_response", "engine")
 
-    def __init__(self, response: aiohttp.ClientResponse, engine: str) -> None:
+    def __init__(
+        self, response: aiohttp.ClientResponse, engine: str, idle: IdleWatches | None = None
+    ) -> None:
+        """``idle``: the idle watches ``chunks`` joins (its client's; None: one of its own)."""
         self._response = response
         self.engine = engine
         """``host:port`` of the engine, for messages."""
+        self._idle = idle
 
     @property
     def status(self) -> int:
@@ -182,8 +186,10 @@ class EngineAnswer:
             except _TRANSPORT_ERRORS as exc:
                 raise self._broken(exc) from exc
             return
+        if self._idle is None:
+            self._idle = IdleWatches()
         loop = asyncio.get_running_loop()
-        watch = _IdleWatch(loop, idle_timeout_s, self._response.close)
+        watch = self._idle.watch(idle_timeout_s, self._response.close)
         try:
             while True:
                 watch.since = loop.time()
@@ -209,38 +215,92 @@ class EngineAnswer:
         return EngineStreamBroken(f"{self.engine} broke the stream: {_describe(exc)}")
 
 
-class _IdleWatch:
-    """Closes a response once a read of it has waited ``seconds`` for data.
+class IdleWatches:
+    """Engine answers being read, each closed once a read of it has waited its timeout for
+    data, under one timer per timeout (``IdleQueue``) rather than one per stream (memory per
+    open stream, bench/stream_memory.py). One per ``HttpClient``; a stream's timeout is the one
+    setting, so there is one queue, bounded by the settings' values."""
 
-    One timer per idle period rather than one per chunk: the reader only stamps ``since`` around
-    each read, and the timer re-arms itself at the current read's deadline. Only time spent
-    waiting for the engine counts, not time the caller spends writing what it read.
-    """
+    __slots__ = ("_queues",)
 
-    __slots__ = ("_close", "_handle", "_loop", "_seconds", "fired", "since")
+    def __init__(self) -> None:
+        self._queues: dict[float, IdleQueue] = {}
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, seconds: float, close: Callable[[], None]
-    ) -> None:
-        self._loop = loop
+    def watch(self, seconds: float, close: Callable[[], None]) -> IdleWatch:
+        """A watch for one answer's reads, until its ``stop()``."""
+        queue = self._queues.get(seconds)
+        if queue is None:
+            queue = self._queues[seconds] = IdleQueue(seconds, asyncio.get_running_loop())
+        watch = IdleWatch(queue, close)
+        queue.add(watch)
+        return watch
+
+
+class IdleQueue:
+    """The watches of one timeout, under one timer set for the earliest moment a pending read
+    can have waited the timeout; when it fires it closes the reads that have, and is set again
+    for the next earliest. A reader only stamps ``since`` around each read (as cheap per chunk
+    as a timer of its own was): a read that starts later is due later than the timer, never
+    earlier, so the timer is exact. A sweep visits every watch, and happens about once per
+    timeout while the streams flow."""
+
+    __slots__ = ("_loop", "_seconds", "_timer", "_watches")
+
+    def __init__(self, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
         self._seconds = seconds
-        self._close = close
-        self.since: float | None = None
-        """Loop time the pending read started; None between reads."""
-        self.fired = False
-        self._handle = loop.call_at(loop.time() + seconds, self._check)
+        self._loop = loop
+        self._watches: set[IdleWatch] = set()
+        self._timer: asyncio.TimerHandle | None = None
 
-    def _check(self) -> None:
+    def add(self, watch: IdleWatch) -> None:
+        self._watches.add(watch)
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._loop.time() + self._seconds, self._sweep)
+
+    def remove(self, watch: IdleWatch) -> None:
+        self._watches.discard(watch)  # the timer stays: it finds nothing due and stops
+
+    def _sweep(self) -> None:
+        self._timer = None
+        seconds = self._seconds
         now = self._loop.time()
-        if self.since is not None and now - self.since >= self._seconds:
-            self.fired = True
-            self._close()  # the pending read fails
-            return
-        start = now if self.since is None else self.since
-        self._handle = self._loop.call_at(start + self._seconds, self._check)
+        earliest = now + seconds  # a read starting from now on is due no earlier
+        late = []
+        for watch in self._watches:
+            since = watch.since
+            if since is None:
+                continue
+            if now - since >= seconds:
+                late.append(watch)
+            elif since + seconds < earliest:
+                earliest = since + seconds
+        for watch in late:
+            self._watches.discard(watch)
+            watch.expire()
+        if self._watches:
+            self._timer = self._loop.call_at(earliest, self._sweep)
+
+
+class IdleWatch:
+    """One answer's reads: its reader sets ``since`` (loop time) when a read starts and None
+    when it ends. A read that waits the queue's timeout closes the answer (the pending read
+    fails) and sets ``fired``. Only time spent waiting for the engine counts, not time the
+    caller spends writing what it read."""
+
+    __slots__ = ("_close", "_queue", "fired", "since")
+
+    def __init__(self, queue: IdleQueue, close: Callable[[], None]) -> None:
+        self._queue = queue
+        self._close = close
+        self.fired = False
+        self.since: float | None = None
 
     def stop(self) -> None:
-        self._handle.cancel()
+        self._queue.remove(self)
+
+    def expire(self) -> None:
+        self.fired = True
+        self._close()
 
 
 class HttpClient:
@@ -254,6 +314,7 @@ class HttpClient:
 
     __slots__ = (
         "_headers",
+        "_idle",
         "_keepalive_s",
         "_limit",
         "_limit_per_host",
@@ -281,6 +342,7 @@ class HttpClient:
         self._limit_per_host = limit_per_host
         self._tls = tls
         self._headers = headers
+        self._idle = IdleWatches()
         self._session: aiohttp.ClientSession | None = None
         self._timeouts: BoundedCache[float | None, aiohttp.ClientTimeout] = BoundedCache(
             _TIMEOUTS_KEPT
@@ -358,7 +420,7 @@ class HttpClient:
             ) from exc
         except _TRANSPORT_ERRORS as exc:
             raise _translate(exc, f"{role} at {name} is unreachable") from exc
-        return EngineAnswer(response, name)
+        return EngineAnswer(response, name, self._idle)
 
     def _timeout(self, total_s: float | None) -> aiohttp.ClientTimeout:
         # The settings give a few values; a deadline-bounded prefill gives a new one per

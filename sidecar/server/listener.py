@@ -249,6 +249,12 @@ class ConnectionHandler(RequestHandler):
             return
         self.booked = True
         super().connection_made(transport)
+        if self._book.limits.keepalive_s >= self._book.limits.head_timeout_s:
+            # aiohttp starts its keep-alive timer at the accept, lest a connection that never
+            # sends stay open; the head deadline closes that one first, and the timer (~0.6
+            # KiB) would stay for as long as the keep-alive time, an hour by default, through
+            # the stream this connection serves.
+            self.keep_alive(True)
         self._wait_for_head()
         self._start_head_timer()  # a new connection: from the accept
 
@@ -276,6 +282,11 @@ class ConnectionHandler(RequestHandler):
         self._body = body
         self._cancel_head_timer()
         self._book.busy(self)
+        # Not idle until the answer is sent, when aiohttp starts its keep-alive timer again:
+        # the one it started after the last answer would stay until it fires (an hour, by
+        # default), through this request's whole stream. (The mode itself stays on: a
+        # connection that was not kept alive gets no next request.)
+        self.keep_alive(True)
 
     def log_access(
         self, request: BaseRequest, response: web.StreamResponse, time: float | None

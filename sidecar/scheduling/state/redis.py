@@ -1,9 +1,10 @@
 """The Redis backend: every sidecar's reservations, speed estimates and ejections, shared.
 
 The protocol itself — the sync script, what a sync sends and makes of the answer, when to sync —
-is ``protocol.SyncProtocol``, without I/O; this module drives it with redis-py and asyncio (as the
-simulator drives it in virtual time): the connection, the tasks, the waits, the log and the
-counters.
+is ``protocol.SyncProtocol``, without I/O; this module drives it with asyncio (as the simulator
+drives it in virtual time): the connection, the tasks, the waits, the log and the counters. The
+syncs go over a bare connection of their own (``resp``) when the URL is one it speaks and Redis
+is not a cluster, else through redis-py's client, which the prefix share always uses.
 
 On the request path only ``refresh`` talks to Redis, before the scheduler decides where a
 prompt prefills: it joins the sync in flight or starts one, waits for its answer at most
@@ -41,7 +42,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from sidecar.scheduling.model import Speed
-from sidecar.scheduling.state import Reservation, SharedView, prefix_share
+from sidecar.scheduling.state import Reservation, SharedView, prefix_share, resp
 from sidecar.scheduling.state.prefix_share import PrefixShare, stream_key
 from sidecar.scheduling.state.protocol import (
     BACKOFF_FIRST_S,
@@ -58,6 +59,12 @@ logger = logging.getLogger("sidecar.scheduling.state")
 _ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 """What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
 covered" are not RedisErrors)."""
+
+
+def _settle(waiter: asyncio.Future[bool], answered: bool) -> None:
+    """``waiter``'s outcome: whichever of the sync's end and the budget comes first."""
+    if not waiter.done():
+        waiter.set_result(answered)
 
 
 class RedisState:
@@ -99,6 +106,8 @@ class RedisState:
         self._sharer: asyncio.Task[None] | None = None
         self._client: aioredis.Redis | RedisCluster | None = None
         self._script: Any = None
+        self._resp: resp.RespConnection | None = None
+        """The syncs' own connection (a standalone Redis whose URL it speaks: ``resp``)."""
         self._sync: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
         self.connected = False
@@ -121,6 +130,9 @@ class RedisState:
                 self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
             )
         self._script = self._client.register_script(SCRIPT)
+        if not self._cluster and resp.supports(self._url):
+            name = f"pd-sidecar-sync-{self._protocol.sidecar}"
+            self._resp = resp.RespConnection(self._url, timeout_s=1.0, name=name)
         self._worker = asyncio.create_task(self._work(), name="redis-state-sync")
         if self._share is not None:
             self._share_script = self._client.register_script(prefix_share.SCRIPT)
@@ -137,10 +149,13 @@ class RedisState:
                 async with asyncio.timeout(0.5):
                     sidecar = self._protocol.sidecar
                     goodbye = [sidecar, repr(self._clock()), repr(self._protocol.lease_s), "", 0, 0]
-                    await self._script(keys=self.keys, args=goodbye)
+                    await self._call_script(goodbye)
                     await self._client.zrem(self.keys[0], sidecar)
             await self._client.aclose()
             self._client = None
+        if self._resp is not None:
+            self._resp.close()
+            self._resp = None
 
     def view(self) -> SharedView:
         return self._protocol.view()
@@ -148,12 +163,21 @@ class RedisState:
     async def refresh(self) -> None:
         if not self._protocol.decision_waits(self._clock()):
             return  # Redis is down: decide on the view there is rather than wait for nothing
-        if self._sync is None:
-            self._sync = asyncio.create_task(self._run_sync())
+        sync = self._sync
+        if sync is None:
+            sync = self._sync = asyncio.create_task(self._run_sync())
+        # The sync goes on without the decision (it owes the view its answer): the decision
+        # waits for its end or the budget on a future of its own, which is what the timeout
+        # and the shield of ``asyncio.timeout(...): await shield(sync)`` do, for half the
+        # instructions (docs/benchmarks.md, issue 25).
+        waiter = asyncio.get_running_loop().create_future()
+        sync.add_done_callback(lambda _: _settle(waiter, True))
+        timer = waiter.get_loop().call_later(self._timeout_s, _settle, waiter, False)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                await asyncio.shield(self._sync)
-        except TimeoutError:
+            answered = await waiter
+        finally:
+            timer.cancel()
+        if not answered:
             self._record_error("timeout", "no answer within the decision budget")
 
     def reserve(self, endpoint: str, tokens: int) -> Reservation:
@@ -231,7 +255,7 @@ class RedisState:
     async def _run_sync(self) -> None:
         sync = self._protocol.begin(self._clock())
         try:
-            raw = await self._script(keys=self.keys, args=sync.args())
+            raw = await self._call_script(sync.args())
             reply = decode_reply(raw, now=self._clock(), max_ejection_s=self._max_ejection_s)
         except asyncio.CancelledError:
             self._protocol.cancelled(sync)
@@ -256,6 +280,11 @@ class RedisState:
             self.last_sync_unix = self._clock()
         finally:
             self._sync = None
+
+    async def _call_script(self, args: list[Any]) -> Any:
+        if self._resp is not None:
+            return await self._resp.evalsha(self._script.sha, SCRIPT, self.keys, args)
+        return await self._script(keys=self.keys, args=args)
 
     async def _share_work(self) -> None:
         """The prefix share's syncs: a batch of placements at most every ``SYNC_S``, and a read
