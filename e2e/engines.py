@@ -119,6 +119,8 @@ class VllmEngine:
     """Overrides of the engine's environment (e.g. UCX_LOG_LEVEL when debugging a transfer)."""
     extra_args: list[str] = field(default_factory=list)
     """More server arguments (e.g. ``--otlp-traces-endpoint``)."""
+    kv_events_config: dict[str, object] | None = None
+    """vLLM's ``--kv-events-config`` (publish KV-cache events over ZMQ), None: no events."""
     process: Child | None = field(default=None, repr=False)
 
     @property
@@ -167,8 +169,14 @@ class VllmEngine:
             "--enable-prompt-tokens-details",
             "--kv-transfer-config",
             json.dumps(kv_config),
+            *self.events_args(),
             *self.extra_args,
         ]
+
+    def events_args(self) -> list[str]:
+        if self.kv_events_config is None:
+            return []
+        return ["--kv-events-config", json.dumps(self.kv_events_config)]
 
     def kv_transfer_config(self) -> dict[str, object]:
         """``--kv-transfer-config``: NIXL (pull or push) with a producer and a consumer on CPU

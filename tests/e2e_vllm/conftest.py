@@ -74,6 +74,7 @@ MODULE_ORDER = (
     "test_nixl_push.py",
     "test_shared_storage.py",
     "test_tracing.py",
+    "test_kv_events.py",
 )
 """The order modules run in. Each starts a pair of its own, which stops the one before; the
 session's NixlConnector pair (``cluster``) is test_prefix_placement.py's (with a second prefill
@@ -166,6 +167,12 @@ _RUNNING: list[Cluster] = []
 """Pairs started and not yet stopped: at most one (see ``start_cluster``)."""
 
 
+async def stop_pairs() -> None:
+    """Stop every pair still running (a module that starts engines of its own calls it first)."""
+    for other in list(_RUNNING):
+        await other.stop()
+
+
 def log_dir_for(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(os.environ.get("E2E_VLLM_LOG_DIR") or tmp_path_factory.mktemp("e2e-vllm-logs"))
 
@@ -190,8 +197,7 @@ async def start_cluster(
     home = VllmHome.locate()
     if (problem := home.missing()) is not None:
         pytest.fail(problem, pytrace=False)
-    for other in list(_RUNNING):
-        await other.stop()
+    await stop_pairs()
     prefill_cpu, decode_cpu = engine_cores()
     roles: tuple[tuple[Role, int | None], ...] = (("prefill", prefill_cpu), ("decode", decode_cpu))
     prefill, decode = (

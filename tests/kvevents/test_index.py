@@ -331,9 +331,11 @@ def test_a_block_stored_again_is_kept_once_and_made_recent() -> None:
     engine, index = Engine(), KVIndex(max_blocks=6)
     first, second = tokens(17, 4 * BS), tokens(18, 2 * BS)
     index.apply(engine.batch(engine.store(first), engine.store(second)))
-    # vLLM re-publishes a prompt's reused blocks (``emit_cached_block_events``): no double count.
+    # vLLM re-publishes a prompt's reused blocks (``emit_cached_block_events``, from block 0):
+    # no double count, and not a copy either.
     index.apply(engine.batch(engine.store(first)))
     assert len(index) == 6
+    assert index.stats().copies == 0
     index.apply(engine.batch(engine.remove(first, [0])))
     assert index.lookup([*first, 1]).gpu == 0
     # ``second`` is now the oldest: the cap drops it first.
@@ -341,6 +343,49 @@ def test_a_block_stored_again_is_kept_once_and_made_recent() -> None:
     assert index.lookup([*first, 1]).gpu == 4 * BS
     assert index.lookup([*second, 1]).gpu == 0
     assert index.stats().dropped == 2
+
+
+def test_a_block_stored_again_after_its_parent_is_a_copy_held_until_every_copy_goes() -> None:
+    engine, index = Engine(), KVIndex(max_blocks=100)
+    prompt = tokens(22, 4 * BS)
+    index.apply(engine.batch(engine.store(prompt)))
+    # vLLM computes the last token of a prompt whose blocks are all cached: its last block is
+    # computed again into a new block, stored after its parent under the same hash (twice here).
+    again = engine.store(prompt, start_block=3)
+    index.apply(engine.batch(again))
+    index.apply(engine.batch(again))
+    assert len(index) == 4
+    assert index.stats().copies == 2
+    for left in (1, 0):
+        index.apply(engine.batch(engine.remove(prompt, [3])))
+        assert index.lookup([*prompt, 1]).gpu == 4 * BS
+        assert index.stats().copies == left
+    index.apply(engine.batch(engine.remove(prompt, [3])))
+    assert index.lookup([*prompt, 1]).gpu == 3 * BS
+    assert (index.stats().removed, len(index)) == (3, 3)
+    # A copy in another medium is that medium's first, not a copy.
+    index.apply(engine.batch(engine.store(prompt, start_block=2, medium=MEDIUM_CPU)))
+    assert index.stats().copies == 0
+
+
+def test_copies_leave_with_their_block() -> None:
+    engine, index = Engine(), KVIndex(max_blocks=6)
+    first = tokens(23, 3 * BS)
+    index.apply(engine.batch(engine.store(first), engine.store(first, start_block=2)))
+    assert index.stats().copies == 1
+    # The cap drops the block: its copy goes with it, and a new store of it is one block.
+    index.apply(engine.batch(engine.store(tokens(24, 6 * BS))))
+    assert index.stats().copies == 0
+    index.apply(engine.batch(engine.store(first)))
+    index.apply(engine.batch(engine.remove(first, [2])))
+    assert index.lookup([*first, 1]).gpu == 2 * BS
+    # Cleared: none left either.
+    index.apply(
+        engine.batch(engine.store(first, start_block=2), engine.store(first, start_block=2))
+    )
+    assert index.stats().copies == 1
+    index.apply(engine.batch(AllBlocksCleared()))
+    assert index.stats().copies == 0
 
 
 def test_the_cap_drops_the_oldest_blocks_and_counts_them() -> None:
