@@ -14,9 +14,10 @@ COPY pyproject.toml README.md LICENSE ./
 COPY sidecar/ sidecar/
 # Every dependency ships wheels for CPython 3.11 on x86_64 and arm64, so no compiler is needed
 # here either; on a platform without one pip stops with an error naming the package. The tracing
-# extra (OpenTelemetry SDK, OTLP/HTTP exporter) is in: SIDECAR_TRACING=true works in the image.
+# extra (OpenTelemetry SDK, OTLP/HTTP exporter) is in: SIDECAR_TRACING=true works in the image;
+# so is the kvevents extra (pyzmq, msgpack): SIDECAR_KV_EVENTS=true does too.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --disable-pip-version-check --wheel-dir /wheels ".[tracing]"
+    python -m pip wheel --disable-pip-version-check --wheel-dir /wheels ".[tracing,kvevents]"
 
 # --- run: the wheels installed on the same base, nothing to build with -------------------------
 FROM python:3.11-slim-bookworm
@@ -40,7 +41,7 @@ LABEL org.opencontainers.image.title="pd-sidecar" \
 # come with the base image and are needed by nothing at run time: removed.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m pip install --disable-pip-version-check --root-user-action=ignore --no-cache-dir \
-        --no-index --find-links /wheels "pd-sidecar[tracing]==${VERSION}" \
+        --no-index --find-links /wheels "pd-sidecar[tracing,kvevents]==${VERSION}" \
  && python -m pip uninstall --disable-pip-version-check --root-user-action=ignore --yes \
         setuptools wheel
 

@@ -12,6 +12,7 @@ import logging
 import random
 import ssl
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -51,6 +52,9 @@ from sidecar.server.admin import AdminViews
 from sidecar.server.drain import Drain
 from sidecar.tasks import stop_task
 
+if TYPE_CHECKING:
+    from sidecar.kvevents.fleet import KVFleet
+
 logger = logging.getLogger("sidecar.app")
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -71,6 +75,7 @@ POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
 TRACING = web.AppKey("tracing", Tracing)
 RANK_PORTS = web.AppKey("rank_ports", RankPorts)
+KV_FLEET: web.AppKey[KVFleet] = web.AppKey("kv_fleet")
 
 
 def create_app(
@@ -126,11 +131,14 @@ def create_app(
         decode_insecure=settings.decode_skip_verify,
     )
     app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
+    discovery = Discovery(settings.prefill_endpoints, settings.prefill_dns, resolver=resolver)
+    kv_fleet = _kv_fleet(app, settings, engines, metrics, discovery)
     scheduler = Scheduler(
         SchedulerOptions.from_settings(settings),
-        discovery=Discovery(settings.prefill_endpoints, settings.prefill_dns, resolver=resolver),
+        discovery=discovery,
         backend=_state_backend(settings, metrics),
         metrics=metrics,
+        kv_events=kv_fleet,
     )
     metrics.zero_ranks(len(scheduler.ranks))
     options = MonitorOptions.from_settings(settings)
@@ -226,6 +234,7 @@ def create_app(
         metrics=metrics,
         tracker=tracker,
         pool_watch=pool_watch,
+        kv_events=None if kv_fleet is None else kv_fleet.status,
     )
     admin = app
     if settings.admin_port is not None:
@@ -253,6 +262,8 @@ def create_app(
 
     app.cleanup_ctx.append(_tracing_ctx)  # closed last: the releases' spans end before it
     app.cleanup_ctx.append(_engines_ctx)
+    # Before the scheduler: its first discovery subscribes to the pool's members.
+    app.cleanup_ctx.append(_kv_events_ctx)
     app.cleanup_ctx.append(_scheduler_ctx)
     app.cleanup_ctx.append(_background_ctx)  # closed first: its work uses scheduler and engines
     # After the scheduler: its first scrape round polls the pool discovery found.
@@ -326,6 +337,33 @@ def _pool_watch(
     return watch
 
 
+def _kv_fleet(
+    app: web.Application,
+    settings: Settings,
+    engines: Engines,
+    metrics: Metrics,
+    discovery: Discovery,
+) -> KVFleet | None:
+    """The KV-event subscribers and exact indexes (SIDECAR_KV_EVENTS), following discovery."""
+    if not settings.kv_events:
+        return None
+    # Imported only when used: zmq and msgpack are the kvevents extra's.
+    from sidecar.kvevents.fleet import FleetOptions, KVFleet
+    from sidecar.kvevents.tokens import TokenSource
+    from sidecar.observability.kv_metrics import KVEventsCollector
+
+    tokens = TokenSource(
+        engines.requests,
+        settings.decode_ranks[0],
+        timeout_s=settings.kv_events_tokenize_timeout_ms / 1000,
+    )
+    fleet = KVFleet(FleetOptions.from_settings(settings), tokens=tokens)
+    discovery.listen(fleet.follow)
+    metrics.registry.register(KVEventsCollector(fleet.report))
+    app[KV_FLEET] = fleet
+    return fleet
+
+
 def make_connector(settings: Settings, parts: Parts) -> Connector:
     """The connector ``SIDECAR_CONNECTOR`` names (``create_app``'s default factory)."""
     name = settings.connector
@@ -363,6 +401,15 @@ async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[SCHEDULER].start()
     yield
     await app[SCHEDULER].close()
+
+
+async def _kv_events_ctx(app: web.Application) -> AsyncIterator[None]:
+    if KV_FLEET not in app:
+        yield
+        return
+    await app[KV_FLEET].start()
+    yield
+    await app[KV_FLEET].close()
 
 
 async def _background_ctx(app: web.Application) -> AsyncIterator[None]:

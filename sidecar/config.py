@@ -215,6 +215,79 @@ class Settings(BaseSettings):
         "SIDECAR_STATE_BACKEND=redis the sidecars share what they placed only when it is "
         "set; unset, each sidecar draws a key of its own and learns alone.",
     )
+    # Issue 26: what the engines say they hold (docs/kv-events.md, docs/scheduling.md "Exact
+    # prefix state from KV events").
+    kv_events: bool = Field(
+        False,
+        description="Subscribe to the KV-cache events of the prefill pool's members and of the "
+        "local decode ranks (vLLM --kv-events-config) and predict their prefix-cache hits from "
+        "what they report; an engine without events keeps the approximate indexes. Needs the "
+        "kvevents extra (pip install 'pd-sidecar[kvevents]'; the image has it).",
+    )
+    kv_events_port: int = Field(
+        5557,
+        ge=1,
+        le=65535,
+        description="Port of the prefill engines' KV-event publisher (vLLM's endpoint, "
+        "tcp://*:5557), on each pool member's address.",
+    )
+    kv_events_replay_port: int | None = Field(
+        5657,
+        ge=1,
+        le=65535,
+        description="Port of the prefill engines' replay socket (vLLM's replay_endpoint; vLLM "
+        "adds the data-parallel rank to both ports, so 5558 would be rank 1's events port). "
+        "Empty: no replay, a lost message resets that engine's index.",
+    )
+    kv_events_topic: str = Field(
+        "",
+        max_length=256,
+        description="Topic the engines publish their KV events under (vLLM's topic; the same "
+        "on every engine).",
+    )
+    kv_events_decode_port: int | None = Field(
+        5557,
+        ge=1,
+        le=65535,
+        description="Port of the local decode engine's KV-event publisher, on the host of its "
+        "URL; rank r of SIDECAR_DECODE_URLS on this port + r (vLLM's data-parallel offset). "
+        "Empty: the decode ranks are not subscribed to.",
+    )
+    kv_events_decode_replay_port: int | None = Field(
+        5657,
+        ge=1,
+        le=65535,
+        description="Port of the local decode engine's replay socket, + r for rank r. Empty: "
+        "no replay.",
+    )
+    kv_events_cpu_weight: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="Share of a prefix hit in an engine's CPU offload (beyond what its GPU "
+        "holds) that the decision counts as cached: the blocks are loaded back, not computed.",
+    )
+    kv_events_storage_weight: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share of a prefix hit in an engine's storage tier (beyond its GPU and CPU) "
+        "that the decision counts as cached.",
+    )
+    kv_events_tokenize_timeout_ms: float = Field(
+        50,
+        gt=0,
+        description="Longest wait, in milliseconds, for the local decode engine's /tokenize to "
+        "give a request's token ids (counted in its time to first token); past it the request "
+        "is placed by the approximate indexes.",
+    )
+    kv_events_max_blocks: int = Field(
+        100_000,
+        ge=1,
+        le=(1 << 20) - 1,
+        description="Blocks the exact index of one engine (or decode rank) holds at most, about "
+        "320 bytes each; the engine's own evictions normally keep it smaller.",
+    )
     eject_after_failures: int = Field(
         3, ge=1, description="Consecutive failures that eject a prefill endpoint."
     )
@@ -760,6 +833,9 @@ class Settings(BaseSettings):
     @field_validator(
         "scheduler_seed",
         "prefix_hash_key",
+        "kv_events_replay_port",
+        "kv_events_decode_port",
+        "kv_events_decode_replay_port",
         "admin_port",
         "tls_cert_file",
         "tls_key_file",
@@ -844,6 +920,25 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"SIDECAR_RANK_PORTS: SIDECAR_ADMIN_PORT={self.admin_port} is the port of a "
                 "decode rank (SIDECAR_PORT + rank): choose another"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kv_event_ports_fit(self) -> Settings:
+        ranks = len(self.decode_ranks)
+        port, replay = self.kv_events_decode_port, self.kv_events_decode_replay_port
+        for name, first in (("PORT", port), ("REPLAY_PORT", replay)):
+            if first is not None and first + ranks - 1 > 65535:
+                raise ValueError(
+                    f"SIDECAR_KV_EVENTS_DECODE_{name}: the ports of {ranks} decode ranks from "
+                    f"{first} run past 65535"
+                )
+        if port is not None and replay is not None and abs(port - replay) < ranks:
+            raise ValueError(
+                f"SIDECAR_KV_EVENTS_DECODE_PORT={port} and SIDECAR_KV_EVENTS_DECODE_REPLAY_PORT="
+                f"{replay}: with {ranks} "
+                "decode ranks (each on the port + its rank) a rank's replay port would be "
+                "another's events port; set them at least the rank count apart (e.g. 5557, 5657)"
             )
         return self
 

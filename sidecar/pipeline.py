@@ -298,6 +298,7 @@ def _record_placement(record: RequestRecord, placement: Placement) -> None:
     _record_rank(record, placement)
     record.reason = placement.decision.reason
     record.predicted_prefill_s = placement.decision.predicted_s
+    record.tokenize_s, record.cached_source = placement.tokenize_s, placement.cached_source
     if placement.endpoint is None:
         record.decision = Decision.LOCAL
     else:

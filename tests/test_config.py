@@ -153,6 +153,16 @@ INVALID = [
     ("SIDECAR_KUBE_RETRY_BASE_S", "0"),
     ("SIDECAR_KUBE_RETRY_MAX_S", "0"),
     ("SIDECAR_TRACING", "perhaps"),
+    ("SIDECAR_KV_EVENTS", "perhaps"),
+    ("SIDECAR_KV_EVENTS_PORT", "0"),
+    ("SIDECAR_KV_EVENTS_REPLAY_PORT", "70000"),
+    ("SIDECAR_KV_EVENTS_TOPIC", "t" * 257),
+    ("SIDECAR_KV_EVENTS_DECODE_PORT", "65536"),
+    ("SIDECAR_KV_EVENTS_DECODE_REPLAY_PORT", "5557"),  # the events port: they would collide
+    ("SIDECAR_KV_EVENTS_CPU_WEIGHT", "1.5"),
+    ("SIDECAR_KV_EVENTS_STORAGE_WEIGHT", "-0.1"),
+    ("SIDECAR_KV_EVENTS_TOKENIZE_TIMEOUT_MS", "0"),
+    ("SIDECAR_KV_EVENTS_MAX_BLOCKS", "1048576"),
 ]
 """One invalid value per setting (a test checks that none is missing)."""
 
@@ -491,3 +501,16 @@ def test_docs_document_every_setting_with_its_default() -> None:
         )
         assert row is not None, f"{variable} is not in docs/configuration.md"
         assert f"`{default}`" in row or (default == "" and "(empty)" in row), row
+
+
+def test_the_decode_ranks_kv_event_ports_must_not_collide() -> None:
+    ranks = ("http://127.0.0.1:8200", "http://127.0.0.1:8201", "http://127.0.0.1:8202")
+    # vLLM puts rank r on port + r: with 5557 and 5558, rank 1's events port is rank 0's replay.
+    with pytest.raises(ValidationError, match="at least the rank count apart"):
+        Settings(decode_urls=ranks, kv_events_decode_port=5557, kv_events_decode_replay_port=5558)
+    settings = Settings(
+        decode_urls=ranks, kv_events_decode_port=5557, kv_events_decode_replay_port=5560
+    )
+    assert settings.kv_events_decode_replay_port == 5560
+    with pytest.raises(ValidationError, match="run past 65535"):
+        Settings(decode_urls=ranks, kv_events_decode_port=65534, kv_events_decode_replay_port=None)

@@ -389,8 +389,10 @@ async def test_the_installation_runs_the_sidecar_and_the_emulator(installed, htt
                 "python",
                 "-c",
                 "import json, os, sys, sidecar;"
-                # The tracing extra is installed: SIDECAR_TRACING=true works in the image.
+                # The tracing extra is installed: SIDECAR_TRACING=true works in the image; the
+                # kvevents extra too: SIDECAR_KV_EVENTS=true does.
                 "import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.http;"
+                "import zmq, msgpack;"
                 "print(json.dumps([sidecar.__file__, sys.path, os.getuid()]))",
             ),
             installed.env,

@@ -34,6 +34,8 @@ RECORD_KEYS = {
     "decode_url",
     "prefill_predicted_ms",
     "prefill_predicted_cached_tokens",
+    "cached_source",
+    "tokenize_ms",
     "prefill_observed_ms",
     "state",
     "status",

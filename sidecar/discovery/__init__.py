@@ -18,6 +18,8 @@ logger = logging.getLogger("sidecar.discovery")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """(name, port) → IP addresses (A and AAAA)."""
+Listener = Callable[[tuple[Endpoint, ...]], Awaitable[None]]
+"""Told every answer of ``resolve`` (the KV-event subscribers follow the pool so)."""
 
 
 async def system_resolver(name: str, port: int) -> list[str]:
@@ -39,7 +41,12 @@ class Discovery:
         self._dns = dns
         self._resolver = resolver
         self._resolved: tuple[Endpoint, ...] = ()
+        self._listeners: list[Listener] = []
         self.last_error: str | None = None
+
+    def listen(self, listener: Listener) -> None:
+        """Call ``listener`` with every answer ``resolve`` gives, after it is made."""
+        self._listeners.append(listener)
 
     @property
     def uses_dns(self) -> bool:
@@ -63,4 +70,7 @@ class Discovery:
             else:
                 self.last_error = None
                 self._resolved = tuple(Endpoint(a.lower(), self._dns.port) for a in addresses)
-        return tuple(dict.fromkeys(self._static + self._resolved))
+        current = tuple(dict.fromkeys(self._static + self._resolved))
+        for listener in self._listeners:
+            await listener(current)
+        return current

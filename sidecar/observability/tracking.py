@@ -82,6 +82,12 @@ class RequestRecord:
     predicted_prefill_s: float | None = None
     predicted_cached_tokens: int | None = None
     """Tokens of the prompt the prefill prefix index predicted the prefill endpoint holds."""
+    tokenize_s: float | None = None
+    """Seconds spent getting the prompt's token ids for the exact indexes (SIDECAR_KV_EVENTS),
+    part of the time to first token; None when not asked."""
+    cached_source: str | None = None
+    """Where the predicted cached tokens came from: ``events`` or ``approximate`` (None: events
+    off)."""
     prefill_attempts: int = 0
     decode_rank: int | None = None
     """Index (into SIDECAR_DECODE_URLS; 0 with one decode URL) of the rank the request went to."""
@@ -128,6 +134,8 @@ class RequestRecord:
             "started_at": self.started_at,
             "prefill_predicted_ms": _ms(self.predicted_prefill_s),
             "prefill_predicted_cached_tokens": self.predicted_cached_tokens,
+            "cached_source": self.cached_source,
+            "tokenize_ms": _ms(self.tokenize_s),
             "prefill_observed_ms": _ms(self.observed_prefill_s()),
             "phases": {str(name): round(value, 6) for name, value in self.phases.items()},
             "durations_ms": {name: _ms(value) for name, value in self.durations().items()},

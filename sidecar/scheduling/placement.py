@@ -14,7 +14,7 @@ backend and metrics; the simulator (``bench/sim``) with a modelled cluster in vi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +40,9 @@ LOCAL_PRIOR = Speed(s_per_token=1e-4, overhead_s=0.01)
 STALE_AFTER_SCRAPES = 3
 """A scrape older than this many intervals is ignored (treated as unknown)."""
 HEALTHY = Availability.HEALTHY  # read per endpoint per decision: one global, not an enum look-up
+ExactCache = Callable[[str], "int | None"]
+"""An endpoint's key → the prompt's tokens its KV events say it holds, weighed by medium
+(``sidecar.kvevents.fleet``); None when it has no events in sync."""
 SPEED_SAMPLES_TRUSTED = 3
 """Below this many own observations, a speed shared by other sidecars is preferred."""
 
@@ -96,6 +99,12 @@ class Placement:
     local_tokens: int = 0
     prefix: PrefixGuess | None = None
     """The prefill prefix index's prediction for the endpoint, compared with its answer."""
+    tokenize_s: float | None = None
+    """Seconds spent getting the prompt's token ids for the exact indexes (SIDECAR_KV_EVENTS;
+    None: not asked)."""
+    cached_source: str | None = None
+    """Where the prefill's cached tokens were predicted from: ``events`` (the engine's exact
+    index) or ``approximate``; None without KV events."""
 
 
 class Planner:
@@ -165,11 +174,18 @@ class Planner:
             self.prefixes.forget(key)
 
     def candidates(
-        self, view: SharedView, now: float, wall: float, hashes: Sequence[bytes] = ()
+        self,
+        view: SharedView,
+        now: float,
+        wall: float,
+        hashes: Sequence[bytes] = (),
+        exact: ExactCache | None = None,
     ) -> list[Candidate]:
         """Every available endpoint as a policy sees it: not draining, not ejected here, not
         ejected by another sidecar (``view.ejected_until``, Unix time); with ``hashes`` (the
-        prompt's prefix blocks), what each is predicted to hold of it."""
+        prompt's prefix blocks), what each is predicted to hold of it. ``exact``: what an
+        endpoint's KV events say it holds (None for an endpoint without them: the prefix
+        index answers for it)."""
         prefixes = self.prefixes if hashes else None
         candidates = []
         for key, state in self.pool.items():
@@ -182,6 +198,13 @@ class Planner:
             scraped = state.load  # its gauges, while fresh (``fresh``, read once)
             if scraped is not None and now - scraped.at > self._stale_after_s:
                 scraped = None
+            cached = None if exact is None else exact(key)
+            if cached is None:
+                cached = (
+                    0
+                    if prefixes is None
+                    else prefixes.predicted_tokens(prefixes.matched_blocks(key, hashes))
+                )
             # Positional, in the fields' order: a candidate per endpoint per decision.
             candidates.append(
                 Candidate(
@@ -192,20 +215,24 @@ class Planner:
                     None if scraped is None else scraped.running,
                     None if scraped is None else scraped.kv_usage,
                     self.speed(state, view.speeds.get(key), now),
-                    0
-                    if prefixes is None
-                    else prefixes.predicted_tokens(prefixes.matched_blocks(key, hashes)),
+                    cached,
                 )
             )
         return candidates
 
     def candidate(
-        self, key: str, view: SharedView, now: float, wall: float, hashes: Sequence[bytes] = ()
+        self,
+        key: str,
+        view: SharedView,
+        now: float,
+        wall: float,
+        hashes: Sequence[bytes] = (),
+        exact: ExactCache | None = None,
     ) -> Candidate:
         """``key`` as a policy would see it; an endpoint outside the pool (or unavailable) as a
         stranger: the prior speed, no load known."""
         if key in self.pool:
-            for found in self.candidates(view, now, wall, hashes):
+            for found in self.candidates(view, now, wall, hashes, exact):
                 if found.key == key:
                     return found
         return Candidate(key=key, speed=PREFILL_PRIOR)
@@ -221,18 +248,20 @@ class Planner:
         now: float,
         wall: float,
         hashes: Sequence[bytes] = (),
+        exact: ExactCache | None = None,
     ) -> Decision:
         """Where a request placed on ``rank`` prefills: the decider on the pool's candidates and
         the rank's local view (its local prefills not at their first byte yet, its scraped
         ``waiting`` queue, the observed local speed). ``hashes``: the prompt's prefix blocks
-        (``PrefixHasher``), looked up in every endpoint's prefix index.
+        (``PrefixHasher``), looked up in every endpoint's prefix index; ``exact``: what the
+        endpoints' KV events say they hold, where they say it (the prefix index elsewhere).
 
         A request the decider sends remote goes instead to the candidate longest without a
         prefill from this sidecar when that is ``retest_s`` or more (reason ``retest``): an
         endpoint the policy stopped choosing gets one prefill per ``retest_s``, so its estimate
         learns whether it recovered. A re-test never turns a local decision into a remote one,
         nor takes a request whose chosen endpoint is predicted to hold part of its prompt."""
-        candidates = self.candidates(view, now, wall, hashes)
+        candidates = self.candidates(view, now, wall, hashes, exact)
         decision = self.decider.decide(
             candidates,
             # The request itself is claimed on the rank already: the others run there.

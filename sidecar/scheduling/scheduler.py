@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.config import Settings
 from sidecar.connectors.facts import CONNECTORS
@@ -55,6 +55,9 @@ from sidecar.scheduling.prompts import LazyHashes, estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.tasks import OnFailure, stop_task
+
+if TYPE_CHECKING:  # the fleet imports zmq: loaded only with SIDECAR_KV_EVENTS=true
+    from sidecar.kvevents.fleet import KVFleet, PromptLookup
 
 logger = logging.getLogger("sidecar.scheduling")
 
@@ -128,8 +131,12 @@ class Scheduler:
         discovery: Discovery,
         backend: StateBackend,
         metrics: Metrics,
+        kv_events: KVFleet | None = None,
     ) -> None:
+        """``kv_events``: the engines' exact indexes (SIDECAR_KV_EVENTS; None: off), which
+        answer for the engines whose events are in sync, the prefix indexes for the others."""
         self._options = options
+        self._kv_events = kv_events
         self._discovery = discovery
         self.backend = backend
         self._metrics = metrics
@@ -262,16 +269,30 @@ class Scheduler:
         anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
         ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
         the decode rank the request named (``RankPorts``), taken as is."""
+        fleet, exact = self._kv_events, None
+        if fleet is not None:
+            # The token ids for the engines' exact indexes (SIDECAR_KV_EVENTS), asked of the
+            # decode engine only for a choice, and only when an engine's index is in sync.
+            exact = await fleet.prompt(body, ask=header is None and local_reason is None)
         self._record()  # the placements before this one, as this decision must see them
         prompt = prompt_text(body) if text is None else text
         tokens = estimate_tokens(body, prompt)
+        if exact is not None and exact.tokens:
+            tokens = exact.tokens  # counted, not estimated
         local = self.ranks.blocks(prompt)
         claim, cached = self.ranks.choose(local, tokens, prompt, rank)
+        if exact is not None:
+            cached = exact.rank(claim.index, cached)
         # The chosen rank will hold this prompt's KV either way (computed or pulled): recorded
         # now, before the decision awaits anything (another placement may run meanwhile).
         self._defer(self._record_rank, claim.rank, local)
         with OnFailure(claim.end):
-            return await self._place(claim, tokens, cached, header, local_reason, prompt)
+            placement = await self._place(
+                claim, tokens, cached, header, local_reason, prompt, exact
+            )
+        if fleet is not None and exact is not None:
+            return fleet.decided(placement, exact)
+        return placement
 
     async def _place(
         self,
@@ -281,6 +302,7 @@ class Scheduler:
         header: Endpoint | None,
         local_reason: str | None,
         prompt: str | bytes,
+        exact: PromptLookup | None = None,
     ) -> Placement:
         if local_reason is not None:
             uncached = max(0, tokens - cached)
@@ -297,7 +319,7 @@ class Scheduler:
             hashes, size = self._hasher.blocks(data), len(data)
         if header is not None:
             # Not a choice, but predicted all the same, for the record.
-            candidate = self._planner.candidate(str(header), *self._now(), hashes)
+            candidate = self._planner.candidate(str(header), *self._now(), hashes, exact)
             predicted = self._decider.remote_seconds(candidate, tokens)
             uncached = max(0, tokens - cached)
             decision = Decision(
@@ -317,6 +339,7 @@ class Scheduler:
             now=now,
             wall=wall,
             hashes=hashes,
+            exact=exact,
         )
         self._count(decision)
         if decision.endpoint is None:

@@ -5,6 +5,9 @@ API port) and the probes on both ports."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import orjson
 from aiohttp import web
 
@@ -25,12 +28,15 @@ class AdminViews:
         metrics: Metrics,
         tracker: Tracker,
         pool_watch: InferencePoolWatch | None,
+        kv_events: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``kv_events``: the KV-event fleet's status (None: SIDECAR_KV_EVENTS=false)."""
         self._readiness = readiness
         self._scheduler = scheduler
         self._metrics = metrics
         self._tracker = tracker
         self._pool_watch = pool_watch
+        self._kv_events = kv_events
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(body=b'{"status":"ok"}', content_type="application/json")
@@ -55,6 +61,8 @@ class AdminViews:
         # The allowlist that follows an InferencePool: a section of its own, beside the
         # scheduler's.
         view["inference_pool"] = pool.snapshot() if pool is not None else None
+        # What the engines' KV events say, per subscribed engine: which source each uses.
+        view["kv_events"] = {"enabled": False} if self._kv_events is None else self._kv_events()
         return web.Response(body=orjson.dumps(view), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:

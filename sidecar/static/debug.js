@@ -365,6 +365,8 @@
       ["prefill", record.prefill_endpoint && `${record.prefill_endpoint} · ${record.prefill_attempts} attempt(s)`],
       ["predicted", record.prefill_predicted_ms !== null ? duration(record.prefill_predicted_ms / 1000) : null],
       ["predicted cached", record.prefill_predicted_cached_tokens ? `${record.prefill_predicted_cached_tokens} tokens on the prefill server` : null],
+      ["cached from", record.cached_source ? (record.cached_source === "events" ? "the engine's KV events" : "the approximate index") : null],
+      ["token ids", record.tokenize_ms != null ? `${duration(record.tokenize_ms / 1000)} (decode engine's /tokenize)` : null],
       ["observed", record.prefill_observed_ms !== null ? duration(record.prefill_observed_ms / 1000) : null],
       ["durations", ["prefill", "ttft", "decode", "total"].filter((n) => d[n] != null)
         .map((n) => `${n} ${duration(d[n] / 1000)}`).join(" · ")],
