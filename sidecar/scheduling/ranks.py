@@ -201,7 +201,11 @@ class DecodeRanks:
         stale_after_s: float,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        before_forget: Callable[[], None] = lambda: None,
     ) -> None:
+        """``before_forget``: called before a rank's index is forgotten (``lost``), to insert
+        what its owner has not inserted yet of the placements decided before (the scheduler
+        records them after their decisions)."""
         if not urls:
             raise ValueError("a decode engine has at least one rank")
         share = capacity_blocks // len(urls)
@@ -213,6 +217,7 @@ class DecodeRanks:
         self._stale_after_s = stale_after_s
         self._rng = rng
         self._clock = clock
+        self._before_forget = before_forget
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -245,7 +250,10 @@ class DecodeRanks:
     def lost(self, rank: DecodeRank) -> None:
         """``rank``'s engine lost its cache (its process is gone or its engine died): a
         ``/health`` poll said so (``publish``), or a request's connection was refused (the
-        decode send)."""
+        decode send). The placements decided before are inserted first (``before_forget``),
+        so forgotten with the rest: one inserted after would stay in the index of a rank that
+        will never hold it once the request's decode leg goes to another."""
+        self._before_forget()
         rank.prefix.clear()
 
     def candidates(self, exclude: Sequence[DecodeRank] = ()) -> list[DecodeRank]:

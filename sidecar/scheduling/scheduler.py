@@ -9,8 +9,9 @@ prefill locally weighs that rank. A decision reads the prompt's prefix hashes on
 look-ups go (``LazyHashes``); what the placement teaches the indexes (the rank's and the prefill
 endpoint's blocks, the prefix published) is recorded after the decision returns, in the loop's
 next turn, and in any case before the next decision or anything else reads those indexes
-(``_record``): no decision sees less than it did when the recording was part of it. A background
-task re-resolves discovery; the engines are polled by the engine monitor
+(``_record``; after a decision's refresh too, when placements were decided while it waited)
+or a rank's index is forgotten: no decision sees less than it did when the recording was part
+of it. A background task re-resolves discovery; the engines are polled by the engine monitor
 (``sidecar.engines.monitor``), which asks the scheduler what to poll in the pool
 (``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it found
 (``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
@@ -177,6 +178,9 @@ class Scheduler:
             stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
             # Its own stream: placing on ranks never shifts the prefill policy's seeded choices.
             rng=random.Random(options.scheduler_seed),
+            # A rank's index forgotten (its engine lost its cache) forgets the placements on it
+            # decided before, recorded first: none is remembered after the forgetting.
+            before_forget=self._record,
         )
         self._pool = self._planner.pool
         self._reasons: Counter[str] = Counter()
@@ -185,6 +189,8 @@ class Scheduler:
         """Placements' bookkeeping not applied yet, in the order of their decisions: at most
         one per placement decided since the loop's last turn (``_record`` empties it)."""
         self._recording: asyncio.Handle | None = None
+        self._deferred = 0
+        """Placements' bookkeeping deferred since start (``_refreshed`` compares it)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -328,7 +334,7 @@ class Scheduler:
             self._count(decision)
             return self._reserve(decision, header, claim, hashes, size)
         rank = claim.rank
-        await self.backend.refresh()  # the others' reservations as of now, not of our last sync
+        await self._refreshed()  # the others' reservations as of now, not of our last sync
         view, now, wall = self._now()
         decision = self._planner.decide(
             rank,
@@ -359,7 +365,7 @@ class Scheduler:
         hashes, size = (guess.hashes, guess.prompt_bytes) if guess is not None else ((), 0)
         if decision.reason == "header":
             return self._reserve(decision, failed.endpoint, failed.rank, hashes, size)
-        await self.backend.refresh()
+        await self._refreshed()
         candidates = [c for c in self._candidates(hashes) if c.key not in tried]
         chosen = self._decider.policy.choose(candidates, decision.prompt_tokens)
         if chosen is None:
@@ -369,6 +375,16 @@ class Scheduler:
         )
         endpoint = self._pool[chosen.key].endpoint
         return self._reserve(retried, endpoint, failed.rank, hashes, size)
+
+    async def _refreshed(self) -> None:
+        """The backend's refresh, then the placements decided while it waited recorded, as the
+        decision that follows must see them: decisions woken by one sync run before the loop's
+        next turn would record them. Nothing is recorded when none was decided meanwhile: what
+        is left is this decision's own rank, which it does not read again."""
+        deferred = self._deferred
+        await self.backend.refresh()
+        if self._deferred != deferred:
+            self._record()
 
     def pool_endpoints(self) -> list[Endpoint]:
         """Every endpoint of the pool, draining ones included (for the header allowlist)."""
@@ -402,6 +418,7 @@ class Scheduler:
         """Apply ``record(first, second)`` after the decision returns: in the loop's next turn,
         or earlier when the next decision (or anything reading the indexes) comes first."""
         self._unrecorded.append((record, first, second))
+        self._deferred += 1
         if self._recording is None:
             self._recording = asyncio.get_running_loop().call_soon(self._recorded_soon)
 

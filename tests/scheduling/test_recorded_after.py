@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -14,14 +16,21 @@ import pytest
 
 from sidecar.app import SCHEDULER
 from sidecar.config import Settings
+from sidecar.connectors.decode import on_a_rank
 from sidecar.discovery import Discovery
+from sidecar.engines.monitor import EngineMonitor, MonitorOptions
+from sidecar.engines.readiness import HealthPoll, Readiness, Thresholds, judge
+from sidecar.engines.snapshot import EngineHealth
+from sidecar.engines.upstream import Engines
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.prefixes import PrefixHasher
 from sidecar.scheduling.prompts import PrefixIndex, leading_blocks
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
-from tests.conftest import StartSidecar, completion, get_json
+from sidecar.scheduling.state.redis import RedisState
+from tests.conftest import StartEmulator, StartSidecar, completion, get_json
+from tests.processes import RedisServer, free_port
 
 KEY = "a-test-key-of-32-characters-long"
 SYSTEM = "".join(
@@ -43,11 +52,18 @@ class FailingPublish(MemoryState):
         raise RuntimeError("the share is broken")
 
 
+class YieldingState(MemoryState):
+    """The memory backend whose refresh gives the loop a turn, as a Redis round trip does."""
+
+    async def refresh(self) -> None:
+        await asyncio.sleep(0)
+
+
 def scheduler_for(
     endpoints: Sequence[Endpoint], backend: StateBackend | None = None, **settings: Any
 ) -> Scheduler:
     values: dict[str, Any] = {
-        "decode_url": "http://127.0.0.1:1",
+        **({} if "decode_urls" in settings else {"decode_url": "http://127.0.0.1:1"}),
         "prefill_endpoints": tuple(endpoints),
         "scrape_interval_s": 60,
         "scheduler_seed": 0,
@@ -222,3 +238,135 @@ def test_lazy_hashes_are_the_whole_prompts_read_as_far_as_needed() -> None:
             lazy[len(whole)]
     index.insert(index.blocks(SYSTEM))
     assert index.cached_tokens(index.blocks(SYSTEM + "more")) == 125 * 16
+
+
+@pytest.fixture(params=["yielding", "redis"])
+async def yielding_backend(request: pytest.FixtureRequest) -> AsyncIterator[StateBackend]:
+    """A backend whose refresh awaits: the memory one given a loop turn, or a real Redis (one
+    sync that every waiting decision joins, all of them woken by its answer)."""
+    if request.param == "yielding":
+        yield YieldingState()
+        return
+    server = RedisServer(free_port())
+    await server.start()
+    try:
+        yield RedisState(
+            server.url, prefix=f"after-{uuid.uuid4().hex[:8]}", lease_s=30, timeout_s=1.0
+        )
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def remote_scheduler(
+    two_engines: tuple[Endpoint, Endpoint], yielding_backend: StateBackend
+) -> AsyncIterator[Scheduler]:
+    """Every request prefilled remotely (SGLang's decode server cannot prefill): what each
+    decision predicted on the endpoint it chose is in its placement."""
+    scheduler = scheduler_for(two_engines, yielding_backend, connector="sglang")
+    await scheduler.start()
+    yield scheduler
+    await scheduler.close()
+
+
+async def test_decisions_woken_by_one_refresh_see_each_others_placements(
+    remote_scheduler: Scheduler, two_engines: tuple[Endpoint, Endpoint]
+) -> None:
+    """Two prompts sharing a system prompt, placed at once: both decisions wait for the same
+    refresh and wake in one loop turn. The second sees the first's placement (it recorded
+    nothing after the refresh, and saw no block of the system prompt anywhere). The other
+    endpoint is busy, so both go to the same one whatever they predict there."""
+    remote_scheduler.backend.reserve(str(two_engines[1]), 100_000)
+    first, second = await asyncio.gather(
+        remote_scheduler.place(completion(SYSTEM + user(0)), None),
+        remote_scheduler.place(completion(SYSTEM + user(1)), None),
+    )
+    assert first.decision.endpoint == str(two_engines[0])
+    assert first.decision.remote_cached_tokens == 0
+    assert second.prefix is not None
+    assert second.prefix.matched_blocks == 31
+    assert second.decision.endpoint == first.decision.endpoint
+    assert second.decision.remote_cached_tokens == 31 * 64
+
+
+async def test_retries_woken_by_one_refresh_see_each_others_placements(
+    remote_scheduler: Scheduler,
+) -> None:
+    """Two prefills on one endpoint failed; their retries, decided at once, both go to the other
+    endpoint: the second is predicted to find there the system prompt the first took."""
+    failed = []
+    for n in range(2):
+        placement = await remote_scheduler.place(completion(SYSTEM + user(n)), None)
+        remote_scheduler.prefill_finished(placement, ok=None)
+        failed.append(placement)
+    assert failed[0].endpoint is not None
+    assert failed[1].endpoint == failed[0].endpoint
+    tried = {str(failed[0].endpoint)}
+    one, two = await asyncio.gather(*(remote_scheduler.retry(p, tried) for p in failed))
+    assert one is not None
+    assert two is not None
+    assert one.endpoint == two.endpoint != failed[0].endpoint
+    assert one.decision.remote_cached_tokens == 0
+    assert two.decision.remote_cached_tokens == 31 * 64
+
+
+async def test_a_rank_that_lost_its_cache_forgets_a_prompt_placed_there_just_before(
+    start_engine: StartEmulator,
+    two_engines: tuple[Endpoint, Endpoint],
+) -> None:
+    """A placement on rank 0, then — in the same loop turn, before its recording — the engine
+    monitor's /health poll finds rank 0's engine gone (refused) and forgets its index. The
+    request's decode leg then goes to rank 1, which holds the prompt next; rank 0 must not
+    remember a prompt it never got. (The monitor's publication is made here in that turn, as
+    ``_poll_health`` makes it: no socket can be made to deliver the poll's answer there.)"""
+    decode = [await start_engine(), await start_engine()]
+    scheduler = scheduler_for(two_engines, decode_urls=tuple(e.url for e in decode))
+    await scheduler.start()
+    ranks = scheduler.ranks
+    engines = Engines(connect_timeout_s=1.0)
+    await engines.open()
+    thresholds = Thresholds(1)
+    monitor = EngineMonitor(
+        MonitorOptions(ready_interval_s=0.2, scrape_interval_s=1.0, thresholds=thresholds),
+        engines=engines,
+        ranks=ranks,
+        readiness=Readiness(ranks=ranks, metrics=Metrics()),
+    )
+    busy = None
+    try:
+        assert await monitor.poll_health()
+        assert all(rank.ready for rank in ranks)
+        busy = ranks.claim_any(pinned=1)  # rank 1 busier: the choice goes to rank 0
+        await decode[0].close()
+        prompt = SYSTEM + user(0)
+        placement = await scheduler.place(completion(prompt), None, local_reason="batched_prompt")
+        lost = ranks[0]
+        assert placement.rank.rank is lost
+        poll = HealthPoll(
+            EngineHealth.LOST, time.monotonic(), "decode engine", "connection refused", True
+        )
+        ranks.publish(lost, judge(lost.engine, poll, thresholds))
+        assert not lost.ready
+        answer, _ = await on_a_rank(
+            ranks,
+            placement.rank,
+            engines,
+            Metrics(),
+            "POST",
+            "/v1/completions",
+            headers={},
+            data=b'{"model": "m", "prompt": "hi", "max_tokens": 1}',
+            by=asyncio.get_running_loop().time() + 5,
+            limit="5s",
+        )
+        answer.close()
+        assert placement.rank.rank is ranks[1]
+        placement.rank.end()
+        hashes = lost.prefix.hashes(prompt)
+        assert lost.prefix.cached_tokens(hashes) == 0
+        assert ranks[1].prefix.cached_tokens(hashes) == LOCAL_BLOCKS * 16
+    finally:
+        if busy is not None:
+            busy.end()
+        await scheduler.close()
+        await engines.close()
