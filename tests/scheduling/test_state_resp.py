@@ -6,6 +6,7 @@ decision; and the Redis backend's syncs travelling over it rather than redis-py'
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from sidecar.scheduling.prefixes import DIGEST_BYTES
 from sidecar.scheduling.state import Load
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.scheduling.state.resp import RespConnection, command, supports
+from tests.conftest import eventually
 from tests.processes import RedisServer, free_port
 
 A = "127.0.0.11:8000"
@@ -247,3 +250,141 @@ async def test_a_refresh_leaves_at_its_budget_and_the_sync_answers_the_view_late
         await state.close()
         await other.close()
         await client.aclose()
+
+
+BLOCKS = [bytes([1]) * DIGEST_BYTES, bytes([2]) * DIGEST_BYTES]
+"""A prompt's block digests, as the prefix share carries them."""
+
+
+def documented_acl(password: str) -> list[str]:
+    """docs/deploy.md's ``ACL SETUSER`` line for the sidecars' Redis user, as an argv."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
+    [line] = [s.strip() for s in text.splitlines() if s.strip().startswith("ACL SETUSER ")]
+    return line.replace("PASSWORD", password).split()
+
+
+async def test_a_user_granted_the_documented_commands_alone_syncs_and_shares(
+    redis_server, caplog
+) -> None:
+    """A least-privilege user (docs/deploy.md's line: no ``client|setname``) syncs, shares
+    prefixes and gives its lease up, its connections unnamed: the name refused is logged, and
+    no other command was (the syncs used to fail on it, every one). Database 3, so that
+    ``select`` is needed."""
+    clock = Clock()
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command(*documented_acl(PASSWORD))
+    url = f"redis://pd-sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/3"
+    learnt: list[tuple[str, list[bytes]]] = []
+    one = RedisState(url, prefix="pd-sidecar", lease_s=30, timeout_s=1, clock=clock)
+    two = RedisState(url, prefix="pd-sidecar", lease_s=30, timeout_s=1, clock=clock)
+    one.share_prefixes(lambda endpoint, hashes: None)
+    two.share_prefixes(lambda endpoint, hashes: learnt.append((endpoint, list(hashes))))
+    try:
+        with caplog.at_level(logging.INFO, logger="sidecar.scheduling.state"):
+            await one.start()
+            await two.start()
+            # Registered (their first syncs, which a refresh would join, are over).
+            await eventually(lambda: _true(one.connected and two.connected))
+            one.reserve(A, 70)
+            one.publish_prefix(A, BLOCKS)
+            await one.refresh()
+            await two.refresh()
+            assert two.view().loads[A] == Load(70, 1)
+            assert (one.last_error, two.last_error) == (None, None)
+            await eventually(lambda: _true(bool(learnt)))
+            assert learnt == [(A, BLOCKS)]
+            syncs = [c for c in await admin.client_list() if c["cmd"] in ("evalsha", "eval")]
+            assert syncs
+            assert {c["name"] for c in syncs} == {""}
+        refused = [r for r in caplog.records if "refused to name" in r.getMessage()]
+        assert len(refused) == 2
+        assert "NOPERM" in refused[0].getMessage()
+        sidecar = one.status()["sidecar_id"]
+        await one.close()
+        check = aioredis.Redis(port=redis_server.port, db=3)
+        try:
+            assert await check.zscore(one.keys[0], sidecar) is None  # its lease given up
+        finally:
+            await check.aclose()
+        denied = {entry["object"] for entry in await admin.acl_log()}
+        assert "client|setname" in denied
+        assert denied <= {"client|setname", "client|setinfo"}
+    finally:
+        await one.close()
+        await two.close()
+        await admin.aclose()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_refresh_during_close_starts_no_sync_beside_the_goodbye(redis_server) -> None:
+    """A decision's refresh arriving while the backend closes: it starts no sync on the
+    connection the goodbye is about to use (two commands in flight on one connection: the
+    second read failed, or read the first's reply). Redis is paused so that such a sync would
+    still be unanswered when the goodbye goes; the goodbye waits out the pause."""
+    state = RedisState(redis_server.url, prefix="closing", lease_s=30, timeout_s=0.005)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await state.start()
+        await eventually(lambda: _true(state.connected))
+        sidecar = state.status()["sidecar_id"]
+        assert await admin.zscore(state.keys[0], sidecar) is not None
+        assert await admin.execute_command("CLIENT", "PAUSE", "300", "ALL")
+        closing = asyncio.create_task(state.close())
+        await asyncio.sleep(0)  # close has begun: it is stopping the worker
+        await state.refresh()
+        assert state._sync is None
+        await closing
+        assert await admin.zscore(state.keys[0], sidecar) is None  # the goodbye went through
+    finally:
+        await state.close()
+        await admin.aclose()
+
+
+async def test_a_name_refused_is_logged_once_and_not_asked_again(redis_server, caplog) -> None:
+    """The connection opened anew after it was lost does not ask for the name again."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command(*documented_acl(PASSWORD))
+    url = f"redis://pd-sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/0"
+    conn = RespConnection(url, timeout_s=1.0, name="pd-sidecar-sync-test")
+    try:
+        with caplog.at_level(logging.INFO, logger="sidecar.scheduling.state"):
+            assert await conn.evalsha("0" * 40, "return 7", (), []) == 7
+            killed = await admin.execute_command("CLIENT", "KILL", "USER", "pd-sidecar")
+            assert killed == 1
+            with pytest.raises((RedisConnectionError, OSError)):
+                await conn.call("EVALSHA", "0" * 40, 0)
+            assert await conn.evalsha("0" * 40, "return 8", (), []) == 8
+        refused = [r for r in caplog.records if "refused to name" in r.getMessage()]
+        assert len(refused) == 1
+        assert "NOPERM" in refused[0].getMessage()
+        [entry] = await admin.acl_log()
+        assert (entry["object"], entry["count"]) == ("client|setname", 1)
+    finally:
+        conn.close()
+        await admin.aclose()
+
+
+async def test_a_sync_the_worker_began_during_close_ends_before_the_goodbye(
+    redis_server,
+) -> None:
+    """A change wakes the worker while ``close`` stops the prefix share: the sync the worker
+    begins then is stopped with it, before the goodbye uses the connection. Redis is paused so
+    that the sync would still be unanswered when the goodbye goes."""
+    state = RedisState(redis_server.url, prefix="closing", lease_s=30, timeout_s=0.005)
+    state.share_prefixes(lambda endpoint, hashes: None)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await state.start()
+        await eventually(lambda: _true(state.connected))
+        sidecar = state.status()["sidecar_id"]
+        assert await admin.execute_command("CLIENT", "PAUSE", "300", "ALL")
+        closing = asyncio.create_task(state.close())
+        state.reserve(A, 10)  # wakes the worker, after close has begun
+        await closing
+        assert await admin.zscore(state.keys[0], sidecar) is None  # the goodbye went through
+    finally:
+        await state.close()
+        await admin.aclose()

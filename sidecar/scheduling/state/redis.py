@@ -110,6 +110,8 @@ class RedisState:
         """The syncs' own connection (a standalone Redis whose URL it speaks: ``resp``)."""
         self._sync: asyncio.Task[None] | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._closing = False
+        """``close`` has begun: no sync starts any more (the goodbye owns the connection)."""
         self.connected = False
         self.last_error: str | None = None
         self.last_sync_unix: float | None = None
@@ -139,9 +141,15 @@ class RedisState:
             self._sharer = asyncio.create_task(self._share_work(), name="redis-prefix-share")
 
     async def close(self) -> None:
-        for task in (self._sharer, self._worker, self._sync):
+        # No refresh starts a sync from now on, and the worker's last one (or a decision's) is
+        # stopped after the worker: the goodbye below must be the connection's one command in
+        # flight (a second would read the first's reply).
+        self._closing = True
+        for task in (self._sharer, self._worker):
             if task is not None:
                 await stop_task(task)
+        if self._sync is not None:
+            await stop_task(self._sync)
         if self._client is not None:
             # Best effort: let the others stop counting us now rather than after the lease. An
             # empty table through the script takes ours off the totals; then the lease goes.
@@ -161,8 +169,9 @@ class RedisState:
         return self._protocol.view()
 
     async def refresh(self) -> None:
-        if not self._protocol.decision_waits(self._clock()):
-            return  # Redis is down: decide on the view there is rather than wait for nothing
+        if self._closing or not self._protocol.decision_waits(self._clock()):
+            # Closing, or Redis is down: decide on the view there is rather than wait.
+            return
         sync = self._sync
         if sync is None:
             sync = self._sync = asyncio.create_task(self._run_sync())

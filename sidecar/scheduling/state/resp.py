@@ -20,6 +20,7 @@ peer gone — is closed; the next ``call`` opens a new one.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import hiredis
@@ -31,6 +32,8 @@ _PLAIN = frozenset({"username", "password", "host", "port", "db", "path", "conne
 """What ``parse_url`` may return for a URL this connection speaks to (``connection_class``
 only as a Unix socket's)."""
 READ_BYTES = 65536
+
+logger = logging.getLogger("sidecar.scheduling.state")
 
 
 def supports(url: str) -> bool:
@@ -52,7 +55,8 @@ def command(*args: str | bytes | int) -> bytes:
 class RespConnection:
     """One command at a time (the caller's to ensure: a second concurrent ``call`` would read
     the first's reply); ``timeout_s`` bounds opening and each command. ``name``: the
-    connection's name in Redis (``CLIENT SETNAME``, shown by ``CLIENT LIST``), if any."""
+    connection's name in Redis (``CLIENT SETNAME``, shown by ``CLIENT LIST``), if any; best
+    effort: refused (the user may not name its connections), it is logged once and dropped."""
 
     def __init__(self, url: str, *, timeout_s: float, name: str | None = None) -> None:
         self._options = parse_url(url)
@@ -113,7 +117,18 @@ class RespConnection:
         if options.get("db", 0):
             await self._roundtrip(command("SELECT", options["db"]))
         if self._name is not None:
-            await self._roundtrip(command("CLIENT", "SETNAME", self._name))
+            try:
+                await self._roundtrip(command("CLIENT", "SETNAME", self._name))
+            except ResponseError as exc:
+                # A name is a convenience: a user without ``client|setname`` (an ACL granting
+                # the syncs' commands alone) syncs all the same, unnamed, and is not asked again.
+                logger.info(
+                    "redis refused to name the shared-state sync's connection %s (%s); it "
+                    "goes unnamed",
+                    self._name,
+                    exc,
+                )
+                self._name = None
 
     async def _roundtrip(self, packed: bytes) -> Any:
         reader, writer, parser = self._reader, self._writer, self._parser
