@@ -273,7 +273,7 @@ async def test_a_user_granted_the_documented_commands_alone_syncs_and_shares(
     clock = Clock()
     admin = aioredis.Redis.from_url(redis_server.url)
     await admin.execute_command(*documented_acl(PASSWORD))
-    url = f"redis://pd-sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/3"
+    url = f"redis://sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/3"
     learnt: list[tuple[str, list[bytes]]] = []
     one = RedisState(url, prefix="pd-sidecar", lease_s=30, timeout_s=1, clock=clock)
     two = RedisState(url, prefix="pd-sidecar", lease_s=30, timeout_s=1, clock=clock)
@@ -347,12 +347,12 @@ async def test_a_name_refused_is_logged_once_and_not_asked_again(redis_server, c
     """The connection opened anew after it was lost does not ask for the name again."""
     admin = aioredis.Redis.from_url(redis_server.url)
     await admin.execute_command(*documented_acl(PASSWORD))
-    url = f"redis://pd-sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/0"
+    url = f"redis://sidecar:{PASSWORD}@127.0.0.1:{redis_server.port}/0"
     conn = RespConnection(url, timeout_s=1.0, name="pd-sidecar-sync-test")
     try:
         with caplog.at_level(logging.INFO, logger="sidecar.scheduling.state"):
             assert await conn.evalsha("0" * 40, "return 7", (), []) == 7
-            killed = await admin.execute_command("CLIENT", "KILL", "USER", "pd-sidecar")
+            killed = await admin.execute_command("CLIENT", "KILL", "USER", "sidecar")
             assert killed == 1
             with pytest.raises((RedisConnectionError, OSError)):
                 await conn.call("EVALSHA", "0" * 40, 0)
