@@ -152,6 +152,9 @@ async def test_two_sidecars_share_reservations_over_each_url(locked_server, tmp_
     try:
         await one.start()
         await two.start()
+        # Registered first: a refresh joins the sync in flight, and two's first sync (its
+        # worker's) could otherwise have read the totals before one's reservation reached them.
+        await eventually(lambda: _true(one.connected and two.connected))
         one.reserve(A, 70)
         await one.refresh()
         await two.refresh()
