@@ -82,8 +82,9 @@ _DRAIN_PER_WAKE = 256
 _WAKE_BYTES = 256 * 1024
 """Payload bytes decoded per turn: a few milliseconds of msgpack (it holds the GIL, so a thread
 would not spare the loop); one larger message is a turn of its own."""
-_APPLY_EVENTS = 8192
-"""Events (blocks) applied per turn: the index costs microseconds a block."""
+_APPLY_EVENTS = 2048
+"""Events (blocks) applied per turn: the index costs 6–17 µs a block on a loaded machine
+(``docs/benchmarks.md``), a turn 10–35 ms; one larger batch is a turn of its own."""
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _LOST = (
     zmq.EVENT_DISCONNECTED

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from sidecar.emulator import RunningEmulator
-from sidecar.kvevents.events import AllBlocksCleared, BlockStored, EventBatch
+from sidecar.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from sidecar.kvevents.subscriber import Backoff, ResetReason, Subscriber
 from sidecar.kvevents.wire import (
     END_SEQ_FRAME,
@@ -359,3 +359,31 @@ async def test_the_receive_task_gives_the_loop_its_turn_between_large_messages()
         raw.close()
     assert subscriber.stats.drops_total == {}
     assert 1 <= watch.most_per_turn <= 3  # 256 KiB: the message that passes it ends the turn
+
+
+async def test_the_apply_task_gives_the_loop_its_turn_every_2048_events() -> None:
+    """60 batches removing 1,000 blocks each (9 KiB: read 28 to a turn): the consumer is handed
+    at most three per turn of the event loop (it was handed every queued one, up to 256)."""
+    messages = [
+        encode_message(
+            EventBatch(
+                seq=seq,
+                ts=1.0,
+                events=(BlockRemoved(block_hashes=tuple(range(2**63, 2**63 + 1_000))),),
+            )
+        )
+        for seq in range(60)
+    ]
+    raw = RawPublisher()
+    recorder = Recorder()
+    try:
+        async with Subscriber(host="127.0.0.1", port=raw.port, consumer=recorder) as subscriber:
+            await raw.wait_subscribed()
+            async with LoopWatch(0, lambda: subscriber.stats.batches_applied_total) as watch:
+                for frames in messages:
+                    raw.send(frames)
+                await recorder.wait_batches(60)
+    finally:
+        raw.close()
+    assert subscriber.stats.events_total == 60_000
+    assert 1 <= watch.most_per_turn <= 3
