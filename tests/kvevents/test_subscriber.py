@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 
 import aiohttp
 import msgpack
@@ -237,7 +237,7 @@ async def test_a_full_queue_drops_counts_and_resets_and_stays_bounded() -> None:
 
 def _replay_server(
     count: int, before: Callable[[], None]
-) -> tuple[int, Callable[[], Awaitable[None]], zmq.asyncio.Context]:
+) -> tuple[int, Callable[[], Coroutine[object, object, None]], zmq.asyncio.Context]:
     """A replay socket on loopback holding batches ``0 .. count - 1``: on a request it calls
     ``before()``, then sends every batch from the start asked, waiting when the reader's queue
     is full (as the emulator does), then the end marker."""
