@@ -143,7 +143,7 @@ class WireLimits:
     max_items: int = 327_680
     """Array items and map fields of one payload, every level counted: one maximal event
     (262,144 token ids, 16,384 hashes and ``extra_keys`` entries) with room to spare."""
-    max_containers: int = 65_536
+    max_containers: int = 32_768
     """Arrays and maps of one payload: an event is a map and two or three arrays, and each
     block's ``extra_keys`` entry (a LoRA name, multimodal pairs) is one or a few more."""
 
