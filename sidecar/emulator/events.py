@@ -20,16 +20,21 @@ sequence numbers from 0, each batch kept for replay in a ring of ``buffer_steps`
 Block hashes are the prefix cache's own (16-byte BLAKE2b chains, ``bytes`` as vLLM's sha256
 hashes are); ``medium`` is ``GPU``, ``data_parallel_rank`` 0.
 
-Like vLLM's publisher, sends never wait: the PUB socket drops at its high-water mark (counted
-here as ``dropped_total`` when ZMQ says so). Unlike vLLM, which *connects* to an endpoint
-without a wildcard, the emulator always binds; a port of 0 picks a free one (``port``,
-``replay_port``). ``zmq`` and ``msgpack`` are imported only when events are enabled.
+Like vLLM's publisher, live sends never wait: the PUB socket drops a message for a subscriber
+whose queue is at the high-water mark (``hwm``), silently — ZMQ tells a PUB nothing of it, so it
+cannot be counted here; the subscriber sees a gap in the sequence numbers. Unlike vLLM, whose
+ROUTER drops replay replies past its high-water mark as silently (and with them, maybe, the end
+marker), the emulator's replay waits for the reader (``ROUTER_MANDATORY``): every kept batch and
+the end marker arrive, however slowly the reader reads, unless it leaves or reads nothing for
+``REPLAY_SEND_TIMEOUT_S``, and such a replay is counted (``replays_abandoned_total``). Unlike
+vLLM, which *connects* to an endpoint without a wildcard, the emulator always binds; a port of 0
+picks a free one (``port``, ``replay_port``). ``zmq`` and ``msgpack`` are imported only when
+events are enabled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -66,6 +71,8 @@ _OPTIONS = frozenset(
     }
 )
 _REPLAY_YIELD_EVERY = 256
+REPLAY_SEND_TIMEOUT_S = 5.0
+"""The longest a replay waits for its reader to take one more message before it gives up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +166,8 @@ class ZmqKvEvents(KvEventSink):
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
         self._next_seq = 0
         self.published_total = 0
-        self.dropped_total = 0
         self.replays_total = 0
+        self.replays_abandoned_total = 0
         self.subscriptions_total = 0
         self._subscribed = asyncio.Event()
         self._context = zmq.asyncio.Context()
@@ -177,6 +184,8 @@ class ZmqKvEvents(KvEventSink):
             if options.replay_endpoint is not None:
                 self._router = self._context.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
+                # A full reader raises Again (the send waits) instead of losing the reply.
+                self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self.replay_port = _bind(self._router, options.replay_endpoint)
                 self._tasks.append(
                     asyncio.create_task(self._serve_replays(), name="emulator-kv-replay")
@@ -220,46 +229,51 @@ class ZmqKvEvents(KvEventSink):
         batch = EventBatch(seq=seq, ts=time.time(), events=tuple(events), data_parallel_rank=0)
         payload = self._wire.encode_payload(batch, self._encoding)
         self._ring.append((seq, payload))
-        try:
-            self._plain_pub.send_multipart(
-                [self._topic, self._wire.encode_seq(seq), payload], zmq.NOBLOCK
-            )
-        except zmq.Again:
-            self.dropped_total += 1
-        else:
-            self.published_total += 1
+        # Never raises Again: a PUB drops, per subscriber and silently, at the high-water mark.
+        self._plain_pub.send_multipart(
+            [self._topic, self._wire.encode_seq(seq), payload], zmq.NOBLOCK
+        )
+        self.published_total += 1
 
     async def _serve_replays(self) -> None:
         """vLLM's replay protocol: ``[identity, b"", start seq]`` in; every kept message from
-        it ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"", -1, b""]``."""
+        it ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"", -1, b""]``.
+        One replay at a time, each send waiting for the reader (at most
+        ``REPLAY_SEND_TIMEOUT_S``)."""
         import zmq
 
         assert self._router is not None
-        plain: zmq.Socket[bytes] = zmq.Socket.shadow(self._router.underlying)
         while True:
             frames = await self._router.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 log.warning("invalid KV-event replay request of %d frames", len(frames))
                 continue
             identity, _, start = frames
-            first = int.from_bytes(start, "big", signed=True)
             self.replays_total += 1
-            sent = 0
-            for seq, payload in list(self._ring):
-                if seq < first:
-                    continue
-                with contextlib.suppress(zmq.Again):
-                    plain.send_multipart(
-                        [identity, b"", self._topic, self._wire.encode_seq(seq), payload],
-                        zmq.NOBLOCK,
-                    )
-                sent += 1
-                if sent % _REPLAY_YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
-            with contextlib.suppress(zmq.Again):
-                plain.send_multipart(
-                    [identity, b"", b"", self._wire.END_SEQ_FRAME, b""], zmq.NOBLOCK
-                )
+            try:
+                await self._replay(identity, int.from_bytes(start, "big", signed=True))
+            except (TimeoutError, zmq.ZMQError) as exc:  # a stalled reader, or one that left
+                self.replays_abandoned_total += 1
+                log.info("KV-event replay abandoned: %s", exc or "the reader stalled")
+
+    async def _replay(self, identity: bytes, first: int) -> None:
+        assert self._router is not None
+        encode_seq = self._wire.encode_seq
+        sent = 0
+        for seq, payload in list(self._ring):
+            if seq < first:
+                continue
+            await self._send(identity, [self._topic, encode_seq(seq), payload])
+            sent += 1
+            if sent % _REPLAY_YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # a send that fits returns at once, without a turn
+        await self._send(identity, [b"", self._wire.END_SEQ_FRAME, b""])
+
+    async def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        assert self._router is not None
+        await asyncio.wait_for(
+            self._router.send_multipart([identity, b"", *frames]), REPLAY_SEND_TIMEOUT_S
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -269,8 +283,8 @@ class ZmqKvEvents(KvEventSink):
             "encoding": self._encoding,
             "next_seq": self._next_seq,
             "published_total": self.published_total,
-            "dropped_total": self.dropped_total,
             "replays_total": self.replays_total,
+            "replays_abandoned_total": self.replays_abandoned_total,
             "subscriptions_total": self.subscriptions_total,
         }
 

@@ -62,7 +62,10 @@ then what storage (or a medium of another name) adds beyond both: the caller wei
 (``Hit.weighted``).
 
 **Bounds.** The engine's own evictions bound the index to its number of blocks; ``max_blocks``
-is a hard cap on top (the oldest stored block goes first, counted ``dropped``).
+is a hard cap on top (the oldest stored block goes first, counted ``dropped``). At most
+``MAX_GROUPS`` KV-cache groups are known: a store in a new group beyond them takes the place of a
+group that holds no block, or else is skipped and counted (``too_many_groups``). An empty group
+is kept until then, for a hit needs every group: forgetting it would predict the others' hit.
 ``BYTES_PER_BLOCK`` is what one held block costs, measured with ``tracemalloc``
 (``tests/kvevents/test_index.py`` checks it). A look-up keys at most ``MAX_LOOKUP_TOKENS`` of a
 prompt, once for every index it is looked up in (``PromptKeys``).
@@ -97,6 +100,9 @@ medium (``bench/kv_index.py``; ``tests/kvevents/test_index.py`` holds the int ca
 MAX_LOOKUP_TOKENS = 131_072
 """A prompt's tokens a look-up keys at most (8,192 blocks of 16): bounds a huge prompt's cost on
 the event loop; beyond it a prompt counts as uncached."""
+MAX_GROUPS = 16
+"""KV-cache groups one index knows: vLLM makes one per kind of layer (a hybrid model has a few);
+each costs every look-up a pass."""
 MAX_BLOCKS_LIMIT = (1 << 20) - 1
 """The largest ``max_blocks``: a key's count of holders per medium is packed in 20 bits."""
 
@@ -305,6 +311,8 @@ class IndexStats:
     """Blocks skipped: their parent was never seen."""
     misaligned: int
     """Blocks skipped: token ids not one block per hash, or not the group's block size."""
+    too_many_groups: int
+    """Blocks skipped: a new group when ``MAX_GROUPS`` groups all hold blocks."""
     malformed: int
     """Blocks skipped: token ids or extra keys that cannot be keyed."""
     last_reset: str | None
@@ -315,6 +323,12 @@ class _Group:
     block_size: int
     need: int
     """Blocks a sliding-window hit needs before its end; 0: the full-attention rule."""
+    blocks: int = 0
+    """Held blocks of the group."""
+
+
+def _group_of(name: _Name) -> int:
+    return name[0] if isinstance(name, tuple) else 0
 
 
 class KVIndex:
@@ -337,7 +351,7 @@ class KVIndex:
         self._offloaded = 0
         """Blocks held in a medium other than GPU: a look-up weighs tiers only when there are."""
         self._stored = self._removed = self._cleared = self._resets = self._dropped = 0
-        self._unknown_parent = self._misaligned = self._malformed = 0
+        self._unknown_parent = self._misaligned = self._malformed = self._too_many_groups = 0
         self._last_reset: str | None = None
 
     def __len__(self) -> int:
@@ -408,13 +422,16 @@ class KVIndex:
                 self._malformed += count
                 return
         if group is None:
+            if len(self._groups) >= MAX_GROUPS and not self._drop_an_empty_group():
+                self._too_many_groups += count
+                return
             window = event.kv_cache_spec_sliding_window
             need = (
                 max(1, math.ceil((window - 1) / size))
                 if event.kv_cache_spec_kind in _SLIDING and window and window > 0
                 else 0
             )
-            self._groups[group_idx] = _Group(size, need)
+            group = self._groups[group_idx] = _Group(size, need)
         slot = _medium_slot(event.medium)
         bit = 1 << slot
         unit = _ONE << (slot * _FIELD)
@@ -428,6 +445,7 @@ class KVIndex:
                     del blocks[name]
                     self._unhold(entry >> 4, entry & 15)
                     self._forget_copies(name, entry & 15)
+                    group.blocks -= 1
                     entry = None
                 else:
                     blocks.move_to_end(name)
@@ -435,7 +453,11 @@ class KVIndex:
                         if copied:  # another block computed with the same contents
                             self._copies[(name, slot)] = self._copies.get((name, slot), 0) + 1
                         continue
-            blocks[name] = (key << 4 | bit) if entry is None else entry | bit
+            if entry is None:
+                blocks[name] = key << 4 | bit
+                group.blocks += 1
+            else:
+                blocks[name] = entry | bit
             held[key] = held.get(key, 0) + unit
             if slot:
                 self._offloaded += 1
@@ -445,7 +467,16 @@ class KVIndex:
             name, entry = blocks.popitem(last=False)
             self._unhold(entry >> 4, entry & 15)
             self._forget_copies(name, entry & 15)
+            self._groups[_group_of(name)].blocks -= 1
             self._dropped += 1
+
+    def _drop_an_empty_group(self) -> bool:
+        """Forget a group that holds no block (its place goes to a new one); False: none."""
+        for group_idx, group in self._groups.items():
+            if not group.blocks:
+                del self._groups[group_idx]
+                return True
+        return False
 
     def _remove(self, event: BlockRemoved) -> None:
         group_idx = event.group_idx or 0
@@ -471,6 +502,7 @@ class KVIndex:
                 blocks[name] = entry & ~bit
             else:
                 del blocks[name]
+                self._groups[group_idx].blocks -= 1
 
     def _forget_copies(self, name: _Name, media: int) -> None:
         """Forget the further copies of ``name`` in ``media`` (bits): the block left the index."""
@@ -551,6 +583,7 @@ class KVIndex:
             dropped=self._dropped,
             unknown_parent=self._unknown_parent,
             misaligned=self._misaligned,
+            too_many_groups=self._too_many_groups,
             malformed=self._malformed,
             last_reset=self._last_reset,
         )

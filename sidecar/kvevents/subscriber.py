@@ -14,11 +14,12 @@ Sequence numbers (vLLM's ``ZmqEventPublisher``: consecutive from 0 per publisher
 - ``seq == expected``: in order, queued.
 - ``seq > expected``: messages were lost (a PUB drops at its high-water mark, and a new
   subscription misses what was sent before it). The replay socket is asked from ``expected``
-  (at most ``max_replay_batches`` back); the replayed batches fill the gap when they start at
-  ``expected`` and run up to ``seq``. Otherwise (the publisher's buffer of ``buffer_steps``
-  batches moved on, no replay endpoint, no answer within ``replay_timeout_s``) the consumer gets
-  ``reset(GAP)`` (an unknown gap means unknown state) followed by whatever contiguous suffix the
-  replay did give, which is true of the engine from then on.
+  (at most ``max_replay_batches`` back), and each replayed batch goes to the queue as it
+  arrives, waiting for room: a replay longer than the queue fills the gap too. A replayed batch
+  that does not follow the one before it (the publisher's buffer of ``buffer_steps`` batches
+  moved on, or it dropped replies) is preceded by ``reset(GAP)`` (an unknown gap means unknown
+  state), and so is ``seq`` when the replay stopped short of it (no replay endpoint, no reply
+  within ``replay_timeout_s``): what follows a reset is true of the engine from then on.
 - ``seq < expected``: a new publisher (the engine restarted): ``reset(RESTARTED)``, then the
   same as a first message.
 - A lost connection (``DISCONNECTED`` on the socket monitor, ZMTP heartbeats for a silent peer):
@@ -27,11 +28,18 @@ Sequence numbers (vLLM's ``ZmqEventPublisher``: consecutive from 0 per publisher
   its replay buffer.
 
 Bounded memory: a message is at most ``WireLimits.max_payload_bytes`` (larger ones are refused
-by ZMQ before allocation at four times that), ZMQ's receive queue holds ``rcvhwm`` messages, the
-queue to the consumer ``queue_size`` batches (when it is full the pending batches are dropped,
-counted, and replaced by ``reset(QUEUE_FULL)``), a replay keeps at most ``max_replay_batches``.
-A malformed message is a counted drop (:class:`~sidecar.kvevents.wire.DropReason`), never an
-exception out of the task; a consumer that raises is logged, counted and reset.
+by ZMQ before allocation at four times that), ZMQ's receive queues (the subscription's, the
+replay's) hold ``rcvhwm`` messages each, the queue to the consumer ``queue_size`` batches. A live
+batch that finds the queue full drops the pending batches (counted) for ``reset(QUEUE_FULL)``:
+the index forgets rather than lags; replayed batches, and the ``rcvhwm`` live ones that follow a
+replay (what ZMQ queued meanwhile), wait for room instead. A replay keeps nothing of its own.
+
+The event loop keeps the turn: decoding is bounded per message (``wire.py``), and each task
+gives the loop back after ``_WAKE_BYTES`` of payload or ``_DRAIN_PER_WAKE`` messages read (the
+receive task, a replay included) and after ``_DRAIN_PER_WAKE`` batches or ``_APPLY_EVENTS``
+events applied (the apply task). A malformed message is a counted drop
+(:class:`~sidecar.kvevents.wire.DropReason`), never an exception out of the task; a consumer
+that raises is logged, counted and reset.
 
 ``zmq`` is imported by this module only: the sidecar imports it when events are enabled.
 """
@@ -44,7 +52,7 @@ import ipaddress
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, TypeAlias
@@ -70,9 +78,13 @@ Sleep = Callable[[float], Awaitable[None]]
 Clock = Callable[[], float]
 
 _DRAIN_PER_WAKE = 256
-"""Messages read per wake-up before the loop gets the turn back."""
-_OFFLOAD_BYTES = 256 * 1024
-"""Payloads from this size are decoded in a thread, so a large one does not hold the loop."""
+"""Messages read (batches applied) per turn before the loop gets the turn back."""
+_WAKE_BYTES = 256 * 1024
+"""Payload bytes decoded per turn: a few milliseconds of msgpack (it holds the GIL, so a thread
+would not spare the loop); one larger message is a turn of its own."""
+_APPLY_EVENTS = 2048
+"""Events (blocks) applied per turn: the index costs 6–17 µs a block on a loaded machine
+(``docs/benchmarks.md``), a turn 10–35 ms; one larger batch is a turn of its own."""
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _LOST = (
     zmq.EVENT_DISCONNECTED
@@ -219,6 +231,9 @@ class Subscriber:
         self._context = context or zmq.asyncio.Context.instance()
         self._queue: asyncio.Queue[_Item] = asyncio.Queue(queue_size)
         self._expected = 0
+        self._patient = 0
+        """Live batches still to wait for room: those ZMQ queued while a replay was read."""
+        self._turn_bytes = self._turn_messages = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._delays = backoff.delays()
         self.stats = SubscriberStats()
@@ -281,7 +296,7 @@ class Subscriber:
             self.stats.connects_total += 1
             self.stats.connected = True
             if not first:
-                self._push(_Reset(ResetReason.RECONNECTED))
+                await self._put(_Reset(ResetReason.RECONNECTED))
             self._expected = 0  # a new subscription: what came before it is replayed or reset
             self._delays = self._backoff.delays()  # the next failure waits the initial delay
             await self._receive(sub, monitor)
@@ -319,12 +334,24 @@ class Subscriber:
             if monitor in ready:
                 self._check_monitor(plain_monitor)
             if sub in ready:
-                for _ in range(_DRAIN_PER_WAKE):
+                while True:
                     try:
                         frames = plain_sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self._on_message(frames)
+                    if await self._pace(frames):
+                        break  # the loop had its turn: poll again
+
+    async def _pace(self, frames: list[bytes]) -> bool:
+        """Count a message read; past the turn's budget, give the loop its turn (True)."""
+        self._turn_messages += 1
+        self._turn_bytes += sum(map(len, frames))
+        if self._turn_messages < _DRAIN_PER_WAKE and self._turn_bytes < _WAKE_BYTES:
+            return False
+        self._turn_bytes = self._turn_messages = 0
+        await asyncio.sleep(0)
+        return True
 
     def _check_monitor(self, monitor: zmq.Socket[bytes]) -> None:
         while True:
@@ -337,13 +364,9 @@ class Subscriber:
                 self.stats.disconnects_total += 1
                 raise _Lost("disconnected")
 
-    async def _decode(self, frames: list[bytes]) -> EventBatch | None:
+    def _decode(self, frames: list[bytes]) -> EventBatch | None:
         """The message's batch, or None (a counted drop)."""
         try:
-            if len(frames) == 3 and len(frames[2]) >= _OFFLOAD_BYTES:
-                return await asyncio.to_thread(
-                    decode_message, frames, topic=self._topic, limits=self._limits
-                )
             return decode_message(frames, topic=self._topic, limits=self._limits)
         except WireError as exc:
             self.stats.drops_total[exc.reason] += 1
@@ -351,7 +374,7 @@ class Subscriber:
             return None
 
     async def _on_message(self, frames: list[bytes]) -> None:
-        batch = await self._decode(frames)
+        batch = self._decode(frames)
         if batch is None:
             return
         self.stats.messages_total += 1
@@ -361,63 +384,67 @@ class Subscriber:
         if batch.seq > self._expected:
             self.stats.gaps_total += 1
             await self._fill_gap(batch.seq)
-        self._push(batch)
+            self._patient = self._rcvhwm + 1  # seq, then what ZMQ queued during the replay
+        if self._patient:
+            self._patient -= 1
+            await self._put(batch)
+        else:
+            self._push(batch)
         self._expected = batch.seq + 1
 
     async def _fill_gap(self, seq: int) -> None:
-        """Replay ``[expected, seq)``; a reset, then the contiguous suffix, when it falls short."""
+        """Replay ``[expected, seq)`` into the queue as it arrives; a reset before a batch that
+        does not follow the one before it, and before ``seq`` when the replay stops short."""
         start = max(self._expected, seq - self._max_replay)
-        replayed = await self._replay(start, seq) if self._max_replay else []
-        # Keep the run that ends just before seq: true of the engine, whatever came before it.
-        run: list[EventBatch] = []
-        for batch in reversed(replayed):
-            if batch.seq != seq - 1 - len(run):
-                break
-            run.append(batch)
-        run.reverse()
-        if not run or run[0].seq != self._expected:
-            self._push(_Reset(ResetReason.GAP))
-        for batch in run:
-            self._push(batch)
+        if self._max_replay and self.replay_endpoint is not None:
+            async with contextlib.aclosing(self._replay(start, seq)) as replayed:
+                async for batch in replayed:
+                    if batch.seq != self._expected:
+                        await self._put(_Reset(ResetReason.GAP))
+                    await self._put(batch)
+                    self._expected = batch.seq + 1
+        if self._expected != seq:
+            await self._put(_Reset(ResetReason.GAP))
 
-    async def _replay(self, start: int, stop: int) -> list[EventBatch]:
-        """The batches ``[start, stop)`` the replay socket still has, in order (maybe none)."""
-        if self.replay_endpoint is None:
-            return []
+    async def _replay(self, start: int, stop: int) -> AsyncGenerator[EventBatch, None]:
+        """The batches ``[start, stop)`` the replay socket still has, in order (maybe none),
+        as they arrive; each reply within ``replay_timeout_s`` of the one before."""
+        assert self.replay_endpoint is not None
         self.stats.replays_total += 1
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.IPV6, int(self._ipv6))
         dealer.setsockopt(zmq.MAXMSGSIZE, 4 * self._limits.max_payload_bytes)
         dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        got: list[EventBatch] = []
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._replay_timeout_s
+        last = start - 1
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", encode_seq(start)])
             # Replies past the gap come through the subscription too: read up to stop - 1.
-            while len(got) < stop - start:
-                remaining = deadline - loop.time()
-                frames = await asyncio.wait_for(dealer.recv_multipart(), max(0.0, remaining))
+            while last < stop - 1:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
                 if len(frames) == 4 and frames[0] == b"" and _is_end(frames[2]):
                     break
                 if len(frames) != 4 or frames[0] != b"":
                     self.stats.drops_total[DropReason.FRAMES] += 1
                     break
-                batch = await self._decode(frames[1:])
-                if batch is None:
+                batch = self._decode(frames[1:])
+                if batch is None or batch.seq >= stop:
                     break
-                if batch.seq >= stop:
-                    break
-                if batch.seq >= start and (not got or batch.seq > got[-1].seq):
-                    got.append(batch)  # _fill_gap keeps the contiguous suffix
+                await self._pace(frames)
+                if batch.seq > last:  # in order; a repeat or an earlier one is ignored
+                    last = batch.seq
+                    self.stats.replayed_batches_total += 1
+                    yield batch
         except TimeoutError:
             log.info("KV events from %s: replay from %d timed out", self.endpoint, start)
         finally:
             dealer.close(linger=0)
-        self.stats.replayed_batches_total += len(got)
-        return got
+
+    async def _put(self, item: _Item) -> None:
+        """Queue for the consumer, waiting for room (a replay: memory stays the queue's)."""
+        await self._queue.put(item)
+        self.stats.queued = self._queue.qsize()
 
     def _push(self, item: _Item) -> None:
         """Queue for the consumer; when full, the pending batches make way for a reset."""
@@ -439,27 +466,32 @@ class Subscriber:
 
     async def _apply_forever(self) -> None:
         while True:
-            self._apply(await self._queue.get())
-            # What else is queued, up to as many as the receiver reads per wake-up, then the
-            # loop gets the turn back: neither side starves the other, nor the request path.
+            events = self._apply(await self._queue.get())
+            # What else is queued, up to a turn's budget, then the loop gets the turn back:
+            # neither side starves the other, nor the request path.
             for _ in range(_DRAIN_PER_WAKE - 1):
+                if events >= _APPLY_EVENTS:
+                    break
                 try:
                     item = self._queue.get_nowait()
                 except asyncio.QueueEmpty:
                     break
-                self._apply(item)
+                events += self._apply(item)
             self.stats.queued = self._queue.qsize()
             await asyncio.sleep(0)
 
-    def _apply(self, item: _Item) -> None:
+    def _apply(self, item: _Item) -> int:
+        """Hand one item to the consumer; returns its events (a reset: one)."""
+        events = 1
         try:
             if isinstance(item, _Reset):
                 self.stats.resets_total[item.reason] += 1
                 self._consumer.reset(item.reason)
             else:
+                events = batch_events(item)
                 self._consumer.apply(item)
                 self.stats.batches_applied_total += 1
-                self.stats.events_total += batch_events(item)
+                self.stats.events_total += events
                 self.stats.lag_s = self._clock() - item.ts
         except Exception:
             log.exception("KV events from %s: the consumer failed", self.endpoint)
@@ -468,6 +500,7 @@ class Subscriber:
                 self._consumer.reset(ResetReason.CONSUMER_ERROR)
         finally:
             self._queue.task_done()
+        return events
 
     async def drained(self) -> None:
         """Wait until everything queued so far was applied (tests, benchmarks)."""

@@ -22,13 +22,23 @@ size, every type, the events per batch, the blocks per event, the token ids (exa
 kept, and msgpack itself is bounded (lengths, no extension types). Whatever is wrong raises
 :class:`WireError`, whose ``reason`` the subscriber counts as a drop. Decoding uses ``msgpack``,
 not vLLM's ``msgspec`` structs: the sidecar needs none of vLLM's libraries.
+
+**The decode's work is bounded while it happens**, not after: msgpack builds the whole object
+tree before the shape can be checked, and a byte can be an object (``0x90`` is an empty array),
+so a payload within the size limit could still make millions of objects. msgpack calls a hook as
+each array or map is complete; the hook counts the containers and their items, all levels
+together, and stops the decode (``LIMITS``) once either passes ``WireLimits.max_items`` /
+``max_containers``. What is built before it stops is at most those counts plus one array of
+``max_token_ids_per_event`` scalars: about the cost of the largest valid batch (tens of ms).
+msgpack holds the GIL throughout, so a thread would not spare the event loop; the subscriber
+decodes on the loop and gives it the turn back between messages (``subscriber.py``).
 """
 
 from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal, TypeAlias
@@ -113,7 +123,10 @@ class WireLimits:
     (a step stores at most its scheduled tokens, ``max_num_batched_tokens``, per request); what
     exceeds them is dropped, counted, and resynchronised, never allocated beyond the payload."""
 
-    max_payload_bytes: int = 4 * 1024 * 1024
+    max_payload_bytes: int = 2 * 1024 * 1024
+    """msgpack bytes. A token id takes 5 bytes (3 below 65,536), a 64-bit block hash 9: a
+    131,072-token prompt stored in one step (blocks of 16) is a 712 KiB batch, one event at
+    ``max_token_ids_per_event`` (262,144 ids, 16,384 blocks) about 1.4 MiB."""
     max_events: int = 8192
     """Events per batch."""
     max_blocks_per_event: int = 16384
@@ -127,6 +140,12 @@ class WireLimits:
     max_extra_items: int = 64
     """Items of one block's ``extra_keys`` entry."""
     max_map_fields: int = 64
+    max_items: int = 327_680
+    """Array items and map fields of one payload, every level counted: one maximal event
+    (262,144 token ids, 16,384 hashes and ``extra_keys`` entries) with room to spare."""
+    max_containers: int = 32_768
+    """Arrays and maps of one payload: an event is a map and two or three arrays, and each
+    block's ``extra_keys`` entry (a LoRA name, multimodal pairs) is one or a few more."""
 
 
 DEFAULT_LIMITS = WireLimits()
@@ -165,6 +184,7 @@ def decode_payload(seq: int, payload: bytes, limits: WireLimits = DEFAULT_LIMITS
         raise WireError(
             DropReason.TOO_LARGE, f"payload of {len(payload)} bytes > {limits.max_payload_bytes}"
         )
+    count = _budget(limits)
     try:
         raw = msgpack.unpackb(
             payload,
@@ -178,10 +198,32 @@ def decode_payload(seq: int, payload: bytes, limits: WireLimits = DEFAULT_LIMITS
             ),
             max_map_len=limits.max_map_fields,
             max_ext_len=0,
+            list_hook=count,
+            object_hook=count,
         )
+    except WireError:  # the budget's, raised from the hook
+        raise
     except (ValueError, msgpack.UnpackException) as exc:  # bounds, format, depth, UTF-8
         raise WireError(DropReason.MSGPACK, f"undecodable payload: {exc}") from exc
     return _batch(seq, raw, limits)
+
+
+def _budget(limits: WireLimits) -> Callable[[Any], Any]:
+    """msgpack's hook for each complete array and map: counts them and their items, and stops
+    the decode when either count passes its limit (see the module's docstring)."""
+    left = [limits.max_items, limits.max_containers]
+
+    def count(container: Any) -> Any:
+        left[0] -= len(container)
+        left[1] -= 1
+        if left[0] < 0 or left[1] < 0:
+            raise WireError(
+                DropReason.LIMITS,
+                f"more than {limits.max_items} items or {limits.max_containers} arrays and maps",
+            )
+        return container
+
+    return count
 
 
 def _batch(seq: int, raw: Any, limits: WireLimits) -> EventBatch:

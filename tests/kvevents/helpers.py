@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -101,3 +102,37 @@ class RawPublisher:
 
     def close(self) -> None:
         self._context.destroy(linger=0)
+
+
+class LoopWatch:
+    """A task that wakes every ``interval_s`` and keeps the longest time the event loop made it
+    wait beyond that (a stall: some callback held the loop), or with ``interval_s`` 0, the most
+    ``count()`` grew between two of its turns (the work one turn of another task did)."""
+
+    def __init__(self, interval_s: float = 0.001, count: Callable[[], int] = lambda: 0) -> None:
+        self.longest_stall_s = 0.0
+        self.most_per_turn = 0
+        self._interval_s = interval_s
+        self._count = count
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        last, seen = loop.time(), self._count()
+        while True:
+            await asyncio.sleep(self._interval_s)
+            now, counted = loop.time(), self._count()
+            self.longest_stall_s = max(self.longest_stall_s, now - last - self._interval_s)
+            self.most_per_turn = max(self.most_per_turn, counted - seen)
+            last, seen = now, counted
+
+    async def __aenter__(self) -> LoopWatch:
+        self._task = asyncio.create_task(self._watch())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

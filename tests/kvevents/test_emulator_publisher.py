@@ -3,8 +3,12 @@ evicts, a reset; both encodings; --kv-events-config as vLLM takes it; off, nothi
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 
 from sidecar.emulator import RunningEmulator
 from sidecar.emulator.config import EmulatorConfig, config_from_args
@@ -12,11 +16,11 @@ from sidecar.emulator.kv import chain_hashes
 from sidecar.emulator.text import text_prompt, token_id
 from sidecar.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from sidecar.kvevents.subscriber import Subscriber
-from sidecar.kvevents.wire import ENCODINGS, Encoding
+from sidecar.kvevents.wire import ENCODINGS, END_SEQ_FRAME, Encoding, decode_seq, encode_seq
 from tests.conftest import StartEmulator
 from tests.imports import imported
 
-from .helpers import Recorder, events_config, publisher
+from .helpers import WAIT_S, Recorder, events_config, publisher
 
 BLOCK = 4
 
@@ -177,3 +181,46 @@ def test_a_bad_kv_events_config_is_refused(text: str) -> None:
 def test_the_sidecar_and_the_emulator_import_neither_zmq_nor_msgpack() -> None:
     modules = imported("-c", "import sidecar.app, sidecar.emulator.app, sidecar.emulator.__main__")
     assert not {name for name in modules if name.split(".")[0] in ("zmq", "msgpack")}
+
+
+async def test_a_replay_longer_than_the_queues_reaches_a_slow_reader_whole(
+    start_engine: StartEmulator,
+) -> None:
+    """1,500 batches of ~20 KiB (30 MB: beyond the ROUTER's 1,000 messages, a small receive
+    queue and the TCP buffers) to a reader that takes one message per turn of the loop: every
+    batch arrives, in order, then the end marker (a ROUTER that drops lost the tail and it)."""
+    emulator = await start_engine(kv_events_config=events_config(buffer_steps=2_000))
+    events = publisher(emulator)
+    stored = BlockStored(
+        block_hashes=tuple(range(1, 1025)),
+        parent_block_hash=None,
+        token_ids=tuple(range(100_000, 100_000 + 1024 * BLOCK)),
+        block_size=BLOCK,
+        medium="GPU",
+    )
+    for _ in range(1_500):
+        events.stored([stored], [])
+    assert emulator.kv_events_replay_port is not None
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 10)
+    seqs: list[int] = []
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{emulator.kv_events_replay_port}")
+        await dealer.send_multipart([b"", encode_seq(0)])
+
+        async def read_slowly() -> bytes:
+            while True:
+                _, _, seq, payload = await dealer.recv_multipart()
+                if seq == END_SEQ_FRAME:
+                    return payload
+                seqs.append(decode_seq(seq))
+                assert len(payload) > 16 * 1024
+                await asyncio.sleep(0)  # the publisher's turn: it sends ahead, up to the HWMs
+
+        assert await asyncio.wait_for(read_slowly(), 4 * WAIT_S) == b""
+    finally:
+        context.destroy(linger=0)
+    assert seqs == list(range(1_500))
+    assert events.replays_abandoned_total == 0

@@ -24,6 +24,7 @@ from sidecar.kvevents.events import (
 )
 from sidecar.kvevents.index import (
     BYTES_PER_BLOCK,
+    MAX_GROUPS,
     MAX_LOOKUP_TOKENS,
     Hit,
     KVIndex,
@@ -235,6 +236,35 @@ def test_groups_never_cross_match_and_a_hit_needs_every_group() -> None:
     index.apply(engine.batch(engine.remove(prompt, [2], group=1)))
     assert index.lookup(probe).gpu == 2 * BS
     assert len(index) == 6 + 3
+
+
+def test_groups_are_capped_and_an_empty_one_gives_its_place() -> None:
+    engine, index = Engine(), KVIndex(max_blocks=1000)
+    prompt = tokens(12, 2 * BS)
+    probe = [*prompt, 1]
+    for group in range(MAX_GROUPS):
+        index.apply(engine.batch(engine.store(prompt, group=group)))
+    assert index.lookup(probe).gpu == 2 * BS
+    # A group beyond the cap, while every group holds blocks: skipped and counted.
+    index.apply(engine.batch(engine.store(prompt, group=1_000_000)))
+    assert (index.stats().groups, index.stats().too_many_groups) == (MAX_GROUPS, 2)
+    # An emptied group is kept (a hit needs it too: none now) until a new group needs its place.
+    index.apply(engine.batch(engine.remove(prompt, [0, 1], group=5)))
+    assert index.lookup(probe).gpu == 0
+    index.apply(engine.batch(engine.store(prompt, group=1_000_000)))
+    assert (index.stats().groups, index.stats().too_many_groups) == (MAX_GROUPS, 2)
+    assert len(index) == MAX_GROUPS * 2
+    assert index.lookup(probe).gpu == 2 * BS
+
+
+def test_groups_whose_blocks_the_cap_dropped_make_room_for_new_ones() -> None:
+    """The review's case: one block in each of 2,000 new groups, an index of 4 blocks."""
+    engine, index = Engine(), KVIndex(max_blocks=4)
+    prompt = tokens(13, BS)
+    for group in range(2_000):
+        index.apply(engine.batch(engine.store(prompt, group=group)))
+    assert len(index) == 4
+    assert (index.stats().groups, index.stats().too_many_groups) == (MAX_GROUPS, 0)
 
 
 def test_a_sliding_window_group_needs_only_its_window_before_the_hit() -> None:

@@ -4,18 +4,28 @@ hostile messages counted as drops, the bound of the queue to the consumer."""
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
+from collections.abc import Callable, Coroutine
 
 import aiohttp
 import msgpack
+import zmq
+import zmq.asyncio
 
 from sidecar.emulator import RunningEmulator
-from sidecar.kvevents.events import AllBlocksCleared, EventBatch
+from sidecar.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from sidecar.kvevents.subscriber import Backoff, ResetReason, Subscriber
-from sidecar.kvevents.wire import DropReason, WireLimits, encode_message, encode_seq
+from sidecar.kvevents.wire import (
+    END_SEQ_FRAME,
+    DropReason,
+    WireLimits,
+    encode_message,
+    encode_seq,
+)
 from tests.conftest import StartEmulator
 
-from .helpers import WAIT_S, RawPublisher, Recorder, events_config, publisher
+from .helpers import WAIT_S, LoopWatch, RawPublisher, Recorder, events_config, publisher
 
 
 async def complete(session: aiohttp.ClientSession, emulator: RunningEmulator, text: str) -> None:
@@ -191,23 +201,189 @@ async def test_hostile_messages_are_counted_drops_and_the_subscriber_lives_on() 
     assert subscriber.stats.events_total == 1
 
 
-async def test_a_full_queue_drops_counts_and_resets_and_stays_bounded(
-    start_engine: StartEmulator, session: aiohttp.ClientSession
-) -> None:
-    """A replayed gap is queued in one go: 11 batches into a queue of 4."""
-    emulator = await start_engine(kv_events_config=events_config())
-    await store(session, emulator, 10)
+async def test_a_full_queue_drops_counts_and_resets_and_stays_bounded() -> None:
+    """Live batches read faster than they are applied, into a queue of 2: the pending batches
+    make way for a reset and the newest; nothing is lost uncounted."""
+    raw = RawPublisher()
     recorder = Recorder()
-    async with subscriber_of(emulator, recorder, queue_size=4) as subscriber:
-        await publisher(emulator).wait_subscriptions(1)
-        await store(session, emulator, 1)  # seq 10: the gap 0..9 is replayed
-        await recorder.wait_for(lambda: bool(recorder.batches) and recorder.batches[-1].seq == 10)
-        await subscriber.drained()
+    sent = 0
+
+    def caught_up() -> bool:
+        return bool(recorder.batches) and recorder.batches[-1].seq == sent - 1
+
+    try:
+        async with Subscriber(
+            host="127.0.0.1", port=raw.port, consumer=recorder, queue_size=2
+        ) as subscriber:
+            await raw.wait_subscribed()
+            while not subscriber.stats.drops_total[DropReason.QUEUE_FULL]:
+                for _ in range(64):  # a burst, read in one turn of the receive task
+                    raw.send(encode_message(EventBatch(seq=sent, ts=1.0, events=())))
+                    sent += 1
+                await recorder.wait_for(caught_up)
+            await subscriber.drained()
+    finally:
+        raw.close()
     applied = [b.seq for b in recorder.batches]
-    last_reset = max(i for i, item in enumerate(recorder.items) if item is ResetReason.QUEUE_FULL)
-    after = [item.seq for item in recorder.items[last_reset + 1 :] if isinstance(item, EventBatch)]
-    assert after == list(range(after[0], 11))  # in order after the reset, up to the newest
-    dropped = subscriber.stats.drops_total[DropReason.QUEUE_FULL]
-    assert dropped == 11 - len(applied) > 0
+    assert applied == sorted(set(applied))  # in order, none twice
+    assert applied[-1] == sent - 1  # the newest is kept
+    assert subscriber.stats.drops_total[DropReason.QUEUE_FULL] == sent - len(applied)
     assert subscriber.stats.resets_total[ResetReason.QUEUE_FULL] >= 1
+    for before, after in zip(recorder.items, recorder.items[1:], strict=False):
+        if isinstance(before, EventBatch) and isinstance(after, EventBatch):
+            assert after.seq == before.seq + 1  # a batch follows its predecessor or a reset
     assert subscriber.stats.queued == 0
+
+
+def _replay_server(
+    count: int, before: Callable[[], None]
+) -> tuple[int, Callable[[], Coroutine[object, object, None]], zmq.asyncio.Context]:
+    """A replay socket on loopback holding batches ``0 .. count - 1``: on a request it calls
+    ``before()``, then sends every batch from the start asked, waiting when the reader's queue
+    is full (as the emulator does), then the end marker."""
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        identity, _, start = await router.recv_multipart()
+        before()
+        for seq in range(int.from_bytes(start, "big", signed=True), count):
+            await router.send_multipart([identity, b"", *encode_message(_one_block(seq))])
+        await router.send_multipart([identity, b"", b"", END_SEQ_FRAME, b""])
+
+    return port, serve, context
+
+
+def _one_block(seq: int) -> EventBatch:
+    """Batch ``seq`` of a chain: block ``seq + 1`` stored after block ``seq``."""
+    stored = BlockStored((seq + 1,), None if seq == 0 else seq, tuple(range(16)), 16)
+    return EventBatch(seq=seq, ts=1.0, events=(stored,))
+
+
+async def test_a_replay_longer_than_the_queue_fills_the_gap() -> None:
+    """A gap of 1,500 batches, replayed in full into a queue of 8, then 20 live batches ZMQ
+    queued during the replay: all 1,521 applied in order, no reset, nothing dropped."""
+    gap, backlog = 1_500, 20
+    raw = RawPublisher()
+
+    def live_during_the_replay() -> None:
+        for seq in range(gap + 1, gap + 1 + backlog):
+            raw.send(encode_message(_one_block(seq)))
+
+    replay_port, serve, context = _replay_server(gap, live_during_the_replay)
+    server = asyncio.create_task(serve())
+    recorder = Recorder()
+    try:
+        async with Subscriber(
+            host="127.0.0.1",
+            port=raw.port,
+            replay_port=replay_port,
+            consumer=recorder,
+            queue_size=8,
+        ) as subscriber:
+            await raw.wait_subscribed()
+            raw.send(encode_message(_one_block(gap)))  # the first message heard: seq 1,500
+            await recorder.wait_for(lambda: len(recorder.items) >= gap + 1 + backlog, 4 * WAIT_S)
+            await subscriber.drained()
+            await server
+    finally:
+        server.cancel()
+        raw.close()
+        context.destroy(linger=0)
+    assert recorder.resets == []
+    assert [b.seq for b in recorder.batches] == list(range(gap + 1 + backlog))
+    assert subscriber.stats.replayed_batches_total == gap
+    assert subscriber.stats.drops_total == {}
+
+
+async def test_a_hostile_payload_is_a_drop_and_the_loop_stays_responsive() -> None:
+    """The review's payloads: 3.75 MiB of nested empty arrays (over the size limit), and 1.75
+    MiB of them (within it: the decode stops at its item budget). Each is a counted drop, and
+    the event loop never waits 100 ms (it waited 3 s for the first)."""
+    empties = b"\xdd" + (262_144).to_bytes(4, "big") + b"\x90" * 262_144
+    over = b"\x93\xcb" + bytes(8) + b"\xdc\x00\x0f" + empties * 15 + b"\xc0"
+    within = b"\x93\xcb" + bytes(8) + b"\xdc\x00\x07" + empties[:-1] * 7 + b"\xc0"
+    within = within.replace((262_144).to_bytes(4, "big"), (262_143).to_bytes(4, "big"))
+    raw = RawPublisher()
+    recorder = Recorder()
+    try:
+        async with Subscriber(host="127.0.0.1", port=raw.port, consumer=recorder) as subscriber:
+            await raw.wait_subscribed()
+            async with LoopWatch() as watch:
+                raw.send([b"", encode_seq(0), over])
+                raw.send([b"", encode_seq(0), within])
+                raw.send(encode_message(EventBatch(seq=0, ts=1.0, events=())))
+                await recorder.wait_batches(1)
+    finally:
+        raw.close()
+    assert subscriber.stats.drops_total == {DropReason.TOO_LARGE: 1, DropReason.LIMITS: 1}
+    assert watch.longest_stall_s < 0.1
+
+
+async def test_the_receive_task_gives_the_loop_its_turn_between_large_messages() -> None:
+    """40 batches of 100 KiB arrive at once: the receive task decodes at most 256 KiB of them
+    per turn of the event loop (it decoded all it found, up to 256 messages, in one)."""
+    rng = random.Random(0)
+    blocks = 1_280  # 20,480 token ids of 5 bytes: 100 KiB
+    messages = [
+        encode_message(
+            EventBatch(
+                seq=seq,
+                ts=1.0,
+                events=(
+                    BlockStored(
+                        tuple(rng.getrandbits(64) for _ in range(blocks)),
+                        None,
+                        tuple(rng.randrange(70_000, 150_000) for _ in range(16 * blocks)),
+                        16,
+                    ),
+                ),
+            )
+        )
+        for seq in range(40)
+    ]
+    assert 90 * 1024 < len(messages[0][2]) < 120 * 1024
+    raw = RawPublisher()
+    recorder = Recorder()
+    try:
+        async with Subscriber(host="127.0.0.1", port=raw.port, consumer=recorder) as subscriber:
+            await raw.wait_subscribed()
+            async with LoopWatch(0, lambda: subscriber.stats.messages_total) as watch:
+                for frames in messages:
+                    raw.send(frames)
+                await recorder.wait_batches(40)
+    finally:
+        raw.close()
+    assert subscriber.stats.drops_total == {}
+    assert 1 <= watch.most_per_turn <= 3  # 256 KiB: the message that passes it ends the turn
+
+
+async def test_the_apply_task_gives_the_loop_its_turn_every_2048_events() -> None:
+    """60 batches removing 1,000 blocks each (9 KiB: read 28 to a turn): the consumer is handed
+    at most three per turn of the event loop (it was handed every queued one, up to 256)."""
+    messages = [
+        encode_message(
+            EventBatch(
+                seq=seq,
+                ts=1.0,
+                events=(BlockRemoved(block_hashes=tuple(range(2**63, 2**63 + 1_000))),),
+            )
+        )
+        for seq in range(60)
+    ]
+    raw = RawPublisher()
+    recorder = Recorder()
+    try:
+        async with Subscriber(host="127.0.0.1", port=raw.port, consumer=recorder) as subscriber:
+            await raw.wait_subscribed()
+            async with LoopWatch(0, lambda: subscriber.stats.batches_applied_total) as watch:
+                for frames in messages:
+                    raw.send(frames)
+                await recorder.wait_batches(60)
+    finally:
+        raw.close()
+    assert subscriber.stats.events_total == 60_000
+    assert 1 <= watch.most_per_turn <= 3

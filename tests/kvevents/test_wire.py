@@ -10,6 +10,7 @@ import pytest
 
 from sidecar.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from sidecar.kvevents.wire import (
+    DEFAULT_LIMITS,
     ENCODINGS,
     END_SEQ_FRAME,
     DropReason,
@@ -250,3 +251,51 @@ def test_unknown_fields_of_newer_versions_are_ignored() -> None:
         medium="GPU",
         kv_cache_spec_kind="full_attention",
     )
+
+
+def _nested(outer: int, inner: int, item: bytes) -> bytes:
+    """``[0.0, [outer × [inner × item]], nil]``: one byte an object."""
+    array = b"\xdd" + inner.to_bytes(4, "big") + item * inner
+    return b"\x93\xcb" + bytes(8) + b"\xdc" + outer.to_bytes(2, "big") + array * outer + b"\xc0"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _nested(7, 262_143, b"\x90"),  # 1.8 M empty arrays: millions of lists, were built
+        _nested(7, 262_143, b"\xe0"),  # 1.8 M negative ints (-32), one allocation each
+    ],
+    ids=["empty arrays", "small ints"],
+)
+def test_a_payload_that_amplifies_within_the_size_limit_stops_at_the_item_budget(
+    payload: bytes,
+) -> None:
+    """Each case fits the 2 MiB limit and would make millions of objects; the decode stops when
+    the count of arrays, maps and items passes the budget (the reason says so)."""
+    assert len(payload) <= DEFAULT_LIMITS.max_payload_bytes
+    with pytest.raises(WireError) as caught:
+        decode_payload(0, payload)
+    assert caught.value.reason is DropReason.LIMITS
+
+
+def test_the_largest_valid_event_fits_the_default_limits() -> None:
+    """One step storing a 262,144-token prompt (16,384 blocks, 64-bit hashes, large ids, a LoRA
+    entry per block): within the payload, item and container budgets."""
+    blocks = 16_384
+    batch = EventBatch(
+        seq=0,
+        ts=1.0,
+        events=(
+            BlockStored(
+                block_hashes=tuple(2**63 + i for i in range(blocks)),
+                parent_block_hash=None,
+                token_ids=tuple(100_000 + i % 50_000 for i in range(16 * blocks)),
+                block_size=16,
+                lora_name="adapter",
+                extra_keys=(("adapter",),) * blocks,
+            ),
+        ),
+    )
+    payload = encode_payload(batch)
+    assert len(payload) <= DEFAULT_LIMITS.max_payload_bytes
+    assert decode_payload(0, payload) == batch
