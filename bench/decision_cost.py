@@ -555,8 +555,8 @@ async def measure(
     for policy in policies:
         figures, reasons, _ = await time_placements(policy, MemoryState(), iterations)
         result["memory"][policy] = {**figures, "reasons": dict(reasons)}
-    result["continuations"] = {
-        block: await time_continuations(iterations, block) for block in (16, 64)
+    result["continuations"] = {  # keyed by text: the report is written as JSON
+        str(block): await time_continuations(iterations, block) for block in (16, 64)
     }
 
     if redis_policy not in result["memory"]:

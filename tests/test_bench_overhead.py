@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+import pytest
+
 from bench.client import Workload
 from bench.overhead_report import Point, medians, targets
 from bench.profiling import heaviest
@@ -112,3 +115,15 @@ def test_profile_summary_counts_a_frame_once_per_stack() -> None:
     assert "   75.0%  garbage collection" in lines
     assert "   75.0%  f (sidecar/x.py:2)" in lines
     assert "  100.0%  main (a.py:1)" in lines
+
+
+@pytest.mark.system  # ~10 s: placements on both backends, a redis-server
+async def test_the_decision_costs_report_is_written_as_json() -> None:
+    """``bench/overhead.py`` writes ``decision_cost.measure``'s figures into its JSON report
+    (``make bench-smoke`` in CI): every key must be text (orjson refuses others)."""
+    from bench import decision_cost
+
+    figures = await decision_cost.measure(3, ["qoe"])
+    decoded = orjson.loads(orjson.dumps(figures))
+    assert set(decoded["continuations"]) == {"16", "64"}
+    assert decoded["memory"]["qoe"]["median_us"] > 0
