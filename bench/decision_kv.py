@@ -59,7 +59,7 @@ from bench.decision_cost import (
     summary,
 )
 from sidecar.emulator.text import text_prompt
-from sidecar.emulator.tokenize import prompt_token_ids
+from sidecar.emulator.tokenize import prompt_units, unit_token_id
 from sidecar.kvevents.events import BlockStored, EventBatch
 from sidecar.kvevents.fleet import FleetOptions, KVFleet, PromptLookup, _Engine, decode_engine
 from sidecar.kvevents.index import KVIndex
@@ -70,18 +70,34 @@ from sidecar.scheduling.state import MemoryState
 BENCH = Path(__file__).resolve()
 BLOCK = 16
 """vLLM's default block size."""
-FILLER = 40
-"""Other prompts of 2,000 tokens each index holds (5,000 blocks): lived-in dictionaries."""
+FILLER = 16
+"""Other prompts of 2,000 tokens each index holds (2,000 blocks): lived-in dictionaries."""
 FULL_PROMPTS = 64
 """Distinct fully cached prompts, on endpoint ``k % 8`` for prompt ``k``."""
-SHORT, LONG = 100, 400
+SHORT, LONG = 20, 220
 """Placements of the two callgrind runs."""
 CASES = ("distinct", "full")
 
 
+_UNITS: dict[str, int] = {}
+
+
 def token_ids(text: str) -> list[int]:
-    """What the emulator's ``/tokenize`` answers for ``text`` (its one rule)."""
-    return list(prompt_token_ids(text_prompt(text)))
+    """What the emulator's ``/tokenize`` answers for ``text`` (its one rule, ``unit_token_id``,
+    remembered per unit: the bench's prompts repeat their units)."""
+    units = _UNITS
+    ids = []
+    for unit in prompt_units(text_prompt(text)):
+        found = units.get(unit)
+        if found is None:
+            found = units[unit] = unit_token_id(unit)
+        ids.append(found)
+    return ids
+
+
+def filler_ids(seed: int) -> list[int]:
+    """Another prompt's 2,000 token ids, distinct per ``seed`` (what else an engine holds)."""
+    return [(seed * 1_000_003 + i * 7919) % 128_000 for i in range(PROMPT_TOKENS)]
 
 
 def engine_hashes(ids: Sequence[int], salt: int) -> list[int]:
@@ -156,7 +172,7 @@ def fleet_in_sync(tokens: GivenIds) -> KVFleet:
         engine = _Engine(name, KVIndex(max_blocks=options.max_blocks), adapters)
         engine.subscriber = _Connected()  # type: ignore[assignment]
         for f in range(FILLER):
-            engine.apply(stored(token_ids(body(10**8 + n * 1000 + f)["prompt"]), 10**6 * n + f))
+            engine.apply(stored(filler_ids(n * 1000 + f), 10**6 * n + f))
         engines.append(engine)
     for k in range(FULL_PROMPTS):
         engines[k % ENDPOINTS].apply(stored(full_ids(k), -1 - k))
@@ -173,18 +189,23 @@ def case_ids(case: str, index: int) -> list[int]:
     return token_ids(body(index)["prompt"])
 
 
-async def placements(case: str, iterations: int, *, timed: bool = True) -> dict[str, Any]:
-    """``iterations`` decisions (plus a tenth to warm up) on a scheduler with the fleet; each
-    placement's recording is applied right after, untimed (``Scheduler._record``)."""
+async def placements(
+    case: str, iterations: int, *, timed: bool = True, prepare: int = 0
+) -> dict[str, Any]:
+    """``iterations`` decisions (plus a tenth to warm up) on a scheduler with the fleet (case
+    ``off``: without it); each placement's recording is applied right after, untimed
+    (``Scheduler._record``). ``prepare``: requests made beforehand at least."""
     tokens = GivenIds()
     fleet = fleet_in_sync(tokens)
     scheduler = scheduler_on(MemoryState(), "qoe")
-    scheduler._kv_events = fleet
+    if case != "off":
+        scheduler._kv_events = fleet
     await scheduler.start()
     total = iterations + iterations // 10
-    requests = [body(i) for i in range(total)]
+    requests = [body(i) for i in range(max(total, prepare))]
     for i, request in enumerate(requests):  # made before the clock runs
         tokens.ids[request["prompt"]] = case_ids(case, i)
+    del requests[total:]
     record: Callable[[], None] = getattr(scheduler, "_record", lambda: None)
     held: deque[Placement] = deque()
     samples: list[int] = []
@@ -209,7 +230,6 @@ async def placements(case: str, iterations: int, *, timed: bool = True) -> dict[
                 finish(scheduler, held.popleft())
     finally:
         await scheduler.close()
-    assert fleet.last_decision is not None
     if not timed:
         return {}
     return {
@@ -218,44 +238,38 @@ async def placements(case: str, iterations: int, *, timed: bool = True) -> dict[
         "cpu_p99_us": summary(cpu_samples)["p99_us"],
         "reasons": reasons,
         "cached_source": sources,
-        "engines_in_sync": len(fleet.last_decision["sources"]),
+        "engines_looked_up": len((fleet.last_decision or {"sources": ()})["sources"]),
     }
 
 
-def lookups(case: str, iterations: int, *, parts: str = "both") -> dict[str, Any]:
+def lookups(case: str, iterations: int, *, parts: str = "both", prepare: int = 0) -> dict[str, Any]:
     """The exact part of a decision on its own: a request's ``PromptKeys`` and its 9 look-ups
     (the 8 endpoints', the local rank's), as ``PromptLookup`` makes them. Timed (thread CPU):
-    the keys alone (a fresh ``PromptKeys`` keyed as far as the look-ups read it), then the
-    look-ups on keys already computed, the hitting endpoint's apart. ``parts`` for callgrind:
-    ``keys``, ``lookups`` (keys computed untimed first) or ``both``."""
+    the look-ups with a fresh ``PromptKeys`` (keyed as far as they read it), then again on the
+    keys now computed (the probes alone, the hitting endpoint's apart); the keys' share is the
+    difference. ``parts`` for callgrind: ``keys`` (the first pass only) or ``lookups`` (both
+    passes); ``prepare``: token ids made beforehand at least (the same in every run)."""
     tokens = GivenIds()
     fleet = fleet_in_sync(tokens)
     total = iterations + iterations // 10
-    ids = [case_ids(case, i) for i in range(total)]
+    ids = [case_ids(case, i) for i in range(max(total, prepare))]
     keys_cpu: list[int] = []
     hit_cpu: list[int] = []
     miss_cpu: list[int] = []
     all_cpu: list[int] = []
     cpu = time.thread_time_ns
     names = [str(endpoint) for endpoint in pool()]
+    request = {"model": "emulated-model"}
     hits = 0
     for i in range(total):
         prompt = ids[i]
-        body_ = {"model": "emulated-model"}
-        if parts in ("keys", "both"):
-            # The keys as the look-ups read them: computed by the look-ups, minus the probes.
-            warm = fleet.prompt_keys(prompt, body_)
-            lookup = PromptLookup(fleet, warm, len(prompt), None)
-            t0 = cpu()
-            for name in names:
-                lookup(name)
-            lookup.rank(0, 0)
-            t1 = cpu()
-        keys = fleet.prompt_keys(prompt, body_)
+        keys = fleet.prompt_keys(prompt, request)
         lookup = PromptLookup(fleet, keys, len(prompt), None)
-        for name in names:  # keys computed as far as read, untimed
+        t0 = cpu()
+        for name in names:
             lookup(name)
         lookup.rank(0, 0)
+        t1 = cpu()
         if parts == "keys":
             continue
         lookup = PromptLookup(fleet, keys, len(prompt), None)
@@ -263,26 +277,20 @@ def lookups(case: str, iterations: int, *, parts: str = "both") -> dict[str, Any
         found = [lookup(name) for name in names]
         found.append(lookup.rank(0, 0))
         t3 = cpu()
-        if parts == "lookups":
+        if parts == "lookups" or i < iterations // 10:
             continue
-        if i < iterations // 10:
-            continue
-        hit = next((n for n, tokens_ in enumerate(found) if tokens_), None)
+        hit = next((n for n, cached in enumerate(found) if cached), None)
         hits += hit is not None
-        with_keys = t1 - t0
         probes = t3 - t2
-        keys_cpu.append(max(0, with_keys - probes))
+        keys_cpu.append(max(0, t1 - t0 - probes))
         all_cpu.append(probes)
         if hit is not None:
             one = PromptLookup(fleet, keys, len(prompt), None)
-            name = names[hit]
             t4 = cpu()
-            one(name)
+            one(names[hit])
             t5 = cpu()
             hit_cpu.append(t5 - t4)
             miss_cpu.append(max(0, probes - (t5 - t4)))
-        else:
-            miss_cpu.append(probes)
     if parts != "both":
         return {}
     figures: dict[str, Any] = {
@@ -330,10 +338,11 @@ async def tokenize_costs(calls: int) -> dict[str, Any]:
 
 def count_child(kind: str, case: str, iterations: int) -> None:
     """Untimed, for callgrind: ``place`` (decisions), ``keys`` or ``lookups``."""
+    prepare = LONG + LONG // 10
     if kind == "place":
-        asyncio.run(placements(case, iterations, timed=False))
+        asyncio.run(placements(case, iterations, timed=False, prepare=prepare))
     else:
-        lookups(case, iterations, parts=kind)
+        lookups(case, iterations, parts=kind, prepare=prepare)
 
 
 def instructions(kind: str, case: str) -> float:
@@ -361,17 +370,27 @@ def run(iterations: int, *, count: bool, tokenize_calls: int = 300) -> int:
         f" {ENDPOINTS} endpoints and the local rank ({FILLER} other prompts each), token ids given"
     )
     if count:
+        off = instructions("place", "off")
+        print(f"  {'off':<9} instructions per decision {off:>11,.0f} (KV events off)")
         for case in CASES:
             place = instructions("place", case)
-            keys = instructions("keys", case)
-            probes = instructions("lookups", case)
+            first = instructions("keys", case)  # the keys and the probes
+            probes = instructions("lookups", case) - first  # the probes again
+            keys = first - probes
             print(
                 f"  {case:<9} instructions per decision {place:>11,.0f}; keys {keys:>9,.0f},"
                 f" 9 look-ups {probes:>9,.0f}, the rest {place - keys - probes:>9,.0f}"
+                f" ({place - keys - probes - off:+,.0f} on events off)"
                 f"  ({load()})"
             )
         return 0
     print(f"  {'what':<52} {'median µs':>10} {'p99 µs':>10} {'CPU med µs':>10}")
+    unfleeted = asyncio.run(placements("off", iterations))
+    print(  # the same placements without the fleet (decision_cost.py's memory qoe)
+        f"  {'place(), KV events off (the same placements)':<52}"
+        f" {unfleeted['median_us']:>10.1f} {unfleeted['p99_us']:>10.1f}"
+        f" {unfleeted['cpu_median_us']:>10.1f}"
+    )
     for case in CASES:
         figures = asyncio.run(placements(case, iterations))
         print(
