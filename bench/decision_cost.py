@@ -4,6 +4,7 @@
     python bench/decision_cost.py --iterations 500 --policies qoe
     python bench/decision_cost.py --baseline ../main --rounds 3   # A/B, interleaved
     python bench/decision_cost.py --instructions --baseline ../main  # callgrind, Ir per placement
+    python bench/decision_cost.py --kv-events   # the exact indexes in sync: bench/decision_kv.py
 
 Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
 static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates

@@ -207,6 +207,8 @@ async def placements(
         tokens.ids[request["prompt"]] = case_ids(case, i)
     del requests[total:]
     record: Callable[[], None] = getattr(scheduler, "_record", lambda: None)
+    if not timed:  # counted: the decision alone, its recording left out (as decision_cost.py)
+        scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     held: deque[Placement] = deque()
     samples: list[int] = []
     cpu_samples: list[int] = []
