@@ -208,8 +208,9 @@ class PromptKeys:
     request is looked up in (the keys are this process's, not an engine's): with eight prefill
     engines and the local one, a prompt is hashed once, and each index costs a dictionary probe
     per block. A look-up that misses at block *i* has keyed (and converted to bytes) a few
-    blocks past *i*, not the prompt. Token ids that are not 32-bit unsigned ints key nothing (no
-    hit anywhere: ``limit`` becomes 0 when the conversion meets one)."""
+    blocks past *i*, not the prompt. A token id that is not a 32-bit unsigned int, met where
+    the look-ups read the prompt, makes every later look-up of these keys a miss (``limit``
+    becomes 0); the sidecar's own ids are checked before (``tokens.py``)."""
 
     __slots__ = ("_chains", "_ids", "limit", "lora", "salt")
 
@@ -236,7 +237,7 @@ class PromptKeys:
         if count <= done:
             return chain
         # Only the blocks wanted now are converted: a miss at block 0 converts 8 blocks, not
-        # the prompt (``array.fromlist`` is ~40 ns a token).
+        # the prompt (tens of ns a token: most of a miss's cost when it was the whole prompt).
         part = self._ids[done * size : count * size]
         ids = array(_TOKEN)
         try:
