@@ -4,6 +4,7 @@
     python bench/decision_cost.py --iterations 500 --policies qoe
     python bench/decision_cost.py --baseline ../main --rounds 3   # A/B, interleaved
     python bench/decision_cost.py --instructions --baseline ../main  # callgrind, Ir per placement
+    python bench/decision_cost.py --kv-events   # the exact indexes in sync: bench/decision_kv.py
 
 Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
 static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates
@@ -865,6 +866,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --redis-instructions: the backend alone (reserve, refresh, release)",
     )
     parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the decision with the exact indexes in sync (bench/decision_kv.py; with"
+        " --instructions: callgrind)",
+    )
+    parser.add_argument(
         "--child",
         choices=("memory", "redis", "count", "count-decision", "count-redis", "count-syncs"),
         help=argparse.SUPPRESS,
@@ -876,6 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     from bench.cluster import run
+
+    if args.kv_events:
+        from bench import decision_kv
+
+        return decision_kv.run(args.iterations, count=args.instructions)
 
     if args.instructions:
         repos = {"this": BENCH.parent.parent}

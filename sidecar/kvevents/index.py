@@ -197,14 +197,28 @@ def _chain(
     return keys
 
 
+_SLICES: dict[int, list[slice]] = {}
+"""Each block size's slices of a run of blocks as bytes, made once (block sizes are few)."""
+
+
+def _slices(width: int) -> list[slice]:
+    found = _SLICES.get(width)
+    if found is None:
+        count = MAX_LOOKUP_TOKENS * 4 // width
+        found = _SLICES[width] = [slice(i * width, (i + 1) * width) for i in range(count)]
+    return found
+
+
 class PromptKeys:
     """A request's block keys, computed lazily and at most once, then shared by every index the
     request is looked up in (the keys are this process's, not an engine's): with eight prefill
     engines and the local one, a prompt is hashed once, and each index costs a dictionary probe
-    per block. A look-up that misses at block *i* has keyed a few blocks past *i*, not the
-    prompt. Token ids that are not 32-bit unsigned ints key nothing (no hit anywhere)."""
+    per block. A look-up that misses at block *i* has keyed (and converted to bytes) a few
+    blocks past *i*, not the prompt. A token id that is not a 32-bit unsigned int, met where
+    the look-ups read the prompt, makes every later look-up of these keys a miss (``limit``
+    becomes 0); the sidecar's own ids are checked before (``tokens.py``)."""
 
-    __slots__ = ("_chains", "_data", "_ids", "limit", "lora", "salt")
+    __slots__ = ("_chains", "_ids", "limit", "lora", "salt")
 
     def __init__(
         self, token_ids: Sequence[int], *, lora: str | None = None, salt: str | None = None
@@ -214,17 +228,7 @@ class PromptKeys:
         self.salt = salt
         self.limit = min(max(0, len(token_ids) - 1), MAX_LOOKUP_TOKENS)
         """Tokens a hit may cover: vLLM computes at least the prompt's last token."""
-        self._data: bytes | None = None
         self._chains: dict[tuple[int, int], list[int]] = {}
-
-    def _bytes(self) -> bytes:
-        if self._data is None:
-            try:
-                self._data = array(_TOKEN, self._ids[: self.limit]).tobytes()
-            except (OverflowError, TypeError):
-                self._data = b""
-                self.limit = 0
-        return self._data
 
     def chain(self, group: int, size: int, upto: int) -> list[int]:
         """The keys of group ``group``'s blocks of ``size`` tokens, at least the first ``upto``
@@ -235,15 +239,28 @@ class PromptKeys:
         done = len(chain)
         if done >= upto:
             return chain
-        data = self._bytes()
         count = min(upto, self.limit // size)
-        width = size * 4
+        if count <= done:
+            return chain
+        # Only the blocks wanted now are converted: a miss at block 0 converts 8 blocks, not
+        # the prompt (tens of ns a token: most of a miss's cost when it was the whole prompt).
+        part = self._ids[done * size : count * size]
+        ids = array(_TOKEN)
+        try:
+            ids.fromlist(part if isinstance(part, list) else list(part))
+        except (OverflowError, TypeError):
+            self.limit = 0
+            chain.clear()
+            return chain
+        data = ids.tobytes()
+        blocks = map(data.__getitem__, _slices(size * 4)[: count - done])
         key = chain[-1] if chain else _root(group, self.lora)
-        first = (self.salt,) if self.salt else None
         append = chain.append
-        for i in range(done, count):
-            start = i * width
-            key = hash((key, data[start : start + width], first if i == 0 else None)) & _KEY_MASK
+        if not done:
+            key = hash((key, next(blocks), (self.salt,) if self.salt else None)) & _KEY_MASK
+            append(key)
+        for block in blocks:
+            key = hash((key, block, None)) & _KEY_MASK
             append(key)
         return chain
 
@@ -257,23 +274,26 @@ def _leading(
 ) -> list[int]:
     """Packed holders of the prompt's blocks in a full-attention group, up to the first block
     no medium holds (keyed in growing steps: an early miss keys few blocks)."""
-    values: list[int] = []
-    append = values.append
+    values: list[int | None] = []
+    first = keys.chain(group_idx, size, 8)
+    if not first or first[0] not in held:
+        return values  # type: ignore[return-value]  # a miss at block 0, the usual answer
     step = 8
     done = 0
     while done < count:
         upto = min(count, done + step)
         chain = keys.chain(group_idx, size, upto)
-        for i in range(done, min(upto, len(chain))):
-            value = held.get(chain[i])
-            if value is None:
-                return values
-            append(value)
+        found = list(map(held.get, chain[done:upto]))
+        if None in found:
+            del found[found.index(None) :]
+            values += found
+            return values  # type: ignore[return-value]
+        values += found
         if len(chain) < upto:
-            return values
+            break
         done = upto
         step *= 2
-    return values
+    return values  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +338,9 @@ class IndexStats:
     last_reset: str | None
 
 
+_MISS = Hit()
+
+
 @dataclass(slots=True)
 class _Group:
     block_size: int
@@ -348,6 +371,9 @@ class KVIndex:
         """(name, medium slot) → further copies of that held block (see "Copies under one
         hash"); its names are all in ``_blocks``, so it is bounded by them."""
         self._groups: dict[int, _Group] = {}
+        self._single: tuple[int, int] | None = None
+        """(group, block size) when the index has one group, of the full-attention kind: the
+        look-up's short way."""
         self._offloaded = 0
         """Blocks held in a medium other than GPU: a look-up weighs tiers only when there are."""
         self._stored = self._removed = self._cleared = self._resets = self._dropped = 0
@@ -382,6 +408,7 @@ class KVIndex:
         self._held.clear()
         self._copies.clear()
         self._groups.clear()
+        self._single = None
         self._offloaded = 0
 
     def _store(self, event: BlockStored) -> None:
@@ -432,6 +459,7 @@ class KVIndex:
                 else 0
             )
             group = self._groups[group_idx] = _Group(size, need)
+            self._single = (group_idx, size) if len(self._groups) == 1 and not need else None
         slot = _medium_slot(event.medium)
         bit = 1 << slot
         unit = _ONE << (slot * _FIELD)
@@ -539,11 +567,21 @@ class KVIndex:
         ``salt``."""
         groups = self._groups
         if not groups:
-            return Hit()
+            return _MISS
         keys = (
             prompt if isinstance(prompt, PromptKeys) else PromptKeys(prompt, lora=lora, salt=salt)
         )
         held = self._held
+        single = self._single
+        if single is not None and not self._offloaded:
+            # One full-attention group, every block on GPU: the hit is the run from block 0
+            # (what the general way below finds for it, without its lists).
+            size = single[1]
+            count = keys.limit // size
+            if count <= 0:
+                return _MISS
+            run = len(_leading(held, keys, single[0], size, count))
+            return Hit(gpu=run * size) if run and keys.limit else _MISS
         # Full-attention groups first: their runs bound how far the others need keying.
         fulls: list[tuple[int, list[int]]] = []
         windows: list[tuple[int, int, list[int]]] = []
@@ -561,8 +599,8 @@ class KVIndex:
             else:
                 chain = keys.chain(group_idx, size, count)
                 windows.append((size, group.need, [held.get(k, 0) for k in chain[:count]]))
-        if bound <= 0:
-            return Hit()
+        if bound <= 0 or not keys.limit:
+            return _MISS
         align = math.lcm(*(g.block_size for g in groups.values()))
         gpu = _hit(_TIER_GPU, fulls, windows, bound, align)
         if not self._offloaded:
