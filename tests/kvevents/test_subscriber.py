@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import uuid
 from collections.abc import Callable, Coroutine
 
@@ -120,6 +121,31 @@ async def test_an_unanswered_replay_is_a_reset_within_its_timeout(
     finally:
         raw.close()
         silent.close()
+    assert recorder.items == [ResetReason.GAP, EventBatch(seq=5, ts=1.0, events=())]
+    assert subscriber.stats.replays_total == 1
+
+
+async def test_a_replay_port_nobody_serves_is_a_reset_within_its_timeout() -> None:
+    """Nobody listens on the replay port (an engine started without one, or restarting): the
+    gap is a reset once the replay's timeout passes, and the subscription goes on."""
+    with socket.socket() as closed:  # a loopback port bound and closed: nobody listens there
+        closed.bind(("127.0.0.1", 0))
+        nobody = closed.getsockname()[1]
+    raw = RawPublisher()
+    recorder = Recorder()
+    try:
+        async with Subscriber(
+            host="127.0.0.1",
+            port=raw.port,
+            replay_port=nobody,
+            consumer=recorder,
+            replay_timeout_s=0.2,
+        ) as subscriber:
+            await raw.wait_subscribed()
+            raw.send(encode_message(EventBatch(seq=5, ts=1.0, events=())))
+            await recorder.wait_batches(1)
+    finally:
+        raw.close()
     assert recorder.items == [ResetReason.GAP, EventBatch(seq=5, ts=1.0, events=())]
     assert subscriber.stats.replays_total == 1
 
