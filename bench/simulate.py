@@ -49,8 +49,9 @@ QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 
 
 def parse_variant(text: str) -> Variant:
-    """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index), ``never``, or
-    an anchor's name (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
+    """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index),
+    ``policy:exact`` (the exact index fed by KV events), ``never``, or an anchor's name
+    (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
     if text == "never":
         return Variant("qoe", "never")
     if text in ANCHORS:
@@ -59,13 +60,20 @@ def parse_variant(text: str) -> Variant:
     if policy not in POLICIES:
         choices = (*POLICIES, *ANCHORS)
         raise argparse.ArgumentTypeError(f"unknown policy {policy!r}; one of {choices}")
-    unknown = set(modes) - {"conditional", "always", "blind"}
+    unknown = set(modes) - {"conditional", "always", "blind", "exact"}
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind' or none"
+            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind', 'exact' or none"
         )
+    if {"blind", "exact"} <= set(modes):
+        raise argparse.ArgumentTypeError("a variant is 'blind' or 'exact', not both")
     always = "always" in modes
-    return Variant(policy, "always" if always else "conditional", blind="blind" in modes)
+    return Variant(
+        policy,
+        "always" if always else "conditional",
+        blind="blind" in modes,
+        exact="exact" in modes,
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
