@@ -232,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             stats = [at_reference[scenario.name, seed, v] for v in scenario.variants]
             print(_latency_table(scenario.variants, stats))
+            if scenario.workload != "mixed":
+                print(_prefix_table(scenario.variants, stats))
         print()
         if args.no_checks:
             print("  checks not judged (--no-checks)")
@@ -309,6 +311,21 @@ def _latency_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
             f"{_number(run.queue_max_over_mean):>10}"
         )
     lines.append("(latencies in ms; stall % = share of decode-engine time spent on local prefills)")
+    return "\n".join(lines)
+
+
+def _prefix_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
+    lines = [
+        "prefill prefix caches: hit % = share of the prompt tokens sent remote that the chosen "
+        "engine held; off % = prefills whose predicted cached tokens were off what the engine "
+        "found by more than 10 % of the prompt (over % = predicted more)",
+        f"{'variant':<22}{'hit %':>7}{'off %':>7}{'over %':>8}",
+    ]
+    for variant, run in zip(variants, stats, strict=True):
+        lines.append(
+            f"{variant.label:<22}{run.prefill_hit_share * 100:>7.1f}"
+            f"{run.prefix_wrong_share * 100:>7.1f}{run.prefix_over_share * 100:>8.1f}"
+        )
     return "\n".join(lines)
 
 

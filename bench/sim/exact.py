@@ -171,6 +171,8 @@ class ExactSource:
         """Blocks stored or removed (one event each), and clears."""
         self.stored_tokens = 0
         """Token ids carried by the stores (what the wire carries most of)."""
+        self.observer: Callable[[str, EventBatch], None] | None = None
+        """Called with every batch as it is published (``bench.sim.kvshare`` measures them)."""
         self._seq: dict[str, int] = {}
 
     def subscribe(self, key: str, cache: EventedCache) -> None:
@@ -190,6 +192,8 @@ class ExactSource:
             else:
                 self.events += 1
         batch = EventBatch(self._seq[key], self.loop.now, tuple(events))
+        if self.observer is not None:
+            self.observer(key, batch)
         index = self.indexes[key]
         if self.lag_s <= 0:
             index.apply(batch)

@@ -12,6 +12,7 @@ import pytest
 
 from bench.sim.engines import Loop
 from bench.sim.exact import EventedCache, ExactSource, prompt_ids
+from bench.sim.kvshare import DECODE, measure, report
 from bench.sim.run import simulate
 from bench.sim.scenario import QOE, QOE_EXACT
 from bench.sim.scenarios import MOONCAKE_EVICT
@@ -146,3 +147,16 @@ def test_with_restarts_the_approximate_index_predicts_hits_the_exact_one_does_no
     again = simulate(scenario, QOE_EXACT, 2.0, measured=70, warmup=20, seed=1)
     assert again.attainment == runs[QOE_EXACT].attainment
     assert again.prefill_hit_share == runs[QOE_EXACT].prefill_hit_share
+
+
+def test_kvshare_counts_what_the_engines_publish_and_prices_both_designs(tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl", conversations=8, turns=6)
+    published = measure(trace, rate=2.0, measured=30, warmup=10, seed=1)
+    assert published.batches > 0
+    assert published.events == published.stored + published.removed
+    assert published.stored > 0
+    assert published.payload_bytes > published.stored * 16  # the token ids dominate
+    text = report(published, lag_s=0.05)
+    subscribe = next(line for line in text.splitlines() if line.startswith("subscribe"))
+    messages = published.batches / published.seconds * DECODE
+    assert subscribe.split()[1] == f"{messages:,.0f}"
