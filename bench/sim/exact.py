@@ -129,9 +129,8 @@ class EventedCache(PrefixCache):
         for i in new:
             begin = (ends[i] - segments[i].tokens) // size
             blocks = range(begin, ends[i] // size)
-            self._blocks[keys[i]] = (
-                blocks  # evicted at once (a prompt over capacity): removed below
-            )
+            # Recorded even if evicted at once (a prompt over capacity): removed below.
+            self._blocks[keys[i]] = blocks
             if not blocks:
                 continue
             if ids is None:

@@ -18,7 +18,13 @@ from bench.sim.scenario import QOE, QOE_EXACT
 from bench.sim.scenarios import MOONCAKE_EVICT
 from bench.sim.texts import Segment
 from bench.simulate import parse_variant
-from sidecar.kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
+from sidecar.kvevents.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+)
 from sidecar.kvevents.index import KVIndex, PromptKeys
 from sidecar.scheduling.prefixes import PrefillPrefixes
 
@@ -37,6 +43,20 @@ def subscribed(capacity: int, lag_s: float = 0.0) -> tuple[Loop, EventedCache, K
     cache = EventedCache(capacity, 16)
     source.subscribe("e", cache)
     return loop, cache, source.indexes["e"]
+
+
+def recorded(capacity: int) -> tuple[EventedCache, KVIndex, list[KVEvent]]:
+    """A cache, its index (no lag), and every event it published, in order."""
+    source = ExactSource(Loop(), 0.0)
+    cache = EventedCache(capacity, 16)
+    source.subscribe("e", cache)
+    published: list[KVEvent] = []
+
+    def observe(key: str, batch: EventBatch) -> None:
+        published.extend(batch.events)
+
+    source.observer = observe
+    return cache, source.indexes["e"], published
 
 
 def test_the_index_fed_by_a_cache_s_events_predicts_exactly_its_hits_through_evictions():
@@ -76,11 +96,7 @@ def test_events_reach_the_index_only_after_the_lag():
 
 
 def test_a_restart_clears_the_index_but_the_approximate_index_is_not_told():
-    _, cache, index = subscribed(capacity=10_000)
-    published = []
-    publish = cache.publish
-    assert publish is not None
-    cache.publish = lambda events: (published.extend(events), publish(events))
+    cache, index, published = recorded(capacity=10_000)
     prompt = [seg(1, 512), seg(2, 512)]
     cache.store(prompt)
     approximate = PrefillPrefixes(block_tokens=16, capacity_blocks=1000, max_blocks=1000)
@@ -93,11 +109,7 @@ def test_a_restart_clears_the_index_but_the_approximate_index_is_not_told():
 
 
 def test_an_evicted_segment_s_blocks_are_removed_and_a_suffix_goes_before_its_prefix():
-    _, cache, index = subscribed(capacity=1024)
-    published = []
-    publish = cache.publish
-    assert publish is not None
-    cache.publish = lambda events: (published.extend(events), publish(events))
+    cache, index, published = recorded(capacity=1024)
     cache.store([seg(1, 512), seg(2, 512)])
     cache.store([seg(1, 512), seg(3, 512)])  # evicts seg 2 (its prefix seg 1 was used again)
     removed = [event for event in published if isinstance(event, BlockRemoved)]
@@ -116,7 +128,7 @@ def test_an_exact_variant_parses_and_is_labelled():
 def write_trace(path, conversations: int, turns: int) -> str:
     """Conversations of growing prompts (each turn the previous one's blocks and one more),
     interleaved, one request a second."""
-    rows = []
+    rows: list[dict[str, object]] = []
     for turn in range(turns):
         for c in range(conversations):
             ids = [c * 100 + i for i in range(turn + 2)]
