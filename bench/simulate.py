@@ -116,6 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
     )
     model.add_argument("--bursty", action="store_true", help="gamma arrivals, CV 3")
+    model.add_argument(
+        "--retest-s", type=float, help="what-if: the planner's re-test interval (0: never)"
+    )
     parser.add_argument(
         "--rate", type=float, help="reference rate for the latency table (default: qoe goodput)"
     )
@@ -147,6 +150,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["stall_weight"] = args.stall_weight
     if args.redis_refresh is not None:
         changes["redis_refresh_s"] = args.redis_refresh
+    if args.retest_s is not None:
+        changes["retest_s"] = args.retest_s
     plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}
     for name, flag in (("state", args.state), ("stale_mode", args.stale_mode)):
         if flag:

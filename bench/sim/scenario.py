@@ -110,6 +110,9 @@ class Scenario:
     stall_weight: float | None = None
     """The decider's ``stall_weight`` (what-if); None: the Decider's default."""
     choices: int = QOE_CHOICES
+    retest_s: float | None = None
+    """What-if: the planner's re-test interval (``Planner(retest_s=)``); None: production's
+    default; 0: no re-tests."""
     """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     workload: Workload = "mixed"
@@ -192,6 +195,7 @@ class Scenario:
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
             + ("" if self.stall_weight is None else f", decider stall_weight {self.stall_weight:g}")
             + ("" if self.choices == QOE_CHOICES else f", qoe choices {self.choices}")
+            + ("" if self.retest_s is None else f", what-if re-tests every {self.retest_s:g} s")
             + (
                 ""
                 if not self.redis_refresh_s

@@ -106,6 +106,7 @@ class Sidecar:
             decider,
             stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s,
             prefixes=self.prefixes,
+            **({} if scenario.retest_s is None else {"retest_s": scenario.retest_s}),
         )
         for key in keys:
             host, _, port = key.rpartition(":")

@@ -172,3 +172,14 @@ def test_kvshare_counts_what_the_engines_publish_and_prices_both_designs(tmp_pat
     subscribe = next(line for line in text.splitlines() if line.startswith("subscribe"))
     messages = published.batches / published.seconds * DECODE
     assert subscribe.split()[1] == f"{messages:,.0f}"
+
+
+def test_the_re_test_interval_is_a_what_if_of_the_scenario(tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl", conversations=8, turns=12)
+    scenario = replace(MOONCAKE_EVICT, trace_path=trace, prefill_restart_s=20.0, kv_event_lag_s=0.0)
+    default = simulate(scenario, QOE_EXACT, 2.0, measured=70, warmup=20, seed=1)
+    never = simulate(
+        replace(scenario, retest_s=0.0), QOE_EXACT, 2.0, measured=70, warmup=20, seed=1
+    )
+    assert default.reasons.get("retest", 0) > 0
+    assert "retest" not in never.reasons
