@@ -49,8 +49,9 @@ QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 
 
 def parse_variant(text: str) -> Variant:
-    """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index), ``never``, or
-    an anchor's name (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
+    """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index),
+    ``policy:exact`` (the exact index fed by KV events), ``never``, or an anchor's name
+    (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
     if text == "never":
         return Variant("qoe", "never")
     if text in ANCHORS:
@@ -59,13 +60,20 @@ def parse_variant(text: str) -> Variant:
     if policy not in POLICIES:
         choices = (*POLICIES, *ANCHORS)
         raise argparse.ArgumentTypeError(f"unknown policy {policy!r}; one of {choices}")
-    unknown = set(modes) - {"conditional", "always", "blind"}
+    unknown = set(modes) - {"conditional", "always", "blind", "exact"}
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind' or none"
+            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind', 'exact' or none"
         )
+    if {"blind", "exact"} <= set(modes):
+        raise argparse.ArgumentTypeError("a variant is 'blind' or 'exact', not both")
     always = "always" in modes
-    return Variant(policy, "always" if always else "conditional", blind="blind" in modes)
+    return Variant(
+        policy,
+        "always" if always else "conditional",
+        blind="blind" in modes,
+        exact="exact" in modes,
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -108,6 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--redis-refresh", type=float, help="what-if: the Redis worker also syncs every S seconds"
     )
     model.add_argument("--bursty", action="store_true", help="gamma arrivals, CV 3")
+    model.add_argument(
+        "--retest-s", type=float, help="what-if: the planner's re-test interval (0: never)"
+    )
     parser.add_argument(
         "--rate", type=float, help="reference rate for the latency table (default: qoe goodput)"
     )
@@ -139,6 +150,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["stall_weight"] = args.stall_weight
     if args.redis_refresh is not None:
         changes["redis_refresh_s"] = args.redis_refresh
+    if args.retest_s is not None:
+        changes["retest_s"] = args.retest_s
     plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}
     for name, flag in (("state", args.state), ("stale_mode", args.stale_mode)):
         if flag:
@@ -224,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             stats = [at_reference[scenario.name, seed, v] for v in scenario.variants]
             print(_latency_table(scenario.variants, stats))
+            if scenario.workload != "mixed":
+                print(_prefix_table(scenario.variants, stats))
         print()
         if args.no_checks:
             print("  checks not judged (--no-checks)")
@@ -301,6 +316,21 @@ def _latency_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
             f"{_number(run.queue_max_over_mean):>10}"
         )
     lines.append("(latencies in ms; stall % = share of decode-engine time spent on local prefills)")
+    return "\n".join(lines)
+
+
+def _prefix_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
+    lines = [
+        "prefill prefix caches: hit % = share of the prompt tokens sent remote that the chosen "
+        "engine held; off % = prefills whose predicted cached tokens were off what the engine "
+        "found by more than 10 % of the prompt (over % = predicted more)",
+        f"{'variant':<22}{'hit %':>7}{'off %':>7}{'over %':>8}",
+    ]
+    for variant, run in zip(variants, stats, strict=True):
+        lines.append(
+            f"{variant.label:<22}{run.prefill_hit_share * 100:>7.1f}"
+            f"{run.prefix_wrong_share * 100:>7.1f}{run.prefix_over_share * 100:>8.1f}"
+        )
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.sim.caches import PrefixCache
+from bench.sim.exact import EventedCache
 from bench.sim.scenario import Scenario
 from bench.sim.workload import Shape
 from sidecar.emulator.engine import prefill_seconds
@@ -79,6 +80,8 @@ class Request:
     ``usage.prompt_tokens_details.cached_tokens``)."""
     guess: Any = None
     """The sidecar's ``PrefixGuess`` for the endpoint it chose (its feedback)."""
+    predicted_cached: int = -1
+    """True tokens the sidecar predicted the chosen prefill engine holds (-1: no prediction)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -190,7 +193,7 @@ class PrefillEngine:
         self.key = key
         self.gauge = Gauge()
         self._loop = loop
-        self.cache = PrefixCache(scenario.prefill_cache_tokens, scenario.block_size)
+        self.cache = EventedCache(scenario.prefill_cache_tokens, scenario.block_size)
         self._queue = _PrefillQueue(
             scenario.prefill_budget_tokens, tokens_per_s, scenario.crossover_tokens, self.cache
         )
@@ -350,7 +353,7 @@ class SlotPrefillEngine:
         self._scenario = scenario
         self._a = 1.0 / tokens_per_s
         self._on_done = on_done
-        self.cache = PrefixCache(scenario.prefill_cache_tokens, scenario.block_size)
+        self.cache = EventedCache(scenario.prefill_cache_tokens, scenario.block_size)
         self._slots = scenario.prefill_max_num_seqs
         self._waiting: deque[Job] = deque()
         self._running = 0

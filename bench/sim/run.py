@@ -19,12 +19,14 @@ from bench.sim.engines import (
     SlotDecodeEngine,
     SlotPrefillEngine,
 )
+from bench.sim.exact import EventedCache, ExactPrompt, ExactSource, prompt_ids
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key, prefill_hasher
 from bench.sim.state import PrefixShare, state_factory
 from bench.sim.texts import Segment, prompt_text
 from bench.sim.workload import Shape, shapes
 from devkit.stats import percentile
+from sidecar.kvevents.index import PromptKeys
 from sidecar.scheduling.placement import reserved_tokens
 from sidecar.scheduling.prefixes import PrefixGuess
 from sidecar.scheduling.prompts import CHARS_PER_TOKEN, tokens_of_text
@@ -63,6 +65,11 @@ class RunStats:
     """Share of decode-engine time spent on local prefills (decode batch stalled)."""
     prefill_hit_share: float
     """Share of the prompt tokens sent to prefill engines that their prefix caches held."""
+    prefix_wrong_share: float
+    """Share of the prefills sent with a prediction whose predicted cached tokens were off the
+    engine's by more than 10 % of the prompt."""
+    prefix_over_share: float
+    """Share of them predicted to hold more than it did by that much (a hit it could not give)."""
     unfinished: int
     wall_s: float
     sim_s: float
@@ -105,6 +112,14 @@ class Simulation:
             key: prefill_kind(self.loop, key, scenario, speed, self._prefilled)
             for key, speed in zip(keys, scenario.speeds(), strict=True)
         }
+        self.exact: ExactSource | None = None
+        if variant.exact:
+            self.exact = ExactSource(self.loop, scenario.kv_event_lag_s)
+            for key, engine in self.prefill.items():
+                assert isinstance(engine.cache, EventedCache)
+                self.exact.subscribe(key, engine.cache)
+        for number, key in enumerate(keys):
+            self._disturb(number, key, seed)
         self.decode: list[DecodeEngine | SlotDecodeEngine] = [
             decode_kind(self.loop, i, scenario, self._first_token, self._finished)
             for i in range(scenario.decode_engines)
@@ -128,6 +143,7 @@ class Simulation:
                 seed,
                 clock,
                 None if scrape_phases is None else scrape_phases[i],
+                self.exact,
             )
             for i in range(scenario.decode_engines)
         ]
@@ -146,6 +162,10 @@ class Simulation:
             )
         self._remote_tokens = 0
         self._remote_cached = 0
+        self._predicted = 0
+        self._wrong = 0
+        self._over = 0
+        self._foreign = 0
         self.requests: list[Request] = []
         self._arrived = 0
         self._done = 0
@@ -158,6 +178,40 @@ class Simulation:
 
     def _clock(self) -> float:
         return self.loop.now
+
+    # What the approximate index cannot see (issue 26): restarts, other traffic.
+
+    def _disturb(self, number: int, key: str, seed: int) -> None:
+        scenario = self.scenario
+        cache = self.prefill[key].cache
+        if not isinstance(cache, EventedCache):
+            return
+        if scenario.prefill_restart_s > 0:
+            rng = random.Random(f"restarts-{seed}-{number}")
+            mean = scenario.prefill_restart_s
+
+            def restart(_: object) -> None:
+                cache.clear()
+                self.loop.at(self.loop.now + rng.expovariate(1.0 / mean), restart)
+
+            self.loop.at(rng.expovariate(1.0 / mean), restart)
+        if scenario.foreign_tokens_per_s > 0:
+            rng = random.Random(f"foreign-{seed}-{number}")
+            tokens = scenario.foreign_prompt_tokens
+            mean = tokens / scenario.foreign_tokens_per_s
+
+            def foreign(_: object) -> None:
+                self._foreign += 1
+                # A unique prompt (keys below every workload's), in Mooncake-sized segments.
+                base = -(self._foreign << 8) - (number << 4) - (1 << 40)
+                segments = tuple(
+                    Segment(base - i, min(512, tokens - start), min(512, tokens - start) * 4)
+                    for i, start in enumerate(range(0, tokens, 512))
+                )
+                cache.store(segments)
+                self.loop.at(self.loop.now + rng.expovariate(1.0 / mean), foreign)
+
+            self.loop.at(rng.expovariate(1.0 / mean), foreign)
 
     def run(self) -> RunStats:
         started = time.perf_counter()
@@ -218,7 +272,15 @@ class Simulation:
         # The prompt's prefix blocks, hashed once from its text (production's PrefixHasher);
         # a prompt of unique text (no segments) matches nothing, so it is not hashed.
         hashes: tuple[bytes, ...] = ()
-        if sidecar.prefixes is not None and shape.segments:
+        exact = sidecar.exact
+        if exact is not None and shape.segments:
+            # The engines' exact indexes, on the prompt's token ids (production asks the decode
+            # engine's /tokenize); the planner consults its index only when given hashes.
+            exact.begin(
+                ExactPrompt(PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens)
+            )
+            hashes = (b"exact",)
+        elif sidecar.prefixes is not None and shape.segments:
             hashes = self._hasher.hashes(prompt_text(shape.segments))
         decision = planner.decide(
             sidecar.rank,
@@ -238,11 +300,18 @@ class Simulation:
         reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
         request.reservation = sidecar.state.reserve(key, reserve)
         prefixes = sidecar.prefixes
-        if prefixes is not None and hashes:
+        if exact is not None and hashes:
+            request.predicted_cached = round(
+                exact.matched_blocks(key, hashes) * shape.prompt_tokens / tokens
+            )
+        elif prefixes is not None and hashes:
             # Scheduler._reserve: the guess to compare with the answer, the endpoint holds the
             # prompt next, and the other sidecars learn it through the prefix share.
             matched = prefixes.matched_blocks(key, hashes)
             request.guess = PrefixGuess(hashes, request.shape.prompt_chars, matched)
+            width = prefixes.block_tokens * CHARS_PER_TOKEN
+            held = min(1.0, matched * width / shape.prompt_chars) if shape.prompt_chars else 0.0
+            request.predicted_cached = round(held * shape.prompt_tokens)
             prefixes.placed(key, hashes)
             self._share.publish(sidecar.index, key, hashes)
         self._remote(request, key)
@@ -336,6 +405,12 @@ class Simulation:
         if shape.segments and request.measured:
             self._remote_tokens += shape.prompt_tokens
             self._remote_cached += request.engine_cached
+            if request.predicted_cached >= 0:
+                self._predicted += 1
+                error = request.predicted_cached - request.engine_cached
+                if abs(error) > 0.1 * shape.prompt_tokens:
+                    self._wrong += 1
+                    self._over += error > 0
         reservation = request.reservation
         if reservation is not None:
             sidecar.state.release(reservation)
@@ -445,6 +520,8 @@ class Simulation:
             prefill_hit_share=self._remote_cached / self._remote_tokens
             if self._remote_tokens
             else 0.0,
+            prefix_wrong_share=self._wrong / self._predicted if self._predicted else 0.0,
+            prefix_over_share=self._over / self._predicted if self._predicted else 0.0,
             unfinished=unfinished,
             wall_s=wall_s,
             sim_s=self.loop.now,

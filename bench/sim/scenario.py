@@ -58,6 +58,19 @@ class Scenario:
     prefill_cache_tokens: int = 262_144
     """Tokens each prefill engine's prefix cache holds (LRU, ``bench.sim.caches``): 16,384
     blocks of 16, what ``SIDECAR_PREFILL_CACHE_TOKENS`` assumes by default."""
+    prefill_restart_s: float = 0.0
+    """Mean virtual seconds between restarts of each prefill engine (exponential, seeded per
+    engine); a restart empties its prefix cache (its KV events say ``AllBlocksCleared``; the
+    approximate index is not told). 0: never. The engine's downtime is not modelled."""
+    foreign_tokens_per_s: float = 0.0
+    """Prompt tokens per second each prefill engine caches for traffic the sidecars never see
+    (another fleet's, a batch job's): unique prompts of ``foreign_prompt_tokens`` at exponential
+    gaps, evicting what this fleet placed. Their compute is not modelled (the scraped load would
+    show it to every variant alike). 0: none."""
+    foreign_prompt_tokens: int = 4096
+    kv_event_lag_s: float = 0.05
+    """``exact`` variants: how long after a prefill engine's cache changes its KV events reach
+    the sidecars' indexes (vLLM publishes once per engine step; then the network)."""
     decode_cache_tokens: int = 262_144
     """Tokens each decode engine's prefix cache holds, for prompts with prefix structure (the
     shared-prompt and trace workloads): it keeps what it prefilled and what it pulled, as vLLM
@@ -97,6 +110,9 @@ class Scenario:
     stall_weight: float | None = None
     """The decider's ``stall_weight`` (what-if); None: the Decider's default."""
     choices: int = QOE_CHOICES
+    retest_s: float | None = None
+    """What-if: the planner's re-test interval (``Planner(retest_s=)``); None: production's
+    default; 0: no re-tests."""
     """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     workload: Workload = "mixed"
@@ -179,10 +195,32 @@ class Scenario:
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
             + ("" if self.stall_weight is None else f", decider stall_weight {self.stall_weight:g}")
             + ("" if self.choices == QOE_CHOICES else f", qoe choices {self.choices}")
+            + ("" if self.retest_s is None else f", what-if re-tests every {self.retest_s:g} s")
             + (
                 ""
                 if not self.redis_refresh_s
                 else f", what-if Redis refresh {self.redis_refresh_s:g} s"
+            )
+            + (
+                f", prefill caches {self.prefill_cache_tokens:,} tokens"
+                if self.workload != "mixed"
+                else ""
+            )
+            + (
+                ""
+                if not self.prefill_restart_s
+                else f", each prefill engine restarted every {self.prefill_restart_s:g} s (mean)"
+            )
+            + (
+                ""
+                if not self.foreign_tokens_per_s
+                else f", {self.foreign_tokens_per_s:,.0f} tokens/s of foreign traffic cached "
+                "per prefill engine"
+            )
+            + (
+                f", KV events {self.kv_event_lag_s * 1000:g} ms behind"
+                if any(variant.exact for variant in self.variants)
+                else ""
             )
         )
 
@@ -209,6 +247,9 @@ class Variant:
     blind: bool = False
     """The sidecars run without the prefill prefix index (``SIDECAR_PREFILL_PREFIX_INDEX=false``:
     every endpoint computes the whole prompt), as before issue 23."""
+    exact: bool = False
+    """The sidecars read each prefill candidate's cached tokens from the engine's exact index,
+    fed by its KV events (``bench.sim.exact``; issue 26), instead of the approximate one."""
 
     @property
     def label(self) -> str:
@@ -217,11 +258,14 @@ class Variant:
         if self.mode == "anchor":
             return self.policy
         label = self.policy if self.mode == "conditional" else f"{self.policy} always"
+        if self.exact:
+            return f"{label} exact"
         return f"{label} prefix-blind" if self.blind else label
 
 
 QOE = Variant("qoe")
 QOE_BLIND = Variant("qoe", blind=True)
+QOE_EXACT = Variant("qoe", exact=True)
 SGLANG = Variant("sglang_cache_aware", "anchor")
 LLMD = Variant("llm-d_pd_scorer", "anchor")
 ROUND_ROBIN = Variant("round_robin")

@@ -19,6 +19,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from bench.sim.exact import ExactPrefixes, ExactSource
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
 from sidecar.config import Settings
@@ -75,9 +76,11 @@ class Sidecar:
         seed: int,
         clock: Callable[[], float],
         phase: float | None = None,
+        exact: ExactSource | None = None,
     ) -> None:
         """``phase``: when this sidecar scrapes, seconds into each interval (None: at random, as
-        sidecars started at different times do)."""
+        sidecars started at different times do). ``exact``: the prefill engines' exact indexes,
+        read instead of the approximate index by an ``exact`` variant."""
         rng = random.Random(f"sidecar-{seed}-{index}")
         self.index = index
         always = variant.mode == "always"
@@ -93,16 +96,22 @@ class Sidecar:
         # The prefill prefix index is on by default (SIDECAR_PREFILL_PREFIX_INDEX); a blind
         # variant runs without it, as production did before issue 23.
         aware = not variant.blind and variant.mode in ("conditional", "always")
-        self.prefixes = prefill_prefixes() if aware else None
+        self.prefixes: PrefillPrefixes | None = prefill_prefixes() if aware else None
+        self.exact: ExactPrefixes | None = None
+        if aware and variant.exact:
+            if exact is None:
+                raise ValueError("an exact variant needs the engines' exact indexes")
+            self.prefixes = self.exact = ExactPrefixes(exact)
         self.planner = Planner(
             decider,
             stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s,
             prefixes=self.prefixes,
+            **({} if scenario.retest_s is None else {"retest_s": scenario.retest_s}),
         )
         for key in keys:
             host, _, port = key.rpartition(":")
             self.planner.join(Endpoint(host, int(port)), Health())
-            if self.prefixes is not None:
+            if self.prefixes is not None and self.exact is None:
                 # What the engine monitor's scrape of vllm:cache_config_info tells the index.
                 self.prefixes.set_capacity(key, scenario.prefill_cache_tokens)
         self.state = state
