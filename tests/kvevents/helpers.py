@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,11 +105,10 @@ class RawPublisher:
 
 
 class LoopWatch:
-    """A task that wakes every ``interval_s`` and keeps the most CPU time the event loop's
-    thread spent between two of its turns (a stall: some callback held the loop; CPU time, so
-    that other processes on a loaded machine do not count as our stall), or with ``interval_s``
-    0, the most ``count()`` grew between two of its turns (the work one turn of another task
-    did)."""
+    """A task that wakes every ``interval_s`` and keeps the longest time the event loop made it
+    wait beyond that (a stall: some callback held the loop, or a thread held the GIL; wall
+    time, so a loaded machine lengthens it: bound it loosely), or with ``interval_s`` 0, the
+    most ``count()`` grew between two of its turns (the work one turn of another task did)."""
 
     def __init__(self, interval_s: float = 0.001, count: Callable[[], int] = lambda: 0) -> None:
         self.longest_stall_s = 0.0
@@ -120,11 +118,12 @@ class LoopWatch:
         self._task: asyncio.Task[None] | None = None
 
     async def _watch(self) -> None:
-        last, seen = time.thread_time(), self._count()
+        loop = asyncio.get_running_loop()
+        last, seen = loop.time(), self._count()
         while True:
             await asyncio.sleep(self._interval_s)
-            now, counted = time.thread_time(), self._count()
-            self.longest_stall_s = max(self.longest_stall_s, now - last)
+            now, counted = loop.time(), self._count()
+            self.longest_stall_s = max(self.longest_stall_s, now - last - self._interval_s)
             self.most_per_turn = max(self.most_per_turn, counted - seen)
             last, seen = now, counted
 

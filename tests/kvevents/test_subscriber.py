@@ -328,7 +328,9 @@ async def test_a_replay_longer_than_the_queue_fills_the_gap() -> None:
 async def test_a_hostile_payload_is_a_drop_and_the_loop_stays_responsive() -> None:
     """The review's payloads: 3.75 MiB of nested empty arrays (over the size limit), and 1.75
     MiB of them (within it: the decode stops at its item budget). Each is a counted drop, and
-    the event loop never waits 100 ms (it waited 3 s for the first)."""
+    the event loop is never held for long: it was held 3 s for the first before the budget.
+    Alone this test measures a 0.02-0.05 s stall; the bound, 1 s, leaves room for a loaded
+    2-core CI machine (0.63 s seen there under benchmarks) and still fails the 3 s."""
     empties = b"\xdd" + (262_144).to_bytes(4, "big") + b"\x90" * 262_144
     over = b"\x93\xcb" + bytes(8) + b"\xdc\x00\x0f" + empties * 15 + b"\xc0"
     within = b"\x93\xcb" + bytes(8) + b"\xdc\x00\x07" + empties[:-1] * 7 + b"\xc0"
@@ -346,7 +348,7 @@ async def test_a_hostile_payload_is_a_drop_and_the_loop_stays_responsive() -> No
     finally:
         raw.close()
     assert subscriber.stats.drops_total == {DropReason.TOO_LARGE: 1, DropReason.LIMITS: 1}
-    assert watch.longest_stall_s < 0.1
+    assert watch.longest_stall_s < 1.0
 
 
 async def test_the_receive_task_gives_the_loop_its_turn_between_large_messages() -> None:
