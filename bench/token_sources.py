@@ -37,15 +37,13 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from devkit.processes import Child, environment, quiet_port
-from e2e.engines import MAX_MODEL_LEN, SERVED_MODEL, VllmHome
+from e2e.engines import SERVED_MODEL, VllmEngine, VllmHome
 
 _TEXT = (
     "the scheduler places each prompt where its prefix is cached and the decode batch keeps "
     "running while a prefill server computes the rest of the prompt then sends its blocks"
 )
 _WORDS = _TEXT.split()
-_SITE = str(Path(__file__).resolve().parent.parent / "e2e" / "vllm_site")
 
 
 def long_prompt(tokens_wanted: int) -> str:
@@ -134,47 +132,13 @@ async def main() -> int:
     if (why := home.missing()) is not None:
         print(why)
         return 2
-    port = quiet_port()
-    url = f"http://127.0.0.1:{port}"
     log_dir = Path(tempfile.mkdtemp(prefix="token-sources-"))
-    engine = Child(
-        "vLLM",
-        [
-            str(home.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(home.model),
-            "--served-model-name",
-            SERVED_MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--dtype",
-            "bfloat16",
-            "--enforce-eager",
-            "--max-num-seqs",
-            "4",
-            "--kv-cache-memory-bytes",
-            str(32 * 1024 * 1024),
-        ],
-        log_path=log_dir / "vllm.log",
-        env=environment(
-            {
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "PYTHONPATH": _SITE,
-            },
-            drop=["VLLM_", "UCX_"],
-        ),
-        url=url,
-    ).start()
+    # The e2e suite's engine as it starts it (its KV connector is idle: only /tokenize is asked).
+    engine = VllmEngine(role="prefill", home=home, log_dir=log_dir)
+    engine.start()
+    url = engine.url
     try:
-        await engine.wait_ready("/health", 300.0)
+        await engine.wait_ready(300.0)
         # Trim the prompt to ~2,000 tokens by vLLM's own count.
         text = long_prompt(2000)
         _, ids = await tokenize_calls(url, {"model": SERVED_MODEL, "prompt": text}, 1)
@@ -197,7 +161,7 @@ async def main() -> int:
         )
         sidecar_side = json.loads(local.stdout)
     finally:
-        await engine.stop(20.0)
+        await engine.stop()
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, {args.calls} calls each")
     print(f"{'source':38} {'tokens':>6} {'p50 µs':>9} {'p99 µs':>9}  equal to vLLM")
     for name, (samples, ids) in engine_side.items():
