@@ -161,8 +161,9 @@ class Settings(BaseSettings):
     scheduler_retest_s: float = Field(
         defaults.RETEST_S,
         ge=0,
-        description="Seconds without a prefill from this sidecar after which an available "
-        "endpoint takes the next remote prefill, whatever the policy picked (0: never).",
+        description="Seconds without a measurement (a prefill from this sidecar, or a new speed "
+        "another sidecar published) after which an available endpoint takes the next remote "
+        "prefill, whatever the policy picked (0: never).",
     )
     prefix_block_tokens: int = Field(
         16, ge=1, description="Block size, in tokens, of the local prefix-cache estimate."

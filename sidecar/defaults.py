@@ -39,8 +39,9 @@ endpoint's speed estimate weighs half as much after this long, the prior regaini
 (a published speed: half-way back to the prior; docs/scheduling.md)."""
 
 RETEST_S = 15.0
-"""``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint this sidecar has sent no prefill
-for this long takes its next remote prefill, whatever the policy picked."""
+"""``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint unmeasured for this long (no
+prefill from this sidecar, no new speed published by another) takes its next remote prefill,
+whatever the policy picked."""
 
 STALL_WEIGHT = 0.1
 """``SIDECAR_DISAGG_STALL_WEIGHT``' default: what one second of stall on one running decode

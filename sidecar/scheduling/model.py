@@ -90,7 +90,7 @@ class Decision:
 
     ``reason`` (recorded with the request, a metric label): ``header``, ``pool_empty``,
     ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``retest`` (sent to
-    an endpoint not chosen for ``SIDECAR_SCHEDULER_RETEST_S``), ``round_robin``.
+    an endpoint unmeasured for ``SIDECAR_SCHEDULER_RETEST_S``), ``round_robin``.
     """
 
     endpoint: str | None

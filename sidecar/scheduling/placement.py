@@ -256,10 +256,10 @@ class Planner:
         (``PrefixHasher``), looked up in every endpoint's prefix index; ``exact``: what the
         endpoints' KV events say they hold, where they say it (the prefix index elsewhere).
 
-        A request the decider sends remote goes instead to the candidate longest without a
-        prefill from this sidecar when that is ``retest_s`` or more (reason ``retest``): an
-        endpoint the policy stopped choosing gets one prefill per ``retest_s``, so its estimate
-        learns whether it recovered. A re-test never turns a local decision into a remote one,
+        A request the decider sends remote goes instead to the candidate measured least
+        recently — by a prefill from this sidecar, or a new speed another sidecar published —
+        when that is ``retest_s`` ago or more (reason ``retest``): an endpoint the fleet stopped
+        choosing gets a prefill per ``retest_s``, so its estimate learns whether it recovered. A re-test never turns a local decision into a remote one,
         nor takes a request whose chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
         decision = self.decider.decide(
@@ -292,7 +292,8 @@ class Planner:
         return decision
 
     def _due_retest(self, candidates: list[Candidate], now: float) -> Candidate | None:
-        """The candidate sent nothing for longest, if that is at least ``retest_s``. An endpoint
+        """The candidate measured least recently, if that is at least ``retest_s`` ago: sent
+        nothing by this sidecar, and no new speed published for it by the others. An endpoint
         seen for the first time counts from now."""
         due: Candidate | None = None
         oldest = now
@@ -300,8 +301,13 @@ class Planner:
             state = self.pool[candidate.key]
             if state.last_sent is None:
                 state.last_sent = now
-            if state.last_sent < oldest:
-                due, oldest = candidate, state.last_sent
+            # A speed another sidecar published anew is a measurement of the endpoint too:
+            # the fleet re-tests an endpoint nobody measured, not one this sidecar did not.
+            heard = state.last_sent
+            if state.shared is not None and state.shared_since > heard:
+                heard = state.shared_since
+            if heard < oldest:
+                due, oldest = candidate, heard
         if due is None or self._retest_s <= 0 or now - oldest < self._retest_s:
             return None
         return due

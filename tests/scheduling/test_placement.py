@@ -169,6 +169,26 @@ def test_an_endpoint_the_policy_stopped_choosing_is_retested_once_per_interval()
     assert predicted > 1.0  # predicted at its stalled speed: a re-test, not a policy's choice
 
 
+def test_an_endpoint_the_other_sidecars_measure_is_not_retested_until_they_stop():
+    plan = ageing_planner(1, 2, half_life_s=None, retest_s=10.0)
+    slow = "127.0.0.1:1"
+    plan.prefill_observed(Reservation(slow, 1000, 0), 5.0, now=0.0)  # stalled: 2 s+ overhead
+
+    def published(now: float, renewed_until: float) -> SharedView:
+        # Another sidecar's estimate of the stalled endpoint, published anew every 4 s (each of
+        # its prefills there), until ``renewed_until``: as stalled as this sidecar's own.
+        step = int(min(now, renewed_until) // 4)
+        return SharedView({}, {slow: Speed(3e-4, 2.0 + step * 1e-3)}, {})
+
+    # Measured by the fleet every 4 s: this sidecar never re-tests it, though it sent it nothing.
+    measured = [decide_at(plan, 0.5 * t, published(0.5 * t, 1e9)) for t in range(60)]
+    assert {d.endpoint for d in measured} == {"127.0.0.1:2"}
+    # The others stop at 30 s (their last new speed seen at 28 s): re-tested 10 s later.
+    chosen = [(0.5 * t, decide_at(plan, 0.5 * t, published(0.5 * t, 30.0))) for t in range(60, 90)]
+    retests = [(now, d.reason) for now, d in chosen if d.endpoint == slow]
+    assert retests == [(38.0, "retest")]
+
+
 def test_no_retest_when_disabled_or_when_the_decision_is_local():
     plan = ageing_planner(1, 2, half_life_s=None, retest_s=0.0)
     plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 5.0, now=0.0)
