@@ -259,8 +259,9 @@ class Planner:
         A request the decider sends remote goes instead to the candidate measured least
         recently — by a prefill from this sidecar, or a new speed another sidecar published —
         when that is ``retest_s`` ago or more (reason ``retest``): an endpoint the fleet stopped
-        choosing gets a prefill per ``retest_s``, so its estimate learns whether it recovered. A re-test never turns a local decision into a remote one,
-        nor takes a request whose chosen endpoint is predicted to hold part of its prompt."""
+        choosing gets a prefill per ``retest_s``, so its estimate learns whether it recovered.
+        A re-test never turns a local decision into a remote one, nor takes a request whose
+        chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
         decision = self.decider.decide(
             candidates,
