@@ -63,7 +63,7 @@ from sidecar.emulator.tokenize import prompt_units, unit_token_id
 from sidecar.kvevents.events import BlockStored, EventBatch
 from sidecar.kvevents.fleet import FleetOptions, KVFleet, PromptLookup, _Engine, decode_engine
 from sidecar.kvevents.index import KVIndex
-from sidecar.kvevents.tokens import TokenSourceStats
+from sidecar.kvevents.tokens import TokenIds, TokenSourceStats, checked_ids
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.state import MemoryState
 
@@ -138,12 +138,19 @@ class GivenIds:
     timeout_s = 0.0
 
     def __init__(self) -> None:
-        self.ids: dict[str, list[int]] = {}
+        self.ids: dict[str, TokenIds] = {}
         self.stats = TokenSourceStats()
 
-    async def token_ids(self, request: Mapping[str, Any]) -> list[int] | None:
+    async def token_ids(self, request: Mapping[str, Any]) -> TokenIds | None:
         self.stats.answered += 1
         return self.ids.get(request["prompt"])
+
+
+def checked(ids: list[int]) -> TokenIds:
+    """``ids`` as the sidecar's ``TokenSource`` answers them: checked, packed."""
+    found = checked_ids(ids)
+    assert found is not None
+    return found
 
 
 def full_ids(k: int) -> list[int]:
@@ -204,7 +211,9 @@ async def placements(
     total = iterations + iterations // 10
     requests = [body(i) for i in range(max(total, prepare))]
     for i, request in enumerate(requests):  # made before the clock runs
-        tokens.ids[request["prompt"]] = case_ids(case, i)
+        # Checked and packed as the sidecar's ``TokenSource`` answers them (that work is the
+        # token ids' cost, timed apart with ``/tokenize``).
+        tokens.ids[request["prompt"]] = checked(case_ids(case, i))
     del requests[total:]
     record: Callable[[], None] = getattr(scheduler, "_record", lambda: None)
     if not timed:  # counted: the decision alone, its recording left out (as decision_cost.py)
@@ -254,7 +263,7 @@ def lookups(case: str, iterations: int, *, parts: str = "both", prepare: int = 0
     tokens = GivenIds()
     fleet = fleet_in_sync(tokens)
     total = iterations + iterations // 10
-    ids = [case_ids(case, i) for i in range(max(total, prepare))]
+    ids = [checked(case_ids(case, i)) for i in range(max(total, prepare))]
     keys_cpu: list[int] = []
     hit_cpu: list[int] = []
     miss_cpu: list[int] = []

@@ -213,17 +213,20 @@ class PromptKeys:
     """A request's block keys, computed lazily and at most once, then shared by every index the
     request is looked up in (the keys are this process's, not an engine's): with eight prefill
     engines and the local one, a prompt is hashed once, and each index costs a dictionary probe
-    per block. A look-up that misses at block *i* has keyed (and converted to bytes) a few
-    blocks past *i*, not the prompt. A token id that is not a 32-bit unsigned int, met where
-    the look-ups read the prompt, makes every later look-up of these keys a miss (``limit``
-    becomes 0); the sidecar's own ids are checked before (``tokens.py``)."""
+    per block. A look-up that misses at block *i* has keyed a few blocks past *i*, not the
+    prompt. The sidecar's own ids come checked and packed (``tokens.TokenIds``): they are
+    sliced, not converted. Other ids are converted to bytes as far as the look-ups read them;
+    a token id that is not a 32-bit unsigned int, met there, makes every later look-up of these
+    keys a miss (``limit`` becomes 0)."""
 
-    __slots__ = ("_chains", "_ids", "limit", "lora", "salt")
+    __slots__ = ("_chains", "_ids", "_packed", "limit", "lora", "salt")
 
     def __init__(
         self, token_ids: Sequence[int], *, lora: str | None = None, salt: str | None = None
     ) -> None:
         self._ids = token_ids
+        packed = getattr(token_ids, "packed", None)
+        self._packed: bytes | None = packed if isinstance(packed, bytes) else None
         self.lora = lora
         self.salt = salt
         self.limit = min(max(0, len(token_ids) - 1), MAX_LOOKUP_TOKENS)
@@ -242,17 +245,22 @@ class PromptKeys:
         count = min(upto, self.limit // size)
         if count <= done:
             return chain
-        # Only the blocks wanted now are converted: a miss at block 0 converts 8 blocks, not
-        # the prompt (tens of ns a token: most of a miss's cost when it was the whole prompt).
-        part = self._ids[done * size : count * size]
-        ids = array(_TOKEN)
-        try:
-            ids.fromlist(part if isinstance(part, list) else list(part))
-        except (OverflowError, TypeError):
-            self.limit = 0
-            chain.clear()
-            return chain
-        data = ids.tobytes()
+        packed = self._packed
+        if packed is not None:  # packed when the ids were checked (``tokens.TokenIds``)
+            data = packed[done * size * 4 : count * size * 4]
+        else:
+            # Only the blocks wanted now are converted: a miss at block 0 converts 8 blocks,
+            # not the prompt (tens of ns a token: most of a miss's cost when it was the whole
+            # prompt).
+            part = self._ids[done * size : count * size]
+            ids = array(_TOKEN)
+            try:
+                ids.fromlist(part if isinstance(part, list) else list(part))
+            except (OverflowError, TypeError):
+                self.limit = 0
+                chain.clear()
+                return chain
+            data = ids.tobytes()
         blocks = map(data.__getitem__, _slices(size * 4)[: count - done])
         key = chain[-1] if chain else _root(group, self.lora)
         append = chain.append

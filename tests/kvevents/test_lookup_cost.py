@@ -10,6 +10,7 @@ from dataclasses import fields
 from typing import overload
 
 from sidecar.kvevents.index import Hit, KVIndex, PromptKeys
+from sidecar.kvevents.tokens import TokenIds, checked_ids
 from sidecar.scheduling.placement import Placement
 from tests.kvevents.test_index import BS, Engine, tokens
 
@@ -68,6 +69,26 @@ def test_an_id_that_is_no_token_id_where_a_look_up_reads_hits_nowhere() -> None:
     assert KVIndex(max_blocks=10).lookup(keys) == Hit()
     assert index.lookup(keys) == Hit()
     assert index.lookup(ids).gpu == 12 * BS
+
+
+def test_checked_ids_are_keyed_from_their_packing_without_a_conversion() -> None:
+    """The sidecar's ids come checked and packed (``tokens.checked_ids``): the keys are made from
+    the packing (the ids are not read again) and equal those of the same ids as a list."""
+    engine, index = Engine(), KVIndex(max_blocks=1000)
+    ids = tokens(5, 40 * BS)
+    index.apply(engine.batch(engine.store(ids[: 12 * BS])))
+    checked = checked_ids(list(ids))
+    assert checked is not None
+    assert checked == ids
+    assert index.lookup(PromptKeys(checked)) == index.lookup(PromptKeys(list(ids)))
+    assert index.lookup(PromptKeys(checked)).gpu == 12 * BS
+    packed = PromptKeys(checked)
+    listed = PromptKeys(list(ids))
+    assert packed.chain(0, BS, 39) == listed.chain(0, BS, 39)
+    # What is keyed is the packing: ids whose list says otherwise hit as the packing does.
+    unread = TokenIds(tokens(6, 40 * BS), checked.packed)
+    assert index.lookup(PromptKeys(unread)).gpu == 12 * BS
+    assert index.lookup(tokens(6, 40 * BS)) == Hit()
 
 
 def test_the_short_way_answers_as_the_general_way() -> None:

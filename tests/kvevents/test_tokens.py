@@ -106,11 +106,14 @@ async def test_what_ids_cannot_stand_for_is_none_without_a_call(client: HttpClie
         {"prompt": [[1], [2]]},
         {"prompt": [1, -2]},
         {"prompt": [True]},
+        {"prompt": [1, False]},
+        {"prompt": [1, 1 << 32]},
+        {"prompt": [1.0]},
         {"prompt_embeds": "AAAA", "prompt": ""},
         {"max_tokens": 3},
     ):
         assert await source.token_ids(body) is None, body
-    assert source.stats.unsupported == 8
+    assert source.stats.unsupported == 11
     assert source.stats.refused == 0  # none of them was sent
 
 
@@ -214,6 +217,10 @@ async def _fake_engine(answer: web.Response) -> web.AppRunner:
         (web.json_response({"error": {"message": "no"}}, status=404), "failed"),
         (web.Response(body=b"not json"), "invalid"),
         (web.json_response({"tokens": [1, "2"]}), "invalid"),
+        (web.json_response({"tokens": [1, True]}), "invalid"),
+        (web.json_response({"tokens": [1, 2.0]}), "invalid"),
+        (web.json_response({"tokens": [1, 1 << 32]}), "invalid"),
+        (web.json_response({"tokens": []}), "invalid"),
         (web.json_response({"tokens": [1, 2, 3, 4, 5]}), "invalid"),
         (web.json_response({"tokens": list(range(5000))}), "invalid"),
     ],
