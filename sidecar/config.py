@@ -162,8 +162,8 @@ class Settings(BaseSettings):
         defaults.RETEST_S,
         ge=0,
         description="Seconds without a measurement (a prefill from this sidecar, or a new speed "
-        "another sidecar published) after which an available endpoint takes the next remote "
-        "prefill, whatever the policy picked (0: never).",
+        "another sidecar published) after which an available endpoint that only its speed "
+        "estimate keeps away takes the next remote prefill (0: never).",
     )
     prefix_block_tokens: int = Field(
         16, ge=1, description="Block size, in tokens, of the local prefix-cache estimate."

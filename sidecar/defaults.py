@@ -40,8 +40,8 @@ endpoint's speed estimate weighs half as much after this long, the prior regaini
 
 RETEST_S = 15.0
 """``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint unmeasured for this long (no
-prefill from this sidecar, no new speed published by another) takes its next remote prefill,
-whatever the policy picked."""
+prefill from this sidecar, no new speed published by another) takes its next remote prefill
+when only its speed estimate keeps it away."""
 
 STALL_WEIGHT = 0.1
 """``SIDECAR_DISAGG_STALL_WEIGHT``' default: what one second of stall on one running decode

@@ -107,6 +107,10 @@ class Placement:
     index) or ``approximate``; None without KV events."""
 
 
+def _first(item: tuple[float, Candidate]) -> float:
+    return item[0]
+
+
 class Planner:
     """The pool as one sidecar knows it, and the decisions made on it."""
 
@@ -256,10 +260,11 @@ class Planner:
         (``PrefixHasher``), looked up in every endpoint's prefix index; ``exact``: what the
         endpoints' KV events say they hold, where they say it (the prefix index elsewhere).
 
-        A request the decider sends remote goes instead to the candidate measured least
-        recently — by a prefill from this sidecar, or a new speed another sidecar published —
-        when that is ``retest_s`` ago or more (reason ``retest``): an endpoint the fleet stopped
-        choosing gets a prefill per ``retest_s``, so its estimate learns whether it recovered.
+        A request the decider sends remote goes instead to a candidate unmeasured for
+        ``retest_s`` or more — no prefill from this sidecar, no new speed published by another —
+        that lost on its speed estimate alone (reason ``retest``, ``_due_retest``): an endpoint
+        the fleet stopped choosing for its speed gets a prefill per ``retest_s``, so its
+        estimate learns whether it recovered.
         A re-test never turns a local decision into a remote one, nor takes a request whose
         chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
@@ -278,8 +283,12 @@ class Planner:
         # A re-test never takes a request that the chosen endpoint is predicted to hold part of:
         # it would recompute that prefix elsewhere (and, at a few prefills per sidecar per
         # re-test interval, most requests would be re-tests).
-        due = self._due_retest(candidates, now) if decision.remote_cached_tokens == 0 else None
-        if due is not None and due.key != key:
+        due = (
+            self._due_retest(candidates, key, prompt_tokens, now)
+            if decision.remote_cached_tokens == 0
+            else None
+        )
+        if due is not None:
             key = due.key
             predicted = self.decider.remote_seconds(due, prompt_tokens)
             decision = replace(
@@ -292,26 +301,40 @@ class Planner:
         self.sent(key, now)
         return decision
 
-    def _due_retest(self, candidates: list[Candidate], now: float) -> Candidate | None:
-        """The candidate measured least recently, if that is at least ``retest_s`` ago: sent
-        nothing by this sidecar, and no new speed published for it by the others. An endpoint
-        seen for the first time counts from now."""
-        due: Candidate | None = None
-        oldest = now
+    def _due_retest(
+        self, candidates: list[Candidate], chosen: str, prompt_tokens: int, now: float
+    ) -> Candidate | None:
+        """The candidate to re-test instead of ``chosen``, if any: of those measured at least
+        ``retest_s`` ago (sent nothing by this sidecar, and no new speed published for them by
+        the others; an endpoint seen for the first time counts from now), the one measured least
+        recently that lost to ``chosen`` on its speed estimate alone — with ``chosen``'s speed it
+        would be predicted as fast. One that lost on its queue, or on what ``chosen`` holds of
+        the prompt, is not re-tested: its scrapes and its index say what a re-test would, and
+        only its speed goes without evidence while it is not chosen."""
+        due: list[tuple[float, Candidate]] = []
+        winner: Candidate | None = None
         for candidate in candidates:
             state = self.pool[candidate.key]
             if state.last_sent is None:
                 state.last_sent = now
+            if candidate.key == chosen:
+                winner = candidate
+                continue
             # A speed another sidecar published anew is a measurement of the endpoint too:
             # the fleet re-tests an endpoint nobody measured, not one this sidecar did not.
             heard = state.last_sent
             if state.shared is not None and state.shared_since > heard:
                 heard = state.shared_since
-            if heard < oldest:
-                due, oldest = candidate, heard
-        if due is None or self._retest_s <= 0 or now - oldest < self._retest_s:
+            if self._retest_s > 0 and now - heard >= self._retest_s:
+                due.append((heard, candidate))
+        if not due or winner is None:
             return None
-        return due
+        beaten = self.decider.remote_seconds(winner, prompt_tokens)
+        for _, candidate in sorted(due, key=_first):
+            as_fast = replace(candidate, speed=winner.speed)
+            if self.decider.remote_seconds(as_fast, prompt_tokens) <= beaten:
+                return candidate
+        return None
 
     def prefill_observed(
         self, reservation: Reservation, seconds: float, now: float

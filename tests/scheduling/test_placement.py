@@ -189,6 +189,22 @@ def test_an_endpoint_the_other_sidecars_measure_is_not_retested_until_they_stop(
     assert retests == [(38.0, "retest")]
 
 
+def test_only_an_endpoint_kept_away_by_its_speed_is_retested():
+    """A re-test renews the one thing an endpoint the policy avoids stops being told: its speed.
+    One avoided for its queue (scraped and reserved: known) or for what the chosen one holds is
+    not re-tested, and does not stand in the way of one avoided for its speed."""
+    plan = ageing_planner(1, 2, 3, half_life_s=None, retest_s=10.0)
+    busy, slow = "127.0.0.1:1", "127.0.0.1:2"
+    plan.prefill_observed(Reservation(slow, 1000, 0), 5.0, now=0.0)  # a stall: 2 s+ overhead
+    queued = SharedView({busy: Load(200_000, 20)}, {}, {})  # 20 s of prefill queued
+    chosen = [decide_at(plan, 0.5 * t, queued) for t in range(60)]
+    retests = [(0.5 * t, d.endpoint) for t, d in enumerate(chosen) if d.reason == "retest"]
+    # Both were first seen at 0 s (the busy one first, so it is "older" at every turn): only
+    # the slow one is re-tested, every 10 s; the busy one never, as fast as the chosen one.
+    assert retests == [(10.0, slow), (20.0, slow)]
+    assert busy not in {d.endpoint for d in chosen}
+
+
 def test_no_retest_when_disabled_or_when_the_decision_is_local():
     plan = ageing_planner(1, 2, half_life_s=None, retest_s=0.0)
     plan.prefill_observed(Reservation("127.0.0.1:1", 1000, 0), 5.0, now=0.0)

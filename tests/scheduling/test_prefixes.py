@@ -192,7 +192,7 @@ def test_a_retest_never_takes_a_request_its_chosen_endpoint_holds_part_of() -> N
     from sidecar.scheduling.placement import Planner
     from sidecar.scheduling.policies import make_policy
     from sidecar.scheduling.ranks import DecodeRanks
-    from sidecar.scheduling.state import Load, SharedView
+    from sidecar.scheduling.state import Reservation, SharedView
 
     hasher = PrefixHasher(KEY, block_tokens=64)
     prefixes = index()
@@ -211,7 +211,10 @@ def test_a_retest_never_takes_a_request_its_chosen_endpoint_holds_part_of() -> N
         stale_after_s=3.0,
         rng=random.Random(1),
     )[0]
-    view = SharedView({B: Load(100_000, 5)}, {}, {})  # B busy: the policy picks A
+    # B answered once in 5 s (a stall): the policy picks A, and only B's speed keeps it away,
+    # which is what a re-test renews.
+    planner.prefill_observed(Reservation(B, 1000, 0), 5.0, now=0.0)
+    view = SharedView({}, {}, {})
     system = text("system", 40)
     prefixes.placed(A, hasher.hashes(system + text("first", 4)))
 
