@@ -140,9 +140,10 @@ class _Engine:
 
 class PromptLookup:
     """One request's look-ups in the exact indexes, for its decision: called with a pool
-    member's key (``placement.ExactCache``), ``rank`` for the local decode rank. Keeps which
-    source each engine's cached tokens came from. ``keys`` None: the token ids could not be had
-    (every engine then answers from the approximate index)."""
+    member's key (``placement.ExactCache``), ``rank`` for each candidate decode rank
+    (``ranks.RankCache``). Keeps which source each engine's cached tokens came from. ``keys``
+    None: the token ids could not be had (every engine then answers from the approximate
+    index)."""
 
     __slots__ = ("_fleet", "keys", "seconds", "sources", "tokens")
 

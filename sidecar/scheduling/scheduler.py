@@ -4,18 +4,19 @@ The pure part (per-endpoint knowledge, candidates, the decision, what is reserve
 ``placement.Planner``, which the simulator runs too. Around it this keeps the I/O: discovery,
 health transitions (ejection with growing backoff, re-admission after a successful probe, logged
 and published), reservations in the state backend, metrics. Each request is first given a rank
-of the local decode engine (``ranks``: the prefix index per rank, then load); the decision to
-prefill locally weighs that rank. A decision reads the prompt's prefix hashes only as far as its
-look-ups go (``LazyHashes``); what the placement teaches the indexes (the rank's and the prefill
-endpoint's blocks, the prefix published) is recorded after the decision returns, in the loop's
-next turn, and in any case before the next decision or anything else reads those indexes
-(``_record``; after a decision's refresh too, when placements were decided while it waited)
-or a rank's index is forgotten: no decision sees less than it did when the recording was part
-of it. A background task re-resolves discovery; the engines are polled by the engine monitor
-(``sidecar.engines.monitor``), which asks the scheduler what to poll in the pool
-(``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it found
-(``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
-path does no I/O but the backend's single bounded ``reserve``.
+of the local decode engine (``ranks``: the prefix index per rank, or the rank's KV events where
+they are in sync, then load); the decision to prefill locally weighs that rank. A decision
+reads the prompt's prefix hashes only as far as its look-ups go (``LazyHashes``); what the
+placement teaches the indexes (the rank's and the prefill endpoint's blocks, the prefix
+published) is recorded after the decision returns, in the loop's next turn, and in any case
+before the next decision or anything else reads those indexes (``_record``; after a decision's
+refresh too, when placements were decided while it waited) or a rank's index is forgotten: no
+decision sees less than it did when the recording was part of it. A background task
+re-resolves discovery; the engines are polled by the engine monitor (``sidecar.engines.monitor``),
+which asks the scheduler what to poll in the pool (``prefill_polls``: scrapes, probes of
+endpoints after an ejection) and hands it what it found (``prefill_polled``); the scheduler alone
+writes what it knows of an endpoint. The request path does no I/O but the backend's single
+bounded ``reserve``.
 """
 
 from __future__ import annotations
@@ -286,9 +287,11 @@ class Scheduler:
         if exact is not None and exact.tokens:
             tokens = exact.tokens  # counted, not estimated
         local = self.ranks.blocks(prompt)
-        claim, cached = self.ranks.choose(local, tokens, prompt, rank)
-        if exact is not None:
-            cached = exact.rank(claim.index, cached)
+        # Each candidate rank weighed by its events where they are in sync (its prefix index's
+        # figure otherwise); a rank the request named is taken as is.
+        claim, cached = self.ranks.choose(
+            local, tokens, prompt, rank, None if exact is None else exact.rank
+        )
         # The chosen rank will hold this prompt's KV either way (computed or pulled): recorded
         # now, before the decision awaits anything (another placement may run meanwhile).
         self._defer(self._record_rank, claim.rank, local)
