@@ -1,8 +1,11 @@
-"""The decode rank's choice reads the ranks' KV events, on real sockets: decode emulators as
-data-parallel ranks publishing on the events port + their rank, a sidecar with events on."""
+"""The decode rank's choice and a prefill's retry read the engines' KV events, on real sockets:
+decode emulators as data-parallel ranks publishing on the events port + their rank, prefill
+emulators on addresses of their own (``test_wiring``'s pool), a sidecar with events on."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -14,19 +17,31 @@ import pytest
 from devkit.processes import quiet_port
 from sidecar.config import Settings
 from sidecar.emulator import EmulatorConfig, RunningEmulator, start_emulator
+from sidecar.kvevents.fleet import PromptLookup
 from sidecar.server.runner import RunningSidecar, start_sidecar
-from tests.conftest import eventually, get_json
+from tests.conftest import StartSidecar, eventually, get_json, inject
 
 from .helpers import publisher
 from .test_wiring import (
+    Pool,
     complete_on,
+    complete_on_ids,
     events_on,
+    in_sync,
     kv_view,
     long_prompt,
     through,
 )
 
 RANKS = 2
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[Pool]:
+    made = Pool()
+    yield made
+    for engine in made.started:
+        await engine.close()
 
 
 @pytest.fixture
@@ -185,3 +200,91 @@ async def test_a_rank_the_request_names_keeps_it_whatever_the_events_say(
         record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
         assert record["decode_rank"] == named
         assert record["cached_source"] == "events"  # its own rank's events: it holds nothing
+
+
+def token_ids(count: int) -> list[int]:
+    """A prompt of ``count`` token ids no other prompt of the test shares a block with."""
+    start = 1000 + uuid.uuid4().int % 10**6 * 1000
+    return list(range(start, start + count))
+
+
+async def test_a_retry_goes_where_the_events_hold_the_prompt(
+    pool: Pool, start_sidecar_with: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    holder, empty, partial = await pool.add(), await pool.add(), await pool.add()
+    sidecar = await start_sidecar_with(prefill_retry_backoff_s=0, **pool.settings())
+    for engine in pool.engines:
+        await publisher(engine).wait_subscriptions(1)
+    # The whole prompt on one endpoint, its first 200 tokens on another, nothing of it on the
+    # third (which holds another prompt, to be in sync): by their events alone, the sidecar sent
+    # them nothing.
+    ids = token_ids(1000)
+    await complete_on_ids(http, holder, ids)
+    await complete_on_ids(http, partial, ids[:200])
+    await complete_on_ids(http, empty, token_ids(100))
+    await in_sync(http, sidecar, *(engine.endpoint for engine in pool.engines))
+    # The holder is chosen, and fails transiently: the retry is to choose between the others.
+    await inject(http, holder, kind="status", status=503, role="prefill")
+    request_id = uuid.uuid4().hex
+    body = {"model": "emulated-model", "prompt": ids, "max_tokens": 1}
+    async with http.post(
+        sidecar.url + "/v1/completions", json=body, headers={"x-request-id": request_id}
+    ) as response:
+        assert response.status == 200, await response.text()
+        await response.read()
+    record = await get_json(http, f"{sidecar.url}/debug/requests/{request_id}")
+    assert (record["decision"], record["reason"]) == ("remote", "scheduled")
+    assert record["prefill_attempts"] == 2
+    assert record["prefill_endpoint"] == partial.endpoint
+    assert record["cached_source"] == "events"
+    assert record["prefill_predicted_cached_tokens"] == 192  # 12 whole blocks of 16 tokens
+    assert record["fallback_reason"] is None
+    sources = (await kv_view(http, sidecar))["last_decision"]["sources"]
+    assert sources == {engine.endpoint: "events" for engine in pool.engines}
+
+
+def lookups_alive() -> int:
+    """``PromptLookup``s alive in this process (the sidecar runs in it)."""
+    gc.collect()
+    return sum(1 for thing in gc.get_objects() if isinstance(thing, PromptLookup))
+
+
+async def test_the_lookups_live_as_long_as_the_prefill_leg_not_the_stream(
+    pool: Pool,
+    start_sidecar_with: StartSidecar,
+    decode: RunningEmulator,
+    http: aiohttp.ClientSession,
+) -> None:
+    engine = await pool.add()
+    sidecar = await start_sidecar_with(**pool.settings())
+    await publisher(engine).wait_subscriptions(1)
+    prompt = long_prompt()
+    await complete_on(http, engine, prompt)
+    await in_sync(http, sidecar, engine.endpoint)
+    await inject(http, engine, kind="hang", role="prefill")
+    await inject(http, decode, kind="stall", role="decode", after_chunks=1)
+    body = {"model": "emulated-model", "prompt": prompt, "max_tokens": 8, "stream": True}
+    streaming, finish = asyncio.Event(), asyncio.Event()
+
+    async def client() -> int:
+        async with http.post(sidecar.url + "/v1/completions", json=body) as response:
+            await response.content.readany()  # its first chunk: the decode then stalls
+            streaming.set()
+            await finish.wait()
+            await response.read()
+            return response.status
+
+    async def held() -> bool:
+        return bool((await get_json(http, engine.url + "/emulator/faults"))["held"] == 1)
+
+    streamed = asyncio.create_task(client())
+    await eventually(held)
+    assert lookups_alive() == 1  # while its prefill runs, a retry may need them
+    async with http.post(engine.url + "/emulator/release") as released:
+        assert released.status == 200
+    await asyncio.wait_for(streaming.wait(), 10)
+    assert lookups_alive() == 0  # the stream is open, its prefill leg over
+    finish.set()
+    async with http.post(decode.url + "/emulator/release") as released:
+        assert released.status == 200
+    assert await streamed == 200
