@@ -37,7 +37,6 @@ from sidecar.observability.tracking import (
     name_this_task,
 )
 from sidecar.relay import Relayed, relay
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.ranks import RankPorts
 from sidecar.scheduling.scheduler import Scheduler
@@ -174,7 +173,7 @@ class Pipeline:
         if header is not None:
             header = await self._guard.check(header)
         sanitized = self._connector.sanitize(body)
-        placement = await self._scheduler.place(
+        placement, exact = await self._scheduler.place_request(
             body,
             header,
             local_reason=self._connector.unsupported(body),
@@ -196,6 +195,7 @@ class Pipeline:
                 progress=progress,
                 trace=trace,
                 members=parsed.members,
+                exact=exact,
             )
             del parsed, body
             try:
@@ -217,12 +217,12 @@ class _Progress:
         self._told = False
         self._prefilling = False
 
-    def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None:
+    def prefill_sent(self, placement: Placement, attempt: int) -> None:
         record = self._record
         record.state = State.PREFILLING
         record.mark(Phase.PREFILL_SENT)
         record.prefill_attempts = attempt
-        record.prefill_endpoint = str(endpoint)
+        _record_prefill(record, placement)  # a retry's endpoint, and what was predicted of it
         self._prefilling = True
 
     def prefill_ended(self) -> None:
@@ -298,13 +298,19 @@ def _record_placement(record: RequestRecord, placement: Placement) -> None:
     _record_rank(record, placement)
     record.reason = placement.decision.reason
     record.predicted_prefill_s = placement.decision.predicted_s
-    record.tokenize_s, record.cached_source = placement.tokenize_s, placement.cached_source
+    record.tokenize_s = placement.tokenize_s
     if placement.endpoint is None:
         record.decision = Decision.LOCAL
+        record.cached_source = placement.cached_source
     else:
         record.decision = Decision.REMOTE
-        record.predicted_cached_tokens = placement.decision.remote_cached_tokens
-        record.prefill_endpoint = str(placement.endpoint)
+        _record_prefill(record, placement)
+
+
+def _record_prefill(record: RequestRecord, placement: Placement) -> None:
+    record.prefill_endpoint = str(placement.endpoint)
+    record.predicted_cached_tokens = placement.decision.remote_cached_tokens
+    record.cached_source = placement.cached_source
 
 
 def _record_rank(record: RequestRecord, placement: Placement) -> None:

@@ -14,7 +14,7 @@ outcomes, never aiohttp objects:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from multidict import CIMultiDict
 
@@ -26,13 +26,19 @@ from sidecar.observability.tracing import NO_TRACE, RequestTrace
 from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 
+if TYPE_CHECKING:  # the fleet imports zmq: loaded only with SIDECAR_KV_EVENTS=true
+    from sidecar.kvevents.fleet import PromptLookup
+
 Body = dict[str, Any]
 
 
 class Progress(Protocol):
     """Milestones of one request, as the connector's parts reach them."""
 
-    def prefill_sent(self, endpoint: Endpoint, attempt: int) -> None: ...
+    def prefill_sent(self, placement: Placement, attempt: int) -> None:
+        """Attempt number ``attempt`` went to ``placement``'s endpoint (a retry's placement
+        after the first)."""
+        ...
 
     def prefill_ended(self) -> None: ...
 
@@ -70,6 +76,11 @@ class Exchange:
     members: Members = field(default_factory=lambda: NO_MEMBERS)
     """A large body's big members (``sidecar.body.Parsed.members``): ``encode`` sends them
     from their own buffers."""
+    exact: PromptLookup | None = None
+    """The placement's look-ups in the engines' exact indexes (SIDECAR_KV_EVENTS), which a
+    retry of the prefill repeats (``Scheduler.place_request``); None without them. Kept here
+    rather than with the placement: the exchange ends once the decode answer has started,
+    the placement lives as long as the stream, and the look-ups hold the prompt's token ids."""
 
     def encode(self, leg: Body) -> Wire:
         """A leg's body (``body`` or one built from it) as it goes to an engine."""

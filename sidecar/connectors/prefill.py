@@ -318,7 +318,7 @@ class Attempts:
             )
             prefill.metrics.prefill_retries.inc()
             await asyncio.sleep(prefill.options.retry_backoff_s * 2 ** (last.number - 1))
-            placement = await prefill.scheduler.retry(last.placement, self._tried)
+            placement = await prefill.scheduler.retry(last.placement, self._tried, ex.exact)
             if placement is not None and placement.endpoint is not None:
                 return self._next(placement, last.number + 1)
         self._current = None
@@ -409,7 +409,7 @@ class Attempt:
         assert self._call is None, "one call per attempt"
         assert not self._closed, "sent before the attempt's exit"
         prefill, ex, endpoint = self._prefill, self._ex, self.endpoint
-        ex.progress.prefill_sent(endpoint, self.number)
+        ex.progress.prefill_sent(self.placement, self.number)
         self._progressing = True
         self.started = asyncio.get_running_loop().time()
         url = prefill.engines.prefill_url(endpoint) + ex.path

@@ -140,9 +140,11 @@ class _Engine:
 
 class PromptLookup:
     """One request's look-ups in the exact indexes, for its decision: called with a pool
-    member's key (``placement.ExactCache``), ``rank`` for the local decode rank. Keeps which
-    source each engine's cached tokens came from. ``keys`` None: the token ids could not be had
-    (every engine then answers from the approximate index)."""
+    member's key (``placement.ExactCache``), ``rank`` for each candidate decode rank
+    (``ranks.RankCache``). Keeps which source each engine's cached tokens came from. ``keys``
+    None: the token ids could not be had (every engine then answers from the approximate
+    index). A retry of the request's prefill looks up again (``again``): the keys are kept
+    while a retry can come, the prefill leg, never with the placement (a stream's life)."""
 
     __slots__ = ("_fleet", "keys", "seconds", "sources", "tokens")
 
@@ -167,6 +169,12 @@ class PromptLookup:
         hit = None if self.keys is None else self._fleet.lookup_rank(rank, self.keys)
         self.sources[decode_engine(rank)] = SOURCE_APPROXIMATE if hit is None else SOURCE_EVENTS
         return approximate if hit is None else self._fleet.cached_tokens(hit)
+
+    def again(self) -> None:
+        """The look-ups start over for another decision on the same prompt (a prefill's
+        retry): its sources are its own, counted by its ``decided``; the first decision's
+        stay as they were shown."""
+        self.sources = {}
 
 
 def decode_engine(rank: int) -> str:

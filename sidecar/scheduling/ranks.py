@@ -8,7 +8,8 @@ rank, chosen here — pure and synchronous like the rest of the policy, no I/O:
   none is (the pod is unready then, and a request that comes anyway is placed as a single
   engine's would be: sent, and answered by the engine or with a 503);
 - **prefix first, then load**: the lowest ``cost`` = the prompt's tokens not in the rank's prefix
-  index + its load (requests in flight there + its scraped waiting queue) × ``TOKENS_PER_REQUEST``;
+  index (not in what its KV events say it holds, where they are in sync: ``choose``'s ``exact``)
+  + its load (requests in flight there + its scraped waiting queue) × ``TOKENS_PER_REQUEST``;
   ties at random. A continuation goes back to the rank holding its history unless that rank is
   busier by more requests than the history has thousands of tokens; a prompt cached nowhere goes
   to the least loaded rank.
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 TOKENS_PER_REQUEST = TOKENS_PER_WAITING
 """Prompt tokens one request in flight or waiting on a rank weighs against a prefix-cache hit
 (the same figure the prefill side assumes per waiting request)."""
+RankCache = Callable[[int, int], int]
+"""A rank's index and the prompt's tokens its prefix index holds → the tokens to weigh: what
+the rank's KV events say it holds where they are in sync, else the figure given
+(``sidecar.kvevents.fleet.PromptLookup.rank``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +166,12 @@ class RankClaim:
             self._ended = True
             self.prefilled()
             self.rank.inflight -= 1
+
+
+def _cached(rank: DecodeRank, hashes: Sequence[Hashable], exact: RankCache | None) -> int:
+    """The prompt's tokens ``rank`` holds: its prefix index's figure, or its events'."""
+    tokens = rank.prefix.cached_tokens(hashes)
+    return tokens if exact is None else exact(rank.index, tokens)
 
 
 class RankPorts:
@@ -294,17 +305,20 @@ class DecodeRanks:
         prompt_tokens: int,
         text: str | bytes = "",
         pinned: int | None = None,
+        exact: RankCache | None = None,
     ) -> tuple[RankClaim, int]:
         """``claim_blocks`` without remembering the prompt in the chosen rank's index: the
         caller inserts ``hashes`` there (``PrefixIndex.insert``) before the next choice reads
-        it (the scheduler records a placement after its decision)."""
+        it (the scheduler records a placement after its decision). ``exact``: what the ranks'
+        KV events say they hold, weighed in place of their prefix indexes' figures where they
+        say it (the choice's cost, and the cached tokens returned)."""
         candidates = self.candidates() if pinned is None else [self._ranks[pinned]]
         if len(candidates) == 1:
             rank = candidates[0]
-            cached = rank.prefix.cached_tokens(hashes)
+            cached = _cached(rank, hashes, exact)
         else:
             views = [
-                RankView(r.index, r.prefix.cached_tokens(hashes), r.inflight, self.waiting(r))
+                RankView(r.index, _cached(r, hashes, exact), r.inflight, self.waiting(r))
                 for r in candidates
             ]
             chosen = choose_rank(views, prompt_tokens, self._rng)

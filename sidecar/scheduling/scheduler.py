@@ -4,18 +4,19 @@ The pure part (per-endpoint knowledge, candidates, the decision, what is reserve
 ``placement.Planner``, which the simulator runs too. Around it this keeps the I/O: discovery,
 health transitions (ejection with growing backoff, re-admission after a successful probe, logged
 and published), reservations in the state backend, metrics. Each request is first given a rank
-of the local decode engine (``ranks``: the prefix index per rank, then load); the decision to
-prefill locally weighs that rank. A decision reads the prompt's prefix hashes only as far as its
-look-ups go (``LazyHashes``); what the placement teaches the indexes (the rank's and the prefill
-endpoint's blocks, the prefix published) is recorded after the decision returns, in the loop's
-next turn, and in any case before the next decision or anything else reads those indexes
-(``_record``; after a decision's refresh too, when placements were decided while it waited)
-or a rank's index is forgotten: no decision sees less than it did when the recording was part
-of it. A background task re-resolves discovery; the engines are polled by the engine monitor
-(``sidecar.engines.monitor``), which asks the scheduler what to poll in the pool
-(``prefill_polls``: scrapes, probes of endpoints after an ejection) and hands it what it found
-(``prefill_polled``); the scheduler alone writes what it knows of an endpoint. The request
-path does no I/O but the backend's single bounded ``reserve``.
+of the local decode engine (``ranks``: the prefix index per rank, or the rank's KV events where
+they are in sync, then load); the decision to prefill locally weighs that rank. A decision
+reads the prompt's prefix hashes only as far as its look-ups go (``LazyHashes``); what the
+placement teaches the indexes (the rank's and the prefill endpoint's blocks, the prefix
+published) is recorded after the decision returns, in the loop's next turn, and in any case
+before the next decision or anything else reads those indexes (``_record``; after a decision's
+refresh too, when placements were decided while it waited) or a rank's index is forgotten: no
+decision sees less than it did when the recording was part of it. A background task
+re-resolves discovery; the engines are polled by the engine monitor (``sidecar.engines.monitor``),
+which asks the scheduler what to poll in the pool (``prefill_polls``: scrapes, probes of
+endpoints after an ejection) and hands it what it found (``prefill_polled``); the scheduler alone
+writes what it knows of an endpoint. The request path does no I/O but the backend's single
+bounded ``reserve``.
 """
 
 from __future__ import annotations
@@ -275,6 +276,25 @@ class Scheduler:
         anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
         ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
         the decode rank the request named (``RankPorts``), taken as is."""
+        placement, _ = await self.place_request(
+            body, header, local_reason=local_reason, text=text, rank=rank
+        )
+        return placement
+
+    async def place_request(
+        self,
+        body: dict[str, Any],
+        header: Endpoint | None,
+        *,
+        local_reason: str | None = None,
+        text: bytes | None = None,
+        rank: int | None = None,
+    ) -> tuple[Placement, PromptLookup | None]:
+        """``place``, and the decision's look-ups in the exact indexes when a retry of its
+        prefill is to repeat them (``retry``'s ``exact``): a remote placement the scheduler
+        chose while an engine's events were in sync; None otherwise. They hold the request's
+        token ids and keys: the caller keeps them for the prefill leg alone, never for the
+        life of a stream."""
         fleet, exact = self._kv_events, None
         if fleet is not None:
             # The token ids for the engines' exact indexes (SIDECAR_KV_EVENTS), asked of the
@@ -286,9 +306,11 @@ class Scheduler:
         if exact is not None and exact.tokens:
             tokens = exact.tokens  # counted, not estimated
         local = self.ranks.blocks(prompt)
-        claim, cached = self.ranks.choose(local, tokens, prompt, rank)
-        if exact is not None:
-            cached = exact.rank(claim.index, cached)
+        # Each candidate rank weighed by its events where they are in sync (its prefix index's
+        # figure otherwise); a rank the request named is taken as is.
+        claim, cached = self.ranks.choose(
+            local, tokens, prompt, rank, None if exact is None else exact.rank
+        )
         # The chosen rank will hold this prompt's KV either way (computed or pulled): recorded
         # now, before the decision awaits anything (another placement may run meanwhile).
         self._defer(self._record_rank, claim.rank, local)
@@ -296,9 +318,11 @@ class Scheduler:
             placement = await self._place(
                 claim, tokens, cached, header, local_reason, prompt, exact
             )
-        if fleet is not None and exact is not None:
-            return fleet.decided(placement, exact)
-        return placement
+        if fleet is None or exact is None:
+            return placement, None
+        placement = fleet.decided(placement, exact)
+        chosen = placement.endpoint is not None and placement.decision.reason != "header"
+        return placement, exact if chosen else None
 
     async def _place(
         self,
@@ -354,19 +378,29 @@ class Scheduler:
         endpoint = self._pool[decision.endpoint].endpoint
         return self._reserve(decision, endpoint, claim, hashes, size)
 
-    async def retry(self, failed: Placement, tried: set[str]) -> Placement | None:
+    async def retry(
+        self, failed: Placement, tried: set[str], exact: PromptLookup | None = None
+    ) -> Placement | None:
         """Where to retry a prefill that failed transiently: the same endpoint when the gateway
-        named it, else another available one the policy picks (None when none is left)."""
+        named it, else another available one the policy picks (None when none is left).
+        ``exact``: the first decision's look-ups in the exact indexes (``place_request``): the
+        candidates' cached tokens come from their events where they are in sync now, as the
+        first decision's did."""
         self._record()
         decision = failed.decision
         if failed.endpoint is None:
             return None
         guess = failed.prefix
         hashes, size = (guess.hashes, guess.prompt_bytes) if guess is not None else ((), 0)
-        if decision.reason == "header":
-            return self._reserve(decision, failed.endpoint, failed.rank, hashes, size)
+        if decision.reason == "header":  # the same endpoint: the same prediction
+            again = self._reserve(decision, failed.endpoint, failed.rank, hashes, size)
+            return dataclasses.replace(
+                again, tokenize_s=failed.tokenize_s, cached_source=failed.cached_source
+            )
         await self._refreshed()
-        candidates = [c for c in self._candidates(hashes) if c.key not in tried]
+        if exact is not None:
+            exact.again()
+        candidates = [c for c in self._candidates(hashes, exact) if c.key not in tried]
         chosen = self._decider.policy.choose(candidates, decision.prompt_tokens)
         if chosen is None:
             return None
@@ -374,7 +408,9 @@ class Scheduler:
             decision, endpoint=chosen.key, remote_cached_tokens=chosen.cached_tokens
         )
         endpoint = self._pool[chosen.key].endpoint
-        return self._reserve(retried, endpoint, failed.rank, hashes, size)
+        placement = self._reserve(retried, endpoint, failed.rank, hashes, size)
+        fleet = self._kv_events
+        return placement if fleet is None or exact is None else fleet.decided(placement, exact)
 
     async def _refreshed(self) -> None:
         """The backend's refresh, then the placements decided while it waited recorded, as the
@@ -554,8 +590,10 @@ class Scheduler:
         """The backend's view, the monotonic and the wall time: what a decision is made on."""
         return self.backend.view(), time.monotonic(), time.time()
 
-    def _candidates(self, hashes: Sequence[bytes] = ()) -> list[Candidate]:
-        return self._planner.candidates(*self._now(), hashes)
+    def _candidates(
+        self, hashes: Sequence[bytes] = (), exact: PromptLookup | None = None
+    ) -> list[Candidate]:
+        return self._planner.candidates(*self._now(), hashes, exact)
 
     def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
         return self._planner.fresh(load, name, time.monotonic())
