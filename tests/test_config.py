@@ -42,7 +42,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
-        "SIDECAR_PREFILL_ENDPOINTS", " p0:8000, [fd00::1]:8001 ,http://10.0.0.3:8002"
+        "SIDECAR_PREFILL_ENDPOINTS", " p0:8000, [::1]:8001 ,http://127.0.0.3:8002"
     )
     monkeypatch.setenv("SIDECAR_CONNECTOR", "nixlv2")
     monkeypatch.setenv("SIDECAR_DECODE_URL", "http://localhost:9000/")
@@ -50,8 +50,8 @@ def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
     assert settings.prefill_endpoints == (
         Endpoint("p0", 8000),
-        Endpoint("fd00::1", 8001),
-        Endpoint("10.0.0.3", 8002),
+        Endpoint("::1", 8001),
+        Endpoint("127.0.0.3", 8002),
     )
     assert settings.connector == "nixl"
     assert settings.decode_url == "http://localhost:9000"

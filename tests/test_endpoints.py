@@ -63,7 +63,7 @@ def test_str_and_url_bracket_ipv6() -> None:
     endpoint = parse_endpoint("[::1]:8100")
     assert str(endpoint) == "[::1]:8100"
     assert endpoint.url == "http://[::1]:8100"
-    assert str(parse_endpoint("10.0.0.1:8100")) == "10.0.0.1:8100"
+    assert str(parse_endpoint("127.0.0.2:8100")) == "127.0.0.2:8100"
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ def test_a_published_speed_counts_until_this_sidecar_has_its_own_samples():
 
 def test_a_stranger_is_predicted_with_the_prior():
     plan = planner(1)
-    assert plan.candidate("10.0.0.9:80", EMPTY, 0.0, 0.0).speed == PREFILL_PRIOR
+    assert plan.candidate("127.0.0.9:80", EMPTY, 0.0, 0.0).speed == PREFILL_PRIOR
     assert plan.candidate("127.0.0.1:1", EMPTY, 0.0, 0.0).key == "127.0.0.1:1"
 
 
