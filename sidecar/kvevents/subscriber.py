@@ -306,9 +306,8 @@ class Subscriber:
             sub.close(linger=0)
 
     async def _handshake(self, monitor: zmq.asyncio.Socket) -> None:
-        """Until the ZMTP handshake succeeds. ZMTP heartbeats start only after it: a peer that
-        accepts and never speaks (a frozen process: its kernel accepts) is ``connect_timeout_s``'s.
-        """
+        """Until the ZMTP handshake succeeds, at most ``connect_timeout_s``: heartbeats start
+        only after it, and a frozen process's kernel still accepts the connection."""
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
             # arrives as the awaited message does (CPython gh-86296), and close() then waited
