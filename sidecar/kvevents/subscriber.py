@@ -306,21 +306,24 @@ class Subscriber:
             sub.close(linger=0)
 
     async def _handshake(self, monitor: zmq.asyncio.Socket) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._connect_timeout_s
-        while True:
-            remaining = deadline - loop.time()
-            try:
-                frames = await asyncio.wait_for(monitor.recv_multipart(), max(0.0, remaining))
-            except TimeoutError:
-                self.stats.connect_failures_total += 1
-                raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
-            event = parse_monitor_message(frames)["event"]
-            if event & _CONNECTED:
-                return
-            if event & _LOST:
-                self.stats.connect_failures_total += 1
-                raise _Lost(f"connection failed ({zmq.Event(event).name})")
+        """Until the ZMTP handshake succeeds, at most ``connect_timeout_s``: heartbeats start
+        only after it, and a frozen process's kernel still accepts the connection."""
+        try:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+            # arrives as the awaited message does (CPython gh-86296), and close() then waited
+            # for a task that went on.
+            async with asyncio.timeout(self._connect_timeout_s):
+                while True:
+                    frames = await monitor.recv_multipart()
+                    event = parse_monitor_message(frames)["event"]
+                    if event & _CONNECTED:
+                        return
+                    if event & _LOST:
+                        self.stats.connect_failures_total += 1
+                        raise _Lost(f"connection failed ({zmq.Event(event).name})")
+        except TimeoutError:
+            self.stats.connect_failures_total += 1
+            raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
 
     async def _receive(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
         poller = zmq.asyncio.Poller()
@@ -422,7 +425,8 @@ class Subscriber:
             await dealer.send_multipart([b"", encode_seq(start)])
             # Replies past the gap come through the subscription too: read up to stop - 1.
             while last < stop - 1:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout_s)
+                async with asyncio.timeout(self._replay_timeout_s):  # not wait_for: see _handshake
+                    frames = await dealer.recv_multipart()
                 if len(frames) == 4 and frames[0] == b"" and _is_end(frames[2]):
                     break
                 if len(frames) != 4 or frames[0] != b"":
