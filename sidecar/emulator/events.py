@@ -271,9 +271,11 @@ class ZmqKvEvents(KvEventSink):
 
     async def _send(self, identity: bytes, frames: list[bytes]) -> None:
         assert self._router is not None
-        await asyncio.wait_for(
-            self._router.send_multipart([identity, b"", *frames]), REPLAY_SEND_TIMEOUT_S
-        )
+        # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 ``wait_for`` can swallow a
+        # cancellation that comes as the send completes (CPython gh-86296), and the emulator's
+        # close then waits for the replay forever.
+        async with asyncio.timeout(REPLAY_SEND_TIMEOUT_S):
+            await self._router.send_multipart([identity, b"", *frames])
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -196,7 +196,10 @@ class Tracing:
 
         threading.Thread(target=shut, name="tracing-shutdown", daemon=True).start()
         try:
-            await asyncio.wait_for(done, timeout_s)
+            # Not ``wait_for``: on Python 3.11 it can swallow a cancellation that comes as
+            # ``done`` is set (CPython gh-86296).
+            async with asyncio.timeout(timeout_s):
+                await done
         except TimeoutError:
             logger.warning("tracing: spans not exported within %.2gs were dropped", timeout_s)
 
