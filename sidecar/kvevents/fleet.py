@@ -13,7 +13,8 @@ engines: rank *r* subscribed on the member's address at the port + *r*, an index
 (``_Member``). vLLM's balancer picks a rank by load alone, so a member counts what the request
 can count on whichever rank it lands on: the least any of its ranks holds. A rank whose port has
 never connected is left out (with one API server per rank, external load balancing, each member
-is one rank: the others' ports are not there); the member is in sync while every other rank is.
+is one rank: the others' ports are not there); the member is in sync while every rank whose
+port connected is.
 
 ``lookup(key, prompt)`` answers from an engine's index only while it is **in sync**: its
 subscription is connected and at least one batch was applied since the index was last emptied
