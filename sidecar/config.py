@@ -246,6 +246,16 @@ class Settings(BaseSettings):
         description="Topic the engines publish their KV events under (vLLM's topic; the same "
         "on every engine).",
     )
+    kv_events_prefill_dp_size: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Data-parallel ranks of each prefill server (vLLM --data-parallel-size): "
+        "rank r is subscribed at SIDECAR_KV_EVENTS_PORT + r and _REPLAY_PORT + r on every "
+        "pool member's address, and a member counts the cached tokens of its least-cached "
+        "rank (vLLM's balancer picks a rank by load alone); a rank whose port never connected "
+        "is left out.",
+    )
     kv_events_decode_port: int | None = Field(
         5557,
         ge=1,
@@ -940,6 +950,25 @@ class Settings(BaseSettings):
                 f"{replay}: with {ranks} "
                 "decode ranks (each on the port + its rank) a rank's replay port would be "
                 "another's events port; set them at least the rank count apart (e.g. 5557, 5657)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _prefill_kv_event_ports_fit(self) -> Settings:
+        ranks = self.kv_events_prefill_dp_size
+        port, replay = self.kv_events_port, self.kv_events_replay_port
+        for name, first in (("PORT", port), ("REPLAY_PORT", replay)):
+            if first is not None and first + ranks - 1 > 65535:
+                raise ValueError(
+                    f"SIDECAR_KV_EVENTS_{name}: the ports of {ranks} data-parallel ranks "
+                    f"(SIDECAR_KV_EVENTS_PREFILL_DP_SIZE) from {first} run past 65535"
+                )
+        if replay is not None and abs(port - replay) < ranks:
+            raise ValueError(
+                f"SIDECAR_KV_EVENTS_PORT={port} and SIDECAR_KV_EVENTS_REPLAY_PORT={replay}: with "
+                f"SIDECAR_KV_EVENTS_PREFILL_DP_SIZE={ranks} (each rank on the port + its rank) a "
+                "rank's replay port would be another's events port; set them at least the rank "
+                "count apart (e.g. 5557, 5657)"
             )
         return self
 

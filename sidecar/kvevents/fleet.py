@@ -8,6 +8,14 @@ publishes on its address at ``SIDECAR_KV_EVENTS_PORT`` (replay: ``_REPLAY_PORT``
 on its URL's host at ``SIDECAR_KV_EVENTS_DECODE_PORT`` + *r*, as vLLM offsets its ports by the
 data-parallel rank.
 
+A prefill server with ``SIDECAR_KV_EVENTS_PREFILL_DP_SIZE`` = *n* data-parallel ranks is *n*
+engines: rank *r* subscribed on the member's address at the port + *r*, an index each
+(``_Member``). vLLM's balancer picks a rank by load alone, so a member counts what the request
+can count on whichever rank it lands on: the least any of its ranks holds. A rank whose port has
+never connected is left out (with one API server per rank, external load balancing, each member
+is one rank: the others' ports are not there); the member is in sync while every rank whose
+port connected is.
+
 ``lookup(key, prompt)`` answers from an engine's index only while it is **in sync**: its
 subscription is connected and at least one batch was applied since the index was last emptied
 (a new subscription, a reset). Otherwise None, and the caller uses the approximate index for
@@ -25,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +75,8 @@ class FleetOptions:
     cpu_weight: float
     storage_weight: float
     max_blocks: int
+    prefill_dp_size: int = 1
+    """Data-parallel ranks of each pool member (its events port + *r* for rank *r*)."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FleetOptions:
@@ -80,6 +90,7 @@ class FleetOptions:
             cpu_weight=settings.kv_events_cpu_weight,
             storage_weight=settings.kv_events_storage_weight,
             max_blocks=settings.kv_events_max_blocks,
+            prefill_dp_size=settings.kv_events_prefill_dp_size,
         )
 
 
@@ -118,12 +129,19 @@ class _Engine:
             subscriber is not None and subscriber.stats.connected and self.batches_since_reset > 0
         )
 
-    def report(self) -> EngineReport:
+    @property
+    def ever_connected(self) -> bool:
+        return self.subscriber is not None and self.subscriber.stats.connects_total > 0
+
+    def report(self, source: str | None = None) -> EngineReport:
+        """``source``: what the decision uses for it (default: its own index's state)."""
         assert self.subscriber is not None
         stats = self.subscriber.stats
+        if source is None:
+            source = SOURCE_EVENTS if self.synced else SOURCE_APPROXIMATE
         return EngineReport(
             engine=self.name,
-            source=SOURCE_EVENTS if self.synced else SOURCE_APPROXIMATE,
+            source=source,
             connected=stats.connected,
             lag_s=None if stats.lag_s is None else round(stats.lag_s, 6),
             blocks=len(self.index),
@@ -136,6 +154,61 @@ class _Engine:
             connects=stats.connects_total,
             connect_failures=stats.connect_failures_total,
         )
+
+
+class _Member:
+    """A prefill pool member's engines, one per data-parallel rank (rank 0 first).
+
+    In sync while at least one rank's subscription has connected and every such rank is in
+    sync; a rank that never connected is left out (its port is not there: another pod's rank
+    under external load balancing, or not up yet). ``lookup`` answers the least any counted
+    rank holds, vLLM's balancer being blind to prefixes.
+    """
+
+    __slots__ = ("key", "ranks")
+
+    def __init__(self, key: str, ranks: tuple[_Engine, ...]) -> None:
+        self.key = key
+        self.ranks = ranks
+
+    def counted(self) -> list[_Engine]:
+        """The ranks the prediction is made of: those whose port has connected."""
+        return [engine for engine in self.ranks if engine.ever_connected]
+
+    @property
+    def synced(self) -> bool:
+        ranks = self.ranks
+        if len(ranks) == 1:
+            return ranks[0].synced
+        counted = self.counted()
+        return bool(counted) and all(engine.synced for engine in counted)
+
+    def lookup(self, prompt: PromptKeys, value: Callable[[Hit], float]) -> Hit | None:
+        """What the member can be counted on to hold of ``prompt`` (the hit of least ``value``
+        among its counted ranks); None when it is not in sync."""
+        ranks = self.ranks
+        if len(ranks) == 1:  # the common case, at the cost it had before ranks
+            engine = ranks[0]
+            return engine.index.lookup(prompt) if engine.synced else None
+        if not self.synced:
+            return None
+        hits = [engine.index.lookup(prompt) for engine in self.counted()]
+        return min(hits, key=value)
+
+    def reports(self) -> list[EngineReport]:
+        if len(self.ranks) == 1:
+            return [self.ranks[0].report()]
+        # A rank's source is the member's: the decision uses its index only then.
+        synced = self.synced
+        return [
+            engine.report(SOURCE_EVENTS if synced and engine.ever_connected else SOURCE_APPROXIMATE)
+            for engine in self.ranks
+        ]
+
+    async def close(self) -> None:
+        for engine in self.ranks:
+            assert engine.subscriber is not None
+            await engine.subscriber.close()
 
 
 class PromptLookup:
@@ -182,6 +255,12 @@ def decode_engine(rank: int) -> str:
     return f"decode:{rank}"
 
 
+def prefill_engine(key: str, rank: int, ranks: int) -> str:
+    """The name (and metrics label) of data-parallel rank ``rank`` of pool member ``key``:
+    the key itself when the member has one rank, else ``<key>:dp<rank>``."""
+    return key if ranks == 1 else f"{key}:dp{rank}"
+
+
 class KVFleet:
     """See the module's docstring. ``tokens``: where a request's token ids come from (the local
     decode engine's ``/tokenize``). ``subscriber_options``: passed to every ``Subscriber``
@@ -198,7 +277,7 @@ class KVFleet:
         self.tokens = tokens
         self._subscriber_options = dict(subscriber_options or {})
         self._adapters: OrderedDict[str, None] = OrderedDict()
-        self._prefill: dict[str, _Engine] = {}
+        self._prefill: dict[str, _Member] = {}
         self._ranks: list[_Engine | None] = []
         self.lookups: Counter[str] = Counter()
         """Engines whose cached tokens a decision took from each source (``decided``)."""
@@ -227,9 +306,12 @@ class KVFleet:
 
     async def close(self) -> None:
         self._running = False
-        engines = [*self._prefill.values(), *(e for e in self._ranks if e is not None)]
+        members = list(self._prefill.values())
+        engines = [e for e in self._ranks if e is not None]
         self._prefill.clear()
         self._ranks.clear()
+        for member in members:
+            await member.close()
         for engine in engines:
             assert engine.subscriber is not None
             await engine.subscriber.close()
@@ -241,15 +323,26 @@ class KVFleet:
             return
         current = {str(endpoint): endpoint for endpoint in endpoints}
         for key in [key for key in self._prefill if key not in current]:
-            engine = self._prefill.pop(key)
-            assert engine.subscriber is not None
-            await engine.subscriber.close()
+            await self._prefill.pop(key).close()
             log.info("KV events of prefill endpoint %s: unsubscribed (it left the pool)", key)
+        port, replay, size = (
+            self.options.port,
+            self.options.replay_port,
+            self.options.prefill_dp_size,
+        )
         for key, endpoint in current.items():
             if key not in self._prefill:
-                self._prefill[key] = await self._subscribe(
-                    key, endpoint.host, self.options.port, self.options.replay_port
-                )
+                # vLLM offsets both ports by the rank (``offset_endpoint_port``).
+                ranks = [
+                    await self._subscribe(
+                        prefill_engine(key, rank, size),
+                        endpoint.host,
+                        port + rank,
+                        None if replay is None else replay + rank,
+                    )
+                    for rank in range(size)
+                ]
+                self._prefill[key] = _Member(key, tuple(ranks))
 
     async def _subscribe(self, name: str, host: str, port: int, replay: int | None) -> _Engine:
         engine = _Engine(name, KVIndex(max_blocks=self.options.max_blocks), self._adapters)
@@ -271,7 +364,7 @@ class KVFleet:
     def any_synced(self) -> bool:
         """Whether a pool member's or a decode rank's index is in sync: only then is a
         request's token ids worth asking for."""
-        return any(engine.synced for engine in self._prefill.values()) or any(
+        return any(member.synced for member in self._prefill.values()) or any(
             engine is not None and engine.synced for engine in self._ranks
         )
 
@@ -291,11 +384,10 @@ class KVFleet:
         )
 
     def lookup(self, key: str, prompt: PromptKeys) -> Hit | None:
-        """What pool member ``key`` holds of ``prompt``; None when its index is not in sync."""
-        engine = self._prefill.get(key)
-        if engine is None or not engine.synced:
-            return None
-        return engine.index.lookup(prompt)
+        """What pool member ``key`` holds of ``prompt`` (with data-parallel ranks: the least
+        any of them holds); None when it is not in sync."""
+        member = self._prefill.get(key)
+        return None if member is None else member.lookup(prompt, self.cached_tokens)
 
     def lookup_rank(self, rank: int, prompt: PromptKeys) -> Hit | None:
         """What decode rank ``rank`` holds of ``prompt``; None when its index is not in sync."""
@@ -358,16 +450,17 @@ class KVFleet:
     # -- what it shows ------------------------------------------------------------------------
 
     def report(self) -> FleetReport:
-        engines = [*self._prefill.values(), *(e for e in self._ranks if e is not None)]
+        engines = [report for member in self._prefill.values() for report in member.reports()]
+        engines.extend(e.report() for e in self._ranks if e is not None)
         return FleetReport(
-            engines=tuple(engine.report() for engine in engines),
+            engines=tuple(engines),
             token_ids=_token_counts(self.tokens.stats),
             lookups=dict(self.lookups),
         )
 
     def source(self, key: str) -> str:
-        engine = self._prefill.get(key)
-        return SOURCE_EVENTS if engine is not None and engine.synced else SOURCE_APPROXIMATE
+        member = self._prefill.get(key)
+        return SOURCE_EVENTS if member is not None and member.synced else SOURCE_APPROXIMATE
 
     def status(self) -> dict[str, Any]:
         """For ``/debug/scheduler``'s ``kv_events`` section."""
@@ -378,12 +471,16 @@ class KVFleet:
             "topic": self.options.topic,
             "prefill_port": self.options.port,
             "prefill_replay_port": self.options.replay_port,
+            "prefill_dp_size": self.options.prefill_dp_size,
             "decode_port": self.options.decode_port,
             "decode_replay_port": self.options.decode_replay_port,
             "cpu_weight": self.options.cpu_weight,
             "storage_weight": self.options.storage_weight,
             "max_blocks": self.options.max_blocks,
-            "endpoints": {key: engines[key] for key in sorted(self._prefill)},
+            "endpoints": {
+                key: self._member_status(self._prefill[key], engines)
+                for key in sorted(self._prefill)
+            },
             "decode_ranks": [
                 engines.get(
                     decode_engine(rank), {"source": SOURCE_APPROXIMATE, "subscribed": False}
@@ -397,6 +494,26 @@ class KVFleet:
             "lookups": dict(report.lookups),
             "last_decision": self.last_decision,
             "adapters_seen": len(self._adapters),
+        }
+
+    @staticmethod
+    def _member_status(member: _Member, engines: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """A pool member's view: its engine's, or with data-parallel ranks the member's source
+        and each rank's (``counted``: its port connected, part of the prediction)."""
+        if len(member.ranks) == 1:
+            return engines[member.ranks[0].name]
+        return {
+            "source": SOURCE_EVENTS if member.synced else SOURCE_APPROXIMATE,
+            "subscribed": True,
+            "ranks": [
+                {
+                    "engine": engine.name,
+                    "counted": engine.ever_connected,
+                    "in_sync": engine.synced,
+                    **engines[engine.name],
+                }
+                for engine in member.ranks
+            ],
         }
 
 
