@@ -61,7 +61,14 @@ from bench.decision_cost import (
 from sidecar.emulator.text import text_prompt
 from sidecar.emulator.tokenize import prompt_units, unit_token_id
 from sidecar.kvevents.events import BlockStored, EventBatch
-from sidecar.kvevents.fleet import FleetOptions, KVFleet, PromptLookup, _Engine, decode_engine
+from sidecar.kvevents.fleet import (
+    FleetOptions,
+    KVFleet,
+    PromptLookup,
+    _Engine,
+    _Member,
+    decode_engine,
+)
 from sidecar.kvevents.index import KVIndex
 from sidecar.kvevents.tokens import TokenIds, TokenSourceStats, checked_ids
 from sidecar.scheduling.placement import Placement
@@ -183,7 +190,9 @@ def fleet_in_sync(tokens: GivenIds) -> KVFleet:
         engines.append(engine)
     for k in range(FULL_PROMPTS):
         engines[k % ENDPOINTS].apply(stored(full_ids(k), -1 - k))
-    fleet._prefill = {name: engine for name, engine in zip(names, engines, strict=False)}
+    fleet._prefill = {
+        name: _Member(name, (engine,)) for name, engine in zip(names, engines, strict=False)
+    }
     fleet._ranks = [engines[-1]]
     fleet._running = True
     return fleet
