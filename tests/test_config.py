@@ -41,9 +41,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_environment_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(
-        "SIDECAR_PREFILL_ENDPOINTS", " p0:8000, [::1]:8001 ,http://127.0.0.3:8002"
-    )
+    monkeypatch.setenv("SIDECAR_PREFILL_ENDPOINTS", " p0:8000, [::1]:8001 ,http://127.0.0.3:8002")
     monkeypatch.setenv("SIDECAR_CONNECTOR", "nixlv2")
     monkeypatch.setenv("SIDECAR_DECODE_URL", "http://localhost:9000/")
     monkeypatch.setenv("SIDECAR_REWRITE_REMOTE_HOST", "true")

@@ -107,6 +107,15 @@ class Placement:
     index) or ``approximate``; None without KV events."""
 
 
+RETEST_SLOWER = 1.5
+"""How much slower than at the chosen endpoint's speed an endpoint's own speed estimate must
+predict a prompt for its re-test to be worth a request: a stall's estimate is many times worse
+(issue 21: 0.28–2.06 s of fitted overhead against the prior's 0.02 s), the spread between
+healthy engines' fits is not, and re-testing that spread sent a quarter of the requests at low
+rates to endpoints no slower than the chosen one (simulator, ``mooncake-evict``, 0.5 req/s:
+373 of 1,500 with the exact index; 179 with this bound; docs/benchmarks.md)."""
+
+
 def _first(item: tuple[float, Candidate]) -> float:
     return item[0]
 
@@ -308,9 +317,10 @@ class Planner:
         ``retest_s`` ago (sent nothing by this sidecar, and no new speed published for them by
         the others; an endpoint seen for the first time counts from now), the one measured least
         recently that lost to ``chosen`` on its speed estimate alone — with ``chosen``'s speed it
-        would be predicted as fast. One that lost on its queue, or on what ``chosen`` holds of
-        the prompt, is not re-tested: its scrapes and its index say what a re-test would, and
-        only its speed goes without evidence while it is not chosen."""
+        would be predicted as fast — and by a stall's margin: its own speed predicts the prompt
+        at least ``RETEST_SLOWER`` times slower. One that lost on its queue, or on what
+        ``chosen`` holds of the prompt, is not re-tested: its scrapes and its index say what a
+        re-test would, and only its speed goes without evidence while it is not chosen."""
         due: list[tuple[float, Candidate]] = []
         winner: Candidate | None = None
         for candidate in candidates:
@@ -331,8 +341,13 @@ class Planner:
             return None
         beaten = self.decider.remote_seconds(winner, prompt_tokens)
         for _, candidate in sorted(due, key=_first):
-            as_fast = replace(candidate, speed=winner.speed)
-            if self.decider.remote_seconds(as_fast, prompt_tokens) <= beaten:
+            as_fast = self.decider.remote_seconds(
+                replace(candidate, speed=winner.speed), prompt_tokens
+            )
+            if (
+                as_fast <= beaten
+                and self.decider.remote_seconds(candidate, prompt_tokens) >= RETEST_SLOWER * as_fast
+            ):
                 return candidate
         return None
 
