@@ -49,6 +49,23 @@ _WEB = frozenset({"http", "https"})
 """The schemes a SIDECAR_PREFILL_ENDPOINTS entry may be written with."""
 
 
+def _rank_ports_fit(
+    prefix: str, port: int | None, replay: int | None, ranks: int, what: str
+) -> None:
+    """Refuse event ports whose ranks would run past 65535 or collide: vLLM puts rank *r*'s
+    events on ``port`` + *r* and its replay on ``replay`` + *r* (``offset_endpoint_port``).
+    ``prefix``: the settings' names before ``PORT``; ``what``: the ranks, for the message."""
+    for name, first in (("PORT", port), ("REPLAY_PORT", replay)):
+        if first is not None and first + ranks - 1 > 65535:
+            raise ValueError(f"{prefix}{name}: the ports of {what} from {first} run past 65535")
+    if port is not None and replay is not None and abs(port - replay) < ranks:
+        raise ValueError(
+            f"{prefix}PORT={port} and {prefix}REPLAY_PORT={replay}: with {what} (each on the "
+            "port + its rank) a rank's replay port would be another's events port; set them at "
+            "least the rank count apart (e.g. 5557, 5657)"
+        )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SIDECAR_", frozen=True, extra="forbid")
 
@@ -937,39 +954,25 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _kv_event_ports_fit(self) -> Settings:
         ranks = len(self.decode_ranks)
-        port, replay = self.kv_events_decode_port, self.kv_events_decode_replay_port
-        for name, first in (("PORT", port), ("REPLAY_PORT", replay)):
-            if first is not None and first + ranks - 1 > 65535:
-                raise ValueError(
-                    f"SIDECAR_KV_EVENTS_DECODE_{name}: the ports of {ranks} decode ranks from "
-                    f"{first} run past 65535"
-                )
-        if port is not None and replay is not None and abs(port - replay) < ranks:
-            raise ValueError(
-                f"SIDECAR_KV_EVENTS_DECODE_PORT={port} and SIDECAR_KV_EVENTS_DECODE_REPLAY_PORT="
-                f"{replay}: with {ranks} "
-                "decode ranks (each on the port + its rank) a rank's replay port would be "
-                "another's events port; set them at least the rank count apart (e.g. 5557, 5657)"
-            )
+        _rank_ports_fit(
+            "SIDECAR_KV_EVENTS_DECODE_",
+            self.kv_events_decode_port,
+            self.kv_events_decode_replay_port,
+            ranks,
+            f"{ranks} decode ranks",
+        )
         return self
 
     @model_validator(mode="after")
     def _prefill_kv_event_ports_fit(self) -> Settings:
         ranks = self.kv_events_prefill_dp_size
-        port, replay = self.kv_events_port, self.kv_events_replay_port
-        for name, first in (("PORT", port), ("REPLAY_PORT", replay)):
-            if first is not None and first + ranks - 1 > 65535:
-                raise ValueError(
-                    f"SIDECAR_KV_EVENTS_{name}: the ports of {ranks} data-parallel ranks "
-                    f"(SIDECAR_KV_EVENTS_PREFILL_DP_SIZE) from {first} run past 65535"
-                )
-        if replay is not None and abs(port - replay) < ranks:
-            raise ValueError(
-                f"SIDECAR_KV_EVENTS_PORT={port} and SIDECAR_KV_EVENTS_REPLAY_PORT={replay}: with "
-                f"SIDECAR_KV_EVENTS_PREFILL_DP_SIZE={ranks} (each rank on the port + its rank) a "
-                "rank's replay port would be another's events port; set them at least the rank "
-                "count apart (e.g. 5557, 5657)"
-            )
+        _rank_ports_fit(
+            "SIDECAR_KV_EVENTS_",
+            self.kv_events_port,
+            self.kv_events_replay_port,
+            ranks,
+            f"{ranks} data-parallel ranks (SIDECAR_KV_EVENTS_PREFILL_DP_SIZE={ranks})",
+        )
         return self
 
     @model_validator(mode="after")

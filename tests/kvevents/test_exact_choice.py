@@ -21,12 +21,10 @@ from sidecar.kvevents.fleet import PromptLookup
 from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import StartSidecar, eventually, get_json, inject
 
-from .helpers import publisher
+from .helpers import Pool, events_on, publisher
 from .test_wiring import (
-    Pool,
     complete_on,
     complete_on_ids,
-    events_on,
     in_sync,
     kv_view,
     long_prompt,
@@ -34,14 +32,6 @@ from .test_wiring import (
 )
 
 RANKS = 2
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[Pool]:
-    made = Pool()
-    yield made
-    for engine in made.started:
-        await engine.close()
 
 
 @pytest.fixture

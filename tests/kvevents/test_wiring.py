@@ -5,9 +5,7 @@ port (as pods are), a sidecar with SIDECAR_KV_EVENTS=true in front of a decode e
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -19,64 +17,7 @@ from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import StartSidecar, eventually, get_json, metric
 from tests.imports import imported
 
-from .helpers import publisher
-
-HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-"""The prefill emulators' addresses: one events port for all, as on distinct pods."""
-
-
-@pytest.fixture
-async def pool() -> AsyncIterator[Pool]:
-    made = Pool()
-    yield made
-    for engine in made.started:
-        await engine.close()
-
-
-def events_on(host: str, port: int = 0, replay: int = 0, **fields: Any) -> str:
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://{host}:{port}",
-            "replay_endpoint": f"tcp://{host}:{replay}",
-            **fields,
-        }
-    )
-
-
-class Pool:
-    """Prefill emulators on distinct loopback addresses sharing an events and a replay port."""
-
-    def __init__(self) -> None:
-        self.started: list[RunningEmulator] = []
-        self.engines: list[RunningEmulator] = []
-        self.port = 0
-        self.replay = 0
-
-    async def add(self, *, events: bool = True, port: int = 0, **config: Any) -> RunningEmulator:
-        host = HOSTS[len(self.engines)]
-        if events:
-            config["kv_events_config"] = events_on(host, self.port, self.replay)
-        engine = await start_emulator(EmulatorConfig(host=host, port=port, **config))
-        self.started.append(engine)
-        if events and not self.port:
-            assert engine.kv_events_port is not None
-            assert engine.kv_events_replay_port is not None
-            self.port, self.replay = engine.kv_events_port, engine.kv_events_replay_port
-        self.engines.append(engine)
-        return engine
-
-    def settings(self) -> dict[str, Any]:
-        """The sidecar's settings for this pool, events on (the decode ranks not subscribed)."""
-        return {
-            "prefill_endpoints": ",".join(engine.endpoint for engine in self.engines),
-            "kv_events": True,
-            "kv_events_port": self.port,
-            "kv_events_replay_port": self.replay,
-            "kv_events_decode_port": None,
-            "kv_events_decode_replay_port": None,
-        }
+from .helpers import HOSTS, Pool, events_on, publisher
 
 
 async def kv_view(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> dict[str, Any]:
