@@ -32,6 +32,7 @@ from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import Readiness
 from sidecar.engines.upstream import Engines
 from sidecar.errors import REQUEST_ID_HEADER
+from sidecar.framing import identity_bodies
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.observability.debug import DebugViews
 from sidecar.observability.debug_page import DebugPage
@@ -98,9 +99,11 @@ def create_app(
         tracing = Tracing.from_environment()
     drain = Drain(settings.drain_timeout_s)
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
-    # Routed on the canonical path (sidecar.paths) before anything else sees the request.
+    # A coded body is refused (sidecar.framing) before routing on the canonical path
+    # (sidecar.paths), which comes before anything else sees the request.
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[canonical_paths, drain.middleware]
+        client_max_size=settings.max_body_bytes,
+        middlewares=[identity_bodies, canonical_paths, drain.middleware],
     )
     app[DRAIN] = drain
     if tracing is not None:

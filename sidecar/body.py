@@ -7,12 +7,13 @@ body of a few base64 images is 31 MB of strings, but each re-serialization of it
 31 MB and tens of milliseconds. Three bounds follow:
 
 - **a byte budget** across requests (``SIDECAR_BODY_BUDGET_BYTES``): a body is counted from its
-  first byte (its whole ``Content-Length`` at once, when declared) until the connector has the
-  decode engine's answer — when no leg will be built from it again — and a body that does not
-  fit is refused at once with 503, for the gateway to retry elsewhere;
-- **an element limit** (``SIDECAR_MAX_BODY_ELEMENTS``): the JSON values of a body larger than the
-  limit in bytes are counted chunk by chunk as they arrive (``ElementCount``), and the body is
-  refused with 413 as soon as they exceed it, before anything is parsed;
+  first byte (its whole ``Content-Length`` at once, when declared; the bytes read, if ever
+  more) until the connector has the decode engine's answer — when no leg will be built from it
+  again — and a body that does not fit is refused at once with 503, for the gateway to retry
+  elsewhere;
+- **an element limit** (``SIDECAR_MAX_BODY_ELEMENTS``): once the bytes read pass the limit, the
+  JSON values of the body are counted chunk by chunk as they arrive (``ElementCount``), and the
+  body is refused with 413 as soon as they exceed it, before anything is parsed;
 - **one large parse at a time**: a body of ``LARGE_BODY_BYTES`` or more is parsed while no other
   large one is, with a turn of the event loop between the parse and the encoding that follows,
   and its big members (``messages``, tools, images...) are kept as their JSON text
@@ -294,21 +295,27 @@ class Bodies:
             if declared > limit:
                 self._refused("size")
                 raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-            held.grow(declared)
+            held.grow(declared)  # what cannot fit is refused before a byte is read
         content = request.content
-        counting = declared is None or declared > self.max_elements
-        count = ElementCount() if counting else None
         if content.is_eof():  # all of it is in already (a small body): nothing to wait for
             data = await content.read()
-            self._check_size(len(data), held, declared)
-            if count is not None and len(data) > self.max_elements:
-                self._check_elements(count.feed(data))
+            self._check_size(len(data), held)
+            if len(data) > self.max_elements:
+                self._check_elements(ElementCount().feed(data))
             return data
         buffer = bytearray()
+        # The budget and the element cap go by the bytes read, whatever the head declared: a
+        # body no longer than the cap cannot hold more values than it, so it is counted only
+        # from the chunk that takes it past the cap, its earlier bytes first.
+        count: ElementCount | None = None
         try:
             async with asyncio.timeout(self.timeout_s):
                 async for chunk in content.iter_any():
-                    self._check_size(len(buffer) + len(chunk), held, declared)
+                    size = len(buffer) + len(chunk)
+                    self._check_size(size, held)
+                    if count is None and size > self.max_elements:
+                        count = ElementCount()
+                        count.feed(buffer)
                     if count is not None:
                         self._check_elements(count.feed(chunk))
                     buffer += chunk
@@ -316,11 +323,11 @@ class Bodies:
             raise RequestTimeout(f"request body not received within {self.timeout_s:g}s") from None
         return buffer
 
-    def _check_size(self, size: int, held: Held, declared: int | None) -> None:
+    def _check_size(self, size: int, held: Held) -> None:
         if size > self.max_bytes:
             self._refused("size")
             raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
-        if declared is None and size > held.size:  # chunked: held as it comes
+        if size > held.size:  # chunked, or past what the head declared: held as it comes
             held.grow(size - held.size)
 
     def _check_elements(self, elements: int) -> None:

@@ -8,7 +8,9 @@
     │   ├── Forbidden                 403 PermissionDeniedError (prefill target not allowed)
     │   ├── NotFound                  404 NotFoundError
     │   ├── RequestTimeout            408 RequestTimeoutError (client too slow to send)
-    │   └── PayloadTooLarge           413 RequestEntityTooLargeError (body too big, too many values)
+    │   ├── PayloadTooLarge           413 RequestEntityTooLargeError (body too big, too many values)
+    │   └── UnsupportedMediaType      415 UnsupportedMediaTypeError (a compressed request body)
+    ├── UnknownTransferCoding         501 NotImplementedError (a transfer coding other than chunked)
     ├── Busy                          503 ServiceUnavailableError (bodies in flight over budget)
     │   └── TooManyConnections        503 (over SIDECAR_MAX_CONNECTIONS)
     └── EngineError                   an engine failed us (5xx towards the client)
@@ -81,6 +83,19 @@ class NotFound(ClientError):
 class PayloadTooLarge(ClientError):
     status = 413
     type_name = "RequestEntityTooLargeError"
+
+
+class UnsupportedMediaType(ClientError):
+    status = 415
+    type_name = "UnsupportedMediaTypeError"
+
+
+class UnknownTransferCoding(SidecarError):
+    """RFC 9112 §6.1: a request with a transfer coding the server does not understand is
+    answered 501."""
+
+    status = 501
+    type_name = "NotImplementedError"
 
 
 class Busy(SidecarError):
@@ -162,6 +177,7 @@ _CLIENT_ERROR_TYPES = {
     408: "RequestTimeoutError",
     409: "ConflictError",
     413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
 }

@@ -38,6 +38,10 @@ HOP_BY_HOP = frozenset(
 )
 """RFC 9110 §7.6.1 connection-specific headers: never forwarded by a proxy."""
 
+FRAMING = frozenset({"content-length", "content-encoding", "expect"})
+"""The client's framing of its body: each engine leg is framed from the bytes the sidecar sends
+it (``sidecar.framing``); ``Expect: 100-continue`` was the sidecar's to answer."""
+
 # The pipeline reads the prefill answer itself and may rewrite the decode answer's usage: it asks
 # for identity encoding on those legs (loopback traffic gains nothing from compression).
 _NOT_ON_ENGINE_LEGS = frozenset({"accept-encoding", "content-type", REQUEST_ID_HEADER})
@@ -74,8 +78,8 @@ class GatewayHeaders:
         """Where a header names several servers: one at random from this source
         (``SIDECAR_PREFILL_HEADER_SAMPLING``), or None for the first."""
         prefill = {*self.names, *PREFILL_HEADERS, PREFILLER_URL}
-        self._passthrough_dropped = HOP_BY_HOP | {"host"} | prefill
-        self._leg_dropped = self._passthrough_dropped | {"content-length"} | _NOT_ON_ENGINE_LEGS
+        self._passthrough_dropped = HOP_BY_HOP | FRAMING | {"host"} | prefill
+        self._leg_dropped = self._passthrough_dropped | _NOT_ON_ENGINE_LEGS
         self._parsed: BoundedCache[str, Endpoint | str] = BoundedCache(PARSED_TARGETS_KEPT)
         """Header value → its endpoint, or why it is invalid (bounded: ``_parse``)."""
 
@@ -121,7 +125,8 @@ class GatewayHeaders:
         return headers
 
     def passthrough(self, client: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-        """Headers for a request relayed unchanged to the decode engine."""
+        """Headers for a request relayed to the decode engine: the client's, less what frames
+        its body (the sidecar frames the bytes it sends)."""
         return _without(client, self._passthrough_dropped)
 
 

@@ -24,7 +24,7 @@ from sidecar.config import Settings
 from sidecar.connectors.decode import on_a_rank
 from sidecar.connectors.exchange import Answer
 from sidecar.connectors.sglang import CLIENT_FIELDS
-from sidecar.engines.upstream import Body, Engines
+from sidecar.engines.upstream import Body, Engines, Streamed
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest, SidecarError, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
 from sidecar.observability.metrics import Metrics
@@ -89,9 +89,11 @@ class Passthrough:
         claim = None
         held = self._bodies.budget.hold()  # a guarded route's body, until the engine answers
         try:
-            data: Body = request.content.iter_any() if request.body_exists else None
+            data: Body = None
             if request.path in GUARDED_ROUTES and request.body_exists:
                 data = await self._checked_body(request, held)
+            elif request.body_exists:
+                data = Streamed(request.content.iter_any(), request.content_length)
             claim = self._ranks.claim_any(self._rank_ports.rank_for(request))
             upstream, first = await on_a_rank(
                 self._ranks,

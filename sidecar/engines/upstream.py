@@ -44,7 +44,21 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
 # streams. (A BytesIO did so too, but copied the whole body first.)
 _LARGE_BODY = 1 << 20
 
-Body = Wire | AsyncIterable[bytes] | None
+
+class Streamed:
+    """A body passed on as it arrives, framed by the sidecar: ``size`` bytes under a
+    ``Content-Length`` of its own (None: chunked). A source that ends short of ``size`` or runs
+    past it fails the send, and the engine's connection is closed rather than pooled: the
+    engine never frames the next request from the wrong byte."""
+
+    __slots__ = ("size", "source")
+
+    def __init__(self, source: AsyncIterable[bytes], size: int | None) -> None:
+        self.source = source
+        self.size = size
+
+
+Body = Wire | Streamed | None
 
 
 class _PiecesPayload(aiohttp.payload.Payload):
@@ -74,6 +88,39 @@ class _PiecesPayload(aiohttp.payload.Payload):
                 await asyncio.sleep(0)
             await writer.write(chunk[:left])
             left -= len(chunk)
+
+
+class BodyLengthMismatch(Exception):
+    """A ``Streamed`` body's source gave other than its ``size`` bytes."""
+
+
+class _StreamedPayload(aiohttp.payload.Payload):
+    """A ``Streamed`` body: its chunks as they come, counted against its size."""
+
+    _value: Streamed
+
+    def __init__(self, body: Streamed) -> None:
+        super().__init__(body, content_type="application/octet-stream")
+        self._size = body.size
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        raise TypeError("a streamed body is read once, as it is sent")
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        size = self._value.size
+        sent = 0
+        async for chunk in self._value.source:
+            sent += len(chunk)
+            if size is not None and sent > size:
+                raise BodyLengthMismatch(f"the body ran past its {size} bytes")
+            await writer.write(chunk)
+        if size is not None and sent != size:
+            raise BodyLengthMismatch(f"the body ended after {sent} of its {size} bytes")
 
 
 POLL_CONNECTIONS_PER_ENGINE = 2
@@ -394,7 +441,13 @@ class HttpClient:
             raise RuntimeError("open() was not awaited")
         if isinstance(data, bytes) and len(data) > _LARGE_BODY:
             data = Pieces((data,))
-        payload = _PiecesPayload(data) if isinstance(data, Pieces) else data
+        payload: aiohttp.payload.Payload | bytes | None
+        if isinstance(data, Pieces):
+            payload = _PiecesPayload(data)
+        elif isinstance(data, Streamed):
+            payload = _StreamedPayload(data)
+        else:
+            payload = data
         timeout = self._timeout(total_s)
         tls: dict[str, Any] = {}
         if url.startswith("https://"):

@@ -343,6 +343,9 @@ class ConnectionServer(web.Server):
         self._handler_kwargs: dict[str, Any] = {
             "keepalive_timeout": book.limits.keepalive_s,
             "access_log": None,
+            # A body is read as its bytes came: inflating a compressed one here would make what
+            # the sidecar reads differ from what its framing declared (sidecar.framing).
+            "auto_decompress": False,
         }
         if logger is not None:
             self._handler_kwargs["logger"] = logger
