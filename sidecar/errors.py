@@ -18,6 +18,7 @@
         │   ├── EngineNotConnected    no connection opened: nothing was sent (another rank may)
         │   │   ├── EngineRefused     connection refused: nothing listens there
         │   │   └── EngineUntrusted   its TLS certificate did not verify
+        │   ├── DecodeDown            the decode engine is known down: nothing sent -> 503
         │   └── PrefillFailed         prefill failed and SIDECAR_PREFILL_FALLBACK=fail -> 503
         ├── EngineTimeout             no answer in time -> 504
         ├── EngineBadResponse         an answer we cannot use -> 502
@@ -50,6 +51,8 @@ class SidecarError(Exception):
     shown: str | None = None
     """What a client whose answer already started is told (the module docstring); None: the
     message itself, which then holds no address and no foreign exception's words."""
+    retry_after_s: int | None = None
+    """Seconds for the answer's ``Retry-After`` header; None: no such header."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -135,6 +138,16 @@ class EngineUntrusted(EngineNotConnected):
     handshake was abandoned before anything was sent."""
 
 
+class DecodeDown(EngineUnreachable):
+    """The local decode engine is known down (its ``/health`` polls, ``/ready`` 503): no leg was
+    sent, not even the prefill, whose staged KV no decode could take. ``retry_after_s``: when the
+    next polls could find it back."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class PrefillFailed(EngineUnreachable):
     pass
 
@@ -206,7 +219,9 @@ def foreign_refusal(who: str, status: int, raw: bytes) -> bytes:
 
 def error_response(error: SidecarError, request_id: str | None) -> web.Response:
     """The one place an error answer is written before any byte reached the client."""
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
     return web.Response(
         status=error.status,
         body=error_body(error.status, error.type_name, error.message),

@@ -23,7 +23,6 @@ from sidecar.body import Bodies, Held
 from sidecar.config import Settings
 from sidecar.connectors.decode import on_a_rank
 from sidecar.connectors.exchange import Answer
-from sidecar.connectors.sglang import CLIENT_FIELDS
 from sidecar.engines.upstream import Body, Engines, Streamed
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest, SidecarError, error_response
 from sidecar.headers import GatewayHeaders, request_id_from
@@ -32,6 +31,7 @@ from sidecar.observability.tracing import NO_TRACING, NoTracing, Tracing
 from sidecar.observability.tracking import name_this_task
 from sidecar.paths import GUARDED_ROUTES
 from sidecar.relay import relay
+from sidecar.sanitize import client_kv_field
 from sidecar.scheduling.ranks import DecodeRanks, RankPorts
 
 
@@ -158,29 +158,3 @@ class Passthrough:
                 f"(to {request.path} or any other generation route)"
             )
         return raw
-
-
-_CARRIERS: tuple[tuple[str, ...], ...] = (
-    (),
-    ("vllm_xargs",),
-    ("sampling_params", "extra_args"),
-    ("parameters",),
-)
-"""Where an engine reads KV fields from: the body itself; vLLM's ``vllm_xargs`` and a tokens-in
-request's ``sampling_params.extra_args`` (both become ``SamplingParams.extra_args``, which
-vLLM's request reads ``kv_transfer_params`` from); SGLang's ``/vertex_generate`` spreads
-``parameters`` into its request."""
-
-
-def client_kv_field(body: object) -> str | None:
-    """The first KV field (dotted, from the body's top) that ``body`` sets to anything but null,
-    or None."""
-    for where in _CARRIERS:
-        holder = body
-        for key in where:
-            holder = holder.get(key) if isinstance(holder, dict) else None
-        if isinstance(holder, dict):
-            for name in CLIENT_FIELDS:
-                if holder.get(name) is not None:
-                    return ".".join((*where, name))
-    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 import orjson
@@ -22,6 +23,7 @@ from sidecar.connectors.exchange import Answer, Exchange, Refused
 from sidecar.errors import (
     REQUEST_ID_HEADER,
     BadRequest,
+    DecodeDown,
     SidecarError,
     error_response,
 )
@@ -54,13 +56,18 @@ class PipelineOptions:
     """0: no limit."""
     stream_idle_timeout_s: float
     log_requests: bool
+    decode_down_retry_after_s: int = 1
+    """``Retry-After`` of the 503 sent while the decode engine is known down: the time the
+    ``/health`` polls that could find it back take."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> PipelineOptions:
+        polls_s = settings.ready_interval_s * settings.ready_success_threshold
         return cls(
             request_timeout_s=settings.request_timeout_s,
             stream_idle_timeout_s=settings.stream_idle_timeout_s,
             log_requests=settings.log_requests,
+            decode_down_retry_after_s=max(1, math.ceil(polls_s)),
         )
 
 
@@ -168,6 +175,13 @@ class Pipeline:
         engine's has started (or a refusal)."""
         parsed = await self._bodies.read(request, held)
         body = parsed.body
+        rank = self._rank_ports.rank_for(request)
+        down = self._scheduler.ranks.down(rank)
+        if down is not None:  # before any prefill: KV staged now could only be stranded
+            raise DecodeDown(
+                f"the decode engine is down, nothing was sent: {down}",
+                self._options.decode_down_retry_after_s,
+            )
         placing = trace.phase("placement")
         header = self._gateway.prefill_target(request.headers)
         if header is not None:
@@ -178,7 +192,7 @@ class Pipeline:
             header,
             local_reason=self._connector.unsupported(body),
             text=parsed.messages,
-            rank=self._rank_ports.rank_for(request),
+            rank=rank,
         )
         trace.placed(placing, placement)
         with OnFailure(placement.rank.end):  # the rank is the relay's once it answers

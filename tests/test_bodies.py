@@ -303,6 +303,48 @@ async def test_a_large_body_reaches_the_engines_whole_and_without_client_kv_fiel
     assert await _held(http, sidecar) == 0
 
 
+@pytest.mark.parametrize(
+    ("carrier", "kept"),
+    [
+        ("vllm_xargs", "x" * 1_100_000),  # the carrier is the large member
+        ("vllm_xargs", "x"),  # another member is (a small fragment)
+        ("sampling_params", "x" * 1_100_000),
+        ("parameters", "x" * 1_100_000),
+    ],
+    ids=["vllm_xargs-large", "vllm_xargs-small", "sampling_params", "parameters"],
+)
+async def test_a_large_body_loses_the_client_kv_fields_of_its_carriers(
+    http: aiohttp.ClientSession,
+    start_engine: StartEmulator,
+    start_sidecar_with: StartSidecar,
+    carrier: str,
+    kept: str,
+) -> None:
+    """A large body's carrier of KV fields is held as JSON text (``orjson.Fragment``): the
+    fields are found in it all the same, on a local decode and on both legs of a P/D one."""
+    prefill, decode = await start_engine(), await start_engine()
+    sidecar = await start_sidecar_with(decode_url=decode.url)
+    fields = {"kv_transfer_params": "CLIENT-CHOSEN", "bootstrap_room": 7, "kept": kept}
+    value = {"extra_args": fields} if carrier == "sampling_params" else fields
+    client = chat(max_tokens=2, user="u" * (LARGE_BODY_BYTES - len(kept)))
+    client[carrier] = value
+    raw = orjson.dumps(client)
+    assert len(raw) > LARGE_BODY_BYTES
+    for headers in ({}, {"x-prefiller-host-port": prefill.endpoint}):
+        async with http.post(
+            sidecar.url + "/v1/chat/completions", data=io.BytesIO(raw), headers=headers
+        ) as response:
+            assert response.status == 200
+    legs = await engine_requests(http, decode) + await engine_requests(http, prefill)
+    assert len(legs) == 3
+    rest = {"kept": kept}
+    for leg in legs:
+        expected = {"extra_args": rest} if carrier == "sampling_params" else rest
+        assert leg["body"][carrier] == expected
+        assert leg["body"]["user"] == client["user"]
+    assert await _held(http, sidecar) == 0
+
+
 # --- counting values --------------------------------------------------------------------------
 
 

@@ -20,16 +20,11 @@ from sidecar.config import Settings
 from sidecar.connectors.facts import CONNECTORS
 from sidecar.connectors.nixl import NixlConnector
 from sidecar.connectors.nixl_push import NixlPushConnector
-from sidecar.connectors.sglang import (
-    BOOTSTRAP_PORT,
-    BOOTSTRAP_ROOM,
-    ROOM_LIMIT,
-    SglangConnector,
-    new_room,
-)
+from sidecar.connectors.sglang import ROOM_LIMIT, SglangConnector, new_room
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.emulator import RunningEmulator
 from sidecar.errors import BadRequest
+from sidecar.sanitize import BOOTSTRAP_PORT, BOOTSTRAP_ROOM
 from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,

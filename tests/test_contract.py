@@ -25,8 +25,8 @@ import orjson
 import pytest
 
 from sidecar.connectors.nixl import PREFILL_REQUEST_PARAMS
-from sidecar.connectors.sglang import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM
 from sidecar.emulator import RunningEmulator
+from sidecar.sanitize import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, CLIENT_FIELDS
 from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
     StartEmulator,
@@ -372,6 +372,105 @@ async def test_streaming(rig: Rig) -> None:
     assert len(events) >= 6
     [decode_leg] = await engine_requests(rig.http, rig.decode)
     assert decode_leg["body"]["stream"] is True
+    await rig.settled()
+
+
+# --- the client's KV fields -------------------------------------------------------------------
+
+CLIENT_CHOSEN = "CLIENT-CHOSEN"
+_EVERY_SGLANG_FIELD = {
+    "bootstrap_host": "127.0.0.9",
+    "bootstrap_port": 1,
+    "bootstrap_room": 7,
+    "bootstrap_pair_key": CLIENT_CHOSEN,
+    "decode_tp_size": 3,
+    "disagg_prefill_dp_rank": 5,
+}
+CLIENT_KV_PLACES: dict[str, dict[str, Any]] = {
+    # vLLM: chat and completions copy it into SamplingParams.extra_args.
+    "kv_transfer_params": {
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.9"}
+    },
+    # vLLM: chat and completions take vllm_xargs as SamplingParams.extra_args.
+    "vllm_xargs": {"vllm_xargs": {"kv_transfer_params": CLIENT_CHOSEN, "kept": 1}},
+    # vLLM: the tokens-in route takes its sampling_params' extra_args as they are.
+    "sampling_params.extra_args": {
+        "sampling_params": {"extra_args": {"kv_transfer_params": CLIENT_CHOSEN, "kept": 1}}
+    },
+    # SGLang: chat, completions and /generate copy them into GenerateReqInput.
+    "bootstrap": {
+        "bootstrap_host": "127.0.0.9",
+        "bootstrap_port": 1,
+        "bootstrap_room": 7,
+        "disagg_prefill_dp_rank": 5,
+    },
+    # SGLang: /generate's GenerateReqInput alone.
+    "generate_only": {"bootstrap_pair_key": CLIENT_CHOSEN, "decode_tp_size": 3},
+    # SGLang: /vertex_generate spreads parameters into GenerateReqInput.
+    "parameters": {"parameters": {**_EVERY_SGLANG_FIELD, "kept": 1}},
+}
+"""One entry per place docs/protocol.md lists ("Client KV fields"): what a client sets there."""
+
+
+def _client_values(
+    node: dict[str, Any], path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], Any]]:
+    """``(path, value)`` of every client KV field in ``node`` (a ``CLIENT_KV_PLACES`` entry)."""
+    found = []
+    for key, value in node.items():
+        if key in CLIENT_FIELDS:
+            found.append(((*path, key), value))
+        elif isinstance(value, dict):
+            found += _client_values(value, (*path, key))
+    return found
+
+
+def _at(body: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(body, dict) or key not in body:
+            return KeyError
+        body = body[key]
+    return body
+
+
+def _without_client_fields(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    return {k: _without_client_fields(v) for k, v in node.items() if k not in CLIENT_FIELDS}
+
+
+@pytest.mark.parametrize("place", sorted(CLIENT_KV_PLACES))
+async def test_no_leg_carries_a_client_kv_field(rig: Rig, spec: Spec, place: str) -> None:
+    """Whatever the leg — prefill, decode with the KV, a fallback's or a local decode —
+    an engine never sees the client's value where it would read it; the rest is kept."""
+    fields = CLIENT_KV_PLACES[place]
+    body = completion(max_tokens=3, **fields)
+    status, _ = await rig.post(body)  # prefill and decode
+    assert status == 200
+    sent = 2
+    if not spec.concurrent:  # an SGLang decode server cannot decode alone
+        await rig.inject(rig.prefill, kind="status", status=500, role="prefill")
+        status, _ = await rig.post(body)  # its prefill fails: a local decode
+        assert status == 200
+        assert (await rig.record())["fallback_reason"] == "prefill_error"
+        async with rig.http.post(rig.sidecar.url + "/v1/completions", json=body) as response:
+            assert response.status == 200  # no header, a short prompt: a local decode
+        assert (await rig.record())["decision"] == "local"
+        sent = 5  # a failed prefill and its decode, then a decode alone
+    legs = await engine_requests(rig.http, rig.prefill) + await engine_requests(
+        rig.http, rig.decode
+    )
+    assert len(legs) == sent
+    client_values = _client_values(fields)
+    assert client_values
+    for leg in legs:
+        for path, value in client_values:
+            # At the top level the connector may set a field of its own, never the client's.
+            seen = _at(leg["body"], path)
+            assert seen is KeyError if len(path) > 1 else seen != value, (leg["body"], path)
+        for name, value in fields.items():  # what else the client sent there is kept
+            if name not in CLIENT_FIELDS:
+                assert leg["body"][name] == _without_client_fields(value)
     await rig.settled()
 
 

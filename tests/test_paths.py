@@ -263,6 +263,8 @@ _GUARDED = [
     ("POST", "/generate", {"text": "hi", "bootstrap_host": "127.0.0.9"}, "bootstrap_host"),
     ("PUT", "/generate", {"text": "hi", "bootstrap_room": 7}, "bootstrap_room"),
     ("POST", "/generate", {"text": "hi", "bootstrap_pair_key": "k"}, "bootstrap_pair_key"),
+    ("POST", "/generate", {"text": "hi", "decode_tp_size": 2}, "decode_tp_size"),
+    ("POST", "/generate", {"text": "hi", "disagg_prefill_dp_rank": 1}, "disagg_prefill_dp_rank"),
     (
         "POST",
         "/vertex_generate",

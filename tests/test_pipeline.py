@@ -21,6 +21,7 @@ from tests.conftest import (
     chat,
     completion,
     engine_requests,
+    eventually,
     get_json,
     inject,
     sse_events,
@@ -507,9 +508,63 @@ async def test_batched_prompts_are_decoded_locally(http, sidecar, prefill, decod
 async def test_decode_unreachable_message_names_the_engine(
     http, start_sidecar_with: StartSidecar
 ) -> None:
-    sidecar = await start_sidecar_with(decode_url="http://127.0.0.1:9")
+    # A long poll interval: the request is sent before readiness knows the engine is down.
+    sidecar = await start_sidecar_with(decode_url="http://127.0.0.1:9", ready_interval_s=3600)
     status, raw, _ = await _post(http, sidecar.url + "/v1/completions", completion())
     assert status == 503
-    assert orjson.loads(raw)["error"]["message"] == (
-        "the decode engine at 127.0.0.1:9 is unreachable: connection refused"
+    message = orjson.loads(raw)["error"]["message"]
+    # Refused by the request's own connection, or already by the first /health poll.
+    assert message in (
+        "the decode engine at 127.0.0.1:9 is unreachable: connection refused",
+        "the decode engine is down, nothing was sent: "
+        "decode engine at 127.0.0.1:9: connection refused",
     )
+
+
+async def _ready_is(http: aiohttp.ClientSession, sidecar: Any, status: int) -> bool:
+    async with http.get(sidecar.url + "/ready") as response:
+        return response.status == status
+
+
+@pytest.mark.parametrize("how", ["closed", "health_down"])
+async def test_no_prefill_while_the_decode_engine_is_known_down(
+    http, start_sidecar_with: StartSidecar, start_engine: StartEmulator, how: str
+) -> None:
+    """A 503 with Retry-After before any leg: a prefill's KV could only be stranded."""
+    prefill, decode = await start_engine(), await start_engine()
+    sidecar = await start_sidecar_with(decode_url=decode.url)
+    await eventually(lambda: _ready_is(http, sidecar, 200))
+    address = decode.url.removeprefix("http://")
+    if how == "closed":
+        await decode.close()
+        reason = f"decode engine at {address}: connection refused"
+    else:
+        await inject(http, decode, kind="health_down")  # up, but its /health says 503
+        reason = f"decode engine at {address}: /health answered 503"
+    await eventually(lambda: _ready_is(http, sidecar, 503))
+    for body, path in ((chat(), "/v1/chat/completions"), (completion(), "/v1/completions")):
+        status, raw, headers = await _post(
+            http, sidecar.url + path, body, {**_pd_headers(prefill), "x-request-id": "down"}
+        )
+        assert status == 503
+        assert orjson.loads(raw)["error"] == {
+            "message": f"the decode engine is down, nothing was sent: {reason}",
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+        assert headers["retry-after"] == "1"  # one /health poll of 0.05 s, rounded up
+        assert headers["x-request-id"] == "down"
+    assert await engine_requests(http, prefill) == []
+    assert (await get_json(http, prefill.url + "/emulator/kv"))["staged_blocks"] == 0
+    record = (await get_json(http, sidecar.url + "/debug/requests"))["recent"][0]
+    assert (record["state"], record["status"]) == ("failed", 503)
+    if how == "health_down":  # back once its polls are: served again
+        async with http.delete(decode.url + "/emulator/faults") as response:
+            assert response.status in (200, 204)
+        await eventually(lambda: _ready_is(http, sidecar, 200))
+        status, _, _ = await _post(
+            http, sidecar.url + "/v1/completions", completion(), _pd_headers(prefill)
+        )
+        assert status == 200
+        assert len(await engine_requests(http, prefill)) == 1

@@ -373,6 +373,36 @@ async def test_a_pinned_rank_that_refuses_connections_is_not_replaced(
     assert await _status(http, sidecar.rank_url(0) + "/v1/models") == 200
 
 
+async def test_no_prefill_for_a_pinned_rank_known_down(
+    http, start_engine: StartEmulator, start_ranked: StartRanked, prefill
+) -> None:
+    """The rank a request names by its port is down (its /health says so): 503 before the
+    prefill; a request on another rank's port, or left to choose, is served."""
+    engines = [await start_engine() for _ in range(2)]
+    sidecar = await start_ranked(engines, rank_ports=True)
+    await _until_ready(http, sidecar, [True, True])
+    await inject(http, engines[1], kind="health_down")
+    await _until_ready(http, sidecar, [True, False])
+    header = {"x-prefiller-host-port": prefill.endpoint}
+    async with http.post(
+        sidecar.rank_url(1) + "/v1/completions", json=completion(), headers=header
+    ) as response:
+        assert response.status == 503
+        assert response.headers["retry-after"] == "1"
+        message = (await response.json())["error"]["message"]
+    address = engines[1].url.removeprefix("http://")
+    assert message == (
+        f"the decode engine is down, nothing was sent: decode engine at {address}: "
+        "/health answered 503"
+    )
+    assert await engine_requests(http, prefill) == []
+    for url in (sidecar.rank_url(0), sidecar.url):
+        async with http.post(url + "/v1/completions", json=completion(), headers=header) as r:
+            assert r.status == 200, await r.text()
+    assert len(await engine_requests(http, prefill)) == 2
+    assert len(await engine_requests(http, engines[1])) == 0
+
+
 async def test_rank_ports_are_bound_on_the_ports_after_sidecar_port(
     http, start_engine: StartEmulator, start_ranked: StartRanked
 ) -> None:

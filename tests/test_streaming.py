@@ -62,6 +62,7 @@ async def test_answer_is_relayed_byte_for_byte(
 
     app = web.Application()
     app.router.add_post("/v1/completions", engine)
+    app.router.add_get("/health", _healthy)
     server = await aiohttp_server(app)
     sidecar = await start_sidecar_with(decode_url=f"http://127.0.0.1:{server.port}")
     async with http.post(sidecar.url + "/v1/completions", json=completion()) as response:
@@ -182,6 +183,7 @@ async def test_break_mid_event_still_ends_with_a_parsable_error(
 
     app = web.Application()
     app.router.add_post("/v1/completions", engine)
+    app.router.add_get("/health", _healthy)
     server = await aiohttp_server(app)
     sidecar = await start_sidecar_with(decode_url=f"http://127.0.0.1:{server.port}")
     async with http.post(sidecar.url + "/v1/completions", json=completion(stream=True)) as response:
@@ -189,3 +191,8 @@ async def test_break_mid_event_still_ends_with_a_parsable_error(
     last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
     assert last.startswith(b"data: ")
     assert orjson.loads(last[len(b"data: ") :])["error"]["code"] == 502
+
+
+async def _healthy(request: web.Request) -> web.Response:
+    """A fake engine's ``/health``, as vLLM's: otherwise its 404s make it known down."""
+    return web.Response()

@@ -351,15 +351,31 @@ async def test_an_untrusted_decode_certificate_answers_503_saying_so(
 ) -> None:
     decode = await https_engine(start_engine, Pki(tmp_path / "stranger", "stranger"))
     sidecar = await start_sidecar_with(decode_url=decode.url, tls_ca_file=pki.ca_file)
+    # A request sent before the first /health poll is judged meets the certificate itself.
     async with http.post(sidecar.url + "/v1/chat/completions", json=chat(max_tokens=2)) as response:
         assert response.status == 503
         error = (await response.json())["error"]
     assert error["type"] == "ServiceUnavailableError"
     assert error["message"].startswith(
-        f"the certificate of the decode engine at {decode.endpoint} did not verify: "
+        (
+            f"the certificate of the decode engine at {decode.endpoint} did not verify: ",
+            f"the decode engine is down, nothing was sent: the certificate of decode engine at "
+            f"{decode.endpoint} did not verify: ",
+        )
     )
+    await eventually(lambda: _not_ready(http, sidecar))  # its /health does not verify either
+    async with http.post(sidecar.url + "/v1/chat/completions", json=chat(max_tokens=2)) as response:
+        assert response.status == 503
+        error = (await response.json())["error"]
+    assert error["message"].startswith(
+        f"the decode engine is down, nothing was sent: the certificate of decode engine at "
+        f"{decode.endpoint} did not verify: "
+    )
+
+
+async def _not_ready(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> bool:
     async with http.get(sidecar.url + "/ready") as response:
-        assert response.status == 503  # its /health does not verify either
+        return response.status == 503
 
 
 async def test_what_a_prefill_certificate_is_verified_against(
@@ -456,7 +472,8 @@ async def test_llmds_skip_flag_for_the_prefill_leaves_an_https_decode_verified(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """llm-d's --tls-insecure-skip-verify=prefiller, with the decode engine on https:// by
-    SIDECAR_DECODE_URL: the prefill's unknown certificate is accepted, the decode's refused."""
+    SIDECAR_DECODE_URL: the prefill's unknown certificate is accepted, the decode's refused (by
+    its /health polls, and then by every request, before its prefill)."""
     stranger = Pki(tmp_path / "stranger", "stranger")
     prefill = await https_engine(start_engine, stranger)
     decode = await https_engine(start_engine, stranger)
@@ -470,6 +487,10 @@ async def test_llmds_skip_flag_for_the_prefill_leaves_an_https_decode_verified(
         )
     assert "SIDECAR_PREFILL_TLS_INSECURE_SKIP_VERIFY=true" in caplog.text
     assert "decode engine are not verified" not in caplog.text
+    await eventually(lambda: _not_ready(http, sidecar))
+    async with http.get(sidecar.url + "/ready") as response:
+        reason = (await response.json())["error"]["message"]
+    assert reason.startswith(f"the certificate of decode engine at {decode.endpoint} did not")
     async with http.post(
         sidecar.url + "/v1/chat/completions",
         json=chat(max_tokens=2),
@@ -477,8 +498,17 @@ async def test_llmds_skip_flag_for_the_prefill_leaves_an_https_decode_verified(
     ) as response:
         assert response.status == 503
         message = (await response.json())["error"]["message"]
-    assert message.startswith(f"the certificate of the decode engine at {decode.endpoint}")
-    # The prefill went through, unverified (asked of the emulator over its own TLS).
+    assert message == f"the decode engine is down, nothing was sent: {reason}"
+    # The same flags in front of a plain-HTTP decode engine: the prefill goes through,
+    # unverified (asked of the emulator over its own TLS).
+    plain = await start_engine()
+    served = await start_sidecar_with(decode_url=plain.url, tls_insecure_skip_verify=True, **flags)
+    async with http.post(
+        served.url + "/v1/chat/completions",
+        json=chat(max_tokens=2),
+        headers={HEADER: prefill.endpoint},
+    ) as response:
+        assert response.status == 200, await response.text()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False)) as insecure:
         assert len(await engine_requests(insecure, prefill)) == 1
 

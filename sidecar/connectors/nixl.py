@@ -32,9 +32,9 @@ from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import Release
 from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
+from sidecar.sanitize import KV_TRANSFER_PARAMS, strip_client_fields
 from sidecar.scheduling.endpoints import Endpoint
 
-KV_TRANSFER_PARAMS = "kv_transfer_params"
 REMOTE_HOST = "remote_host"
 CACHE_SALT = "cache_salt"
 """vLLM's per-request prefix-cache salt (at most 128 characters, no '@', '/', '\\')."""
@@ -171,11 +171,9 @@ class NixlConnector:
         return None
 
     def sanitize(self, body: dict[str, Any]) -> bool:
-        # A client must not direct the decode engine to pull KV from a host of its choosing.
-        if KV_TRANSFER_PARAMS not in body:
-            return False
-        del body[KV_TRANSFER_PARAMS]
-        return True
+        # A client must not direct the decode engine to pull KV from a host of its choosing,
+        # whether at the top level or in vllm_xargs (vLLM reads it from both).
+        return strip_client_fields(body)
 
     def prefill_body(self, body: dict[str, Any], route: str) -> dict[str, Any]:
         leg = one_token_leg(body, route)

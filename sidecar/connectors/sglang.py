@@ -33,29 +33,17 @@ from typing import Any
 
 from sidecar.body import Wire
 from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
-from sidecar.connectors.nixl import KV_TRANSFER_PARAMS
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import drained
 from sidecar.errors import BadRequest, PrefillFailed
 from sidecar.observability.tracking import task_name
+from sidecar.sanitize import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, strip_client_fields
 from sidecar.scheduling.endpoints import Endpoint
 
-BOOTSTRAP_HOST = "bootstrap_host"
-BOOTSTRAP_PORT = "bootstrap_port"
-BOOTSTRAP_ROOM = "bootstrap_room"
 ROOM_LIMIT = 2**63
 """Rooms are integers in [0, 2^63 - 1] (SGLang stores them as int64)."""
 MAX_ROOMS_PER_REQUEST = 2**32
 """Far beyond any engine's limit; keeps ``room + i`` in range with a room drawn from 2^63 - 2^32."""
-CLIENT_FIELDS = (
-    BOOTSTRAP_HOST,
-    BOOTSTRAP_PORT,
-    BOOTSTRAP_ROOM,
-    "bootstrap_pair_key",
-    KV_TRANSFER_PARAMS,
-)
-"""Fields a client must not set: the rendezvous would pair a decode with a room of the client's
-choosing; NIXL's instructions mean nothing to SGLang."""
 
 
 class SglangConnector:
@@ -107,12 +95,9 @@ class SglangConnector:
         return None  # a batch of prompts gets a room per prompt
 
     def sanitize(self, body: dict[str, Any]) -> bool:
-        removed = False
-        for name in CLIENT_FIELDS:
-            if name in body:
-                del body[name]
-                removed = True
-        return removed
+        # The rendezvous would pair a decode with a room of the client's choosing (or a prefill
+        # rank, a KV layout); NIXL's instructions mean nothing to SGLang.
+        return strip_client_fields(body)
 
     def leg_body(
         self, body: dict[str, Any], endpoint: Endpoint, room: int | list[int]

@@ -14,15 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
-from sidecar.connectors.nixl import (
-    KV_TRANSFER_PARAMS,
-    PROMPT_LOGPROBS,
-    needs_prompt_logprobs,
-    one_token_leg,
-)
+from sidecar.connectors.nixl import PROMPT_LOGPROBS, needs_prompt_logprobs, one_token_leg
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
+from sidecar.sanitize import strip_client_fields
 from sidecar.scheduling.endpoints import Endpoint
 
 
@@ -56,10 +52,7 @@ class SharedStorageConnector:
 
     def sanitize(self, body: dict[str, Any]) -> bool:
         # Meaningless to these engines, and a NIXL engine would act on them.
-        if KV_TRANSFER_PARAMS not in body:
-            return False
-        del body[KV_TRANSFER_PARAMS]
-        return True
+        return strip_client_fields(body)
 
 
 def _accept(answer: object, endpoint: Endpoint) -> Prefilled:

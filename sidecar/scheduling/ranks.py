@@ -168,6 +168,11 @@ class RankClaim:
             self.rank.inflight -= 1
 
 
+def _known_down(rank: DecodeRank) -> bool:
+    engine = rank.engine
+    return not engine.ready and engine.health in (EngineHealth.DOWN, EngineHealth.LOST)
+
+
 def _cached(rank: DecodeRank, hashes: Sequence[Hashable], exact: RankCache | None) -> int:
     """The prompt's tokens ``rank`` holds: its prefix index's figure, or its events'."""
     tokens = rank.prefix.cached_tokens(hashes)
@@ -243,6 +248,18 @@ class DecodeRanks:
     def ready(self) -> bool:
         """At least one rank is ready: the pod is."""
         return any(rank.ready for rank in self._ranks)
+
+    def down(self, pinned: int | None = None) -> str | None:
+        """Why no request can be sent to the decode engine now (each rank's reason), or None:
+        every rank a request may go to — the one it named (``pinned``), else all of them — is
+        known down, unready after failed ``/health`` polls. A rank not polled yet, or unready
+        only for want of enough successful polls, is not known down: it is tried."""
+        ranks = self._ranks if pinned is None else [self._ranks[pinned]]
+        if not all(_known_down(rank) for rank in ranks):
+            return None
+        if len(ranks) == 1:
+            return ranks[0].engine.reason
+        return "; ".join(f"rank {rank.index}: {rank.engine.reason}" for rank in ranks)
 
     def publish(self, rank: DecodeRank, snapshot: EngineSnapshot) -> None:
         """The engine monitor's new snapshot of ``rank``'s engine (the monitor alone calls
