@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from sidecar import defaults
-from sidecar.llmd.flags import BY_NAME, GO_BOOL, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.llmd.flags import BY_NAME, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.llmd.goparse import GO_BOOL, go_int
 from sidecar.scheduling.endpoints import split_scheme
 
 LLMD_MODEL_SERVER_PORT = 8200
@@ -455,16 +456,16 @@ def _metrics_cert_dir(values: Mapping[str, Value], out: Translation) -> None:
 
 
 def _zap_level(text: str) -> str:
-    lowered = text.strip().lower()
+    # controller-runtime: a level name in any case, else strconv.Atoi's decimal integer.
+    lowered = text.lower()
     if lowered in _ZAP_LEVELS:
         return _ZAP_LEVELS[lowered]
-    try:
-        verbosity = int(lowered)
-    except ValueError:
+    verbosity = go_int(text, base=10)
+    if verbosity is None:
         raise FlagError(
             f"--zap-log-level={text}: expected debug, info, warn, error, panic or an integer "
             "above 0"
-        ) from None
+        )
     if verbosity <= 0:
         raise FlagError(f"--zap-log-level={text}: an integer level must be above 0")
     return "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"
