@@ -5,7 +5,9 @@ docs/migrating-from-llm-d.md in step with the flag table."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import aiohttp
 import pytest
 import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -877,6 +880,80 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
         assert "self-signed certificate" in child.log()
     cert = x509.load_der_x509_certificate(der)
     assert cert.issuer == cert.subject
+
+
+def files_with_the_key_of(cert: x509.Certificate, roots: Sequence[Path]) -> list[Path]:
+    """The files under ``roots`` that hold the private key of ``cert``, whatever their name."""
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wanted = cert.public_key().public_bytes(*spki)
+    found = []
+    for root in roots:
+        for directory, _, names in os.walk(root):
+            for name in names:
+                path = Path(directory, name)
+                try:
+                    data = path.read_bytes() if path.stat().st_size < 65536 else b""
+                    key = serialization.load_pem_private_key(data, password=None)
+                except (OSError, ValueError, TypeError):
+                    continue  # unreadable, large, or no private key in PEM
+                if key.public_key().public_bytes(*spki) == wanted:
+                    found.append(path)
+    return found
+
+
+def key_roots(temporary: Path) -> list[Path]:
+    """Where a sidecar given ``TMPDIR=temporary`` could write a file: that directory, the
+    shared-memory tmpfs, and what earlier versions named under /tmp."""
+    return [temporary, Path("/dev/shm"), *Path("/tmp").glob("pd-sidecar-tls-*")]
+
+
+def sample(metrics: str, series: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(series)).split()[-1])
+
+
+@pytest.mark.system
+async def test_secure_proxy_leaves_no_private_key_at_rest(decode, tmp_path: Path) -> None:
+    """The self-signed key exists in the process's memory only: no file holds it while the
+    sidecar serves (its temporary directory, /dev/shm where it went on a read-only root) nor
+    after a SIGKILL, as an OOM kill ends it; and however often the TLS files are checked, no
+    reload of it is tried, let alone failed."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    port, interval_s = free_port(), 0.01
+    args = [f"--port={port}", f"--vllm-port={port_of(decode.url)}", "--secure-proxy"]
+    loop = asyncio.get_running_loop()
+    async with sidecar_with_flags(
+        args,
+        scheme="https",
+        TMPDIR=str(temporary),
+        SIDECAR_TLS_RELOAD_INTERVAL_S=str(interval_s),
+    ) as (child, url):
+        served = loop.time()
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        cert = x509.load_der_x509_certificate(
+            writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        )
+        writer.close()
+        await writer.wait_closed()
+        roots = key_roots(temporary)
+        assert files_with_the_key_of(cert, roots) == []
+        # Twenty intervals of the file watch at least: what it would do, it has done.
+        await asyncio.sleep(max(0.0, served + 20 * interval_s - loop.time()))
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/metrics", ssl=False) as response,
+        ):
+            metrics = await response.text()
+        for outcome in ("failed", "reloaded"):
+            series = f'pd_sidecar_tls_reloads_total{{files="listener",outcome="{outcome}"}}'
+            assert sample(metrics, series) == 0
+        assert " ERROR " not in child.log()
+        child.kill()
+        assert await child.wait() == -signal.SIGKILL
+        assert files_with_the_key_of(cert, roots) == []
+    assert list(temporary.iterdir()) == []
 
 
 @pytest.mark.system
