@@ -254,8 +254,10 @@ def test_klog_s_verbosity_is_a_decimal_int32(text: str, number: int | None) -> N
 @pytest.mark.parametrize(
     ("text", "level"),
     [
-        *[("4", "DEBUG"), ("+4", "DEBUG"), ("1", "INFO"), ("DEBUG", "INFO"), ("Warn", "WARNING")],
+        *[("4", "DEBUG"), ("+4", "DEBUG"), ("1", "INFO"), ("DEBUG", "INFO"), ("Error", "ERROR")],
         *[(" 4", None), ("4 ", None), ("\uff14", None), (" debug", None), ("0x4", None)],
+        # Zap's own names that controller-runtime's flag does not take.
+        *[("warn", None), ("dpanic", None), ("fatal", None)],
     ],
 )
 def test_zap_s_log_level_is_a_name_or_a_decimal_integer(text: str, level: str | None) -> None:
@@ -619,13 +621,36 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
         (["--zap-devel", "-v=4"], "DEBUG"),
         (["--zap-log-level=info", "--zap-devel", "-v=9"], "INFO"),
         (["--zap-log-level=error"], "ERROR"),
-        (["--zap-log-level=warn"], "WARNING"),
+        (["--zap-log-level=panic"], "ERROR"),
         (["--zap-log-level=4"], "DEBUG"),
         (["--zap-log-level=3"], "INFO"),
     ],
 )
 def test_log_levels(args: list[str], level: str) -> None:
     assert settings_of(*args)["log_level"] == level
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--zap-encoder=JSON",
+        "--zap-encoder=Console",
+        "--zap-stacktrace-level=PANIC",
+        "--zap-time-encoding=nanos",
+        "--zap-time-encoding=RFC3339Nano",
+    ],
+)
+def test_the_zap_format_flags_take_controller_runtime_s_values_in_any_case(arg: str) -> None:
+    assert any(note.startswith(arg.split("=")[0]) for note in translate([arg], {}).notes)
+
+
+@pytest.mark.parametrize(
+    "arg",
+    ["--zap-encoder=text", "--zap-time-encoding=nano", "--zap-stacktrace-level=warn"],
+)
+def test_the_zap_format_flags_refuse_what_controller_runtime_refuses(arg: str) -> None:
+    name, value = arg.split("=")
+    assert f"{name}={value}: expected one of" in refusal(arg)
 
 
 @pytest.mark.parametrize(
