@@ -15,11 +15,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from sidecar import __version__, llmd
-from sidecar.app import DRAIN
+from sidecar.app import DRAIN, TLS_VERSIONS
 from sidecar.config import Settings, describe_fields, explain, unknown_variables
 from sidecar.llmd import FlagError, Translation
 from sidecar.observability.tracing import Tracing, TracingUnavailable
-from sidecar.security.tls import TlsFilesError
+from sidecar.security.tls import ServerTls, TlsFilesError
 from sidecar.server.drain import BUDGET_SLACK_S
 from sidecar.server.listener import raise_open_files_limit
 from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
@@ -61,23 +61,24 @@ def _help(argv0: str = "") -> str:
 
 def read_flags(args: list[str]) -> Translation:
     """What llm-d's sidecar flags in ``args`` ask for; exit status 2 with a one-line message
-    when one is unknown or cannot be honoured, 1 when a self-signed certificate cannot be
-    written."""
+    when one is unknown or cannot be honoured."""
     try:
-        flags = llmd.translate(args, os.environ)
+        return llmd.translate(args, os.environ)
     except FlagError as exc:
         print(f"pd-sidecar: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if flags.self_signed:
-        from sidecar.security.selfsigned import write_self_signed
 
-        try:
-            cert_file, key_file = write_self_signed()
-        except OSError as exc:
-            print(f"pd-sidecar: cannot write a self-signed certificate: {exc}", file=sys.stderr)
-            raise SystemExit(1) from None
-        flags.settings.update(tls_cert_file=cert_file, tls_key_file=key_file)
-    return flags
+
+def self_signed(settings: Settings) -> ServerTls:
+    """The listener's TLS with a self-signed certificate made now, held in memory only; exit
+    status 1 with a one-line message when it cannot be made."""
+    from sidecar.security.selfsigned import self_signed_tls  # cryptography: only when asked
+
+    try:
+        return self_signed_tls(TLS_VERSIONS[settings.tls_min_version])
+    except (OSError, TlsFilesError) as exc:
+        print(f"pd-sidecar: cannot make a self-signed certificate: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     flags = read_flags(args) if args else Translation()
     settings = load_settings(flags.settings)
+    listener_tls = self_signed(settings) if flags.self_signed else None
     tracing = load_tracing(settings)
     logging.basicConfig(
         level=settings.log_level,
@@ -129,9 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        status = asyncio.run(_serve(settings, tracing))
+        status = asyncio.run(_serve(settings, tracing, listener_tls))
     else:
-        status = uvloop.run(_serve(settings, tracing))
+        status = uvloop.run(_serve(settings, tracing, listener_tls))
     if status:
         raise SystemExit(status)
 
@@ -141,7 +143,9 @@ def _warn_unknown_variables() -> None:
         logger.warning("%s", message)
 
 
-async def _serve(settings: Settings, tracing: Tracing | None) -> int:
+async def _serve(
+    settings: Settings, tracing: Tracing | None, listener_tls: ServerTls | None
+) -> int:
     """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound, or TLS
     files could not be loaded)."""
     stop = asyncio.Event()
@@ -149,7 +153,7 @@ async def _serve(settings: Settings, tracing: Tracing | None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        sidecar = await start_sidecar(settings, tracing=tracing)
+        sidecar = await start_sidecar(settings, tracing=tracing, listener_tls=listener_tls)
     except (CannotListen, TlsFilesError) as exc:
         logger.error("%s", exc)
         return 1

@@ -71,6 +71,8 @@ BACKGROUND = web.AppKey("background", BackgroundWork)
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 DRAIN = web.AppKey("drain", Drain)
 SERVER_TLS = web.AppKey("server_tls", ServerTls)
+TLS_VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
+"""SIDECAR_TLS_MIN_VERSION's values."""
 TLS_WATCHES = web.AppKey("tls_watches", list[FileWatch])
 POOL_WATCH = web.AppKey("pool_watch", InferencePoolWatch)
 KUBE = web.AppKey("kube", KubeClient)
@@ -85,6 +87,7 @@ def create_app(
     tracing: Tracing | None = None,
     connector: ConnectorFactory | None = None,
     resolver: Resolver = system_resolver,
+    listener_tls: ServerTls | None = None,
 ) -> web.Application:
     """A fresh application: nothing is shared between two apps in one process.
 
@@ -93,7 +96,9 @@ def create_app(
     (raises ``TracingUnavailable`` when it cannot be). ``connector``: builds the connector from
     the settings and the shared parts (None: ``make_connector``, the one ``SIDECAR_CONNECTOR``
     names; a test plugs in its own). ``resolver``: what ``SIDECAR_PREFILL_DNS`` is looked up
-    with (a test plays the DNS).
+    with (a test plays the DNS). ``listener_tls``: the listener's certificate when it is no
+    files of the settings (``--secure-proxy``'s self-signed one, in memory); it wins over
+    ``SIDECAR_TLS_CERT_FILE``.
     """
     if tracing is None and settings.tracing:
         tracing = Tracing.from_environment()
@@ -133,7 +138,7 @@ def create_app(
         prefill_insecure=settings.prefill_skip_verify,
         decode_insecure=settings.decode_skip_verify,
     )
-    app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics)
+    app[TLS_WATCHES] = _tls_watches(app, settings, client_tls, metrics, listener_tls)
     discovery = Discovery(settings.prefill_endpoints, settings.prefill_dns, resolver=resolver)
     kv_fleet = _kv_fleet(app, settings, engines, metrics, discovery)
     scheduler = Scheduler(
@@ -277,20 +282,25 @@ def create_app(
 
 
 def _tls_watches(
-    app: web.Application, settings: Settings, client_tls: ClientTls, metrics: Metrics
+    app: web.Application,
+    settings: Settings,
+    client_tls: ClientTls,
+    metrics: Metrics,
+    server_tls: ServerTls | None,
 ) -> list[FileWatch]:
-    """The listener's context (when it serves HTTPS) and what watches the files of both."""
+    """The listener's context (when it serves HTTPS) and what watches the files of both (a
+    pair in memory has none)."""
     watches = []
 
     def counter(files: str) -> Callable[[bool], None]:
         return lambda ok: metrics.tls_reloads.labels(files, "reloaded" if ok else "failed").inc()
 
-    if settings.tls_cert_file is not None and settings.tls_key_file is not None:
-        minimum = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}
-        server_tls = ServerTls(
-            settings.tls_cert_file, settings.tls_key_file, minimum[settings.tls_min_version]
-        )
+    cert_file, key_file = settings.tls_cert_file, settings.tls_key_file
+    if server_tls is None and cert_file is not None and key_file is not None:
+        server_tls = ServerTls(cert_file, key_file, TLS_VERSIONS[settings.tls_min_version])
+    if server_tls is not None:
         app[SERVER_TLS] = server_tls
+    if server_tls is not None and server_tls.files:
         watches.append(
             FileWatch(
                 "the listener's certificate",

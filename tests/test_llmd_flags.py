@@ -5,7 +5,9 @@ docs/migrating-from-llm-d.md in step with the flag table."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 import ssl
 import subprocess
 import sys
@@ -18,11 +20,14 @@ import aiohttp
 import pytest
 import yaml
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from devkit.processes import Child, Launcher, environment, free_port
 from sidecar.__main__ import _help
 from sidecar.config import Settings
-from sidecar.llmd import FLAGS, FlagError, go_duration, help_rows, parse, translate
+from sidecar.llmd import FLAGS, FlagError, go_duration, go_int, help_rows, parse, translate
 from tests.conftest import completion, engine_requests
 from tests.processes import START_TIMEOUT_S
 from tests.tlsfiles import Pki, serial_of_der
@@ -84,7 +89,7 @@ def test_the_charts_decode_arguments_map_onto_settings() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [["-port=9000"], ["--port=9000"], ["-port", "9000"], ["--port", "9000"], ["--port=0x2328"]],
+    [["-port=9000"], ["--port=9000"], ["-port", "9000"], ["--port", "9000"]],
 )
 def test_one_dash_or_two_and_a_value_attached_or_next(args: list[str]) -> None:
     assert parse(args) == {"port": 9000}
@@ -135,6 +140,226 @@ def test_go_durations(text: str, seconds: float) -> None:
 @pytest.mark.parametrize("text", ["", "5", "1d", "ms", "1s2"])
 def test_not_go_durations(text: str) -> None:
     assert go_duration(text) is None
+
+
+# --- values as Go reads them -----------------------------------------------------------------
+
+FULL_WIDTH_8000 = "\uff18\uff10\uff10\uff10"
+"""8000 in full-width digits, which Python's int() reads and Go's strconv refuses."""
+
+GO_INTS = [
+    # strconv.ParseInt(s, 0, 64), Go's int flags: sign, base prefixes, octal 0, underscores.
+    ("100", 100),
+    ("+100", 100),
+    ("-5", -5),
+    ("0x64", 100),
+    ("0X64", 100),
+    ("0o144", 100),
+    ("0O144", 100),
+    ("0144", 100),
+    ("0b1100100", 100),
+    ("0B1100100", 100),
+    ("1_000", 1000),
+    ("0x_64", 100),
+    ("0_144", 100),
+    ("0", 0),
+    ("00", 0),
+    ("-0", 0),
+    ("9223372036854775807", 2**63 - 1),
+    ("-9223372036854775808", -(2**63)),
+    (" 100", None),
+    ("100 ", None),
+    ("\t100", None),
+    ("100\n", None),
+    (FULL_WIDTH_8000, None),
+    ("\u0661\u0660\u0660", None),  # Arabic-Indic digits
+    ("08", None),  # octal
+    ("0x", None),
+    ("0b", None),
+    ("0b2", None),
+    ("0o8", None),
+    ("_100", None),
+    ("100_", None),
+    ("1__0", None),
+    ("0_", None),
+    ("0x_", None),
+    ("+-1", None),
+    ("--1", None),
+    ("+", None),
+    ("", None),
+    ("1e3", None),
+    ("1.0", None),
+    ("9223372036854775808", None),
+    ("-9223372036854775809", None),
+    ("0x8000000000000000", None),
+]
+
+
+@pytest.mark.parametrize(("text", "number"), GO_INTS)
+def test_an_int_flag_reads_what_go_s_parse_int_reads(text: str, number: int | None) -> None:
+    args = [f"--max-idle-conns-per-host={text}"]
+    if number is None:
+        with pytest.raises(FlagError, match=r"invalid value .* an integer"):
+            parse(args)
+    else:
+        assert parse(args) == {"max-idle-conns-per-host": number}
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        # llm-d's ports are strings it checks with strconv.Atoi: decimal only.
+        ("8000", 8000),
+        ("+8000", 8000),
+        ("08000", 8000),
+        (" 8000", None),
+        ("8000 ", None),
+        (FULL_WIDTH_8000, None),
+        ("0x1F40", None),
+        ("0o17500", None),
+        ("8_000", None),
+        ("", None),
+    ],
+)
+@pytest.mark.parametrize("flag", ["port", "model-server-port", "vllm-port"])
+def test_a_port_reads_what_go_s_atoi_reads(flag: str, text: str, number: int | None) -> None:
+    if number is None:
+        with pytest.raises(FlagError, match=f"invalid value .* for --{flag}: a decimal integer"):
+            parse([f"--{flag}={text}"])
+    else:
+        assert parse([f"--{flag}={text}"]) == {flag: number}
+
+
+def test_the_flags_refuse_a_port_with_a_space_or_full_width_digits() -> None:
+    assert "invalid value ' 8000' for --port" in refusal("--port= 8000")
+    assert "for --vllm-port: a decimal integer" in refusal(f"--vllm-port={FULL_WIDTH_8000}")
+    assert "invalid value ' 4' for --data-parallel-size" in refusal("--data-parallel-size", " 4")
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        *[("4", 4), ("+4", 4), ("2147483647", 2**31 - 1), ("-2147483648", -(2**31))],
+        *[("2147483648", None), ("0x4", None), (" 4", None), ("\uff14", None)],
+    ],
+)
+def test_klog_s_verbosity_is_a_decimal_int32(text: str, number: int | None) -> None:
+    if number is None:
+        with pytest.raises(FlagError, match="for --v: a decimal integer"):
+            parse([f"-v={text}"])
+    else:
+        assert parse([f"-v={text}"]) == {"v": number}
+
+
+@pytest.mark.parametrize(
+    ("text", "level"),
+    [
+        *[("4", "DEBUG"), ("+4", "DEBUG"), ("1", "INFO"), ("DEBUG", "INFO"), ("Error", "ERROR")],
+        *[(" 4", None), ("4 ", None), ("\uff14", None), (" debug", None), ("0x4", None)],
+        # Zap's own names that controller-runtime's flag does not take.
+        *[("warn", None), ("dpanic", None), ("fatal", None)],
+    ],
+)
+def test_zap_s_log_level_is_a_name_or_a_decimal_integer(text: str, level: str | None) -> None:
+    if level is None:
+        assert f"--zap-log-level={text}: expected" in refusal(f"--zap-log-level={text}")
+    else:
+        assert settings_of(f"--zap-log-level={text}")["log_level"] == level
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("1.s", 1.0),
+        (".5s", 0.5),
+        ("+1s", 1.0),
+        ("-0", 0.0),
+        ("1h2m3s4ms5us6ns", 3723.004005006),
+        ("1\u00b5s", 1e-6),  # the micro sign
+        ("1\u03bcs", 1e-6),  # the Greek mu
+        ("2562047h47m16.854775807s", (2**63 - 1) / 1e9),
+        ("-2562047h47m16.854775808s", -(2**63) / 1e9),
+        ("0.0000000001s", 0.0),
+    ],
+)
+def test_more_go_durations(text: str, seconds: float) -> None:
+    assert go_duration(text) == pytest.approx(seconds, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        *[" 200ms", "200ms ", "200 ms", "\uff12\uff10\uff10ms", "+-1s", "--1s", "-", ".s"],
+        *["1.2.3s", "00", "1S", "1sec", "2562047h47m16.854775808s", "9223372036854775808ns"],
+        "1_000ms",
+    ],
+)
+def test_durations_go_refuses(text: str) -> None:
+    assert go_duration(text) is None
+    with pytest.raises(FlagError, match="a duration such as 200ms"):
+        parse([f"--prefill-retry-backoff={text}"])
+
+
+_GO_INT_LITERAL = re.compile(
+    r"[+-]?(?:0[xX](?:_?[0-9a-fA-F])+|0[bB](?:_?[01])+|0[oO](?:_?[0-7])+|0(?:_?[0-7])*"
+    r"|[1-9](?:_?[0-9])*)"
+)
+"""The Go specification's integer literal (what ParseInt with base 0 accepts), with a sign."""
+_RADIX = {"x": 16, "b": 2, "o": 8}
+_NUMBER_CHARACTERS = "0123456789_+-xXoObBaAfFzZ .\t\uff10\uff18\u0661"
+
+
+def _literal_value(text: str) -> int:
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+    digits = digits.replace("_", "")
+    if len(digits) > 1 and digits[0] == "0":
+        radix = _RADIX.get(digits[1].lower(), 8)
+        digits = digits[2:] if radix != 8 or digits[1] in "oO" else digits[1:]
+        return sign * int(digits, radix)
+    return sign * int(digits)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=_NUMBER_CHARACTERS, max_size=12))
+def test_go_int_accepts_exactly_go_s_integer_literals(text: str) -> None:
+    """Against the grammar of Go's integer literals, independently of the parser's steps."""
+    expected = None
+    if _GO_INT_LITERAL.fullmatch(text) and -(2**63) <= _literal_value(text) < 2**63:
+        expected = _literal_value(text)
+    assert go_int(text) == expected
+    decimal = re.fullmatch(r"[+-]?[0-9]+", text) and -(2**63) <= int(text) < 2**63
+    assert go_int(text, base=10) == (int(text) if decimal else None)
+
+
+_GO_DURATION = re.compile(
+    r"[+-]?(?:0|(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+)"
+)
+"""time.ParseDuration's syntax (its comment's regular expression, with the units named)."""
+_DURATION_PART = re.compile(r"([0-9]*)(?:\.([0-9]*))?(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+_NS = {"ns": 1, "us": 10**3, "\u00b5s": 10**3, "\u03bcs": 10**3, "ms": 10**6, "s": 10**9}
+_NS |= {"m": 60 * 10**9, "h": 3600 * 10**9}
+
+
+def _duration_ns(text: str) -> int:
+    """Exact nanoseconds of a duration matching ``_GO_DURATION``, each part's fraction
+    truncated to the nanosecond as Go does."""
+    total = 0
+    for whole, fraction, unit in _DURATION_PART.findall(text.lstrip("+-")):
+        total += int(whole or "0") * _NS[unit]
+        total += int(fraction or "0") * _NS[unit] // 10 ** len(fraction)
+    return -total if text.startswith("-") else total
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="0123456789.+- nsuµμmhd\uff10", max_size=10))
+def test_go_duration_accepts_exactly_go_s_syntax(text: str) -> None:
+    expected = None
+    if _GO_DURATION.fullmatch(text) and -(2**63) <= _duration_ns(text) < 2**63:
+        expected = _duration_ns(text) / 1e9
+    seconds = go_duration(text)
+    assert (seconds is None) == (expected is None)
+    if seconds is not None:
+        assert seconds == pytest.approx(expected, rel=1e-12, abs=1e-9)
 
 
 # --- the mapping -----------------------------------------------------------------------------
@@ -396,13 +621,36 @@ def test_ssrf_protection_without_a_pool_or_with_another_group_is_refused() -> No
         (["--zap-devel", "-v=4"], "DEBUG"),
         (["--zap-log-level=info", "--zap-devel", "-v=9"], "INFO"),
         (["--zap-log-level=error"], "ERROR"),
-        (["--zap-log-level=warn"], "WARNING"),
+        (["--zap-log-level=panic"], "ERROR"),
         (["--zap-log-level=4"], "DEBUG"),
         (["--zap-log-level=3"], "INFO"),
     ],
 )
 def test_log_levels(args: list[str], level: str) -> None:
     assert settings_of(*args)["log_level"] == level
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        "--zap-encoder=JSON",
+        "--zap-encoder=Console",
+        "--zap-stacktrace-level=PANIC",
+        "--zap-time-encoding=nanos",
+        "--zap-time-encoding=RFC3339Nano",
+    ],
+)
+def test_the_zap_format_flags_take_controller_runtime_s_values_in_any_case(arg: str) -> None:
+    assert any(note.startswith(arg.split("=")[0]) for note in translate([arg], {}).notes)
+
+
+@pytest.mark.parametrize(
+    "arg",
+    ["--zap-encoder=text", "--zap-time-encoding=nano", "--zap-stacktrace-level=warn"],
+)
+def test_the_zap_format_flags_refuse_what_controller_runtime_refuses(arg: str) -> None:
+    name, value = arg.split("=")
+    assert f"{name}={value}: expected one of" in refusal(arg)
 
 
 @pytest.mark.parametrize(
@@ -657,6 +905,80 @@ async def test_secure_proxy_serves_https_with_a_self_signed_certificate(decode) 
         assert "self-signed certificate" in child.log()
     cert = x509.load_der_x509_certificate(der)
     assert cert.issuer == cert.subject
+
+
+def files_with_the_key_of(cert: x509.Certificate, roots: Sequence[Path]) -> list[Path]:
+    """The files under ``roots`` that hold the private key of ``cert``, whatever their name."""
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    wanted = cert.public_key().public_bytes(*spki)
+    found = []
+    for root in roots:
+        for directory, _, names in os.walk(root):
+            for name in names:
+                path = Path(directory, name)
+                try:
+                    data = path.read_bytes() if path.stat().st_size < 65536 else b""
+                    key = serialization.load_pem_private_key(data, password=None)
+                except (OSError, ValueError, TypeError):
+                    continue  # unreadable, large, or no private key in PEM
+                if key.public_key().public_bytes(*spki) == wanted:
+                    found.append(path)
+    return found
+
+
+def key_roots(temporary: Path) -> list[Path]:
+    """Where a sidecar given ``TMPDIR=temporary`` could write a file: that directory, the
+    shared-memory tmpfs, and what earlier versions named under /tmp."""
+    return [temporary, Path("/dev/shm"), *Path("/tmp").glob("pd-sidecar-tls-*")]
+
+
+def sample(metrics: str, series: str) -> float:
+    return float(next(line for line in metrics.splitlines() if line.startswith(series)).split()[-1])
+
+
+@pytest.mark.system
+async def test_secure_proxy_leaves_no_private_key_at_rest(decode, tmp_path: Path) -> None:
+    """The self-signed key exists in the process's memory only: no file holds it while the
+    sidecar serves (its temporary directory, /dev/shm where it went on a read-only root) nor
+    after a SIGKILL, as an OOM kill ends it; and however often the TLS files are checked, no
+    reload of it is tried, let alone failed."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    port, interval_s = free_port(), 0.01
+    args = [f"--port={port}", f"--vllm-port={port_of(decode.url)}", "--secure-proxy"]
+    loop = asyncio.get_running_loop()
+    async with sidecar_with_flags(
+        args,
+        scheme="https",
+        TMPDIR=str(temporary),
+        SIDECAR_TLS_RELOAD_INTERVAL_S=str(interval_s),
+    ) as (child, url):
+        served = loop.time()
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+        cert = x509.load_der_x509_certificate(
+            writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        )
+        writer.close()
+        await writer.wait_closed()
+        roots = key_roots(temporary)
+        assert files_with_the_key_of(cert, roots) == []
+        # Twenty intervals of the file watch at least: what it would do, it has done.
+        await asyncio.sleep(max(0.0, served + 20 * interval_s - loop.time()))
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/metrics", ssl=False) as response,
+        ):
+            metrics = await response.text()
+        for outcome in ("failed", "reloaded"):
+            series = f'pd_sidecar_tls_reloads_total{{files="listener",outcome="{outcome}"}}'
+            assert sample(metrics, series) == 0
+        assert " ERROR " not in child.log()
+        child.kill()
+        assert await child.wait() == -signal.SIGKILL
+        assert files_with_the_key_of(cert, roots) == []
+    assert list(temporary.iterdir()) == []
 
 
 @pytest.mark.system

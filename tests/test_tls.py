@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import warnings
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import pytest
 
 from sidecar.config import Settings
 from sidecar.llmd import translate
+from sidecar.security.tls import ServerTls, memory_files
 from sidecar.server.runner import RunningSidecar
 from tests.conftest import StartEmulator, StartSidecar, chat, engine_requests, eventually
 from tests.processes import free_port, sidecar_process
@@ -106,6 +108,55 @@ async def metric(http: aiohttp.ClientSession, sidecar: RunningSidecar, sample: s
 
 
 # --- the listener ------------------------------------------------------------------------------
+
+
+async def served_serial(context: ssl.SSLContext, pki: Pki) -> int:
+    """The serial of the certificate a server with ``context`` presents in a handshake."""
+
+    async def close(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    server = await asyncio.start_server(close, "127.0.0.1", 0, ssl=context)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        connection = await TlsConnection.open(pki.client_context(), f"https://127.0.0.1:{port}")
+        await connection.close()
+    return connection.serial
+
+
+def issued_pair(pki: Pki) -> tuple[bytes, bytes, int]:
+    cert_file, key_file, serial = pki.issue("127.0.0.1")
+    return Path(cert_file).read_bytes(), Path(key_file).read_bytes(), serial
+
+
+def load_through_memory_files(
+    pair: tuple[bytes, bytes], memfd: bool
+) -> tuple[ssl.SSLContext, list[str], bool]:
+    """A server context loaded from ``memory_files``; what their paths pointed to; whether any
+    of the paths still opens once the block is over."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with memory_files(*pair, memfd=memfd) as paths:
+        targets = [os.readlink(path) for path in paths]
+        context.load_cert_chain(*paths)
+    return context, targets, any(os.path.exists(path) for path in paths)
+
+
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "pipe"])
+async def test_memory_files_hand_openssl_a_pair_no_file_system_holds(pki: Pki, memfd: bool) -> None:
+    cert_pem, key_pem, serial = issued_pair(pki)
+    context, targets, still_open = load_through_memory_files((cert_pem, key_pem), memfd)
+    assert not still_open  # closed once read
+    # An anonymous file or a pipe: nothing that a directory lists.
+    assert all(target.startswith("/memfd:" if memfd else "pipe:") for target in targets)
+    assert await served_serial(context, pki) == serial
+
+
+async def test_a_pair_in_memory_has_no_files_to_watch_and_stays_on_reload(pki: Pki) -> None:
+    cert_pem, key_pem, serial = issued_pair(pki)
+    tls = ServerTls.in_memory(cert_pem, key_pem)
+    assert tls.files == ()
+    await tls.reload()
+    assert await served_serial(tls.context, pki) == serial
 
 
 async def test_the_listener_serves_https_from_tls_1_2(

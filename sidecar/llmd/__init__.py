@@ -7,7 +7,8 @@ syntax; ``translate`` turns what it read into setting overrides, refusals and st
 (docs/migrating-from-llm-d.md).
 """
 
-from sidecar.llmd.flags import FLAGS, Flag, FlagError, go_duration, help_rows, parse
+from sidecar.llmd.flags import FLAGS, Flag, FlagError, help_rows, parse
+from sidecar.llmd.goparse import go_duration, go_int
 from sidecar.llmd.translate import Translation, translate
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "FlagError",
     "Translation",
     "go_duration",
+    "go_int",
     "help_rows",
     "parse",
     "translate",

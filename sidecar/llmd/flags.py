@@ -9,15 +9,18 @@ instead.
 
 The syntax is Go's (``flag``, and ``pflag`` for long names): ``-name`` or ``--name``, a value as
 ``-name=value`` or ``-name value``; a boolean flag takes a value only as ``-name=false``; a list
-flag repeats or takes a comma list; the last value of a repeated scalar flag wins.
+flag repeats or takes a comma list; the last value of a repeated scalar flag wins. A value is
+read as llm-d reads it, with Go's parsers (``goparse``): a number or a duration that Go refuses
+(``--port= 8000``, full-width digits) is refused here too.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from sidecar.llmd.goparse import GO_BOOL, go_duration, go_int
 
 Kind = Literal["bool", "int", "string", "list", "duration"]
 Value = bool | int | str | float | tuple[str, ...]
@@ -38,6 +41,12 @@ class Flag:
     """llm-d's default, where only that value is accepted (``only_default``)."""
     only_default: str = ""
     """Why any other value is refused, and what to use instead."""
+    base: Literal[0, 10] = 0
+    """How llm-d reads an ``int`` flag's value: 0 as Go's int flags do (``strconv.ParseInt(s,
+    0, 64)``: ``0x``, ``0o``, ``0b``, octal ``0``, underscores), 10 as ``strconv.Atoi`` or
+    ``ParseInt(s, 10, bits)`` do (decimal only)."""
+    bits: int = 64
+    """The size of the signed integer an ``int`` flag's value must fit."""
 
 
 NOT_MORIIO = (
@@ -50,9 +59,15 @@ NOT_OFFLOADING = (
 )
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("port", "int", "SIDECAR_PORT"),
-    Flag("model-server-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT"),
-    Flag("vllm-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT (as --model-server-port)"),
+    # llm-d's ports are string flags, checked with strconv.Atoi: decimal only.
+    Flag("port", "int", "SIDECAR_PORT", base=10),
+    Flag("model-server-port", "int", "SIDECAR_DECODE_URL=http://127.0.0.1:PORT", base=10),
+    Flag(
+        "vllm-port",
+        "int",
+        "SIDECAR_DECODE_URL=http://127.0.0.1:PORT (as --model-server-port)",
+        base=10,
+    ),
     Flag(
         "data-parallel-size",
         "int",
@@ -254,7 +269,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("moriio-remote-hosts", "list", "refused unless empty (no MoRI-IO)", (), NOT_MORIIO),
     Flag("moriio-dp-size-local", "int", "refused unless 0 (no MoRI-IO)", 0, NOT_MORIIO),
     Flag("moriio-decode-hosts", "list", "refused unless empty (no MoRI-IO)", (), NOT_MORIIO),
-    Flag("v", "int", "SIDECAR_LOG_LEVEL: 4 and above DEBUG, else INFO"),
+    # klog's -v: strconv.ParseInt(s, 10, 32).
+    Flag("v", "int", "SIDECAR_LOG_LEVEL: 4 and above DEBUG, else INFO", base=10, bits=32),
     Flag(
         "zap-log-level",
         "string",
@@ -268,16 +284,6 @@ FLAGS: tuple[Flag, ...] = (
 """Every flag of llm-d's sidecar, in the order of its options.go, then the logging flags."""
 
 BY_NAME = {flag.name: flag for flag in FLAGS}
-
-GO_BOOL = {
-    "1": True, "t": True, "T": True, "true": True, "TRUE": True, "True": True,
-    "0": False, "f": False, "F": False, "false": False, "FALSE": False, "False": False,
-}  # fmt: skip
-"""strconv.ParseBool, which Go's flag packages use."""
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_DURATION_UNITS = {
-    "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0
-}  # fmt: skip
 
 
 def parse(argv: Sequence[str]) -> dict[str, Value]:
@@ -320,10 +326,11 @@ def _value(flag: Flag, text: str) -> Value:
             raise FlagError(f"invalid value {text!r} for --{flag.name}: true or false")
         return GO_BOOL[text]
     if flag.kind == "int":
-        try:
-            return int(text, 0)
-        except ValueError:
-            raise FlagError(f"invalid value {text!r} for --{flag.name}: an integer") from None
+        number = go_int(text, base=flag.base, bits=flag.bits)
+        if number is None:
+            what = "a decimal integer" if flag.base == 10 else "an integer"
+            raise FlagError(f"invalid value {text!r} for --{flag.name}: {what}")
+        return number
     if flag.kind == "duration":
         seconds = go_duration(text)
         if seconds is None:
@@ -334,22 +341,6 @@ def _value(flag: Flag, text: str) -> Value:
     if flag.kind == "list":
         return tuple(item.strip() for item in text.split(",") if item.strip())
     return text
-
-
-def go_duration(text: str) -> float | None:
-    """Seconds in a Go duration (``300ms``, ``1h2m``, ``-1.5s``, ``0``), or None."""
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    if body == "0":
-        return 0.0
-    position, total = 0, 0.0
-    while position < len(body):
-        match = _DURATION_PART.match(body, position)
-        if match is None:
-            return None
-        total += float(match[1]) * _DURATION_UNITS[match[2]]
-        position = match.end()
-    return sign * total if body else None
 
 
 def help_rows() -> list[tuple[str, str]]:

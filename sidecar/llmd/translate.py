@@ -20,7 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from sidecar import defaults
-from sidecar.llmd.flags import BY_NAME, GO_BOOL, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.llmd.flags import BY_NAME, NOT_OFFLOADING, FlagError, Value, parse
+from sidecar.llmd.goparse import GO_BOOL, go_int
 from sidecar.scheduling.endpoints import split_scheme
 
 LLMD_MODEL_SERVER_PORT = 8200
@@ -30,20 +31,19 @@ DECODE_HOST = URL(defaults.DECODE_URL).host or "127.0.0.1"
 POOL_GROUPS = ("inference.networking.k8s.io", "inference.networking.x-k8s.io")
 """The InferencePool API groups the pool watch knows (sidecar.security.poolwatch)."""
 STAGES = ("prefiller", "decoder", "encoder")
+# The values controller-runtime's zap flags take (pkg/log/zap/flags.go, v0.23.3, llm-d's), in
+# any case (it lowercases them).
 _ZAP_LEVELS = {
     # zap's "debug" is logr's V(1), below llm-d's own debug logging (V(4)): the model-service
     # chart's default --zap-log-level=debug is per-request-free INFO here, as it is in llm-d.
     "debug": "INFO",
     "info": "INFO",
-    "warn": "WARNING",
     "error": "ERROR",
-    "dpanic": "ERROR",
     "panic": "ERROR",
-    "fatal": "ERROR",
 }
 _ZAP_ENCODERS = ("json", "console")
 _ZAP_STACKTRACE_LEVELS = ("info", "error", "panic")
-_ZAP_TIME_ENCODINGS = ("epoch", "millis", "nano", "iso8601", "rfc3339", "rfc3339nano")
+_ZAP_TIME_ENCODINGS = ("epoch", "millis", "nanos", "iso8601", "rfc3339", "rfc3339nano")
 _ZAP_FORMATS = {
     "zap-encoder": _ZAP_ENCODERS,
     "zap-stacktrace-level": _ZAP_STACKTRACE_LEVELS,
@@ -422,7 +422,7 @@ def _logging(values: Mapping[str, Value], out: Translation) -> None:
         out.settings["log_level"] = level
     for name, allowed in _ZAP_FORMATS.items():
         value = values.get(name)
-        if value is not None and value not in allowed:
+        if value is not None and str(value).lower() not in allowed:
             raise FlagError(f"--{name}={value}: expected one of {', '.join(allowed)}")
     given = [f"--{name}" for name in _ZAP_FORMATS if name in values]
     if given:
@@ -455,16 +455,15 @@ def _metrics_cert_dir(values: Mapping[str, Value], out: Translation) -> None:
 
 
 def _zap_level(text: str) -> str:
-    lowered = text.strip().lower()
+    # controller-runtime: a level name in any case, else strconv.Atoi's decimal integer.
+    lowered = text.lower()
     if lowered in _ZAP_LEVELS:
         return _ZAP_LEVELS[lowered]
-    try:
-        verbosity = int(lowered)
-    except ValueError:
+    verbosity = go_int(text, base=10)
+    if verbosity is None:
         raise FlagError(
-            f"--zap-log-level={text}: expected debug, info, warn, error, panic or an integer "
-            "above 0"
-        ) from None
+            f"--zap-log-level={text}: expected debug, info, error, panic or an integer above 0"
+        )
     if verbosity <= 0:
         raise FlagError(f"--zap-log-level={text}: an integer level must be above 0")
     return "DEBUG" if verbosity >= _VERBOSE_DEBUG else "INFO"

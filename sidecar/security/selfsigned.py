@@ -1,47 +1,29 @@
 """A self-signed certificate for the listener, made at start (llm-d's ``--secure-proxy`` without
 ``--cert-path``).
 
-It encrypts and verifies nothing about who serves: a client must skip verification (kubelet's
-HTTPS probes do). It lives as long as the process: a new key each start, in a private temporary
-directory (``TMPDIR``, ``/tmp``; ``/dev/shm`` when the root filesystem is read-only), removed at
-exit. ``ServerTls`` loads it like any other pair of files.
+It encrypts and proves nothing about who serves: a client must skip verification (kubelet's
+HTTPS probes do). A new key each start, which exists in the process's memory only: it is never
+written to a file (``ServerTls.in_memory``), so no exit — a SIGKILL or an OOM kill included —
+leaves a private key behind, on a disk or in ``/dev/shm``.
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import ipaddress
-import os
-import shutil
 import socket
-import tempfile
+import ssl
+
+from sidecar.security.tls import ServerTls
 
 VALID_DAYS = 365
 
 
-def write_self_signed() -> tuple[str, str]:
-    """The certificate and key files of a new self-signed certificate for this host (and
-    localhost, 127.0.0.1, ::1); ``OSError`` when no temporary directory is writable."""
+def self_signed_tls(minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2) -> ServerTls:
+    """The listener's TLS with a new self-signed certificate for this host (and localhost,
+    127.0.0.1, ::1); ``OSError`` when it cannot be held in memory files."""
     cert_pem, key_pem = _make(socket.gethostname())
-    directory = _private_directory()
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    cert_file = os.path.join(directory, "tls.crt")
-    key_file = os.path.join(directory, "tls.key")
-    for path, data in ((cert_file, cert_pem), (key_file, key_pem)):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-    return cert_file, key_file
-
-
-def _private_directory() -> str:
-    try:
-        return tempfile.mkdtemp(prefix="pd-sidecar-tls-")
-    except OSError:
-        # A read-only root filesystem without an emptyDir on /tmp: the shared-memory tmpfs the
-        # container runtime mounts is still writable.
-        return tempfile.mkdtemp(prefix="pd-sidecar-tls-", dir="/dev/shm")
+    return ServerTls.in_memory(cert_pem, key_pem, minimum)
 
 
 def _make(hostname: str) -> tuple[bytes, bytes]:

@@ -24,15 +24,21 @@ with the old one is reused after a reload).
 
 ``FileWatch`` polls the files every ``SIDECAR_TLS_RELOAD_INTERVAL_S``: a few ``stat`` calls, in a
 worker thread like every file read here, so the event loop never waits for a disk.
+
+**A pair held in memory** (``ServerTls.in_memory``: the self-signed certificate) is never
+written to a file: OpenSSL reads certificates and keys from paths only, so it gets anonymous
+in-memory files (``memory_files``) by their ``/proc/self/fd`` paths, closed once read. Nothing
+watches or reloads such a pair, and nothing of it outlives the process, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 logger = logging.getLogger("sidecar.security.tls")
 
@@ -65,9 +71,55 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+@contextlib.contextmanager
+def memory_files(*contents: bytes, memfd: bool = True) -> Iterator[tuple[str, ...]]:
+    """Paths that read ``contents`` while the block runs, backed by memory only: each an
+    anonymous file (``memfd_create``), or where there is none (not Linux, or a seccomp profile
+    that denies it; or ``memfd=False``) a pipe, which holds a few KiB for one read. Closed at the
+    end of the block; nothing is ever written to a file system."""
+    fds: list[int] = []
+    directory = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    try:
+        for data in contents:
+            fds.append(_memory_file(data, memfd))
+        yield tuple(f"{directory}/{fd}" for fd in fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _memory_file(data: bytes, memfd: bool) -> int:
+    """A file descriptor that reads ``data``: an anonymous file, else a pipe's read end."""
+    fd = _anonymous_file() if memfd else None
+    if fd is None:
+        fd, write = os.pipe()
+        # Non-blocking: more than the pipe holds is an error, never a process stuck writing.
+        os.set_blocking(write, False)
+    else:
+        write = fd
+    try:
+        written = os.write(write, data)
+        if written != len(data):
+            raise OSError(f"wrote {written} of {len(data)} bytes to a memory file")
+    except OSError:
+        os.close(fd)
+        raise
+    finally:
+        if write != fd:
+            os.close(write)
+    return fd
+
+
+def _anonymous_file() -> int | None:
+    try:
+        return os.memfd_create("pd-sidecar-tls", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # not Linux, or denied (a seccomp profile)
+        return None
+
+
 class ServerTls:
     """The listener's TLS: ``context`` goes to the server once; ``reload()`` changes what new
-    handshakes get."""
+    handshakes get. Made from files (reloaded when they change), or ``in_memory``."""
 
     def __init__(
         self, cert_file: str, key_file: str, minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
@@ -75,13 +127,23 @@ class ServerTls:
         self._cert_file = cert_file
         self._key_file = key_file
         self._minimum = minimum
+        self.files: tuple[str, ...] = (cert_file, key_file)
+        """What ``reload()`` loads again, and a ``FileWatch`` watches; empty in memory."""
         self.context = self._build()
         self._current = self.context
         self.context.sni_callback = self._pick
 
-    @property
-    def files(self) -> tuple[str, ...]:
-        return (self._cert_file, self._key_file)
+    @classmethod
+    def in_memory(
+        cls, cert_pem: bytes, key_pem: bytes, minimum: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2
+    ) -> ServerTls:
+        """A pair that exists in this process's memory only (the self-signed certificate):
+        loaded through ``memory_files``, no files to watch, never reloaded. ``TlsFilesError``
+        when it does not load, ``OSError`` when no memory file can be made."""
+        with memory_files(cert_pem, key_pem) as (cert_path, key_path):
+            tls = cls(cert_path, key_path, minimum)
+        tls.files = ()
+        return tls
 
     def _build(self) -> ssl.SSLContext:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -101,8 +163,9 @@ class ServerTls:
 
     async def reload(self) -> None:
         """Load the files again; ``TlsFilesError`` (and the previous certificate kept) if they
-        do not load."""
-        self._current = await asyncio.to_thread(self._build)
+        do not load. A pair in memory stays as it is."""
+        if self.files:
+            self._current = await asyncio.to_thread(self._build)
 
 
 class ClientTls:

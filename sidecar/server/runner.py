@@ -30,6 +30,7 @@ from sidecar.connectors import ConnectorFactory
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
+from sidecar.security.tls import ServerTls
 from sidecar.server.binding import CannotListen as CannotListen
 from sidecar.server.binding import SocketFactory, bind, display, reachable
 from sidecar.server.drain import CUT_GRACE_S
@@ -108,15 +109,22 @@ async def start_sidecar(
     connector: ConnectorFactory | None = None,
     make_socket: SocketFactory = socket.socket,
     resolver: Resolver = system_resolver,
+    listener_tls: ServerTls | None = None,
 ) -> RunningSidecar:
-    """Serve ``create_app(settings, tracing=tracing, connector=connector, resolver=resolver)``
-    on its port (0 = a free one) until ``close()``. ``make_socket`` makes the listening sockets
-    (a test gives one that fails for IPv6); ``resolver`` plays the DNS behind
-    ``SIDECAR_PREFILL_DNS`` (a test gives its own).
+    """Serve ``create_app(settings, tracing=tracing, connector=connector, resolver=resolver,
+    listener_tls=listener_tls)`` on its port (0 = a free one) until ``close()``. ``make_socket``
+    makes the listening sockets (a test gives one that fails for IPv6); ``resolver`` plays the
+    DNS behind ``SIDECAR_PREFILL_DNS`` (a test gives its own).
 
     Raises ``CannotListen`` when a port cannot be bound, with every resource closed again.
     """
-    app = create_app(settings, tracing=tracing, connector=connector, resolver=resolver)
+    app = create_app(
+        settings,
+        tracing=tracing,
+        connector=connector,
+        resolver=resolver,
+        listener_tls=listener_tls,
+    )
     context = app[SERVER_TLS].context if SERVER_TLS in app else None
     admin_context = context if settings.admin_tls else None
     runner = ListenerRunner(
