@@ -130,7 +130,10 @@ def stored(ids: Sequence[int], salt: int) -> EventBatch:
 
 
 class _Connected:
-    """A subscriber stand-in: the fleet reads ``stats.connected`` (and ``close``)."""
+    """A subscriber stand-in: the fleet reads ``stats.connected``, ``catching_up`` (and
+    ``close``)."""
+
+    catching_up = False
 
     class stats:
         connected = True

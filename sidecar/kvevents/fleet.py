@@ -124,9 +124,14 @@ class _Engine:
 
     @property
     def synced(self) -> bool:
+        """Connected, a batch applied since the last reset, and not catching up (a replay being
+        read, a backlog: the index lacks what the engine published)."""
         subscriber = self.subscriber
         return (
-            subscriber is not None and subscriber.stats.connected and self.batches_since_reset > 0
+            subscriber is not None
+            and subscriber.stats.connected
+            and self.batches_since_reset > 0
+            and not subscriber.catching_up
         )
 
     @property
@@ -144,6 +149,8 @@ class _Engine:
             source=source,
             connected=stats.connected,
             lag_s=None if stats.lag_s is None else round(stats.lag_s, 6),
+            behind=stats.behind,
+            replaying=stats.replaying,
             blocks=len(self.index),
             events_applied=stats.events_total,
             batches_applied=stats.batches_applied_total,
@@ -539,6 +546,8 @@ def _describe(engine: EngineReport) -> dict[str, Any]:
         "subscribed": True,
         "connected": engine.connected,
         "lag_s": engine.lag_s,
+        "behind": engine.behind,
+        "replaying": engine.replaying,
         "blocks": engine.blocks,
         "events_applied": engine.events_applied,
         "batches_applied": engine.batches_applied,

@@ -17,8 +17,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from sidecar.kvevents.events import BlockRemoved, EventBatch
+from sidecar.engines.upstream import HttpClient
+from sidecar.kvevents.events import BlockRemoved, BlockStored, EventBatch
+from sidecar.kvevents.fleet import FleetOptions, KVFleet
+from sidecar.kvevents.index import PromptKeys
 from sidecar.kvevents.subscriber import QUEUE_BYTES, Backoff, ResetReason, Subscriber
+from sidecar.kvevents.tokens import TokenSource
 from sidecar.kvevents.wire import (
     DEFAULT_LIMITS,
     END_SEQ_FRAME,
@@ -28,8 +32,14 @@ from sidecar.kvevents.wire import (
     encode_message,
     encode_seq,
 )
+from sidecar.observability.kv_metrics import (
+    SOURCE_APPROXIMATE,
+    SOURCE_EVENTS,
+    KVEventsCollector,
+)
 
 from .helpers import WAIT_S, RawPublisher, Recorder
+from .test_silent_publisher import until
 
 MIB = 1024 * 1024
 FAIL_S = 5.0
@@ -300,6 +310,88 @@ async def test_a_replay_that_trickles_ends_at_its_deadline() -> None:
     assert 1 <= replayed < 100  # a few tens of batches in 0.3 s, then the deadline
     assert recorder.items[-2:] == [ResetReason.GAP, empty(1000)]
     assert subscriber.stats.replays_cut_total == 1
+
+
+def behind_metric(fleet: KVFleet) -> float:
+    """``pd_sidecar_kv_events_behind_batches`` of decode rank 0, as the collector gives it."""
+    for family in KVEventsCollector(fleet.report).collect():
+        if family.name == "pd_sidecar_kv_events_behind_batches":
+            [sample] = family.samples
+            assert sample.labels == {"engine": "decode:0"}
+            return float(sample.value)
+    raise AssertionError("no pd_sidecar_kv_events_behind_batches")
+
+
+async def test_an_engine_behind_its_publisher_is_approximate_and_shows_its_lag() -> None:
+    """A decode rank in sync, then a gap of 299 batches whose replay trickles: while it lasts
+    the rank's index is not used (approximate), and how far behind it is shows; once the
+    replay stops making progress it ends, and a reset and the live batch put it back in
+    sync."""
+    raw = RawPublisher()
+    stored = BlockStored((7,), None, tuple(range(16)), 16)
+    keys = PromptKeys(tuple(range(40)))
+    released = asyncio.Event()
+
+    async def trickle_until_released(router: zmq.asyncio.Socket, identity: bytes) -> None:
+        seq = 1
+        while not released.is_set():
+            await router.send_multipart([identity, b"", *encode_message(empty(seq))])
+            seq += 1
+            await asyncio.sleep(0.02)
+        while True:  # then the last one again and again: no progress
+            await router.send_multipart([identity, b"", *encode_message(empty(seq - 1))])
+            await asyncio.sleep(0.02)
+
+    client = HttpClient(connect_timeout_s=1.0)
+    try:
+        async with hostile_replay(trickle_until_released) as replay_port:
+            fleet = KVFleet(
+                FleetOptions(
+                    port=0,
+                    replay_port=None,
+                    topic="",
+                    decode_hosts=("127.0.0.1",),
+                    decode_port=raw.port,
+                    decode_replay_port=replay_port,
+                    cpu_weight=0.8,
+                    storage_weight=0.5,
+                    max_blocks=1000,
+                ),
+                tokens=TokenSource(client, "http://127.0.0.9:1", timeout_s=1.0),
+                subscriber_options={"replay_timeout_s": 0.2},
+            )
+            await fleet.start()
+            try:
+                await raw.wait_subscribed()
+                raw.send(encode_message(EventBatch(seq=0, ts=1.0, events=(stored,))))
+                await until(lambda: fleet.lookup_rank(0, keys) is not None, "in sync")
+                [report] = fleet.report().engines
+                assert (report.source, report.behind, report.replaying) == (SOURCE_EVENTS, 0, False)
+
+                raw.send(encode_message(empty(300)))  # a gap of 1..299, replayed slowly
+                await until(lambda: fleet.report().engines[0].batches_applied >= 3, "replaying")
+                [report] = fleet.report().engines
+                assert report.replaying
+                assert report.source == SOURCE_APPROXIMATE
+                assert 200 < report.behind < 299  # published up to 300, applied up to a few
+                assert fleet.lookup_rank(0, keys) is None  # the stale index is not used
+                shown = fleet.status()["decode_ranks"][0]
+                assert (shown["source"], shown["replaying"]) == (SOURCE_APPROXIMATE, True)
+                assert 200 < shown["behind"] < 299
+                assert 200 < behind_metric(fleet) < 299
+
+                released.set()  # the replay makes no progress: it ends, a reset, then 300
+                await until(
+                    lambda: fleet.report().engines[0].source == SOURCE_EVENTS, "in sync again"
+                )
+                [report] = fleet.report().engines
+                assert (report.behind, report.replaying) == (0, False)
+                assert report.resets["gap"] == 1
+            finally:
+                await fleet.close()
+    finally:
+        raw.close()
+        await client.close()
 
 
 async def test_the_subscription_is_read_during_a_replay_and_applied_after_it() -> None:
