@@ -53,6 +53,8 @@ class EngineReport:
     behind: int = 0
     """Batches the engine published that its index lacks: a gap being replayed, a backlog."""
     replaying: bool = False
+    adapters: int = 0
+    """LoRA adapters its own events named."""
 
 
 @dataclass(frozen=True, slots=True)

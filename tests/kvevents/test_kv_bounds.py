@@ -19,8 +19,7 @@ import zmq.asyncio
 
 from sidecar.engines.upstream import HttpClient
 from sidecar.kvevents.events import BlockRemoved, BlockStored, EventBatch
-from sidecar.kvevents.fleet import FleetOptions, KVFleet
-from sidecar.kvevents.index import PromptKeys
+from sidecar.kvevents.fleet import FleetOptions, KVFleet, RequestKeys
 from sidecar.kvevents.subscriber import QUEUE_BYTES, Backoff, ResetReason, Subscriber
 from sidecar.kvevents.tokens import TokenSource
 from sidecar.kvevents.wire import (
@@ -329,7 +328,7 @@ async def test_an_engine_behind_its_publisher_is_approximate_and_shows_its_lag()
     sync."""
     raw = RawPublisher()
     stored = BlockStored((7,), None, tuple(range(16)), 16)
-    keys = PromptKeys(tuple(range(40)))
+    keys = RequestKeys(tuple(range(40)), None, None)
     released = asyncio.Event()
 
     async def trickle_until_released(router: zmq.asyncio.Socket, identity: bytes) -> None:
