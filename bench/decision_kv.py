@@ -130,7 +130,10 @@ def stored(ids: Sequence[int], salt: int) -> EventBatch:
 
 
 class _Connected:
-    """A subscriber stand-in: the fleet reads ``stats.connected`` (and ``close``)."""
+    """A subscriber stand-in: the fleet reads ``stats.connected``, ``catching_up`` (and
+    ``close``)."""
+
+    catching_up = False
 
     class stats:
         connected = True
@@ -179,11 +182,10 @@ def fleet_in_sync(tokens: GivenIds) -> KVFleet:
         max_blocks=200_000,
     )
     fleet = KVFleet(options, tokens=tokens)  # type: ignore[arg-type]
-    adapters = fleet._adapters
     names = [str(endpoint) for endpoint in pool()] + [decode_engine(0)]
     engines = []
     for n, name in enumerate(names):
-        engine = _Engine(name, KVIndex(max_blocks=options.max_blocks), adapters)
+        engine = _Engine(name, KVIndex(max_blocks=options.max_blocks))
         engine.subscriber = _Connected()  # type: ignore[assignment]
         for f in range(FILLER):
             engine.apply(stored(filler_ids(n * 1000 + f), 10**6 * n + f))

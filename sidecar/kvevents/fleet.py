@@ -57,8 +57,8 @@ from sidecar.scheduling.placement import Placement
 log = logging.getLogger("sidecar.kvevents.fleet")
 
 MAX_ADAPTERS = 256
-"""LoRA adapter names remembered from the events (``lora_name``): a request whose ``model``
-is one of them is looked up as that adapter's."""
+"""LoRA adapter names one engine's events named (``lora_name``), the most recent kept: a
+request whose ``model`` is one of them is looked up in that engine's index as that adapter's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,22 +94,51 @@ class FleetOptions:
         )
 
 
+class RequestKeys:
+    """A request's keys for every index it is looked up in: its token ids and cache salt, and
+    the adapter its ``model`` names *for the engine looked up* — that engine's, if its own
+    events named an adapter so, else the base model. At most two ``PromptKeys`` (the base
+    model's, the adapter's), each computed once and shared by the engines that key the request
+    the same way."""
+
+    __slots__ = ("_adapter", "_base", "model", "salt", "token_ids")
+
+    def __init__(self, token_ids: Sequence[int], model: str | None, salt: str | None) -> None:
+        self.token_ids = token_ids
+        self.model = model
+        self.salt = salt
+        self._base: PromptKeys | None = None
+        self._adapter: PromptKeys | None = None
+
+    def keys_for(self, adapters: Mapping[str, None]) -> PromptKeys:
+        """The keys in the index of an engine whose adapters are ``adapters``."""
+        if self.model is not None and self.model in adapters:
+            if self._adapter is None:
+                self._adapter = PromptKeys(self.token_ids, lora=self.model, salt=self.salt)
+            return self._adapter
+        if self._base is None:
+            self._base = PromptKeys(self.token_ids, salt=self.salt)
+        return self._base
+
+
 class _Engine:
-    """One engine's index and subscriber; the subscriber's consumer."""
+    """One engine's index, subscriber and LoRA adapters; the subscriber's consumer."""
 
-    __slots__ = ("_adapters", "batches_since_reset", "index", "name", "subscriber")
+    __slots__ = ("adapters", "batches_since_reset", "index", "name", "subscriber")
 
-    def __init__(self, name: str, index: KVIndex, adapters: OrderedDict[str, None]) -> None:
+    def __init__(self, name: str, index: KVIndex) -> None:
         self.name = name
         self.index = index
-        self._adapters = adapters
+        self.adapters: OrderedDict[str, None] = OrderedDict()
+        """The adapters this engine's events named (``MAX_ADAPTERS``, most recent kept): kept
+        across resets, so that a request for one never matches the base model's blocks."""
         self.batches_since_reset = 0
         self.subscriber: Subscriber | None = None
 
     def apply(self, batch: EventBatch) -> None:
         self.index.apply(batch)
         self.batches_since_reset += 1
-        adapters = self._adapters
+        adapters = self.adapters
         for event in batch.events:
             if isinstance(event, BlockStored) and event.lora_name is not None:
                 adapters[event.lora_name] = None
@@ -124,10 +153,18 @@ class _Engine:
 
     @property
     def synced(self) -> bool:
+        """Connected, a batch applied since the last reset, and not catching up (a replay being
+        read, a backlog: the index lacks what the engine published)."""
         subscriber = self.subscriber
         return (
-            subscriber is not None and subscriber.stats.connected and self.batches_since_reset > 0
+            subscriber is not None
+            and subscriber.stats.connected
+            and self.batches_since_reset > 0
+            and not subscriber.catching_up
         )
+
+    def lookup(self, prompt: RequestKeys) -> Hit:
+        return self.index.lookup(prompt.keys_for(self.adapters))
 
     @property
     def ever_connected(self) -> bool:
@@ -144,6 +181,9 @@ class _Engine:
             source=source,
             connected=stats.connected,
             lag_s=None if stats.lag_s is None else round(stats.lag_s, 6),
+            adapters=len(self.adapters),
+            behind=stats.behind,
+            replaying=stats.replaying,
             blocks=len(self.index),
             events_applied=stats.events_total,
             batches_applied=stats.batches_applied_total,
@@ -183,16 +223,16 @@ class _Member:
         counted = self.counted()
         return bool(counted) and all(engine.synced for engine in counted)
 
-    def lookup(self, prompt: PromptKeys, value: Callable[[Hit], float]) -> Hit | None:
+    def lookup(self, prompt: RequestKeys, value: Callable[[Hit], float]) -> Hit | None:
         """What the member can be counted on to hold of ``prompt`` (the hit of least ``value``
         among its counted ranks); None when it is not in sync."""
         ranks = self.ranks
         if len(ranks) == 1:  # the common case, at the cost it had before ranks
             engine = ranks[0]
-            return engine.index.lookup(prompt) if engine.synced else None
+            return engine.lookup(prompt) if engine.synced else None
         if not self.synced:
             return None
-        hits = [engine.index.lookup(prompt) for engine in self.counted()]
+        hits = [engine.lookup(prompt) for engine in self.counted()]
         return min(hits, key=value)
 
     def reports(self) -> list[EngineReport]:
@@ -222,7 +262,7 @@ class PromptLookup:
     __slots__ = ("_fleet", "keys", "seconds", "sources", "tokens")
 
     def __init__(
-        self, fleet: KVFleet, keys: PromptKeys | None, tokens: int | None, seconds: float | None
+        self, fleet: KVFleet, keys: RequestKeys | None, tokens: int | None, seconds: float | None
     ) -> None:
         self._fleet = fleet
         self.keys = keys
@@ -276,7 +316,6 @@ class KVFleet:
         self.options = options
         self.tokens = tokens
         self._subscriber_options = dict(subscriber_options or {})
-        self._adapters: OrderedDict[str, None] = OrderedDict()
         self._prefill: dict[str, _Member] = {}
         self._ranks: list[_Engine | None] = []
         self.lookups: Counter[str] = Counter()
@@ -345,7 +384,7 @@ class KVFleet:
                 self._prefill[key] = _Member(key, tuple(ranks))
 
     async def _subscribe(self, name: str, host: str, port: int, replay: int | None) -> _Engine:
-        engine = _Engine(name, KVIndex(max_blocks=self.options.max_blocks), self._adapters)
+        engine = _Engine(name, KVIndex(max_blocks=self.options.max_blocks))
         subscriber = Subscriber(
             host=host,
             port=port,
@@ -372,27 +411,27 @@ class KVFleet:
         engine = self._ranks[rank] if 0 <= rank < len(self._ranks) else None
         return engine if engine is not None and engine.synced else None
 
-    def prompt_keys(self, token_ids: Sequence[int], body: Mapping[str, Any]) -> PromptKeys:
-        """The request's keys: its adapter (its ``model``, when the events named it as one)
-        and its ``cache_salt``."""
+    def prompt_keys(self, token_ids: Sequence[int], body: Mapping[str, Any]) -> RequestKeys:
+        """The request's keys: its ``model`` (an adapter's name for each engine whose own
+        events named it so) and its ``cache_salt``."""
         model = body.get("model")
         salt = body.get("cache_salt")
-        return PromptKeys(
+        return RequestKeys(
             token_ids,
-            lora=model if isinstance(model, str) and model in self._adapters else None,
-            salt=salt if isinstance(salt, str) and salt else None,
+            model if isinstance(model, str) else None,
+            salt if isinstance(salt, str) and salt else None,
         )
 
-    def lookup(self, key: str, prompt: PromptKeys) -> Hit | None:
+    def lookup(self, key: str, prompt: RequestKeys) -> Hit | None:
         """What pool member ``key`` holds of ``prompt`` (with data-parallel ranks: the least
         any of them holds); None when it is not in sync."""
         member = self._prefill.get(key)
         return None if member is None else member.lookup(prompt, self.cached_tokens)
 
-    def lookup_rank(self, rank: int, prompt: PromptKeys) -> Hit | None:
+    def lookup_rank(self, rank: int, prompt: RequestKeys) -> Hit | None:
         """What decode rank ``rank`` holds of ``prompt``; None when its index is not in sync."""
         engine = self._rank(rank)
-        return None if engine is None else engine.index.lookup(prompt)
+        return None if engine is None else engine.lookup(prompt)
 
     async def prompt(self, body: Mapping[str, Any], *, ask: bool) -> PromptLookup | None:
         """The look-ups of a request's decision, or None when no engine's index is in sync
@@ -493,7 +532,6 @@ class KVFleet:
             },
             "lookups": dict(report.lookups),
             "last_decision": self.last_decision,
-            "adapters_seen": len(self._adapters),
         }
 
     @staticmethod
@@ -539,6 +577,9 @@ def _describe(engine: EngineReport) -> dict[str, Any]:
         "subscribed": True,
         "connected": engine.connected,
         "lag_s": engine.lag_s,
+        "behind": engine.behind,
+        "replaying": engine.replaying,
+        "adapters": engine.adapters,
         "blocks": engine.blocks,
         "events_applied": engine.events_applied,
         "batches_applied": engine.batches_applied,

@@ -27,12 +27,20 @@ Sequence numbers (vLLM's ``ZmqEventPublisher``: consecutive from 0 per publisher
   with ``expected`` 0: a replay from 0 rebuilds the exact state while the engine's history fits
   its replay buffer.
 
-Bounded memory: a message is at most ``WireLimits.max_payload_bytes`` (larger ones are refused
-by ZMQ before allocation at four times that), ZMQ's receive queues (the subscription's, the
-replay's) hold ``rcvhwm`` messages each, the queue to the consumer ``queue_size`` batches. A live
-batch that finds the queue full drops the pending batches (counted) for ``reset(QUEUE_FULL)``:
-the index forgets rather than lags; replayed batches, and the ``rcvhwm`` live ones that follow a
-replay (what ZMQ queued meanwhile), wait for room instead. A replay keeps nothing of its own.
+Bounded memory (``docs/kv-events.md``, Bounds): ZMQ refuses a frame over
+``WireLimits.max_payload_bytes`` (``ZMQ_MAXMSGSIZE``) while receiving it and ends that
+connection; its receive queues (the subscription's, the replay's) hold ``rcvhwm`` messages each,
+sized from ``SOCKET_BYTES``; the queue to the consumer (``backlog.Backlog``) ``queue_size``
+batches and ``queue_bytes`` of them decoded (``wire.decoded_bytes``), plus one. A live batch
+that finds the queue full drops the pending batches (counted) for ``reset(QUEUE_FULL)``: the
+index forgets rather than lags; replayed batches, and the live ones that follow a replay (what
+the engine published meanwhile, up to ``_PATIENT_AFTER_REPLAY``), wait for room instead. A
+replay keeps nothing of its own, and ends ``replay_timeout_s`` after its last progress (a batch
+it already had, repeated, is none, and is not even decoded) or at ``replay_deadline_s``.
+
+An engine is *catching up* while a replay is read or more than ``max_behind`` batches it
+published (as far as read) are not applied: its index lacks what the engine holds, and the fleet
+uses the approximate index for it meanwhile (``stats.behind``, ``stats.replaying``).
 
 The event loop keeps the turn: decoding is bounded per message (``wire.py``), and each task
 gives the loop back after ``_WAKE_BYTES`` of payload or ``_DRAIN_PER_WAKE`` messages read (the
@@ -50,8 +58,9 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -61,6 +70,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from sidecar.kvevents.backlog import Backlog
 from sidecar.kvevents.events import AllBlocksCleared, EventBatch
 from sidecar.kvevents.wire import (
     DEFAULT_LIMITS,
@@ -69,6 +79,7 @@ from sidecar.kvevents.wire import (
     WireLimits,
     decode_message,
     decode_seq,
+    decoded_bytes,
     encode_seq,
 )
 
@@ -85,6 +96,24 @@ would not spare the loop); one larger message is a turn of its own."""
 _APPLY_EVENTS = 2048
 """Events (blocks) applied per turn: the index costs 6–17 µs a block on a loaded machine
 (``docs/benchmarks.md``), a turn 10–35 ms; one larger batch is a turn of its own."""
+SOCKET_BYTES = 24 * 1024 * 1024
+"""What one ZMQ socket of a subscriber (the subscription's, the replay's) may hold queued, in
+messages of three frames at the frame limit (``ZMQ_MAXMSGSIZE``, the payload limit): the
+receive high-water mark is this over ``3 * max_payload_bytes`` (4 with the defaults). A small
+mark costs an honest engine nothing: what the subscriber has not read yet waits in TCP's
+buffers and in the engine's PUB queue (vLLM: 100,000 messages), on the engine's side."""
+_PATIENT_AFTER_REPLAY = 1000
+"""Live batches after a replay that wait for room in the queue rather than make way for a reset:
+what the engine published while the replay was read (a lag, shown as ``behind``, not memory:
+the receive task waits, and the backlog stays in the sockets' bounded queues and on the
+engine's side)."""
+LIVE_HOLD_BYTES = 8 * 1024 * 1024
+"""What the subscription brings while a replay is read, kept undecoded (frames' bytes) to be
+taken in order after it; beyond it messages are dropped, counted, and replayed after."""
+QUEUE_BYTES = 16 * 1024 * 1024
+"""The decoded batches the queue to the consumer may hold (``wire.decoded_bytes``), besides
+its count of batches."""
+_RESET_BYTES = 64
 _CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _LOST = (
     zmq.EVENT_DISCONNECTED
@@ -149,6 +178,19 @@ class SubscriberStats:
     lag_s: float | None = None
     """The engine's timestamp of the last applied batch against the clock, seconds."""
     queued: int = 0
+    queued_bytes: int = 0
+    """The decoded size of what is queued (``wire.decoded_bytes``)."""
+    queued_bytes_peak: int = 0
+    """The most ``queued_bytes`` ever was."""
+    held_bytes_peak: int = 0
+    """The most bytes the subscription brought while a replay was read (``LIVE_HOLD_BYTES``)."""
+    behind: int = 0
+    """Batches the engine published (as far as the subscriber has read) that are not applied
+    yet: a gap being replayed, the queue's backlog."""
+    replaying: bool = False
+    """A replay is being read: the index lacks the batches of the gap until it ends."""
+    replays_cut_total: int = 0
+    """Replays ended by their deadline or for want of progress (then a ``gap`` reset)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +231,10 @@ class Subscriber:
 
     ``replay_port`` None: gaps cannot be replayed (each is a reset). ``sleep`` (the backoff's
     waits) and ``clock`` (wall seconds, for the lag) are injectable; so is ``context``, the ZMQ
-    context (default: the process's shared one, never terminated here).
+    context (default: the process's shared one, never terminated here). ``rcvhwm`` None: from
+    ``SOCKET_BYTES`` and the payload limit. A replay ends ``replay_timeout_s`` after its last
+    progress (a repeated or earlier batch is none) and ``replay_deadline_s`` after it began,
+    whatever it sends.
     """
 
     def __init__(
@@ -202,11 +247,14 @@ class Subscriber:
         topic: str = "",
         limits: WireLimits = DEFAULT_LIMITS,
         queue_size: int = 1024,
+        queue_bytes: int = QUEUE_BYTES,
         max_replay_batches: int = 10_000,
         replay_timeout_s: float = 2.0,
+        replay_deadline_s: float = 30.0,
+        max_behind: int = _DRAIN_PER_WAKE,
         connect_timeout_s: float = 5.0,
         heartbeat_s: float = 5.0,
-        rcvhwm: int = 1000,
+        rcvhwm: int | None = None,
         backoff: Backoff = Backoff(),
         sleep: Sleep = asyncio.sleep,
         clock: Clock = time.time,
@@ -222,17 +270,27 @@ class Subscriber:
         self._limits = limits
         self._max_replay = max_replay_batches
         self._replay_timeout_s = replay_timeout_s
+        self._replay_deadline_s = replay_deadline_s
+        self._max_behind = max_behind
         self._connect_timeout_s = connect_timeout_s
         self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
-        self._rcvhwm = rcvhwm
+        self._rcvhwm = (
+            max(1, SOCKET_BYTES // (3 * limits.max_payload_bytes)) if rcvhwm is None else rcvhwm
+        )
         self._backoff = backoff
         self._sleep = sleep
         self._clock = clock
         self._context = context or zmq.asyncio.Context.instance()
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue(queue_size)
+        self._queue: Backlog[_Item] = Backlog(queue_size, queue_bytes)
         self._expected = 0
+        self._seen = -1
+        """The highest sequence number read from the subscription (this publisher's)."""
+        self._applied = -1
+        """The sequence number of the last batch applied (-1: none since a reset)."""
         self._patient = 0
         """Live batches still to wait for room: those ZMQ queued while a replay was read."""
+        self._held: deque[list[bytes]] = deque()
+        self._held_bytes = 0
         self._turn_bytes = self._turn_messages = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._delays = backoff.delays()
@@ -274,21 +332,31 @@ class Subscriber:
             first = False
             await self._sleep(next(self._delays))
 
-    def _subscribe_socket(self) -> zmq.asyncio.Socket:
+    def subscription_socket(self) -> zmq.asyncio.Socket:
+        """A new SUB socket as a session uses it, not connected (the caller closes it)."""
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, -1)  # reconnection is ours, with its backoff
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._limits.max_payload_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes)
         sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
         sock.setsockopt(zmq.IPV6, int(self._ipv6))
         sock.setsockopt(zmq.SUBSCRIBE, self._topic)
         return sock
 
+    def replay_socket(self) -> zmq.asyncio.Socket:
+        """A new DEALER socket as a replay uses it, not connected (the caller closes it)."""
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, int(self._ipv6))
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes)
+        dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        return dealer
+
     async def _session(self, first: bool) -> None:
         """One connection: connect, then receive until it is lost (raises :class:`_Lost`)."""
-        sub = self._subscribe_socket()
+        sub = self.subscription_socket()
         monitor = sub.get_monitor_socket()
         try:
             sub.connect(self.endpoint)
@@ -298,6 +366,7 @@ class Subscriber:
             if not first:
                 await self._put(_Reset(ResetReason.RECONNECTED))
             self._expected = 0  # a new subscription: what came before it is replayed or reset
+            self._seen = -1
             self._delays = self._backoff.delays()  # the next failure waits the initial delay
             await self._receive(sub, monitor)
         finally:
@@ -326,25 +395,51 @@ class Subscriber:
             raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
 
     async def _receive(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        live = _Live(sub, monitor)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        # Reads happen on the socket's synchronous twin: no future per message.
-        plain_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-        plain_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        self._held.clear()
+        self._held_bytes = 0
         while True:
             ready = dict(await poller.poll())
             if monitor in ready:
-                self._check_monitor(plain_monitor)
+                self._check_monitor(live.plain_monitor)
             if sub in ready:
                 while True:
                     try:
-                        frames = plain_sub.recv_multipart(zmq.NOBLOCK)
+                        frames = live.plain_sub.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    await self._on_message(frames)
+                    await self._on_message(frames, live)
+                    while self._held:  # what came while a replay was read, in order
+                        held = self._held.popleft()
+                        self._held_bytes -= _size(held)
+                        await self._on_message(held, live)
+                        await self._pace(held)
                     if await self._pace(frames):
                         break  # the loop had its turn: poll again
+
+    def _hold(self, live: _Live) -> None:
+        """During a replay: read what the subscription has (so that ZMQ keeps reading the
+        connection, heartbeats included), keep it undecoded up to ``LIVE_HOLD_BYTES``, and
+        note the newest sequence number; past the bound a message is dropped and counted
+        (``queue_full``): the gap it leaves is replayed after."""
+        for _ in range(_DRAIN_PER_WAKE):
+            try:
+                frames = live.plain_sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            seq = _seq_of(frames[1]) if len(frames) == 3 else None
+            if seq is not None and seq > self._seen:
+                self._seen = seq
+            size = _size(frames)
+            if self._held_bytes + size <= LIVE_HOLD_BYTES:
+                self._held.append(frames)
+                self._held_bytes += size
+                self.stats.held_bytes_peak = max(self.stats.held_bytes_peak, self._held_bytes)
+            else:
+                self.stats.drops_total[DropReason.QUEUE_FULL] += 1
 
     async def _pace(self, frames: list[bytes]) -> bool:
         """Count a message read; past the turn's budget, give the loop its turn (True)."""
@@ -376,7 +471,7 @@ class Subscriber:
             log.debug("KV events from %s: dropped a message: %s", self.endpoint, exc)
             return None
 
-    async def _on_message(self, frames: list[bytes]) -> None:
+    async def _on_message(self, frames: list[bytes], live: _Live) -> None:
         batch = self._decode(frames)
         if batch is None:
             return
@@ -384,10 +479,15 @@ class Subscriber:
         if batch.seq < self._expected:
             self._push(_Reset(ResetReason.RESTARTED))
             self._expected = 0
+            self._seen = -1
+        self._seen = max(self._seen, batch.seq)
+        self._count_behind()
         if batch.seq > self._expected:
             self.stats.gaps_total += 1
-            await self._fill_gap(batch.seq)
-            self._patient = self._rcvhwm + 1  # seq, then what ZMQ queued during the replay
+            await self._fill_gap(batch.seq, live)
+            # seq, then what the engine published during the replay: held, queued in ZMQ and
+            # TCP on both sides, which a drop would waste the replay on.
+            self._patient = _PATIENT_AFTER_REPLAY + 1 + len(self._held)
         if self._patient:
             self._patient -= 1
             await self._put(batch)
@@ -395,76 +495,125 @@ class Subscriber:
             self._push(batch)
         self._expected = batch.seq + 1
 
-    async def _fill_gap(self, seq: int) -> None:
+    async def _fill_gap(self, seq: int, live: _Live) -> None:
         """Replay ``[expected, seq)`` into the queue as it arrives; a reset before a batch that
         does not follow the one before it, and before ``seq`` when the replay stops short."""
         start = max(self._expected, seq - self._max_replay)
         if self._max_replay and self.replay_endpoint is not None:
-            async with contextlib.aclosing(self._replay(start, seq)) as replayed:
-                async for batch in replayed:
-                    if batch.seq != self._expected:
-                        await self._put(_Reset(ResetReason.GAP))
-                    await self._put(batch)
-                    self._expected = batch.seq + 1
+            self.stats.replaying = True
+            try:
+                async with contextlib.aclosing(self._replay(start, seq, live)) as replayed:
+                    async for batch in replayed:
+                        if batch.seq != self._expected:
+                            await self._put(_Reset(ResetReason.GAP))
+                        await self._put(batch)
+                        self._expected = batch.seq + 1
+            finally:
+                self.stats.replaying = False
         if self._expected != seq:
             await self._put(_Reset(ResetReason.GAP))
 
-    async def _replay(self, start: int, stop: int) -> AsyncGenerator[EventBatch, None]:
+    async def _replay(self, start: int, stop: int, live: _Live) -> AsyncGenerator[EventBatch, None]:
         """The batches ``[start, stop)`` the replay socket still has, in order (maybe none),
-        as they arrive; each reply within ``replay_timeout_s`` of the one before."""
+        as they arrive; each new one within ``replay_timeout_s`` of the one before (a batch
+        already had, repeated, is no progress), all within ``replay_deadline_s``. Meanwhile the
+        subscription is read into the hold (``_hold``) and its monitor watched."""
         assert self.replay_endpoint is not None
         self.stats.replays_total += 1
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IPV6, int(self._ipv6))
-        dealer.setsockopt(zmq.MAXMSGSIZE, 4 * self._limits.max_payload_bytes)
-        dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        dealer = self.replay_socket()
+        plain_dealer: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
+        poller = zmq.asyncio.Poller()
+        for sock in (dealer, live.sub, live.monitor):
+            poller.register(sock, zmq.POLLIN)
         last = start - 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_deadline_s
+        stalled = loop.time() + self._replay_timeout_s
         try:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", encode_seq(start)])
             # Replies past the gap come through the subscription too: read up to stop - 1.
             while last < stop - 1:
-                async with asyncio.timeout(self._replay_timeout_s):  # not wait_for: see _handshake
-                    frames = await dealer.recv_multipart()
+                left = min(deadline, stalled) - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                ready = dict(await poller.poll(max(1, math.ceil(left * 1000))))
+                if live.monitor in ready:
+                    self._check_monitor(live.plain_monitor)  # a lost connection ends it all
+                if live.sub in ready:
+                    self._hold(live)
+                if dealer not in ready:
+                    continue
+                try:
+                    frames = plain_dealer.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
                 if len(frames) == 4 and frames[0] == b"" and _is_end(frames[2]):
                     break
                 if len(frames) != 4 or frames[0] != b"":
                     self.stats.drops_total[DropReason.FRAMES] += 1
                     break
-                batch = self._decode(frames[1:])
-                if batch is None or batch.seq >= stop:
+                seq = _seq_of(frames[2])
+                if seq is None or seq >= stop:
+                    if seq is None:
+                        self.stats.drops_total[DropReason.SEQ] += 1
                     break
                 await self._pace(frames)
-                if batch.seq > last:  # in order; a repeat or an earlier one is ignored
-                    last = batch.seq
-                    self.stats.replayed_batches_total += 1
-                    yield batch
+                if seq <= last:  # a repeat or an earlier one: no progress, not even decoded
+                    continue
+                batch = self._decode(frames[1:])
+                if batch is None:
+                    break
+                last = batch.seq
+                self.stats.replayed_batches_total += 1
+                yield batch
+                stalled = loop.time() + self._replay_timeout_s  # after the queue had room
         except TimeoutError:
-            log.info("KV events from %s: replay from %d timed out", self.endpoint, start)
+            self.stats.replays_cut_total += 1
+            log.info(
+                "KV events from %s: replay from %d ended at %d of %d (%s)",
+                self.endpoint,
+                start,
+                last + 1,
+                stop,
+                "deadline" if loop.time() >= deadline else "no progress",
+            )
         finally:
             dealer.close(linger=0)
 
     async def _put(self, item: _Item) -> None:
         """Queue for the consumer, waiting for room (a replay: memory stays the queue's)."""
-        await self._queue.put(item)
-        self.stats.queued = self._queue.qsize()
+        await self._queue.put(item, _cost(item))
+        self._count_queued()
 
     def _push(self, item: _Item) -> None:
         """Queue for the consumer; when full, the pending batches make way for a reset."""
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
+        cost = _cost(item)
+        if not self._queue.put_nowait(item, cost):
             dropped = 0
             while not self._queue.empty():
                 if isinstance(self._queue.get_nowait(), EventBatch):
                     dropped += 1
                 self._queue.task_done()
             self.stats.drops_total[DropReason.QUEUE_FULL] += dropped
-            self._queue.put_nowait(_Reset(ResetReason.QUEUE_FULL))
+            self._queue.put_nowait(_Reset(ResetReason.QUEUE_FULL), _RESET_BYTES)
             if isinstance(item, EventBatch):  # true of the engine after the reset: kept
-                self._queue.put_nowait(item)
+                self._queue.put_nowait(item, cost, force=True)
+        self._count_queued()
+
+    def _count_queued(self) -> None:
         self.stats.queued = self._queue.qsize()
+        self.stats.queued_bytes = self._queue.bytes
+        self.stats.queued_bytes_peak = self._queue.peak_bytes
+
+    def _count_behind(self) -> None:
+        self.stats.behind = max(0, self._seen - self._applied)
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether the index lacks what the engine published: a replay is being read, or more
+        than ``max_behind`` batches read are not applied yet."""
+        return self.stats.replaying or self.stats.behind > self._max_behind
 
     # -- apply -----------------------------------------------------------------------------
 
@@ -481,7 +630,8 @@ class Subscriber:
                 except asyncio.QueueEmpty:
                     break
                 events += self._apply(item)
-            self.stats.queued = self._queue.qsize()
+            self._count_queued()
+            self._count_behind()
             await asyncio.sleep(0)
 
     def _apply(self, item: _Item) -> int:
@@ -489,9 +639,11 @@ class Subscriber:
         events = 1
         try:
             if isinstance(item, _Reset):
+                self._applied = -1
                 self.stats.resets_total[item.reason] += 1
                 self._consumer.reset(item.reason)
             else:
+                self._applied = item.seq
                 events = batch_events(item)
                 self._consumer.apply(item)
                 self.stats.batches_applied_total += 1
@@ -509,6 +661,35 @@ class Subscriber:
     async def drained(self) -> None:
         """Wait until everything queued so far was applied (tests, benchmarks)."""
         await self._queue.join()
+
+
+class _Live:
+    """A session's subscription and monitor sockets, with their synchronous twins (reads
+    happen on those: no future per message)."""
+
+    __slots__ = ("monitor", "plain_monitor", "plain_sub", "sub")
+
+    def __init__(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        self.sub = sub
+        self.monitor = monitor
+        self.plain_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        self.plain_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+
+
+def _size(frames: list[bytes]) -> int:
+    return sum(map(len, frames))
+
+
+def _cost(item: _Item) -> int:
+    return _RESET_BYTES if isinstance(item, _Reset) else decoded_bytes(item)
+
+
+def _seq_of(frame: bytes) -> int | None:
+    try:
+        seq = decode_seq(frame)
+    except WireError:
+        return None
+    return seq if seq >= 0 else None
 
 
 def _is_end(frame: bytes) -> bool:

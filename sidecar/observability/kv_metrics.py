@@ -50,6 +50,11 @@ class EngineReport:
     replays: int
     connects: int
     connect_failures: int
+    behind: int = 0
+    """Batches the engine published that its index lacks: a gap being replayed, a backlog."""
+    replaying: bool = False
+    adapters: int = 0
+    """LoRA adapters its own events named."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,12 @@ class KVEventsCollector:
             "Now less the engine's timestamp of the last KV-event batch applied (NaN: none yet).",
             labels=["engine"],
         )
+        behind = GaugeMetricFamily(
+            "pd_sidecar_kv_events_behind_batches",
+            "KV-event batches an engine published (as far as read) that its exact index lacks: "
+            "a gap being replayed, a backlog. Its source is approximate while it is behind.",
+            labels=["engine"],
+        )
         blocks = GaugeMetricFamily(
             "pd_sidecar_kv_events_blocks",
             "Blocks an engine's exact index holds.",
@@ -120,6 +131,7 @@ class KVEventsCollector:
             connected.add_metric(label, 1.0 if engine.connected else 0.0)
             lag.add_metric(label, math.nan if engine.lag_s is None else engine.lag_s)
             blocks.add_metric(label, engine.blocks)
+            behind.add_metric(label, engine.behind)
             applied.add_metric(label, engine.events_applied)
             for reason, count in engine.drops.items():
                 drops.add_metric([engine.engine, reason], count)
@@ -142,4 +154,15 @@ class KVEventsCollector:
         )
         for kind in (SOURCE_EVENTS, SOURCE_APPROXIMATE):
             lookups.add_metric([kind], report.lookups.get(kind, 0))
-        yield from (source, connected, lag, blocks, applied, drops, resets, token_ids, lookups)
+        yield from (
+            source,
+            connected,
+            lag,
+            behind,
+            blocks,
+            applied,
+            drops,
+            resets,
+            token_ids,
+            lookups,
+        )

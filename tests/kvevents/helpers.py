@@ -81,14 +81,19 @@ def events_config(**fields: Any) -> str:
 
 
 class RawPublisher:
-    """An XPUB on 127.0.0.1 (a free port) that sends whatever frames a test gives it, and tells
-    when a subscription arrived (so nothing sent after it is lost to a slow joiner)."""
+    """An XPUB on ``host`` (a loopback address), at ``port`` (0: a free one), that sends
+    whatever frames a test gives it, and tells when a subscription arrived (so nothing sent
+    after it is lost to a slow joiner)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.XPUB)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self.port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+        if port:
+            self._socket.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._socket.bind_to_random_port(f"tcp://{host}")
 
     async def wait_subscribed(self) -> None:
         async def until() -> None:

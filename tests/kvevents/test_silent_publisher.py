@@ -25,8 +25,7 @@ import zmq.asyncio
 
 from sidecar.engines.upstream import HttpClient
 from sidecar.kvevents.events import BlockStored, EventBatch
-from sidecar.kvevents.fleet import FleetOptions, KVFleet
-from sidecar.kvevents.index import PromptKeys
+from sidecar.kvevents.fleet import FleetOptions, KVFleet, RequestKeys
 from sidecar.kvevents.subscriber import Backoff, ResetReason, Subscriber
 from sidecar.kvevents.tokens import TokenSource
 from sidecar.kvevents.wire import END_SEQ_FRAME, encode_message
@@ -217,7 +216,7 @@ async def test_a_frozen_publisher_is_lost_by_its_heartbeats_then_replayed_in_ful
         await engine.complete(token_ids)
     published = (await engine.kv())["next_seq"]
     await until(lambda: rank0(fleet).batches_applied == published, "the batches applied")
-    keys = [PromptKeys(token_ids) for token_ids in before]
+    keys = [RequestKeys(token_ids, None, None) for token_ids in before]
     assert all(fleet.lookup_rank(0, key) is not None for key in keys)  # in sync: exact
 
     engine.freeze()
@@ -250,7 +249,7 @@ async def test_a_frozen_publisher_is_lost_by_its_heartbeats_then_replayed_in_ful
     # The index again holds what the engine holds: its blocks, and the hit it then reports.
     assert shown.blocks == (await engine.kv())["prefix_cache_blocks"] == 12
     for token_ids in [*before, after]:
-        hit = fleet.lookup_rank(0, PromptKeys(token_ids))
+        hit = fleet.lookup_rank(0, RequestKeys(token_ids, None, None))
         assert hit is not None
         assert fleet.cached_tokens(hit) == await engine.complete(token_ids) == 4 * BLOCK
 
