@@ -52,6 +52,7 @@ from sidecar.scheduling.state.protocol import (
     decode_reply,
     keys,
 )
+from sidecar.scheduling.state.replies import BoundedHiredisParser, bound_cluster
 from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
@@ -121,15 +122,21 @@ class RedisState:
         if self._cluster:
             # One attempt per sync, like the standalone client: a failed one backs off (below),
             # and the next re-reads the slots from the nodes left (a promoted replica included).
-            self._client = RedisCluster.from_url(
-                self._url,
-                socket_connect_timeout=1.0,
-                socket_timeout=1.0,
-                retry=Retry(NoBackoff(), retries=0),
+            self._client = bound_cluster(
+                RedisCluster.from_url(
+                    self._url,
+                    socket_connect_timeout=1.0,
+                    socket_timeout=1.0,
+                    retry=Retry(NoBackoff(), retries=0),
+                )
             )
         else:
             self._client = aioredis.Redis.from_url(
-                self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
+                self._url,
+                socket_connect_timeout=1.0,
+                socket_timeout=1.0,
+                retry_on_timeout=False,
+                parser_class=BoundedHiredisParser,  # replies bounded before hiredis allocates
             )
         self._script = self._client.register_script(SCRIPT)
         if not self._cluster and resp.supports(self._url):
@@ -282,6 +289,7 @@ class RedisState:
             # whoever can write the keys cannot stall or steer every sidecar.
             for kind, count in reply.skipped.items():
                 self._on_skipped(kind, count)
+
             self._protocol.received(sync, reply)
             if not self.connected:
                 logger.info("redis state backend connected")
