@@ -5,8 +5,8 @@
 
 ``sidecar.scheduling.state.replies.ReplyBounds`` walks every byte read from Redis before hiredis
 parses it. Printed, per reply (microseconds, median of ``--iterations``): the walk and hiredis's
-parse of a sync's reply for a pool of 8 endpoints (loads and speeds) and for the most a sync
-reads (1,024 endpoints of each kind, the longest names); then the replies just within the bounds
+parse of a sync's reply for a pool of 8 endpoints (loads and speeds) and for 1,024 endpoints
+with the longest names (the most a sync reads); then the replies just within the bounds
 that cost the loop most — the walk, the parse and the release of what hiredis built, in
 milliseconds, once each: these are the longest a hostile Redis can hold the loop per reply.
 """
@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -46,10 +47,15 @@ def resp(value: object) -> bytes:
 
 
 def sync_reply(endpoints: int, name_bytes: int) -> bytes:
+    """A sync's reply as the script answers (loads and speeds of ``endpoints``): each kind the
+    sizes of its fields, then the fields end to end."""
     names = [b"%d" % i + b"e" * (name_bytes - len(b"%d" % i)) for i in range(endpoints)]
-    totals = [part for name in names for part in (name, b"64000 32")]
-    speeds = [part for name in names for part in (name, b"0.0001 0.02")]
-    return resp([totals, speeds, [], 0, []])
+
+    def packed(value: bytes) -> list[object]:
+        fields = [field for name in names for field in (name, value)]
+        return [b" ".join(b"%d" % len(field) for field in fields), b"".join(fields)]
+
+    return resp([packed(b"64000 32"), packed(b"0.0001 0.02"), [b"", b""], 0, []])
 
 
 def per_call_us(action: Callable[[], object], iterations: int) -> float:
@@ -96,8 +102,8 @@ def main() -> None:
         (f"{MAX_ENTRIES} endpoints, {MAX_KEY_BYTES}-byte names", MAX_ENTRIES, MAX_KEY_BYTES, 50),
     ):
         data = sync_reply(endpoints, name_bytes)
-        walk = per_call_us(lambda data=data: ReplyBounds().check(data), iterations)
-        hired = per_call_us(lambda data=data: parse(data), iterations)
+        walk = per_call_us(functools.partial(ReplyBounds().check, data), iterations)
+        hired = per_call_us(functools.partial(parse, data), iterations)
         print(f"  {label:<34} {len(data):>8} B  walk {walk:8.1f} us  hiredis {hired:8.1f} us")
     n = MAX_REPLY_ELEMENTS
     print("the costliest replies within the bounds (once each):")

@@ -14,6 +14,7 @@ from bench.sim.state import RedisServer as ModelledScript
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, Reservation
 from sidecar.scheduling.state.protocol import (
+    MAX_ENTRIES,
     SCRIPT,
     Reply,
     Sync,
@@ -154,13 +155,20 @@ def test_the_worker_is_owed_a_sync_begun_after_the_one_in_flight() -> None:
     assert not state.worker_owed
 
 
+def packed(*fields: str | bytes) -> list[bytes]:
+    """A kind's fields as the script answers them: their sizes, then the fields end to end."""
+    data = [field.encode() if isinstance(field, str) else field for field in fields]
+    return [" ".join(str(len(field)) for field in data).encode(), b"".join(data)]
+
+
 def test_an_answer_is_checked_entry_by_entry() -> None:
     reply = decode_reply(
         [
-            f"{A} 100 2\n{B} -1 1\n{C} 5".encode(),
-            f"{A}\n0.0001 0.02\n{B}\nnan 0.1\n{C}\n0 0.1".encode(),
-            f"{A}\n{time.time() + 10!r}\n{B}\n1e18\n{C}\nsoon".encode(),
+            packed(A, "100 2", B, "-1 1", C, "5", b"\xff:1", "1 1"),
+            packed(A, "0.0001 0.02", B, "nan 0.1", C, "0 0.1", "x\n1", "0.0001 0.02"),
+            packed(A, repr(time.time() + 10), B, "1e18", C, "soon", C, b"\xff"),
             3,
+            [],
         ],
         now=time.time(),
         max_ejection_s=60,
@@ -168,9 +176,25 @@ def test_an_answer_is_checked_entry_by_entry() -> None:
     assert reply.totals == {A: Load(100, 2)}
     assert reply.speeds == {A: SPEED}
     assert set(reply.ejections) == {A}
-    assert reply.skipped == {"over_limit": 3, "load": 2, "speed": 2, "ejection": 2}
+    assert reply.skipped == {"over_limit": 3, "load": 3, "speed": 3, "ejection": 3}
     with pytest.raises(ValueError, match="unpack"):  # of the wrong shape: the sync failed
         decode_reply([b"", b""], now=0.0, max_ejection_s=60)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        [b"1 1", b"abc"],  # sizes that do not add up
+        [b"1", b"a"],  # half a pair
+        [b"-1 2", b"a"],
+        [b" ".join([b"0"] * (2 * MAX_ENTRIES + 2)), b""],  # more than the script sends
+        [b"", b"orphan"],
+        b"not a pair",
+    ],
+)
+def test_an_answer_not_the_scripts_fails_the_sync(part: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        decode_reply([part, packed(), packed(), 0, []], now=0.0, max_ejection_s=60)
 
 
 @pytest.fixture

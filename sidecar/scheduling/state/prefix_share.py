@@ -41,6 +41,13 @@ SYNC_S = 0.25
 SCRIPT = """
 local sid, cursor, maxlen, budget = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = tonumber(ARGV[5])
+-- A key of another type would fail every sync of every sidecar: deleted, and said.
+local repaired = {}
+local held = redis.call('TYPE', KEYS[1]).ok
+if held ~= 'stream' and held ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  repaired = {KEYS[1], held}
+end
 local i = 6
 for _ = 1, n do
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 's', sid, 'e', ARGV[i], 'h', ARGV[i + 1])
@@ -71,11 +78,12 @@ for _, entry in ipairs(range) do
   end
 end
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return {last, out}
+return {last, out, repaired}
 """
 """KEYS: the stream. ARGV: sidecar id, cursor ('' for the start), the stream's cap, the reply's
-byte budget, a count and that many (endpoint, hashes) pairs. Returns the last entry id read and
-the others' (endpoint, hashes) pairs, flat. The stream expires an hour after the last sync."""
+byte budget, a count and that many (endpoint, hashes) pairs. Returns the last entry id read,
+the others' (endpoint, hashes) pairs, flat, and the stream's key and the type it had if it was
+of another type (deleted), else nothing. The stream expires an hour after the last sync."""
 
 
 def stream_key(prefix: str) -> str:
@@ -137,11 +145,22 @@ class PrefixShare:
                 continue
             self._pending.appendleft((endpoint, hashes))
 
-    def received(self, reply: object) -> tuple[list[Learnt], int]:
-        """The others' placements in a reply, and how many entries were skipped (malformed)."""
-        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
-            return [], 1
-        last, flat = reply
+    def received(self, reply: object) -> tuple[list[Learnt], int, tuple[tuple[str, str], ...]]:
+        """The others' placements in a reply, how many entries were skipped (malformed), and
+        the key the script found of another type and deleted (key, type), if any."""
+        if (
+            not isinstance(reply, list)
+            or len(reply) != 3
+            or not isinstance(reply[1], list)
+            or not isinstance(reply[2], list)
+        ):
+            return [], 1, ()
+        last, flat, found = reply
+        repaired = tuple(
+            (key.decode("utf-8", "replace"), held.decode("utf-8", "replace"))
+            for key, held in zip(found[::2], found[1::2], strict=False)
+            if isinstance(key, bytes) and isinstance(held, bytes)
+        )[:1]
         if isinstance(last, bytes) and len(last) <= 64:
             self.cursor = last.decode("ascii", "replace")
         learnt: list[Learnt] = []
@@ -161,4 +180,4 @@ class PrefixShare:
                 packed[k : k + DIGEST_BYTES] for k in range(0, len(packed), DIGEST_BYTES)
             )
             learnt.append(Learnt(endpoint.decode("utf-8", "replace"), hashes))
-        return learnt, skipped
+        return learnt, skipped, repaired

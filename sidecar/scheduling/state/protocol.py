@@ -30,6 +30,7 @@ The rules, which every driver follows:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,17 @@ local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
 local skipped = 0
 local lease_ms = math.ceil(lease * 1000)
 local COUNT = '#tables'
+-- A key of another type (written by hand, by another program) would fail every command on it,
+-- and so every sync of every sidecar: it is deleted, said in the answer, and the totals rebuilt.
+local TYPES = {'zset', 'hash', 'hash', 'hash', 'hash'}
+local repaired = {}
+for j = 1, #TYPES do
+  local held = redis.call('TYPE', KEYS[j]).ok
+  if held ~= TYPES[j] and held ~= 'none' then
+    redis.call('DEL', KEYS[j])
+    repaired[#repaired + 1] = KEYS[j]; repaired[#repaired + 1] = held
+  end
+end
 local function add(text, delta, sign)
   if not text then return end
   for ep, tok, req in string.gmatch(text, '(%S+) (%d+) (%d+)') do
@@ -69,7 +81,7 @@ local BUILT = '#built'
 local counted = tonumber(redis.call('HGET', KEYS[5], COUNT) or '')
 local built = tonumber(redis.call('HGET', KEYS[5], BUILT) or '')
 local rebuild = counted == nil or counted ~= redis.call('HLEN', KEYS[4])
-  or built == nil or now - built > lease or now < built
+  or built == nil or now - built > lease or now < built or #repaired > 0
 local delta = {}
 if not rebuild then add(redis.call('HGET', KEYS[4], sid), delta, -1) end
 if ARGV[4] == '' then
@@ -89,13 +101,13 @@ for _ = 1, n do
   if tonumber(ARGV[i + 1]) > current then redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
   i = i + 2
 end
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
-if #dead > 0 then
-  if not rebuild then
-    for _, gone in ipairs(dead) do add(redis.call('HGET', KEYS[4], gone), delta, -1) end
-  end
-  redis.call('HDEL', KEYS[4], unpack(dead))
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+-- At most `limit` dead sidecars per sync, one by one: more (written by hand) go with the next
+-- syncs, never all in one call (Lua's unpack fails past a few thousand).
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, limit)
+for _, gone in ipairs(dead) do
+  if not rebuild then add(redis.call('HGET', KEYS[4], gone), delta, -1) end
+  redis.call('HDEL', KEYS[4], gone)
+  redis.call('ZREM', KEYS[1], gone)
 end
 if rebuild then
   -- Every live sidecar's table summed anew; a table without a lease never counts: dropped.
@@ -133,28 +145,28 @@ redis.call('PEXPIRE', KEYS[5], lease_ms)
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
 -- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
 -- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
-local lines = {}
-local totals = redis.call('HGETALL', KEYS[5])
-for j = 1, #totals, 2 do
-  if totals[j] ~= COUNT and totals[j] ~= BUILT then
-    if #lines < limit and #totals[j] <= key_bytes and #totals[j + 1] <= value_bytes then
-      lines[#lines + 1] = totals[j] .. ' ' .. totals[j + 1]
-    else
-      skipped = skipped + 1
-    end
-  end
+-- Each kind goes back as two strings: the sizes of its fields, then the fields end to end, so
+-- that no field, whatever bytes it holds, can move another.
+local function packed(flat)
+  local sizes = {}
+  for j = 1, #flat do sizes[j] = #flat[j] end
+  return {table.concat(sizes, ' '), table.concat(flat)}
 end
-local function bounded(flat)
+local function bounded(flat, own)
   local kept = {}
   for j = 1, #flat, 2 do
-    if #kept < 2 * limit and #flat[j] <= key_bytes and #flat[j + 1] <= value_bytes then
-      kept[#kept + 1] = flat[j]; kept[#kept + 1] = flat[j + 1]
-    else
-      skipped = skipped + 1
+    local name, value = flat[j], flat[j + 1]
+    if own == nil or not own[name] then  -- the totals' own fields are no endpoint's
+      if #kept < 2 * limit and #name <= key_bytes and #value <= value_bytes then
+        kept[#kept + 1] = name; kept[#kept + 1] = value
+      else
+        skipped = skipped + 1
+      end
     end
   end
-  return kept
+  return packed(kept)
 end
+local totals = bounded(redis.call('HGETALL', KEYS[5]), {[COUNT] = true, [BUILT] = true})
 local ejections = redis.call('HGETALL', KEYS[3])
 local live = {}
 for j = 1, #ejections, 2 do
@@ -165,20 +177,17 @@ for j = 1, #ejections, 2 do
     redis.call('HDEL', KEYS[3], ejections[j])
   end
 end
-return {
-  table.concat(lines, '\\n'),
-  table.concat(bounded(redis.call('HGETALL', KEYS[2])), '\\n'),
-  table.concat(bounded(live), '\\n'),
-  skipped,
-}
+return {totals, bounded(redis.call('HGETALL', KEYS[2])), bounded(live), skipped, repaired}
 """
 """KEYS: sidecars, speeds, ejections, reservations, totals. ARGV: sidecar id, now, lease, this
 sidecar's reservations (lines), then speeds and ejections, each a count and that many pairs. The
-reply is three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds
-and the live ejections (an endpoint's line, then its value's): three bulk strings rather than
-arrays of every field, which redis-py's parser would read element by element (most of a sync's
-cost on the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a
-kind, or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
+reply: the totals (endpoint, then ``tokens requests``), the speeds and the live ejections, each
+as a pair of strings — the sizes of its fields (``"15 8 15 8"``), then the fields end to end —
+rather than arrays of every field, which every reader would walk element by element (most of a
+sync's cost on the request path), or lines, in which a field holding a newline moved every
+field after it; then how many entries the script left out (over ``MAX_ENTRIES`` of a kind, or
+longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``), and the keys it found of another type and
+deleted (key, type, ...)."""
 
 MAX_ENTRIES = 1024
 """Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
@@ -212,17 +221,15 @@ BACKOFF_MAX_S = 5.0
 """After a failed sync the next is not tried for the backoff: 0.5 s, doubling to 5 s."""
 
 
-def keys(prefix: str) -> tuple[str, str, str, str, str]:
+KEY_NAMES = ("sidecars", "speeds", "ejections", "reservations", "totals")
+"""The pool's keys after its hash tag, in the script's ``KEYS`` order."""
+
+
+def keys(prefix: str) -> tuple[str, ...]:
     """Every key of a pool (``SIDECAR_REDIS_KEY_PREFIX``), in the script's ``KEYS`` order: one
     hash tag, so that on a Redis Cluster they live in one slot."""
     tag = "{" + prefix + "}"
-    return (
-        f"{tag}:sidecars",
-        f"{tag}:speeds",
-        f"{tag}:ejections",
-        f"{tag}:reservations",
-        f"{tag}:totals",
-    )
+    return tuple(f"{tag}:{name}" for name in KEY_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +273,10 @@ class Reply:
     """The ejections that had not ended (Unix time each ends)."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Entries left out, by kind: ``over_limit`` (by the script, beyond the bounds), ``load``,
-    ``speed``, ``ejection`` (they did not parse or were out of range); only kinds with some."""
+    ``speed``, ``ejection`` (they did not parse or were out of range), ``wrong_type`` (keys of
+    another type, deleted); only kinds with some."""
+    repaired: tuple[tuple[str, str], ...] = ()
+    """The keys the script found of another type and deleted: (key, the type it was)."""
 
 
 class SyncProtocol:
@@ -406,30 +416,31 @@ class SyncProtocol:
 
 
 def decode_reply(raw: Any, *, now: float, max_ejection_s: float) -> Reply:
-    """The script's answer, checked. Each entry is checked (types, finite numbers in range) and
-    one that fails is skipped and counted, never the whole answer: whoever can write the keys
-    (another version of the sidecar, a person) cannot stall or steer every sidecar. An answer
-    of the wrong shape raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
+    """The script's answer, checked. Each entry is checked (a name that is an endpoint's, a
+    value that parses, finite numbers in range) and one that fails is skipped and counted, never
+    the whole answer: whoever can write the keys (another version of the sidecar, a person)
+    cannot stall or steer every sidecar. An answer of the wrong shape (which only something
+    other than the script can give) raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
     ``max_ejection_s`` is the longest ejection a sidecar publishes: one that ends later is not
     believed."""
-    totals, speeds, ejections = (_lines(part) for part in raw[:3])
+    totals, speeds, ejections = (_pairs(part) for part in raw[:3])
     skipped: dict[str, int] = {}
     if raw[3]:
         skipped["over_limit"] = int(raw[3])
     loads: dict[str, Load] = {}
     bad = 0
-    for line in totals:
-        load = _load(line)
-        if load is None:
+    for name, value in totals:
+        endpoint, load = _endpoint(name), _load(value)
+        if endpoint is None or load is None:
             bad += 1
         else:
-            loads[load[0]] = load[1]
+            loads[endpoint] = load
     _count(skipped, "load", bad)
     parsed_speeds = {}
     bad = 0
-    for endpoint, text in zip(speeds[::2], speeds[1::2], strict=False):
-        speed = _speed(text)
-        if speed is None:
+    for name, value in speeds:
+        endpoint, speed = _endpoint(name), _speed(value)
+        if endpoint is None or speed is None:
             bad += 1
         else:
             parsed_speeds[endpoint] = speed
@@ -437,14 +448,22 @@ def decode_reply(raw: Any, *, now: float, max_ejection_s: float) -> Reply:
     latest = now + max_ejection_s + EJECTION_SKEW_S
     ejected = {}
     bad = 0
-    for endpoint, text in zip(ejections[::2], ejections[1::2], strict=False):
-        until = _number(text, 0.0, latest)
-        if until is None:
+    for name, value in ejections:
+        endpoint, until = _endpoint(name), _number(value, 0.0, latest)
+        if endpoint is None or until is None:
             bad += 1
         else:
             ejected[endpoint] = until
     _count(skipped, "ejection", bad)
-    return Reply(loads, parsed_speeds, ejected, skipped)
+    repaired = raw[4]
+    if not isinstance(repaired, list) or len(repaired) > 2 * len(KEY_NAMES):
+        raise ValueError("not a list of the keys repaired")
+    found = tuple(
+        (key.decode("utf-8", "replace"), held.decode("utf-8", "replace"))
+        for key, held in zip(repaired[::2], repaired[1::2], strict=True)
+    )
+    _count(skipped, "wrong_type", len(found))
+    return Reply(loads, parsed_speeds, ejected, skipped, found)
 
 
 def _count(skipped: dict[str, int], kind: str, count: int) -> None:
@@ -452,22 +471,49 @@ def _count(skipped: dict[str, int], kind: str, count: int) -> None:
         skipped[kind] = count
 
 
-def _lines(value: Any) -> list[str]:
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    return text.split("\n") if text else []
+def _pairs(part: Any) -> list[tuple[bytes, bytes]]:
+    """A kind's (name, value) pairs from the sizes of its fields and the fields end to end. At
+    most ``MAX_ENTRIES`` pairs: the script sends no more, whatever the keys hold."""
+    sizes, data = part
+    if not isinstance(sizes, bytes) or not isinstance(data, bytes):
+        raise TypeError("not two strings")
+    if not sizes:
+        if data:
+            raise ValueError("fields without sizes")
+        return []
+    # Counted before split: a reply that is not the script's cannot make a list of millions.
+    if sizes.count(b" ") >= 2 * MAX_ENTRIES or not sizes.replace(b" ", b"").isdigit():
+        raise ValueError("not the sizes of at most MAX_ENTRIES pairs")
+    ends = list(itertools.accumulate(map(int, sizes.split(b" "))))
+    if len(ends) % 2 or ends[-1] != len(data):
+        raise ValueError("sizes that do not add up to the fields")
+    fields = [data[start:end] for start, end in zip([0, *ends], ends, strict=False)]
+    return list(zip(fields[::2], fields[1::2], strict=True))
 
 
-def _number(text: str, low: float, high: float) -> float | None:
-    """``text`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+def _endpoint(name: bytes) -> str | None:
+    """An endpoint's name (``host:port``): UTF-8, printable, no spaces, at most
+    ``MAX_KEY_BYTES``; else None."""
+    if not 0 < len(name) <= MAX_KEY_BYTES:
+        return None
     try:
-        value = float(text)
+        text = name.decode()
+    except UnicodeDecodeError:
+        return None
+    return text if text.isprintable() and " " not in text else None
+
+
+def _number(value: bytes, low: float, high: float) -> float | None:
+    """``value`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+    try:
+        number = float(value)
     except ValueError:
         return None
-    return value if low <= value <= high else None
+    return number if low <= number <= high else None
 
 
-def _speed(text: str) -> Speed | None:
-    parts = text.split(" ")
+def _speed(value: bytes) -> Speed | None:
+    parts = value.split(b" ")
     if len(parts) != 2:
         return None
     s_per_token = _number(parts[0], 0.0, MAX_S_PER_TOKEN)
@@ -477,13 +523,11 @@ def _speed(text: str) -> Speed | None:
     return Speed(s_per_token, overhead_s)
 
 
-def _load(line: str) -> tuple[str, Load] | None:
-    parts = line.split(" ")
-    if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdigit()):
+def _load(value: bytes) -> Load | None:
+    parts = value.split(b" ")
+    if len(parts) != 2 or not all(part.isdigit() and len(part) <= 13 for part in parts):
         return None
-    if not (parts[2].isascii() and parts[2].isdigit()) or max(len(parts[1]), len(parts[2])) > 13:
-        return None
-    tokens, requests = int(parts[1]), int(parts[2])
+    tokens, requests = int(parts[0]), int(parts[1])
     if tokens > MAX_LOAD or requests > MAX_LOAD:
         return None
-    return parts[0], Load(tokens, requests)
+    return Load(tokens, requests)

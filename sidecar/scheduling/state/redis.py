@@ -289,7 +289,7 @@ class RedisState:
             # whoever can write the keys cannot stall or steer every sidecar.
             for kind, count in reply.skipped.items():
                 self._on_skipped(kind, count)
-
+            self._repaired(reply.repaired)
             self._protocol.received(sync, reply)
             if not self.connected:
                 logger.info("redis state backend connected")
@@ -329,11 +329,21 @@ class RedisState:
             backoff = 0.0
             if share.pending:  # more than one sync carries: the rest goes next
                 self._share_wake.set()
-            learnt, skipped = share.received(reply)
+            learnt, skipped, repaired = share.received(reply)
             if skipped:
                 self._on_skipped("prefix", skipped)
+            if repaired:
+                self._on_skipped("wrong_type", len(repaired))
+                self._repaired(repaired)
             for entry in learnt:
                 self._learnt(entry.endpoint, entry.hashes)
+
+    def _repaired(self, repaired: tuple[tuple[str, str], ...]) -> None:
+        """Log the keys of the pool a script found of another type, and deleted."""
+        for key, held in repaired:
+            logger.warning(
+                "redis state backend: %s was a %s, not what the pool keeps there: deleted", key, held
+            )
 
     def _record_error(self, kind: str, detail: str) -> None:
         if self.connected or self.last_error is None:
