@@ -350,7 +350,7 @@ class PrefixShare:
             if source != sid:
                 out += [endpoint, hashes]
                 used += size
-        reply = [last.encode(), out, []]
+        reply = [last.encode(), out, [], 0]
         self._loop.at(self._loop.now + self._rtt / 2, self._reply, (index, reply))
 
     def _reply(self, argument: tuple[int, list[Any]]) -> None:

@@ -53,10 +53,11 @@ def test_what_is_read_back_is_validated_and_the_cursor_moves() -> None:
             DIGEST * 4097,  # more blocks than a prompt has
         ],
         [],
+        2,  # over the bounds: left out by the script
     ]
     learnt, skipped, repaired = share.received(reply)
     assert [(entry.endpoint, len(entry.hashes)) for entry in learnt] == [("127.0.0.11:8000", 3)]
-    assert (skipped, repaired) == (4, ())
+    assert (skipped, repaired) == (6, ())
     assert share.cursor == "1700000000000-3"
     assert share.received(b"not a list") == ([], 1, ())
     assert share.cursor == "1700000000000-3"

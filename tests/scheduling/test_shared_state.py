@@ -602,3 +602,38 @@ async def test_thousands_of_dead_sidecars_go_a_bounded_number_per_sync(redis_ser
     finally:
         await state.close()
         await admin.aclose()
+
+
+async def test_an_oversized_prefix_entry_is_passed_not_read(redis_server) -> None:
+    """An entry of the prefix share of 8 MiB (a placement's hashes are 32 KiB at most): the
+    script leaves it out, counted, and the cursor moves past it to the next entry, which is
+    learnt — without the entry crossing the wire (the share used to take the first entry whole,
+    past its 64 KiB budget: 200 MiB of it added ~400 MiB to the sidecar; one larger than the
+    sidecar could read stalled the share for good)."""
+    skipped: collections.Counter[str] = collections.Counter()
+    learnt: list[tuple[str, list[bytes]]] = []
+    state = RedisState(
+        redis_server.url,
+        prefix="big",
+        lease_s=30,
+        timeout_s=1,
+        on_skipped=lambda kind, count: skipped.update({kind: count}),
+    )
+    state.share_prefixes(lambda endpoint, hashes: learnt.append((endpoint, list(hashes))))
+    admin = aioredis.Redis.from_url(redis_server.url)
+    stream = stream_key("big")
+    blocks = [bytes([1]) * 8, bytes([2]) * 8]
+    try:
+        await admin.xadd(stream, {"s": "other", "e": HONEST, "h": b"\x07" * (8 << 20)})
+        after = await admin.xadd(stream, {"s": "other", "e": HONEST, "h": b"".join(blocks)})
+        sent = (await admin.info("stats"))["total_net_output_bytes"]
+        await state.start()
+        await eventually(lambda: _true(bool(learnt)))
+        sent = (await admin.info("stats"))["total_net_output_bytes"] - sent
+        assert learnt == [(HONEST, blocks)]
+        assert skipped == {"prefix": 1}
+        assert state.status()["prefix_share"]["cursor"] == _text(after)
+        assert sent < 1 << 20  # the 8 MiB never left Redis
+    finally:
+        await state.close()
+        await admin.aclose()

@@ -342,7 +342,9 @@ class RedisState:
         """Log the keys of the pool a script found of another type, and deleted."""
         for key, held in repaired:
             logger.warning(
-                "redis state backend: %s was a %s, not what the pool keeps there: deleted", key, held
+                "redis state backend: %s was a %s, not what the pool keeps there: deleted",
+                key,
+                held,
             )
 
     def _record_error(self, kind: str, detail: str) -> None:
