@@ -47,15 +47,13 @@ def resp(value: object) -> bytes:
 
 
 def sync_reply(endpoints: int, name_bytes: int) -> bytes:
-    """A sync's reply as the script answers (loads and speeds of ``endpoints``): each kind the
-    sizes of its fields, then the fields end to end."""
+    """A sync's reply as the script answers (loads and speeds of ``endpoints``): one string, a
+    line of counts, a line of sizes, the fields joined by newlines."""
     names = [b"%d" % i + b"e" * (name_bytes - len(b"%d" % i)) for i in range(endpoints)]
-
-    def packed(value: bytes) -> list[object]:
-        fields = [field for name in names for field in (name, value)]
-        return [b" ".join(b"%d" % len(field) for field in fields), b"".join(fields)]
-
-    return resp([packed(b"64000 32"), packed(b"0.0001 0.02"), [b"", b""], 0, []])
+    fields = [f for value in (b"64000 32", b"0.0001 0.02") for name in names for f in (name, value)]
+    head = b"0 %d %d 0 0\n" % (2 * endpoints, 2 * endpoints)
+    sizes = b" ".join(b"%d" % len(field) for field in fields)
+    return resp(head + sizes + b"\n" + b"\n".join(fields))
 
 
 def per_call_us(action: Callable[[], object], iterations: int) -> float:

@@ -155,46 +155,62 @@ def test_the_worker_is_owed_a_sync_begun_after_the_one_in_flight() -> None:
     assert not state.worker_owed
 
 
-def packed(*fields: str | bytes) -> list[bytes]:
-    """A kind's fields as the script answers them: their sizes, then the fields end to end."""
-    data = [field.encode() if isinstance(field, str) else field for field in fields]
-    return [" ".join(str(len(field)) for field in data).encode(), b"".join(data)]
+Fields = tuple[str | bytes, ...]
+
+
+def answer_of(
+    totals: Fields = (),
+    speeds: Fields = (),
+    ejections: Fields = (),
+    over: int = 0,
+    repaired: Fields = (),
+) -> bytes:
+    """An answer as the script gives it: a line of counts, a line of sizes, the fields joined
+    by newlines."""
+    kinds = (totals, speeds, ejections, repaired)
+    data = [f.encode() if isinstance(f, str) else f for kind in kinds for f in kind]
+    counts = " ".join(str(n) for n in (over, *(len(kind) for kind in kinds)))
+    sizes = " ".join(str(len(field)) for field in data)
+    return f"{counts}\n{sizes}\n".encode() + b"\n".join(data)
 
 
 def test_an_answer_is_checked_entry_by_entry() -> None:
     reply = decode_reply(
-        [
-            packed(A, "100 2", B, "-1 1", C, "5", b"\xff:1", "1 1"),
-            packed(A, "0.0001 0.02", B, "nan 0.1", C, "0 0.1", "x\n1", "0.0001 0.02"),
-            packed(A, repr(time.time() + 10), B, "1e18", C, "soon", C, b"\xff"),
-            3,
-            [],
-        ],
+        answer_of(
+            (A, "100 2", B, "-1 1", C, "5", b"\xff:1", "1 1"),
+            (A, "0.0001 0.02", B, "nan 0.1", C, "0 0.1", "x\n1", "0.0001 0.02"),
+            (A, repr(time.time() + 10), B, "1e18", C, "soon", C, b"\xff"),
+            over=3,
+            repaired=("{p}:speeds", "string"),
+        ),
         now=time.time(),
         max_ejection_s=60,
     )
     assert reply.totals == {A: Load(100, 2)}
     assert reply.speeds == {A: SPEED}
     assert set(reply.ejections) == {A}
-    assert reply.skipped == {"over_limit": 3, "load": 3, "speed": 3, "ejection": 3}
-    with pytest.raises(ValueError, match="unpack"):  # of the wrong shape: the sync failed
-        decode_reply([b"", b""], now=0.0, max_ejection_s=60)
+    assert reply.skipped == {
+        "over_limit": 3, "load": 3, "speed": 3, "ejection": 3, "wrong_type": 1
+    }  # fmt: skip
+    assert reply.repaired == (("{p}:speeds", "string"),)
 
 
 @pytest.mark.parametrize(
-    "part",
+    "raw",
     [
-        [b"1 1", b"abc"],  # sizes that do not add up
-        [b"1", b"a"],  # half a pair
-        [b"-1 2", b"a"],
-        [b" ".join([b"0"] * (2 * MAX_ENTRIES + 2)), b""],  # more than the script sends
-        [b"", b"orphan"],
-        b"not a pair",
+        b"0 2 0 0 0\n1 1\na\n\nbc",  # sizes that do not add up
+        b"0 1 0 0 0\n1\na",  # half a pair
+        b"0 2 0 0 0\n-1 2\na\nb",
+        b"0 %d 0 0 0\n\n" % (2 * MAX_ENTRIES + 2),  # more than the script sends
+        b"0 0 0 0 0\n\norphan",
+        b"0 0 0 0\n\n",
+        [b"not", b"one string"],
+        b"no lines",
     ],
 )
-def test_an_answer_not_the_scripts_fails_the_sync(part: object) -> None:
+def test_an_answer_not_the_scripts_fails_the_sync(raw: object) -> None:
     with pytest.raises((ValueError, TypeError)):
-        decode_reply([part, packed(), packed(), 0, []], now=0.0, max_ejection_s=60)
+        decode_reply(raw, now=0.0, max_ejection_s=60)
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,28 +145,30 @@ redis.call('PEXPIRE', KEYS[5], lease_ms)
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
 -- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
 -- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
--- Each kind goes back as two strings: the sizes of its fields, then the fields end to end, so
--- that no field, whatever bytes it holds, can move another.
-local function packed(flat)
-  local sizes = {}
-  for j = 1, #flat do sizes[j] = #flat[j] end
-  return {table.concat(sizes, ' '), table.concat(flat)}
-end
+-- The answer is one string: a line of counts (entries left out; fields of the totals, the
+-- speeds, the ejections and the keys repaired), a line of every field's size, then the fields
+-- joined by newlines. The sizes say where each field ends, so that no field, whatever bytes it
+-- holds, can move another; the newlines let the reader split the usual answer, where no field
+-- holds one. One string: the reader walks one header, not one per field.
+local fields, sizes = {}, {}
 local function bounded(flat, own)
-  local kept = {}
+  local kept = 0
   for j = 1, #flat, 2 do
     local name, value = flat[j], flat[j + 1]
     if own == nil or not own[name] then  -- the totals' own fields are no endpoint's
-      if #kept < 2 * limit and #name <= key_bytes and #value <= value_bytes then
-        kept[#kept + 1] = name; kept[#kept + 1] = value
+      if kept < 2 * limit and #name <= key_bytes and #value <= value_bytes then
+        fields[#fields + 1] = name; fields[#fields + 1] = value
+        sizes[#sizes + 1] = #name; sizes[#sizes + 1] = #value
+        kept = kept + 2
       else
         skipped = skipped + 1
       end
     end
   end
-  return packed(kept)
+  return kept
 end
-local totals = bounded(redis.call('HGETALL', KEYS[5]), {[COUNT] = true, [BUILT] = true})
+local n_totals = bounded(redis.call('HGETALL', KEYS[5]), {[COUNT] = true, [BUILT] = true})
+local n_speeds = bounded(redis.call('HGETALL', KEYS[2]))
 local ejections = redis.call('HGETALL', KEYS[3])
 local live = {}
 for j = 1, #ejections, 2 do
@@ -177,17 +179,23 @@ for j = 1, #ejections, 2 do
     redis.call('HDEL', KEYS[3], ejections[j])
   end
 end
-return {totals, bounded(redis.call('HGETALL', KEYS[2])), bounded(live), skipped, repaired}
+local n_ejections = bounded(live)
+for j = 1, #repaired do
+  fields[#fields + 1] = repaired[j]; sizes[#sizes + 1] = #repaired[j]
+end
+return string.format('%d %d %d %d %d', skipped, n_totals, n_speeds, n_ejections, #repaired)
+  .. '\\n' .. table.concat(sizes, ' ') .. '\\n' .. table.concat(fields, '\\n')
 """
 """KEYS: sidecars, speeds, ejections, reservations, totals. ARGV: sidecar id, now, lease, this
 sidecar's reservations (lines), then speeds and ejections, each a count and that many pairs. The
-reply: the totals (endpoint, then ``tokens requests``), the speeds and the live ejections, each
-as a pair of strings — the sizes of its fields (``"15 8 15 8"``), then the fields end to end —
-rather than arrays of every field, which every reader would walk element by element (most of a
-sync's cost on the request path), or lines, in which a field holding a newline moved every
-field after it; then how many entries the script left out (over ``MAX_ENTRIES`` of a kind, or
-longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``), and the keys it found of another type and
-deleted (key, type, ...)."""
+reply is one string: a line of counts — the entries the script left out (over ``MAX_ENTRIES``
+of a kind, or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``), then the fields of the
+totals (endpoint, ``tokens requests``), of the speeds and of the live ejections (endpoint,
+value), and of the keys it found of another type and deleted (key, type) — then a line of every
+field's size, then the fields joined by newlines. Not an array of every field, which every
+reader would walk element by element (most of a sync's cost on the request path, and each
+header is checked before hiredis parses it: ``replies``); not lines alone, in which a field
+holding a newline moved every field after it."""
 
 MAX_ENTRIES = 1024
 """Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
@@ -423,45 +431,52 @@ def decode_reply(raw: Any, *, now: float, max_ejection_s: float) -> Reply:
     other than the script can give) raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
     ``max_ejection_s`` is the longest ejection a sidecar publishes: one that ends later is not
     believed."""
-    totals, speeds, ejections = (_pairs(part) for part in raw[:3])
+    if not isinstance(raw, bytes):
+        raise TypeError("not one string")
+    head, sizes, data = raw.split(b"\n", 2)
+    counts = head.split(b" ")
+    if len(counts) != 5 or not all(count.isdigit() and len(count) < 8 for count in counts):
+        raise ValueError("not a line of counts")
+    over, n_totals, n_speeds, n_ejections, n_repaired = map(int, counts)
+    if max(n_totals, n_speeds, n_ejections) > 2 * MAX_ENTRIES or n_repaired > 2 * len(KEY_NAMES):
+        raise ValueError("more fields than the script sends")
+    fields = _fields(sizes, data, n_totals + n_speeds + n_ejections + n_repaired)
+    totals = _pairs(fields[:n_totals])
+    speeds = _pairs(fields[n_totals : n_totals + n_speeds])
+    ejections = _pairs(fields[n_totals + n_speeds : n_totals + n_speeds + n_ejections])
     skipped: dict[str, int] = {}
-    if raw[3]:
-        skipped["over_limit"] = int(raw[3])
+    if over:
+        skipped["over_limit"] = over
     loads: dict[str, Load] = {}
     bad = 0
     for name, value in totals:
-        endpoint, load = _endpoint(name), _load(value)
-        if endpoint is None or load is None:
+        load = _load(value) if _endpoint(name) else None
+        if load is None:
             bad += 1
         else:
-            loads[endpoint] = load
+            loads[str(name)] = load
     _count(skipped, "load", bad)
     parsed_speeds = {}
     bad = 0
     for name, value in speeds:
-        endpoint, speed = _endpoint(name), _speed(value)
-        if endpoint is None or speed is None:
+        speed = _speed(value) if _endpoint(name) else None
+        if speed is None:
             bad += 1
         else:
-            parsed_speeds[endpoint] = speed
+            parsed_speeds[str(name)] = speed
     _count(skipped, "speed", bad)
     latest = now + max_ejection_s + EJECTION_SKEW_S
     ejected = {}
     bad = 0
     for name, value in ejections:
-        endpoint, until = _endpoint(name), _number(value, 0.0, latest)
-        if endpoint is None or until is None:
+        until = _number(value, 0.0, latest) if _endpoint(name) else None
+        if until is None:
             bad += 1
         else:
-            ejected[endpoint] = until
+            ejected[str(name)] = until
     _count(skipped, "ejection", bad)
-    repaired = raw[4]
-    if not isinstance(repaired, list) or len(repaired) > 2 * len(KEY_NAMES):
-        raise ValueError("not a list of the keys repaired")
-    found = tuple(
-        (key.decode("utf-8", "replace"), held.decode("utf-8", "replace"))
-        for key, held in zip(repaired[::2], repaired[1::2], strict=True)
-    )
+    repaired = _pairs(fields[len(fields) - n_repaired :] if n_repaired else [])
+    found = tuple((key or "?", held or "?") for key, held in repaired)
     _count(skipped, "wrong_type", len(found))
     return Reply(loads, parsed_speeds, ejected, skipped, found)
 
@@ -471,40 +486,51 @@ def _count(skipped: dict[str, int], kind: str, count: int) -> None:
         skipped[kind] = count
 
 
-def _pairs(part: Any) -> list[tuple[bytes, bytes]]:
-    """A kind's (name, value) pairs from the sizes of its fields and the fields end to end. At
-    most ``MAX_ENTRIES`` pairs: the script sends no more, whatever the keys hold."""
-    sizes, data = part
-    if not isinstance(sizes, bytes) or not isinstance(data, bytes):
-        raise TypeError("not two strings")
-    if not sizes:
-        if data:
-            raise ValueError("fields without sizes")
+def _fields(sizes: bytes, data: bytes, count: int) -> Sequence[str | None]:
+    """``count`` fields from their sizes and the fields joined by newlines, each as text when it
+    is printable ASCII, else None."""
+    if not count:
+        if sizes or data:
+            raise ValueError("fields where none were counted")
         return []
-    # Counted before split: a reply that is not the script's cannot make a list of millions.
-    if sizes.count(b" ") >= 2 * MAX_ENTRIES or not sizes.replace(b" ", b"").isdigit():
-        raise ValueError("not the sizes of at most MAX_ENTRIES pairs")
+    if sizes.count(b" ") != count - 1 or not sizes.replace(b" ", b"").isdigit():
+        raise ValueError("not a size for each field")
+    if (
+        data.isascii()
+        and data.count(b"\n") == count - 1
+        and (text := data.decode("ascii")).replace("\n", "").isprintable()
+    ):
+        # The newlines are the joins alone: no field holds one (what the sidecars write).
+        return text.split("\n")
+    # Something else wrote the keys: each field where its size puts it, checked alone.
     ends = list(itertools.accumulate(map(int, sizes.split(b" "))))
-    if len(ends) % 2 or ends[-1] != len(data):
+    if ends[-1] + count - 1 != len(data):
         raise ValueError("sizes that do not add up to the fields")
-    fields = [data[start:end] for start, end in zip([0, *ends], ends, strict=False)]
+    starts = [0, *ends]
+    return [_field(data[starts[j] + j : ends[j] + j]) for j in range(count)]
+
+
+def _pairs(fields: Sequence[str | None]) -> list[tuple[str | None, str | None]]:
+    if len(fields) % 2:
+        raise ValueError("half a pair")
     return list(zip(fields[::2], fields[1::2], strict=True))
 
 
-def _endpoint(name: bytes) -> str | None:
-    """An endpoint's name (``host:port``): UTF-8, printable, no spaces, at most
-    ``MAX_KEY_BYTES``; else None."""
-    if not 0 < len(name) <= MAX_KEY_BYTES:
-        return None
-    try:
-        text = name.decode()
-    except UnicodeDecodeError:
-        return None
-    return text if text.isprintable() and " " not in text else None
+def _field(raw: bytes) -> str | None:
+    if raw.isascii() and (text := raw.decode("ascii")).isprintable():
+        return text
+    return None
 
 
-def _number(value: bytes, low: float, high: float) -> float | None:
+def _endpoint(name: str | None) -> bool:
+    """Whether ``name`` (printable ASCII, from ``_pairs``) is an endpoint's (``host:port``)."""
+    return name is not None and 0 < len(name) <= MAX_KEY_BYTES and " " not in name
+
+
+def _number(value: str | None, low: float, high: float) -> float | None:
     """``value`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+    if value is None:
+        return None
     try:
         number = float(value)
     except ValueError:
@@ -512,8 +538,10 @@ def _number(value: bytes, low: float, high: float) -> float | None:
     return number if low <= number <= high else None
 
 
-def _speed(value: bytes) -> Speed | None:
-    parts = value.split(b" ")
+def _speed(value: str | None) -> Speed | None:
+    if value is None:
+        return None
+    parts = value.split(" ")
     if len(parts) != 2:
         return None
     s_per_token = _number(parts[0], 0.0, MAX_S_PER_TOKEN)
@@ -523,11 +551,16 @@ def _speed(value: bytes) -> Speed | None:
     return Speed(s_per_token, overhead_s)
 
 
-def _load(value: bytes) -> Load | None:
-    parts = value.split(b" ")
-    if len(parts) != 2 or not all(part.isdigit() and len(part) <= 13 for part in parts):
+def _load(value: str | None) -> Load | None:
+    if value is None:
         return None
-    tokens, requests = int(parts[0]), int(parts[1])
+    parts = value.split(" ")
+    if len(parts) != 2:
+        return None
+    tokens_text, requests_text = parts
+    if not (tokens_text.isdigit() and requests_text.isdigit()) or len(value) > 27:
+        return None
+    tokens, requests = int(tokens_text), int(requests_text)
     if tokens > MAX_LOAD or requests > MAX_LOAD:
         return None
     return Load(tokens, requests)

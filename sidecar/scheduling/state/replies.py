@@ -14,7 +14,7 @@ is out of step and is closed).
 Every path that parses Redis's replies goes through it: the syncs' own connection (``resp``),
 and redis-py's client (the prefix share, ``rediss://``, a Redis Cluster, whose topology replies
 too), through ``BoundedHiredisParser``. The bounds are far above any reply of ours (a sync's
-is at most 1.2 MiB; the prefix share's at most 1,024 entries, ~250 KiB; a cluster's layout a few
+is one string of at most 1.2 MiB; the prefix share's at most 1,024 entries, ~250 KiB; a cluster's layout a few
 elements per slot range), and low enough that the worst reply within them holds the loop tens
 of milliseconds, not seconds (``bench/resp_bounds.py``).
 """
@@ -91,63 +91,66 @@ class ReplyBounds:
             buf, pos = data, 0
         size = len(buf)
         find = buf.find
+        pending = self._open
+        used = self._used
         while pos < size:
             end = find(b"\r\n", pos)
             if end < 0:
                 if size - pos > MAX_LINE_BYTES:
                     raise ReplyRefused(f"a line of the reply is over {MAX_LINE_BYTES} bytes")
+                self._used = used
                 self._carry = buf[pos:]
                 return
             kind = buf[pos]
-            used = self._used + end + 2 - pos
+            used += end + 2 - pos
             if kind in _LINES:
                 if end - pos > MAX_LINE_BYTES:
                     raise ReplyRefused(f"a line of the reply is over {MAX_LINE_BYTES} bytes")
-                self._used = used
                 pos = end + 2
-                self._done()
-                continue
-            try:
-                count = int(buf[pos + 1 : end])
-            except ValueError:
-                header = buf[pos : min(end, pos + 32)]
-                raise ReplyRefused(f"not a RESP header: {header!r}") from None
-            if kind in _BULKS:
-                if count < 0:  # a null
-                    pos = end + 2
+            else:
+                try:
+                    count = int(buf[pos + 1 : end])
+                except ValueError:
+                    header = buf[pos : min(end, pos + 32)]
+                    raise ReplyRefused(f"not a RESP header: {header!r}") from None
+                pos = end + 2
+                if kind in _BULKS:
+                    if count >= 0:  # else a null
+                        used += count + 2
+                        if used > MAX_REPLY_BYTES:
+                            raise ReplyRefused(
+                                f"a bulk string of {count} bytes takes the reply over "
+                                f"{MAX_REPLY_BYTES} bytes"
+                            )
+                        pos += count + 2
+                        if pos > size:
+                            self._used = used
+                            self._skip = pos - size
+                            return
                 else:
-                    used += count + 2
-                    if used > MAX_REPLY_BYTES:
-                        raise ReplyRefused(
-                            f"a bulk string of {count} bytes takes the reply over "
-                            f"{MAX_REPLY_BYTES} bytes"
-                        )
-                    pos = end + 4 + count
-                    if pos > size:
-                        self._used = used
-                        self._skip = pos - size
-                        return
+                    per = _AGGREGATES.get(kind)
+                    if per is None:
+                        raise ReplyRefused(f"a reply of type {chr(kind)!r} is not read")
+                    if count > 0:  # else empty, or a null: an element that ended
+                        elements = self._elements + count * per
+                        if elements > MAX_REPLY_ELEMENTS:
+                            raise ReplyRefused(
+                                f"an aggregate of {count} entries takes the reply over "
+                                f"{MAX_REPLY_ELEMENTS} elements"
+                            )
+                        if len(pending) >= MAX_DEPTH:
+                            raise ReplyRefused(f"aggregates nested over {MAX_DEPTH} deep")
+                        self._elements = elements
+                        pending.append(count * per)
+                        continue
+            # An element ended: one fewer to come in its aggregate (the rest is ``_done``'s).
+            if pending and pending[-1] > 1:
+                pending[-1] -= 1
+            else:
                 self._used = used
                 self._done()
-                continue
-            per = _AGGREGATES.get(kind)
-            if per is None:
-                raise ReplyRefused(f"a reply of type {chr(kind)!r} is not read")
-            self._used = used
-            pos = end + 2
-            if count <= 0:  # empty, or a null
-                self._done()
-                continue
-            elements = self._elements + count * per
-            if elements > MAX_REPLY_ELEMENTS:
-                raise ReplyRefused(
-                    f"an aggregate of {count} entries takes the reply over "
-                    f"{MAX_REPLY_ELEMENTS} elements"
-                )
-            if len(self._open) >= MAX_DEPTH:
-                raise ReplyRefused(f"aggregates nested over {MAX_DEPTH} deep")
-            self._elements = elements
-            self._open.append(count * per)
+                used = self._used
+        self._used = used
 
     def _done(self) -> None:
         """An element ended: so do the aggregates it completes, and the reply with the last."""
