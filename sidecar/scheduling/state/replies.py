@@ -14,9 +14,9 @@ is out of step and is closed).
 Every path that parses Redis's replies goes through it: the syncs' own connection (``resp``),
 and redis-py's client (the prefix share, ``rediss://``, a Redis Cluster, whose topology replies
 too), through ``BoundedHiredisParser``. The bounds are far above any reply of ours (a sync's
-is one string of at most 1.2 MiB; the prefix share's at most 1,024 entries, ~250 KiB; a cluster's layout a few
-elements per slot range), and low enough that the worst reply within them holds the loop tens
-of milliseconds, not seconds (``bench/resp_bounds.py``).
+is one string of at most 1.2 MiB; the prefix share's at most 1,024 entries, ~250 KiB; a
+cluster's layout a few elements per slot range), and low enough that the worst reply within
+them holds the loop tens of milliseconds, not seconds (``bench/resp_bounds.py``).
 """
 
 from __future__ import annotations
