@@ -108,7 +108,7 @@ def main() -> None:
     worst("errors", b"*%d\r\n" % n + b"-E\r\n" * n)
     worst("empty arrays", b"*%d\r\n" % n + b"*0\r\n" * n)
     worst("integers", b"*%d\r\n" % n + b":1\r\n" * n)
-    size = MAX_REPLY_BYTES // n - 8
+    size = MAX_REPLY_BYTES // n - 16  # with its header and CRLF, within the bytes
     worst("bulk strings", b"*%d\r\n" % n + (b"$%d\r\n" % size + b"x" * size + b"\r\n") * n)
     line = MAX_LINE_BYTES - 8
     lines = MAX_REPLY_BYTES // (line + 3)
