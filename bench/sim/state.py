@@ -350,12 +350,12 @@ class PrefixShare:
             if source != sid:
                 out += [endpoint, hashes]
                 used += size
-        reply = [last.encode(), out]
+        reply = [last.encode(), out, [], 0]
         self._loop.at(self._loop.now + self._rtt / 2, self._reply, (index, reply))
 
     def _reply(self, argument: tuple[int, list[Any]]) -> None:
         index, reply = argument
-        learnt, _ = self._workers[index].share.received(reply)
+        learnt, _, _ = self._workers[index].share.received(reply)
         prefixes = self._sidecars[index].prefixes
         for entry in learnt:
             prefixes.placed(entry.endpoint, entry.hashes)

@@ -52,10 +52,12 @@ def test_what_is_read_back_is_validated_and_the_cursor_moves() -> None:
             b"127.0.0.13:8000",
             DIGEST * 4097,  # more blocks than a prompt has
         ],
+        [],
+        2,  # over the bounds: left out by the script
     ]
-    learnt, skipped = share.received(reply)
+    learnt, skipped, repaired = share.received(reply)
     assert [(entry.endpoint, len(entry.hashes)) for entry in learnt] == [("127.0.0.11:8000", 3)]
-    assert skipped == 4
+    assert (skipped, repaired) == (6, ())
     assert share.cursor == "1700000000000-3"
-    assert share.received(b"not a list") == ([], 1)
+    assert share.received(b"not a list") == ([], 1, ())
     assert share.cursor == "1700000000000-3"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -13,12 +14,15 @@ import pytest
 import redis.asyncio as aioredis
 
 from sidecar.config import Settings
+from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load
+from sidecar.scheduling.state.prefix_share import stream_key
 from sidecar.scheduling.state.protocol import MAX_ENTRIES, SCRIPT, keys
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
 from tests.processes import RedisServer, free_port, sidecar_process
+from tests.scheduling.test_state_resp import documented_acl
 
 LONG_PROMPT = "Retrieved passage about KV caches and their transfer. " * 45  # ~600 tokens
 PAUSE_MS = 3000
@@ -495,4 +499,141 @@ async def test_close_while_the_worker_waits_for_a_stalled_sync(redis_server) -> 
         # (Measured, not bounded with asyncio.timeout: close() swallowed that cancellation too.)
         assert time.monotonic() - started < 2.0
     finally:
+        await admin.aclose()
+
+
+HONEST = "127.0.0.11:8000"
+
+
+class Synced:
+    """A backend, run as the Redis user of docs/deploy.md's ACL line on the pool
+    ``pd-sidecar`` (sharing prefixes), once it synced after ``written`` wrote the keys."""
+
+    def __init__(self, redis: RedisServer) -> None:
+        self.redis = redis
+        self.admin = aioredis.Redis.from_url(redis.url)
+        self.skipped: collections.Counter[str] = collections.Counter()
+        url = f"redis://sidecar:pw@127.0.0.1:{redis.port}/0"
+        self.state = RedisState(
+            url,
+            prefix="pd-sidecar",
+            lease_s=30,
+            timeout_s=1,
+            on_skipped=lambda kind, count: self.skipped.update({kind: count}),
+        )
+        self.state.share_prefixes(lambda endpoint, hashes: None)
+        self.keys = dict(zip(("sidecars", "speeds", "ejections"), self.state.keys, strict=False))
+        self.keys["prefixes"] = stream_key("pd-sidecar")
+
+    async def start(self) -> None:
+        await self.admin.execute_command(*documented_acl("pw"))
+        await self.state.start()
+        await eventually(lambda: _true(self.state.connected))
+        assert self.state.status()["last_error"] is None
+
+    async def close(self) -> None:
+        await self.state.close()
+        await self.admin.aclose()
+
+
+@pytest.fixture
+async def synced(redis_server) -> AsyncIterator[Synced]:
+    backend = Synced(redis_server)
+    yield backend
+    await backend.close()
+
+
+async def test_a_field_holding_newlines_sets_no_other_endpoints_speed(synced) -> None:
+    """A speed whose value holds newlines and another endpoint's name, after an honest speed:
+    the answer's lines used to pair it with the honest endpoint (0.99 s a token, 599 s of
+    overhead: in range, so believed). Each field now stands alone: the one entry is skipped."""
+    await synced.admin.hset(synced.keys["speeds"], HONEST, "0.0001 0.05")
+    await synced.admin.hset(synced.keys["speeds"], "127.0.0.1:9", f"1\n{HONEST}\n0.99 599")
+    await synced.admin.hset(synced.keys["speeds"], f"127.0.0.1:10\n{HONEST}", "0.99 599")
+    await synced.start()
+    assert synced.state.view().speeds == {HONEST: Speed(0.0001, 0.05)}
+    assert synced.skipped == {"speed": 2}
+
+
+async def test_speeds_that_are_not_utf8_are_skipped_alone(synced) -> None:
+    """A field and a value that are not UTF-8 used to fail the whole sync of every sidecar."""
+    await synced.admin.hset(synced.keys["speeds"], HONEST, "0.0001 0.05")
+    await synced.admin.hset(synced.keys["speeds"], b"\xff\xfe", "0.0001 0.05")
+    await synced.admin.hset(synced.keys["speeds"], "127.0.0.1:10", b"\xff\xfe")
+    await synced.start()
+    assert synced.state.view().speeds == {HONEST: Speed(0.0001, 0.05)}
+    assert synced.skipped == {"speed": 2}
+
+
+async def test_a_pool_key_of_another_type_is_deleted_and_logged(synced, caplog) -> None:
+    """The ejections and the prefix stream written as strings (``WRONGTYPE`` used to fail every
+    sync and every share of every sidecar): deleted, logged and counted, within the pool's own
+    keys — another pool's key of the wrong type is left alone."""
+    await synced.admin.set(synced.keys["ejections"], "not a hash")
+    await synced.admin.set(synced.keys["prefixes"], "not a stream")
+    await synced.admin.set("{other-pool}:speeds", "not a hash")
+    with caplog.at_level(logging.WARNING, logger="sidecar.scheduling.state"):
+        await synced.start()
+        await eventually(lambda: _true(synced.skipped["wrong_type"] == 2))
+    assert synced.skipped == {"wrong_type": 2}
+    for name in ("ejections", "prefixes"):
+        assert _text(await synced.admin.type(synced.keys[name])) in ("none", "hash", "stream")
+    assert _text(await synced.admin.type("{other-pool}:speeds")) == "string"
+    repaired = sorted(r.getMessage() for r in caplog.records if "deleted" in r.getMessage())
+    assert repaired == [
+        f"redis state backend: {synced.keys[name]} was a string, not what the pool keeps there: "
+        "deleted"
+        for name in ("ejections", "prefixes")
+    ]
+
+
+async def test_thousands_of_dead_sidecars_go_a_bounded_number_per_sync(redis_server) -> None:
+    """10,000 sidecars whose lease ran out (written by hand: Lua's unpack of them all failed
+    every sync): each sync drops at most MAX_ENTRIES of them, and syncs meanwhile."""
+    state = RedisState(redis_server.url, prefix="dead", lease_s=600, timeout_s=1)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await admin.zadd(state.keys[0], {f"dead-{i}": 1.0 for i in range(10_000)})
+        await state.start()
+        await eventually(lambda: _true(state.connected))
+        assert state.status()["last_error"] is None
+        left = await admin.zcard(state.keys[0])
+        assert 10_000 - MAX_ENTRIES + 1 >= left > 0  # this sidecar, and the dead not yet dropped
+    finally:
+        await state.close()
+        await admin.aclose()
+
+
+async def test_an_oversized_prefix_entry_is_passed_not_read(redis_server) -> None:
+    """An entry of the prefix share of 8 MiB (a placement's hashes are 32 KiB at most): the
+    script leaves it out, counted, and the cursor moves past it to the next entry, which is
+    learnt — without the entry crossing the wire (the share used to take the first entry whole,
+    past its 64 KiB budget: 200 MiB of it added ~400 MiB to the sidecar; one larger than the
+    sidecar could read stalled the share for good)."""
+    skipped: collections.Counter[str] = collections.Counter()
+    learnt: list[tuple[str, list[bytes]]] = []
+    state = RedisState(
+        redis_server.url,
+        prefix="big",
+        lease_s=30,
+        timeout_s=1,
+        on_skipped=lambda kind, count: skipped.update({kind: count}),
+    )
+    state.share_prefixes(lambda endpoint, hashes: learnt.append((endpoint, list(hashes))))
+    admin = aioredis.Redis.from_url(redis_server.url)
+    stream = stream_key("big")
+    blocks = [bytes([1]) * 8, bytes([2]) * 8]
+    try:
+        await admin.xadd(stream, {"s": "other", "e": HONEST, "h": b"\x07" * (8 << 20)})
+        after = await admin.xadd(stream, {"s": "other", "e": HONEST, "h": b"".join(blocks)})
+        sent = (await admin.info("stats"))["total_net_output_bytes"]
+        await state.start()
+        await eventually(lambda: _true(bool(learnt)))
+        sent = (await admin.info("stats"))["total_net_output_bytes"] - sent
+        assert learnt == [(HONEST, blocks)]
+        assert skipped == {"prefix": 1}
+        assert state.status()["prefix_share"]["cursor"] == _text(after)
+        assert sent < 1 << 20  # the 8 MiB never left Redis
+    finally:
+        await state.close()
         await admin.aclose()

@@ -14,6 +14,7 @@ from bench.sim.state import RedisServer as ModelledScript
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, Reservation
 from sidecar.scheduling.state.protocol import (
+    MAX_ENTRIES,
     SCRIPT,
     Reply,
     Sync,
@@ -154,23 +155,62 @@ def test_the_worker_is_owed_a_sync_begun_after_the_one_in_flight() -> None:
     assert not state.worker_owed
 
 
+Fields = tuple[str | bytes, ...]
+
+
+def answer_of(
+    totals: Fields = (),
+    speeds: Fields = (),
+    ejections: Fields = (),
+    over: int = 0,
+    repaired: Fields = (),
+) -> bytes:
+    """An answer as the script gives it: a line of counts, a line of sizes, the fields joined
+    by newlines."""
+    kinds = (totals, speeds, ejections, repaired)
+    data = [f.encode() if isinstance(f, str) else f for kind in kinds for f in kind]
+    counts = " ".join(str(n) for n in (over, *(len(kind) for kind in kinds)))
+    sizes = " ".join(str(len(field)) for field in data)
+    return f"{counts}\n{sizes}\n".encode() + b"\n".join(data)
+
+
 def test_an_answer_is_checked_entry_by_entry() -> None:
     reply = decode_reply(
-        [
-            f"{A} 100 2\n{B} -1 1\n{C} 5".encode(),
-            f"{A}\n0.0001 0.02\n{B}\nnan 0.1\n{C}\n0 0.1".encode(),
-            f"{A}\n{time.time() + 10!r}\n{B}\n1e18\n{C}\nsoon".encode(),
-            3,
-        ],
+        answer_of(
+            (A, "100 2", B, "-1 1", C, "5", b"\xff:1", "1 1"),
+            (A, "0.0001 0.02", B, "nan 0.1", C, "0 0.1", "x\n1", "0.0001 0.02"),
+            (A, repr(time.time() + 10), B, "1e18", C, "soon", C, b"\xff"),
+            over=3,
+            repaired=("{p}:speeds", "string"),
+        ),
         now=time.time(),
         max_ejection_s=60,
     )
     assert reply.totals == {A: Load(100, 2)}
     assert reply.speeds == {A: SPEED}
     assert set(reply.ejections) == {A}
-    assert reply.skipped == {"over_limit": 3, "load": 2, "speed": 2, "ejection": 2}
-    with pytest.raises(ValueError, match="unpack"):  # of the wrong shape: the sync failed
-        decode_reply([b"", b""], now=0.0, max_ejection_s=60)
+    assert reply.skipped == {
+        "over_limit": 3, "load": 3, "speed": 3, "ejection": 3, "wrong_type": 1
+    }  # fmt: skip
+    assert reply.repaired == (("{p}:speeds", "string"),)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"0 2 0 0 0\n1 1\na\n\nbc",  # sizes that do not add up
+        b"0 1 0 0 0\n1\na",  # half a pair
+        b"0 2 0 0 0\n-1 2\na\nb",
+        b"0 %d 0 0 0\n\n" % (2 * MAX_ENTRIES + 2),  # more than the script sends
+        b"0 0 0 0 0\n\norphan",
+        b"0 0 0 0\n\n",
+        [b"not", b"one string"],
+        b"no lines",
+    ],
+)
+def test_an_answer_not_the_scripts_fails_the_sync(raw: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        decode_reply(raw, now=0.0, max_ejection_s=60)
 
 
 @pytest.fixture

@@ -38,44 +38,65 @@ apply)."""
 SYNC_S = 0.25
 """How often the share syncs while there is something to send, and polls otherwise (4 × that)."""
 
-SCRIPT = """
+_SCRIPT = """
 local sid, cursor, maxlen, budget = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = tonumber(ARGV[5])
+-- A key of another type would fail every sync of every sidecar: deleted, and said.
+local repaired = {}
+local held = redis.call('TYPE', KEYS[1]).ok
+if held ~= 'stream' and held ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  repaired = {KEYS[1], held}
+end
 local i = 6
 for _ = 1, n do
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 's', sid, 'e', ARGV[i], 'h', ARGV[i + 1])
   i = i + 2
 end
-local range
-if cursor == '' then
-  range = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 512)
-else
-  range = redis.call('XRANGE', KEYS[1], '(' .. cursor, '+', 'COUNT', 512)
-end
-local out, used, last = {}, 0, cursor
-for _, entry in ipairs(range) do
-  local fields = entry[2]
-  local from, ep, hashes = nil, nil, nil
-  for j = 1, #fields, 2 do
-    if fields[j] == 's' then from = fields[j + 1]
-    elseif fields[j] == 'e' then ep = fields[j + 1]
-    elseif fields[j] == 'h' then hashes = fields[j + 1] end
+-- The others' entries after the cursor, read 16 at a time (so that Redis copies few into Lua),
+-- 512 at most, until the budget is used. An entry over the bounds (a name over @KEY_BYTES@
+-- bytes, hashes over @HASH_BYTES@: no placement's) is never sent: skipped, counted, and the
+-- cursor moves past it, as it does past this sidecar's own.
+local out, used, last, skipped, read = {}, 0, cursor, 0, 0
+local from_id = '-'
+if cursor ~= '' then from_id = '(' .. cursor end
+local full = false
+while not full and read < 512 do
+  local range = redis.call('XRANGE', KEYS[1], from_id, '+', 'COUNT', math.min(16, 512 - read))
+  for _, entry in ipairs(range) do
+    read = read + 1
+    local fields = entry[2]
+    local from, ep, hashes = nil, nil, nil
+    for j = 1, #fields, 2 do
+      if fields[j] == 's' then from = fields[j + 1]
+      elseif fields[j] == 'e' then ep = fields[j + 1]
+      elseif fields[j] == 'h' then hashes = fields[j + 1] end
+    end
+    local ep_size, hash_size = ep and #ep or 0, hashes and #hashes or 0
+    if ep_size > @KEY_BYTES@ or hash_size > @HASH_BYTES@ then
+      skipped = skipped + 1
+    elseif from ~= sid then
+      if used > 0 and used + ep_size + hash_size > budget then full = true; break end
+      out[#out + 1] = ep or ''
+      out[#out + 1] = hashes or ''
+      used = used + ep_size + hash_size
+    end
+    last = entry[1]
   end
-  local size = (ep and #ep or 0) + (hashes and #hashes or 0)
-  if used > 0 and used + size > budget then break end
-  last = entry[1]
-  if from ~= sid then
-    out[#out + 1] = ep or ''
-    out[#out + 1] = hashes or ''
-    used = used + size
-  end
+  if #range < 16 then break end
+  from_id = '(' .. last
 end
 redis.call('PEXPIRE', KEYS[1], 3600000)
-return {last, out}
+return {last, out, repaired, skipped}
 """
+SCRIPT = _SCRIPT.replace("@KEY_BYTES@", str(MAX_KEY_BYTES)).replace(
+    "@HASH_BYTES@", str(MAX_PROMPT_BLOCKS * DIGEST_BYTES)
+)
 """KEYS: the stream. ARGV: sidecar id, cursor ('' for the start), the stream's cap, the reply's
-byte budget, a count and that many (endpoint, hashes) pairs. Returns the last entry id read and
-the others' (endpoint, hashes) pairs, flat. The stream expires an hour after the last sync."""
+byte budget, a count and that many (endpoint, hashes) pairs. Returns the last entry id read,
+the others' (endpoint, hashes) pairs, flat, the stream's key and the type it had if it was of
+another type (deleted), else nothing, and how many entries over the bounds were passed. The
+stream expires an hour after the last sync."""
 
 
 def stream_key(prefix: str) -> str:
@@ -137,15 +158,28 @@ class PrefixShare:
                 continue
             self._pending.appendleft((endpoint, hashes))
 
-    def received(self, reply: object) -> tuple[list[Learnt], int]:
-        """The others' placements in a reply, and how many entries were skipped (malformed)."""
-        if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[1], list):
-            return [], 1
-        last, flat = reply
+    def received(self, reply: object) -> tuple[list[Learnt], int, tuple[tuple[str, str], ...]]:
+        """The others' placements in a reply, how many entries were skipped (malformed, or
+        over the bounds and left out by the script), and the key the script found of another
+        type and deleted (key, type), if any."""
+        if (
+            not isinstance(reply, list)
+            or len(reply) != 4
+            or not isinstance(reply[1], list)
+            or not isinstance(reply[2], list)
+            or not isinstance(reply[3], int)
+        ):
+            return [], 1, ()
+        last, flat, found, oversized = reply
+        repaired = tuple(
+            (key.decode("utf-8", "replace"), held.decode("utf-8", "replace"))
+            for key, held in zip(found[::2], found[1::2], strict=False)
+            if isinstance(key, bytes) and isinstance(held, bytes)
+        )[:1]
         if isinstance(last, bytes) and len(last) <= 64:
             self.cursor = last.decode("ascii", "replace")
         learnt: list[Learnt] = []
-        skipped = 0
+        skipped = max(0, oversized)
         for j in range(0, len(flat) - 1, 2):
             endpoint, packed = flat[j], flat[j + 1]
             if (
@@ -161,4 +195,4 @@ class PrefixShare:
                 packed[k : k + DIGEST_BYTES] for k in range(0, len(packed), DIGEST_BYTES)
             )
             learnt.append(Learnt(endpoint.decode("utf-8", "replace"), hashes))
-        return learnt, skipped
+        return learnt, skipped, repaired

@@ -30,8 +30,9 @@ The rules, which every driver follows:
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,17 @@ local limit, key_bytes, value_bytes = @LIMIT@, @KEY_BYTES@, @VALUE_BYTES@
 local skipped = 0
 local lease_ms = math.ceil(lease * 1000)
 local COUNT = '#tables'
+-- A key of another type (written by hand, by another program) would fail every command on it,
+-- and so every sync of every sidecar: it is deleted, said in the answer, and the totals rebuilt.
+local TYPES = {'zset', 'hash', 'hash', 'hash', 'hash'}
+local repaired = {}
+for j = 1, #TYPES do
+  local held = redis.call('TYPE', KEYS[j]).ok
+  if held ~= TYPES[j] and held ~= 'none' then
+    redis.call('DEL', KEYS[j])
+    repaired[#repaired + 1] = KEYS[j]; repaired[#repaired + 1] = held
+  end
+end
 local function add(text, delta, sign)
   if not text then return end
   for ep, tok, req in string.gmatch(text, '(%S+) (%d+) (%d+)') do
@@ -69,7 +81,7 @@ local BUILT = '#built'
 local counted = tonumber(redis.call('HGET', KEYS[5], COUNT) or '')
 local built = tonumber(redis.call('HGET', KEYS[5], BUILT) or '')
 local rebuild = counted == nil or counted ~= redis.call('HLEN', KEYS[4])
-  or built == nil or now - built > lease or now < built
+  or built == nil or now - built > lease or now < built or #repaired > 0
 local delta = {}
 if not rebuild then add(redis.call('HGET', KEYS[4], sid), delta, -1) end
 if ARGV[4] == '' then
@@ -89,13 +101,13 @@ for _ = 1, n do
   if tonumber(ARGV[i + 1]) > current then redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
   i = i + 2
 end
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
-if #dead > 0 then
-  if not rebuild then
-    for _, gone in ipairs(dead) do add(redis.call('HGET', KEYS[4], gone), delta, -1) end
-  end
-  redis.call('HDEL', KEYS[4], unpack(dead))
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)
+-- At most `limit` dead sidecars per sync, one by one: more (written by hand) go with the next
+-- syncs, never all in one call (Lua's unpack fails past a few thousand).
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, limit)
+for _, gone in ipairs(dead) do
+  if not rebuild then add(redis.call('HGET', KEYS[4], gone), delta, -1) end
+  redis.call('HDEL', KEYS[4], gone)
+  redis.call('ZREM', KEYS[1], gone)
 end
 if rebuild then
   -- Every live sidecar's table summed anew; a table without a lease never counts: dropped.
@@ -133,28 +145,30 @@ redis.call('PEXPIRE', KEYS[5], lease_ms)
 if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('PEXPIRE', KEYS[4], lease_ms) end
 -- What is read back is bounded (at most `limit` entries of each kind, of bounded size), since
 -- anyone who can write these keys could otherwise make every sidecar parse them on its loop.
-local lines = {}
-local totals = redis.call('HGETALL', KEYS[5])
-for j = 1, #totals, 2 do
-  if totals[j] ~= COUNT and totals[j] ~= BUILT then
-    if #lines < limit and #totals[j] <= key_bytes and #totals[j + 1] <= value_bytes then
-      lines[#lines + 1] = totals[j] .. ' ' .. totals[j + 1]
-    else
-      skipped = skipped + 1
-    end
-  end
-end
-local function bounded(flat)
-  local kept = {}
+-- The answer is one string: a line of counts (entries left out; fields of the totals, the
+-- speeds, the ejections and the keys repaired), a line of every field's size, then the fields
+-- joined by newlines. The sizes say where each field ends, so that no field, whatever bytes it
+-- holds, can move another; the newlines let the reader split the usual answer, where no field
+-- holds one. One string: the reader walks one header, not one per field.
+local fields, sizes = {}, {}
+local function bounded(flat, own)
+  local kept = 0
   for j = 1, #flat, 2 do
-    if #kept < 2 * limit and #flat[j] <= key_bytes and #flat[j + 1] <= value_bytes then
-      kept[#kept + 1] = flat[j]; kept[#kept + 1] = flat[j + 1]
-    else
-      skipped = skipped + 1
+    local name, value = flat[j], flat[j + 1]
+    if own == nil or not own[name] then  -- the totals' own fields are no endpoint's
+      if kept < 2 * limit and #name <= key_bytes and #value <= value_bytes then
+        fields[#fields + 1] = name; fields[#fields + 1] = value
+        sizes[#sizes + 1] = #name; sizes[#sizes + 1] = #value
+        kept = kept + 2
+      else
+        skipped = skipped + 1
+      end
     end
   end
   return kept
 end
+local n_totals = bounded(redis.call('HGETALL', KEYS[5]), {[COUNT] = true, [BUILT] = true})
+local n_speeds = bounded(redis.call('HGETALL', KEYS[2]))
 local ejections = redis.call('HGETALL', KEYS[3])
 local live = {}
 for j = 1, #ejections, 2 do
@@ -165,20 +179,23 @@ for j = 1, #ejections, 2 do
     redis.call('HDEL', KEYS[3], ejections[j])
   end
 end
-return {
-  table.concat(lines, '\\n'),
-  table.concat(bounded(redis.call('HGETALL', KEYS[2])), '\\n'),
-  table.concat(bounded(live), '\\n'),
-  skipped,
-}
+local n_ejections = bounded(live)
+for j = 1, #repaired do
+  fields[#fields + 1] = repaired[j]; sizes[#sizes + 1] = #repaired[j]
+end
+return string.format('%d %d %d %d %d', skipped, n_totals, n_speeds, n_ejections, #repaired)
+  .. '\\n' .. table.concat(sizes, ' ') .. '\\n' .. table.concat(fields, '\\n')
 """
 """KEYS: sidecars, speeds, ejections, reservations, totals. ARGV: sidecar id, now, lease, this
 sidecar's reservations (lines), then speeds and ejections, each a count and that many pairs. The
-reply is three strings of lines: the totals (``endpoint tokens requests`` each), then the speeds
-and the live ejections (an endpoint's line, then its value's): three bulk strings rather than
-arrays of every field, which redis-py's parser would read element by element (most of a sync's
-cost on the request path); then how many entries the script left out (over ``MAX_ENTRIES`` of a
-kind, or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``)."""
+reply is one string: a line of counts — the entries the script left out (over ``MAX_ENTRIES``
+of a kind, or longer than ``MAX_KEY_BYTES`` / ``MAX_VALUE_BYTES``), then the fields of the
+totals (endpoint, ``tokens requests``), of the speeds and of the live ejections (endpoint,
+value), and of the keys it found of another type and deleted (key, type) — then a line of every
+field's size, then the fields joined by newlines. Not an array of every field, which every
+reader would walk element by element (most of a sync's cost on the request path, and each
+header is checked before hiredis parses it: ``replies``); not lines alone, in which a field
+holding a newline moved every field after it."""
 
 MAX_ENTRIES = 1024
 """Endpoints of each kind (loads, speeds, ejections) one sync reads back: far more than a prefill
@@ -212,17 +229,15 @@ BACKOFF_MAX_S = 5.0
 """After a failed sync the next is not tried for the backoff: 0.5 s, doubling to 5 s."""
 
 
-def keys(prefix: str) -> tuple[str, str, str, str, str]:
+KEY_NAMES = ("sidecars", "speeds", "ejections", "reservations", "totals")
+"""The pool's keys after its hash tag, in the script's ``KEYS`` order."""
+
+
+def keys(prefix: str) -> tuple[str, ...]:
     """Every key of a pool (``SIDECAR_REDIS_KEY_PREFIX``), in the script's ``KEYS`` order: one
     hash tag, so that on a Redis Cluster they live in one slot."""
     tag = "{" + prefix + "}"
-    return (
-        f"{tag}:sidecars",
-        f"{tag}:speeds",
-        f"{tag}:ejections",
-        f"{tag}:reservations",
-        f"{tag}:totals",
-    )
+    return tuple(f"{tag}:{name}" for name in KEY_NAMES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +281,10 @@ class Reply:
     """The ejections that had not ended (Unix time each ends)."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Entries left out, by kind: ``over_limit`` (by the script, beyond the bounds), ``load``,
-    ``speed``, ``ejection`` (they did not parse or were out of range); only kinds with some."""
+    ``speed``, ``ejection`` (they did not parse or were out of range), ``wrong_type`` (keys of
+    another type, deleted); only kinds with some."""
+    repaired: tuple[tuple[str, str], ...] = ()
+    """The keys the script found of another type and deleted: (key, the type it was)."""
 
 
 class SyncProtocol:
@@ -406,45 +424,61 @@ class SyncProtocol:
 
 
 def decode_reply(raw: Any, *, now: float, max_ejection_s: float) -> Reply:
-    """The script's answer, checked. Each entry is checked (types, finite numbers in range) and
-    one that fails is skipped and counted, never the whole answer: whoever can write the keys
-    (another version of the sidecar, a person) cannot stall or steer every sidecar. An answer
-    of the wrong shape raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
+    """The script's answer, checked. Each entry is checked (a name that is an endpoint's, a
+    value that parses, finite numbers in range) and one that fails is skipped and counted, never
+    the whole answer: whoever can write the keys (another version of the sidecar, a person)
+    cannot stall or steer every sidecar. An answer of the wrong shape (which only something
+    other than the script can give) raises (``ValueError``, ``TypeError``, ``IndexError``, ...).
     ``max_ejection_s`` is the longest ejection a sidecar publishes: one that ends later is not
     believed."""
-    totals, speeds, ejections = (_lines(part) for part in raw[:3])
+    if not isinstance(raw, bytes):
+        raise TypeError("not one string")
+    head, sizes, data = raw.split(b"\n", 2)
+    counts = head.split(b" ")
+    if len(counts) != 5 or not all(count.isdigit() and len(count) < 8 for count in counts):
+        raise ValueError("not a line of counts")
+    over, n_totals, n_speeds, n_ejections, n_repaired = map(int, counts)
+    if max(n_totals, n_speeds, n_ejections) > 2 * MAX_ENTRIES or n_repaired > 2 * len(KEY_NAMES):
+        raise ValueError("more fields than the script sends")
+    fields = _fields(sizes, data, n_totals + n_speeds + n_ejections + n_repaired)
+    totals = _pairs(fields[:n_totals])
+    speeds = _pairs(fields[n_totals : n_totals + n_speeds])
+    ejections = _pairs(fields[n_totals + n_speeds : n_totals + n_speeds + n_ejections])
     skipped: dict[str, int] = {}
-    if raw[3]:
-        skipped["over_limit"] = int(raw[3])
+    if over:
+        skipped["over_limit"] = over
     loads: dict[str, Load] = {}
     bad = 0
-    for line in totals:
-        load = _load(line)
+    for name, value in totals:
+        load = _load(value) if _endpoint(name) else None
         if load is None:
             bad += 1
         else:
-            loads[load[0]] = load[1]
+            loads[str(name)] = load
     _count(skipped, "load", bad)
     parsed_speeds = {}
     bad = 0
-    for endpoint, text in zip(speeds[::2], speeds[1::2], strict=False):
-        speed = _speed(text)
+    for name, value in speeds:
+        speed = _speed(value) if _endpoint(name) else None
         if speed is None:
             bad += 1
         else:
-            parsed_speeds[endpoint] = speed
+            parsed_speeds[str(name)] = speed
     _count(skipped, "speed", bad)
     latest = now + max_ejection_s + EJECTION_SKEW_S
     ejected = {}
     bad = 0
-    for endpoint, text in zip(ejections[::2], ejections[1::2], strict=False):
-        until = _number(text, 0.0, latest)
+    for name, value in ejections:
+        until = _number(value, 0.0, latest) if _endpoint(name) else None
         if until is None:
             bad += 1
         else:
-            ejected[endpoint] = until
+            ejected[str(name)] = until
     _count(skipped, "ejection", bad)
-    return Reply(loads, parsed_speeds, ejected, skipped)
+    repaired = _pairs(fields[len(fields) - n_repaired :] if n_repaired else [])
+    found = tuple((key or "?", held or "?") for key, held in repaired)
+    _count(skipped, "wrong_type", len(found))
+    return Reply(loads, parsed_speeds, ejected, skipped, found)
 
 
 def _count(skipped: dict[str, int], kind: str, count: int) -> None:
@@ -452,22 +486,62 @@ def _count(skipped: dict[str, int], kind: str, count: int) -> None:
         skipped[kind] = count
 
 
-def _lines(value: Any) -> list[str]:
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    return text.split("\n") if text else []
+def _fields(sizes: bytes, data: bytes, count: int) -> Sequence[str | None]:
+    """``count`` fields from their sizes and the fields joined by newlines, each as text when it
+    is printable ASCII, else None."""
+    if not count:
+        if sizes or data:
+            raise ValueError("fields where none were counted")
+        return []
+    if sizes.count(b" ") != count - 1 or not sizes.replace(b" ", b"").isdigit():
+        raise ValueError("not a size for each field")
+    if (
+        data.isascii()
+        and data.count(b"\n") == count - 1
+        and (text := data.decode("ascii")).replace("\n", "").isprintable()
+    ):
+        # The newlines are the joins alone: no field holds one (what the sidecars write).
+        return text.split("\n")
+    # Something else wrote the keys: each field where its size puts it, checked alone.
+    ends = list(itertools.accumulate(map(int, sizes.split(b" "))))
+    if ends[-1] + count - 1 != len(data):
+        raise ValueError("sizes that do not add up to the fields")
+    starts = [0, *ends]
+    return [_field(data[starts[j] + j : ends[j] + j]) for j in range(count)]
 
 
-def _number(text: str, low: float, high: float) -> float | None:
-    """``text`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+def _pairs(fields: Sequence[str | None]) -> list[tuple[str | None, str | None]]:
+    if len(fields) % 2:
+        raise ValueError("half a pair")
+    return list(zip(fields[::2], fields[1::2], strict=True))
+
+
+def _field(raw: bytes) -> str | None:
+    if raw.isascii() and (text := raw.decode("ascii")).isprintable():
+        return text
+    return None
+
+
+def _endpoint(name: str | None) -> bool:
+    """Whether ``name`` (printable ASCII, from ``_pairs``) is an endpoint's (``host:port``)."""
+    return name is not None and 0 < len(name) <= MAX_KEY_BYTES and " " not in name
+
+
+def _number(value: str | None, low: float, high: float) -> float | None:
+    """``value`` as a finite float in [low, high], else None (NaN and infinities fail both)."""
+    if value is None:
+        return None
     try:
-        value = float(text)
+        number = float(value)
     except ValueError:
         return None
-    return value if low <= value <= high else None
+    return number if low <= number <= high else None
 
 
-def _speed(text: str) -> Speed | None:
-    parts = text.split(" ")
+def _speed(value: str | None) -> Speed | None:
+    if value is None:
+        return None
+    parts = value.split(" ")
     if len(parts) != 2:
         return None
     s_per_token = _number(parts[0], 0.0, MAX_S_PER_TOKEN)
@@ -477,13 +551,16 @@ def _speed(text: str) -> Speed | None:
     return Speed(s_per_token, overhead_s)
 
 
-def _load(line: str) -> tuple[str, Load] | None:
-    parts = line.split(" ")
-    if len(parts) != 3 or not (parts[1].isascii() and parts[1].isdigit()):
+def _load(value: str | None) -> Load | None:
+    if value is None:
         return None
-    if not (parts[2].isascii() and parts[2].isdigit()) or max(len(parts[1]), len(parts[2])) > 13:
+    parts = value.split(" ")
+    if len(parts) != 2:
         return None
-    tokens, requests = int(parts[1]), int(parts[2])
+    tokens_text, requests_text = parts
+    if not (tokens_text.isdigit() and requests_text.isdigit()) or len(value) > 27:
+        return None
+    tokens, requests = int(tokens_text), int(requests_text)
     if tokens > MAX_LOAD or requests > MAX_LOAD:
         return None
-    return parts[0], Load(tokens, requests)
+    return Load(tokens, requests)

@@ -52,6 +52,7 @@ from sidecar.scheduling.state.protocol import (
     decode_reply,
     keys,
 )
+from sidecar.scheduling.state.replies import BoundedHiredisParser, bound_cluster
 from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
@@ -121,15 +122,21 @@ class RedisState:
         if self._cluster:
             # One attempt per sync, like the standalone client: a failed one backs off (below),
             # and the next re-reads the slots from the nodes left (a promoted replica included).
-            self._client = RedisCluster.from_url(
-                self._url,
-                socket_connect_timeout=1.0,
-                socket_timeout=1.0,
-                retry=Retry(NoBackoff(), retries=0),
+            self._client = bound_cluster(
+                RedisCluster.from_url(
+                    self._url,
+                    socket_connect_timeout=1.0,
+                    socket_timeout=1.0,
+                    retry=Retry(NoBackoff(), retries=0),
+                )
             )
         else:
             self._client = aioredis.Redis.from_url(
-                self._url, socket_connect_timeout=1.0, socket_timeout=1.0, retry_on_timeout=False
+                self._url,
+                socket_connect_timeout=1.0,
+                socket_timeout=1.0,
+                retry_on_timeout=False,
+                parser_class=BoundedHiredisParser,  # replies bounded before hiredis allocates
             )
         self._script = self._client.register_script(SCRIPT)
         if not self._cluster and resp.supports(self._url):
@@ -282,6 +289,7 @@ class RedisState:
             # whoever can write the keys cannot stall or steer every sidecar.
             for kind, count in reply.skipped.items():
                 self._on_skipped(kind, count)
+            self._repaired(reply.repaired)
             self._protocol.received(sync, reply)
             if not self.connected:
                 logger.info("redis state backend connected")
@@ -321,11 +329,23 @@ class RedisState:
             backoff = 0.0
             if share.pending:  # more than one sync carries: the rest goes next
                 self._share_wake.set()
-            learnt, skipped = share.received(reply)
+            learnt, skipped, repaired = share.received(reply)
             if skipped:
                 self._on_skipped("prefix", skipped)
+            if repaired:
+                self._on_skipped("wrong_type", len(repaired))
+                self._repaired(repaired)
             for entry in learnt:
                 self._learnt(entry.endpoint, entry.hashes)
+
+    def _repaired(self, repaired: tuple[tuple[str, str], ...]) -> None:
+        """Log the keys of the pool a script found of another type, and deleted."""
+        for key, held in repaired:
+            logger.warning(
+                "redis state backend: %s was a %s, not what the pool keeps there: deleted",
+                key,
+                held,
+            )
 
     def _record_error(self, kind: str, detail: str) -> None:
         if self.connected or self.last_error is None:

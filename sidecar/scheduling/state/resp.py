@@ -14,7 +14,8 @@ password, a database); ``rediss://`` and any other option in the URL stay with r
 (``supports``), as does a Redis Cluster (its client follows the slots).
 
 A connection that failed — an error, a timeout, a cancellation with a command unanswered, the
-peer gone — is closed; the next ``call`` opens a new one.
+peer gone, a reply over the bounds (``replies``, checked before hiredis parses it) — is closed;
+the next ``call`` opens a new one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import hiredis
 from redis.asyncio.connection import UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+
+from sidecar.scheduling.state.replies import ReplyBounds
 
 _PLAIN = frozenset({"username", "password", "host", "port", "db", "path", "connection_class"})
 """What ``parse_url`` may return for a URL this connection speaks to (``connection_class``
@@ -65,12 +68,14 @@ class RespConnection:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._parser = hiredis.Reader()
+        self._bounds = ReplyBounds()
 
     async def call(self, *args: str | bytes | int) -> Any:
         """The reply to one command: bytes, an int, a list of them (hiredis's types). An error
         reply raises ``ResponseError`` (``NoScriptError`` for ``NOSCRIPT``), a connection
-        that fails raises ``ConnectionError`` or ``OSError``, no reply in time
-        ``TimeoutError``: the connection is then closed."""
+        that fails raises ``ConnectionError`` or ``OSError``, a reply over the bounds
+        ``replies.ReplyRefused``, no reply in time ``TimeoutError``: the connection is then
+        closed."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 if self._writer is None:
@@ -97,6 +102,7 @@ class RespConnection:
     def close(self) -> None:
         writer, self._writer, self._reader = self._writer, None, None
         self._parser = hiredis.Reader()  # a half-read reply must not prefix the next one's
+        self._bounds.reset()
         if writer is not None:
             writer.close()
 
@@ -131,7 +137,7 @@ class RespConnection:
                 self._name = None
 
     async def _roundtrip(self, packed: bytes) -> Any:
-        reader, writer, parser = self._reader, self._writer, self._parser
+        reader, writer, parser, bounds = self._reader, self._writer, self._parser, self._bounds
         assert reader is not None
         assert writer is not None
         writer.write(packed)
@@ -140,6 +146,7 @@ class RespConnection:
             data = await reader.read(READ_BYTES)
             if not data:
                 raise RedisConnectionError("the connection was closed by the server")
+            bounds.check(data)  # before hiredis allocates what the headers announce
             parser.feed(data)
             reply = parser.gets()
         if isinstance(reply, hiredis.ReplyError):
