@@ -197,7 +197,7 @@ class Connection:
         """The oldest message read (None: none yet); raises :class:`ZmtpError` once the
         connection ended (what it had queued is dropped: the caller resets anyway)."""
         if self.error is not None:
-            raise self.error
+            raise ZmtpError(str(self.error))
         if not self._queue:
             return None
         message = self._queue.popleft()
@@ -213,7 +213,7 @@ class Connection:
     def send(self, frames: list[bytes]) -> None:
         """Write a message (its frames); raises :class:`ZmtpError` if the connection ended."""
         if self.error is not None:
-            raise self.error
+            raise ZmtpError(str(self.error))
         data = b"".join(frame(body, more=i < len(frames) - 1) for i, body in enumerate(frames))
         self._write(data)
 
@@ -226,12 +226,17 @@ class Connection:
 
     def _write(self, data: bytes) -> None:
         if self._writer.transport.get_write_buffer_size() + len(data) > MAX_WRITE_BUFFER:
-            raise self._end(ZmtpError("the peer does not read what is sent to it"))
+            error = ZmtpError("the peer does not read what is sent to it")
+            self._end(error)
+            raise error
         self._writer.write(data)
 
-    def _end(self, error: ZmtpError) -> ZmtpError:
+    def _end(self, error: ZmtpError) -> None:
         if self.error is None:
-            self.error = error
+            # A copy, never raised: the error raised holds its traceback, whose frames hold
+            # what was being read (a frame's megabytes) and this connection, a cycle that only
+            # the garbage collector's rare full passes would free.
+            self.error = ZmtpError(str(error))
             self._queue.clear()
             self._writer.transport.abort()
             current = asyncio.current_task()
@@ -239,7 +244,6 @@ class Connection:
                 if task is not current:
                     task.cancel()
             self._ready.set()
-        return self.error
 
     async def _read_forever(self) -> None:
         try:
@@ -257,6 +261,9 @@ class Connection:
             self._end(ZmtpError(f"nothing received in {3 * self._heartbeat_s:g}s of heartbeats"))
         except (OSError, asyncio.IncompleteReadError) as exc:
             self._end(ZmtpError(f"connection lost ({exc.__class__.__name__})"))
+        except Exception as exc:  # a bug must not leave the connection open and unread
+            self._end(ZmtpError(f"the reader failed: {exc!r}"))
+            raise
 
     async def _ping_forever(self) -> None:
         ping = command(b"PING", struct.pack(">H", _PING_TTL))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import struct
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -289,3 +291,31 @@ async def test_a_libzmq_router_s_reply_of_many_frames_ends_the_dealer() -> None:
         await dealer.close()
     finally:
         context.destroy(linger=0)
+
+
+async def test_what_an_ended_connection_read_is_freed_at_once() -> None:
+    """A 2 MiB frame, then a header past the message's bytes: once the connection ended and is
+    closed, the 2 MiB it read are freed by reference counting alone (no error keeps the
+    reader's frames alive, in a cycle only the garbage collector's rare full passes free: a
+    publisher that repeats it, reconnection after reconnection, grew a sidecar by 250 MiB)."""
+    limits = zmtp.Limits(max_frame_bytes=2 * MIB, max_frames=3, max_message_bytes=3 * MIB)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(long_frame(2 * MIB, more=True) + long_frame(2 * MIB, more=False))
+        await stay_open(reader)
+
+    gc.disable()
+    tracemalloc.start()
+    try:
+        async with raw_peer(serve) as port:
+            before = tracemalloc.get_traced_memory()[0]
+            connection = await connected(port, limits)
+            assert f"more than {3 * MIB} bytes" in await ended(connection)
+            assert connection.bytes_read >= 2 * MIB
+            await connection.close()
+            del connection
+            held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert held < 512 * KIB
