@@ -319,3 +319,39 @@ async def test_what_an_ended_connection_read_is_freed_at_once() -> None:
         tracemalloc.stop()
         gc.enable()
     assert held < 512 * KIB
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+async def test_a_libzmq_pub_takes_the_subscribe_command_and_filters_by_it(host: str) -> None:
+    """vLLM publishes with a plain PUB (libzmq 4.3), which filters by what its subscribers
+    asked: our ZMTP 3.1 ``SUBSCRIBE`` reaches it, the topic's messages come, others do not.
+    A PUB cannot tell when a subscription arrived: it sends until one message comes through."""
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.IPV6, int(":" in host))
+    bracketed = f"[{host}]" if ":" in host else host
+    port = pub.bind_to_random_port(f"tcp://{bracketed}")
+    try:
+        sub = await zmtp.connect(
+            bracketed,
+            port,
+            socket_type=b"SUB",
+            limits=LIMITS,
+            heartbeat_s=1.0,
+            ready=asyncio.Event(),
+            subscribe=b"kv",
+        )
+        assert sub.peer_minor == 1  # libzmq 4.3 speaks ZMTP 3.1
+        received: list[list[bytes]] = []
+        async with asyncio.timeout(WAIT_S):
+            while not received:
+                await pub.send_multipart([b"other", b"1", b"x"])
+                await pub.send_multipart([b"kv", b"2", b"y"])
+                await asyncio.sleep(0.01)
+                while (message := sub.take()) is not None:
+                    received.append(message)
+        assert set(map(tuple, received)) == {(b"kv", b"2", b"y")}
+        await sub.close()
+    finally:
+        context.destroy(linger=0)
