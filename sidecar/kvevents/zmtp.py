@@ -66,6 +66,8 @@ _READ_CHUNK: Final = 64 * 1024
 """The stream's buffer limit, and the most of a frame's body read at once."""
 _PING_TTL: Final = 0
 _MAX_PING_CONTEXT: Final = 16
+_CLOSE_S: Final = 1.0
+"""How long ``close`` waits for the reader to see the end of its stream."""
 
 
 class ZmtpError(Exception):
@@ -108,6 +110,9 @@ def frame(body: bytes, *, more: bool = False, command: bool = False) -> bytes:
 def command(name: bytes, data: bytes = b"") -> bytes:
     """A command frame: the name's length, the name, its data."""
     return frame(bytes((len(name),)) + name + data, command=True)
+
+
+_PING: Final = command(b"PING", struct.pack(">H", _PING_TTL))
 
 
 def ready_command(socket_type: bytes, identity: bytes | None = None) -> bytes:
@@ -179,9 +184,12 @@ class Connection:
         """Bytes read from the socket since the greeting's end, frames' headers included."""
         self.messages_read = 0
         self.pings_sent = 0
-        self._tasks = [asyncio.create_task(self._read_forever(), name="zmtp read")]
+        self._reading: asyncio.Task[None] | None = asyncio.create_task(
+            self._read_forever(), name="zmtp read"
+        )
+        self._ping_at: asyncio.TimerHandle | None = None
         if peer_minor >= 1 and heartbeat_s > 0:
-            self._tasks.append(asyncio.create_task(self._ping_forever(), name="zmtp ping"))
+            self._ping_at = asyncio.get_running_loop().call_later(heartbeat_s, self._ping)
 
     @property
     def ready(self) -> asyncio.Event:
@@ -220,7 +228,16 @@ class Connection:
     async def close(self) -> None:
         """End the connection at once (nothing unsent is kept: ZMQ's linger 0)."""
         self._end(ZmtpError("closed"))
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The reader ends on its own, at the end of the stream the abort brings. Cancelling it
+        # would keep what it was reading: the cancelled task keeps its CancelledError, whose
+        # traceback's frames hold the frame being read and the timeout that refers back to the
+        # task, a cycle only the garbage collector's rare full passes free.
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            await asyncio.wait({reading}, timeout=_CLOSE_S)
+            if not reading.done():  # never seen; a bound on close's wait all the same
+                reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -239,16 +256,17 @@ class Connection:
             self.error = ZmtpError(str(error))
             self._queue.clear()
             self._writer.transport.abort()
-            current = asyncio.current_task()
-            for task in self._tasks:
-                if task is not current:
-                    task.cancel()
+            if self._ping_at is not None:
+                self._ping_at.cancel()
+            self._room.set()  # a reader waiting for room: it sees the end
             self._ready.set()
 
     async def _read_forever(self) -> None:
         try:
-            while True:
+            while self.error is None:
                 message = await self._read_message()
+                if self.error is not None:
+                    return
                 self.messages_read += 1
                 self._queue.append(message)
                 self._ready.set()
@@ -265,30 +283,32 @@ class Connection:
             self._end(ZmtpError(f"the reader failed: {exc!r}"))
             raise
 
-    async def _ping_forever(self) -> None:
-        ping = command(b"PING", struct.pack(">H", _PING_TTL))
+    def _ping(self) -> None:
+        """Send a PING, and the next one in ``heartbeat_s`` (a timer, not a task: nothing to
+        cancel mid-await)."""
+        if self.error is not None:
+            return
         with contextlib.suppress(ZmtpError):
-            while True:
-                await asyncio.sleep(self._heartbeat_s)
-                self._write(ping)
-                self.pings_sent += 1
+            self._write(_PING)
+            self.pings_sent += 1
+            self._ping_at = asyncio.get_running_loop().call_later(self._heartbeat_s, self._ping)
 
     async def _read(self, size: int) -> bytes:
         """``size`` bytes; with heartbeats, a wait of ``3 * heartbeat_s`` for the next ones
         is a lost peer (each chunk of a long frame restarts it)."""
-        if self.peer_minor < 1 or self._heartbeat_s <= 0:
-            data = await self._reader.readexactly(size)
-        elif size <= _READ_CHUNK:
-            async with asyncio.timeout(3 * self._heartbeat_s):
+        timed = self.peer_minor >= 1 and self._heartbeat_s > 0
+        if size <= _READ_CHUNK:
+            async with asyncio.timeout(3 * self._heartbeat_s if timed else None):
                 data = await self._reader.readexactly(size)
-        else:
-            parts = bytearray()
-            while len(parts) < size:
-                async with asyncio.timeout(3 * self._heartbeat_s):
-                    parts += await self._reader.readexactly(min(_READ_CHUNK, size - len(parts)))
-            data = bytes(parts)
-        self.bytes_read += size
-        return data
+            self.bytes_read += size
+            return data
+        parts = bytearray()
+        while len(parts) < size:
+            async with asyncio.timeout(3 * self._heartbeat_s if timed else None):
+                chunk = await self._reader.readexactly(min(_READ_CHUNK, size - len(parts)))
+            parts += chunk
+            self.bytes_read += len(chunk)
+        return bytes(parts)
 
     async def _read_message(self) -> list[bytes]:
         limits = self.limits
