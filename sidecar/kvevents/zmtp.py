@@ -26,7 +26,8 @@ What it speaks, from the specifications (rfc.zeromq.org 23/ZMTP, ZMTP 3.0, and 3
   heartbeats: no ``PING`` is sent, and only TCP tells that it went away.
 
 Memory, per connection: the stream's buffer (``_READ_CHUNK``, asyncio pauses the socket past
-twice that), the message being read (at most ``max_message_bytes``), the messages read and not
+twice that), the message being read (at most ``max_message_bytes``, and for a moment a second
+copy of a long frame, assembled from its chunks), the messages read and not
 taken yet (``max_queued``, the high-water mark: the reader stops reading the socket, and the
 rest waits in the kernel's buffers and on the peer's side), and what is written but not sent
 (``MAX_WRITE_BUFFER``: a peer that does not read its PONGs is ended).
@@ -88,8 +89,11 @@ class Limits:
     """Messages read and not taken yet: past it, the socket is not read."""
 
     def held_bytes(self) -> int:
-        """The most a connection holds in messages: queued, and one being read."""
-        return (self.max_queued + 1) * self.max_message_bytes + 2 * _READ_CHUNK
+        """The most a connection holds in messages: queued, one being read (and the copy of a
+        frame being assembled), the stream's buffer."""
+        return (
+            (self.max_queued + 1) * self.max_message_bytes + self.max_frame_bytes + 2 * _READ_CHUNK
+        )
 
 
 def greeting(minor: int = VERSION[1]) -> bytes:
