@@ -2,13 +2,13 @@
 latency while one publisher attacks its subscriber, against the per-subscriber budget of
 ``docs/kv-events.md`` (Bounds) plus the index's cap.
 
-    python -m bench.kv_events_flood                     # both attacks, 40 s each
+    python -m bench.kv_events_flood                     # the three attacks, 40 s each
     python -m bench.kv_events_flood --attack replay --seconds 20
     python -m bench.kv_events_flood --checkout /tmp/older    # another checkout's sidecar
 
 A decode emulator and a sidecar with ``SIDECAR_KV_EVENTS=true`` whose prefill pool is one
 member on 127.0.0.2; a process of this script plays that member's publisher (its events port
-and its replay port, both on 127.0.0.2), so its own memory is not the sidecar's. Two attacks:
+and its replay port, both on 127.0.0.2), so its own memory is not the sidecar's. Three attacks:
 
 - ``flood``: a batch, then a gap, so that the subscriber asks for a replay; the replay makes
   progress one small batch every 1.5 s (never the 2 s without progress that ends one) while
@@ -17,6 +17,10 @@ and its replay port, both on 127.0.0.2), so its own memory is not the sidecar's.
   replay reaches its deadline the subscriber reads the flood, and each new gap starts another.
 - ``replay``: a new gap every 3 s, each replay answered by the largest batch repeated as fast
   as the socket takes it, for ever: no progress.
+- ``frames``: messages of 200 frames of 2 MiB each (400 MiB a message, every frame within the
+  payload limit), on the events port as fast as the socket takes them and in answer to each
+  replay request. libzmq assembles such a message whole before delivering it; the sidecar's
+  ZMTP reader ends the connection at the second frame's header (past the message's bytes).
 
 The sidecar's RSS is sampled every 50 ms (``/proc``) and ``/health`` asked every 20 ms; the
 figures are the growth over the RSS before the attack (its peak, and at the end) and the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -42,7 +47,8 @@ from bench.readings import read_proc
 from devkit.processes import free_port
 
 HOST = "127.0.0.2"
-ATTACKS = ("flood", "replay")
+ATTACKS = ("flood", "replay", "frames")
+FRAMES = 200
 MIB = 1024 * 1024
 SETTLE_S = 3.0
 
@@ -80,6 +86,8 @@ def hostile(attack: str, port: int, replay_port: int, seconds: float) -> None:
 
     rng = random.Random(0)
     largest = [_largest(0, rng) for _ in range(4)]  # distinct blocks: the index fills too
+    chunk = b"\xc0" * (2 * MIB)  # one buffer, sent by reference (copy=False): 2 MiB here
+    many = [chunk] * FRAMES
     context = zmq.Context()
     pub = context.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -110,7 +118,18 @@ def hostile(attack: str, port: int, replay_port: int, seconds: float) -> None:
             asker, next_reply = identity, decode_seq(start)
             progress_at = time.monotonic()
         now = time.monotonic()
-        if attack == "flood":
+        if attack == "frames":
+            if asker is not None:
+                with contextlib.suppress(zmq.Again):
+                    router.send_multipart([asker, b"", *many], zmq.NOBLOCK, copy=False)
+                asker = None
+            try:
+                pub.send_multipart(many, zmq.NOBLOCK, copy=False)
+                sent += 1
+            except zmq.Again:
+                pass
+            time.sleep(0.002)
+        elif attack == "flood":
             if asker is not None and now >= progress_at:
                 router.send_multipart([asker, b"", *_small(next_reply)], zmq.NOBLOCK)
                 next_reply += 1
@@ -226,7 +245,7 @@ async def main(args: argparse.Namespace) -> None:
 
 def main_cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--attack", choices=ATTACKS, action="append", help="default: both")
+    parser.add_argument("--attack", choices=ATTACKS, action="append", help="default: all")
     parser.add_argument("--seconds", type=float, default=40.0, help="each attack's length")
     parser.add_argument(
         "--checkout", type=Path, help="run the sidecar of this checkout (e.g. an older one)"

@@ -360,7 +360,7 @@ def _kv_fleet(
     """The KV-event subscribers and exact indexes (SIDECAR_KV_EVENTS), following discovery."""
     if not settings.kv_events:
         return None
-    # Imported only when used: zmq and msgpack are the kvevents extra's.
+    # Imported only when used: msgpack is the kvevents extra's.
     from sidecar.kvevents.fleet import FleetOptions, KVFleet
     from sidecar.kvevents.tokens import TokenSource
     from sidecar.observability.kv_metrics import KVEventsCollector

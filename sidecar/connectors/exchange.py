@@ -26,7 +26,7 @@ from sidecar.observability.tracing import NO_TRACE, RequestTrace
 from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 
-if TYPE_CHECKING:  # the fleet imports zmq: loaded only with SIDECAR_KV_EVENTS=true
+if TYPE_CHECKING:  # the fleet imports msgpack: loaded only with SIDECAR_KV_EVENTS=true
     from sidecar.kvevents.fleet import PromptLookup
 
 Body = dict[str, Any]

@@ -24,7 +24,7 @@ under-predict (what an engine stored before an unreplayable gap is forgotten unt
 again), never predict a block the engine said it evicted.
 
 The subscribers' tasks apply the events; ``lookup`` is a synchronous look-up for the request
-path. This module imports ``zmq`` (through the subscriber): the app imports it only when
+path. This module imports ``msgpack`` (through the subscriber): the app imports it only when
 ``SIDECAR_KV_EVENTS=true``.
 """
 

@@ -4,7 +4,7 @@ One :class:`Subscriber` per publishing engine (an address, its events port, its 
 topic); it hands batches, in order, to an :class:`EventConsumer` (the exact index) from a task
 of its own, never from the request path. Two tasks::
 
-    receive:  connect SUB (+ monitor) --handshake--> recv -> decode -> sequence check -> queue
+    receive:  connect (ZMTP, as a SUB) --handshake--> recv -> decode -> sequence check -> queue
                  ^  lost / refused / timeout: backoff (capped, exponential)  |  gap: replay
                  +----------------------------------------------------------+
     apply:    queue -> consumer.apply(batch) | consumer.reset(reason)
@@ -22,21 +22,23 @@ Sequence numbers (vLLM's ``ZmqEventPublisher``: consecutive from 0 per publisher
   within ``replay_timeout_s``): what follows a reset is true of the engine from then on.
 - ``seq < expected``: a new publisher (the engine restarted): ``reset(RESTARTED)``, then the
   same as a first message.
-- A lost connection (``DISCONNECTED`` on the socket monitor, ZMTP heartbeats for a silent peer):
+- A lost connection (closed, silent through ZMTP heartbeats, or a message over a bound):
   ``reset(RECONNECTED)`` at the next connection, which then starts as a first subscription,
   with ``expected`` 0: a replay from 0 rebuilds the exact state while the engine's history fits
   its replay buffer.
 
-Bounded memory (``docs/kv-events.md``, Bounds): ZMQ refuses a frame over
-``WireLimits.max_payload_bytes`` (``ZMQ_MAXMSGSIZE``) while receiving it and ends that
-connection; its receive queues (the subscription's, the replay's) hold ``rcvhwm`` messages each,
-sized from ``SOCKET_BYTES``; the queue to the consumer (``backlog.Backlog``) ``queue_size``
-batches and ``queue_bytes`` of them decoded (``wire.decoded_bytes``), plus one. A live batch
-that finds the queue full drops the pending batches (counted) for ``reset(QUEUE_FULL)``: the
-index forgets rather than lags; replayed batches, and the live ones that follow a replay (what
-the engine published meanwhile, up to ``_PATIENT_AFTER_REPLAY``), wait for room instead. A
-replay keeps nothing of its own, and ends ``replay_timeout_s`` after its last progress (a batch
-it already had, repeated, is none, and is not even decoded) or at ``replay_deadline_s``.
+Bounded memory (``docs/kv-events.md``, Bounds): both connections to an engine (the subscription, the
+replay) are read by the sidecar's own ZMTP reader (``zmtp.py``), which checks each frame's header
+before its body and ends the connection at a frame over ``WireLimits.max_payload_bytes``, a message
+of more frames than the protocol uses (3, a replay's 4) or of more bytes than a payload and its
+envelope (``subscription_limits``, ``replay_limits``); each queues ``rcvhwm`` messages read, sized
+from ``SOCKET_BYTES``; the queue to the consumer (``backlog.Backlog``) ``queue_size`` batches and
+``queue_bytes`` of them decoded (``wire.decoded_bytes``), plus one. A live batch that finds the
+queue full drops the pending batches (counted) for ``reset(QUEUE_FULL)``: the index forgets rather
+than lags; replayed batches, and the live ones that follow a replay (what the engine published
+meanwhile, up to ``_PATIENT_AFTER_REPLAY``), wait for room instead. A replay keeps nothing of its
+own, and ends ``replay_timeout_s`` after its last progress (a batch it already had, repeated, is
+none, and is not even decoded) or at ``replay_deadline_s``.
 
 An engine is *catching up* while a replay is read or more than ``max_behind`` batches it
 published (as far as read) are not applied: its index lacks what the engine holds, and the fleet
@@ -49,7 +51,8 @@ events applied (the apply task). A malformed message is a counted drop
 (:class:`~sidecar.kvevents.wire.DropReason`), never an exception out of the task; a consumer
 that raises is logged, counted and reset.
 
-``zmq`` is imported by this module only: the sidecar imports it when events are enabled.
+Neither this module nor ``zmtp.py`` imports ``zmq``: the engines' side of the protocol is
+libzmq's (the emulator's and the tests' publishers are pyzmq sockets).
 """
 
 from __future__ import annotations
@@ -58,7 +61,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
@@ -66,10 +68,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, TypeAlias
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
+from sidecar.kvevents import zmtp
 from sidecar.kvevents.backlog import Backlog
 from sidecar.kvevents.events import AllBlocksCleared, EventBatch
 from sidecar.kvevents.wire import (
@@ -96,12 +95,17 @@ would not spare the loop); one larger message is a turn of its own."""
 _APPLY_EVENTS = 2048
 """Events (blocks) applied per turn: the index costs 6–17 µs a block on a loaded machine
 (``docs/benchmarks.md``), a turn 10–35 ms; one larger batch is a turn of its own."""
-SOCKET_BYTES = 24 * 1024 * 1024
-"""What one ZMQ socket of a subscriber (the subscription's, the replay's) may hold queued, in
-messages of three frames at the frame limit (``ZMQ_MAXMSGSIZE``, the payload limit): the
-receive high-water mark is this over ``3 * max_payload_bytes`` (4 with the defaults). A small
-mark costs an honest engine nothing: what the subscriber has not read yet waits in TCP's
-buffers and in the engine's PUB queue (vLLM: 100,000 messages), on the engine's side."""
+SOCKET_BYTES = 10 * 1024 * 1024
+"""What one connection of a subscriber (the subscription's, the replay's) may hold queued, in
+messages at the message bound (``message_limits``): the high-water mark is this over that bound
+(4 with the defaults). A small mark costs an honest engine nothing: what the subscriber has not
+read yet waits in TCP's buffers and in the engine's PUB queue (vLLM: 100,000 messages), on the
+engine's side."""
+_ENVELOPE_BYTES = 4096
+"""A message's bytes besides its payload and topic: the sequence number's 8, a replay's empty
+delimiter, room to spare."""
+_SUBSCRIPTION_FRAMES = 3  # [topic, seq, payload]
+_REPLAY_FRAMES = 4  # [b"", topic, seq, payload], as the DEALER reads the ROUTER's replies
 _PATIENT_AFTER_REPLAY = 1000
 """Live batches after a replay that wait for room in the queue rather than make way for a reset:
 what the engine published while the replay was read (a lag, shown as ``behind``, not memory:
@@ -114,14 +118,6 @@ QUEUE_BYTES = 16 * 1024 * 1024
 """The decoded batches the queue to the consumer may hold (``wire.decoded_bytes``), besides
 its count of batches."""
 _RESET_BYTES = 64
-_CONNECTED = zmq.EVENT_HANDSHAKE_SUCCEEDED
-_LOST = (
-    zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_CLOSED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 
 class ResetReason(StrEnum):
@@ -206,16 +202,12 @@ class _Lost(Exception):
 
 
 def zmq_endpoint(host: str, port: int) -> str:
-    """``tcp://host:port``, an IPv6 literal bracketed."""
+    """``tcp://host:port``, an IPv6 literal bracketed (the engine's endpoint, as logged)."""
     bare = host.removeprefix("[").removesuffix("]")
     with contextlib.suppress(ValueError):
         if ipaddress.ip_address(bare).version == 6:
             return f"tcp://[{bare}]:{port}"
     return f"tcp://{bare}:{port}"
-
-
-def _ipv6(host: str) -> bool:
-    return ":" in host
 
 
 def batch_events(batch: EventBatch) -> int:
@@ -230,11 +222,10 @@ class Subscriber:
     """Subscribes to one engine's KV events and feeds ``consumer``; ``start()``, ``close()``.
 
     ``replay_port`` None: gaps cannot be replayed (each is a reset). ``sleep`` (the backoff's
-    waits) and ``clock`` (wall seconds, for the lag) are injectable; so is ``context``, the ZMQ
-    context (default: the process's shared one, never terminated here). ``rcvhwm`` None: from
-    ``SOCKET_BYTES`` and the payload limit. A replay ends ``replay_timeout_s`` after its last
-    progress (a repeated or earlier batch is none) and ``replay_deadline_s`` after it began,
-    whatever it sends.
+    waits) and ``clock`` (wall seconds, for the lag) are injectable. ``rcvhwm`` (the messages a
+    connection queues) None: from ``SOCKET_BYTES`` and the message bound. A replay ends
+    ``replay_timeout_s`` after its last progress (a repeated or earlier batch is none) and
+    ``replay_deadline_s`` after it began, whatever it sends.
     """
 
     def __init__(
@@ -258,13 +249,14 @@ class Subscriber:
         backoff: Backoff = Backoff(),
         sleep: Sleep = asyncio.sleep,
         clock: Clock = time.time,
-        context: zmq.asyncio.Context | None = None,
     ) -> None:
         if queue_size < 2 or max_replay_batches < 0:
             raise ValueError("queue_size must be >= 2 and max_replay_batches >= 0")
         self.endpoint = zmq_endpoint(host, port)
         self.replay_endpoint = None if replay_port is None else zmq_endpoint(host, replay_port)
-        self._ipv6 = _ipv6(host)
+        self._host = host
+        self._port = port
+        self._replay_port = replay_port
         self._consumer = consumer
         self._topic = topic.encode()
         self._limits = limits
@@ -273,14 +265,26 @@ class Subscriber:
         self._replay_deadline_s = replay_deadline_s
         self._max_behind = max_behind
         self._connect_timeout_s = connect_timeout_s
-        self._heartbeat_ms = max(1, int(heartbeat_s * 1000))
-        self._rcvhwm = (
-            max(1, SOCKET_BYTES // (3 * limits.max_payload_bytes)) if rcvhwm is None else rcvhwm
+        self._heartbeat_s = heartbeat_s
+        message_bytes = limits.max_payload_bytes + len(self._topic) + _ENVELOPE_BYTES
+        queued = max(1, SOCKET_BYTES // message_bytes) if rcvhwm is None else rcvhwm
+        self.subscription_limits = zmtp.Limits(
+            max_frame_bytes=limits.max_payload_bytes,
+            max_frames=_SUBSCRIPTION_FRAMES,
+            max_message_bytes=message_bytes,
+            max_queued=queued,
         )
+        """What the subscription's connection reads at most (``zmtp.Limits``)."""
+        self.replay_limits = zmtp.Limits(
+            max_frame_bytes=limits.max_payload_bytes,
+            max_frames=_REPLAY_FRAMES,
+            max_message_bytes=message_bytes,
+            max_queued=queued,
+        )
+        """What the replay's connection reads at most."""
         self._backoff = backoff
         self._sleep = sleep
         self._clock = clock
-        self._context = context or zmq.asyncio.Context.instance()
         self._queue: Backlog[_Item] = Backlog(queue_size, queue_bytes)
         self._expected = 0
         self._seen = -1
@@ -288,7 +292,7 @@ class Subscriber:
         self._applied = -1
         """The sequence number of the last batch applied (-1: none since a reset)."""
         self._patient = 0
-        """Live batches still to wait for room: those ZMQ queued while a replay was read."""
+        """Live batches still to wait for room: those queued while a replay was read."""
         self._held: deque[list[bytes]] = deque()
         self._held_bytes = 0
         self._turn_bytes = self._turn_messages = 0
@@ -332,35 +336,36 @@ class Subscriber:
             first = False
             await self._sleep(next(self._delays))
 
-    def subscription_socket(self) -> zmq.asyncio.Socket:
-        """A new SUB socket as a session uses it, not connected (the caller closes it)."""
-        sock = self._context.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, -1)  # reconnection is ours, with its backoff
-        sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * self._heartbeat_ms)
-        sock.setsockopt(zmq.IPV6, int(self._ipv6))
-        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
-        return sock
-
-    def replay_socket(self) -> zmq.asyncio.Socket:
-        """A new DEALER socket as a replay uses it, not connected (the caller closes it)."""
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IPV6, int(self._ipv6))
-        dealer.setsockopt(zmq.MAXMSGSIZE, self._limits.max_payload_bytes)
-        dealer.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        return dealer
+    async def _connect(
+        self, port: int, socket_type: bytes, limits: zmtp.Limits, ready: asyncio.Event
+    ) -> zmtp.Connection:
+        return await zmtp.connect(
+            self._host,
+            port,
+            socket_type=socket_type,
+            limits=limits,
+            heartbeat_s=self._heartbeat_s,
+            ready=ready,
+            subscribe=self._topic if socket_type == b"SUB" else None,
+        )
 
     async def _session(self, first: bool) -> None:
         """One connection: connect, then receive until it is lost (raises :class:`_Lost`)."""
-        sub = self.subscription_socket()
-        monitor = sub.get_monitor_socket()
+        ready = asyncio.Event()
         try:
-            sub.connect(self.endpoint)
-            await self._handshake(monitor)
+            # Until the ZMTP handshake is done, at most connect_timeout_s: heartbeats start only
+            # after it, and a frozen process's kernel still accepts the connection.
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
+            # that arrives as the awaited result does (CPython gh-86296).
+            async with asyncio.timeout(self._connect_timeout_s):
+                sub = await self._connect(self._port, b"SUB", self.subscription_limits, ready)
+        except TimeoutError:
+            self.stats.connect_failures_total += 1
+            raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
+        except (OSError, zmtp.ZmtpError) as exc:
+            self.stats.connect_failures_total += 1
+            raise _Lost(f"connection failed ({exc})") from None
+        try:
             self.stats.connects_total += 1
             self.stats.connected = True
             if not first:
@@ -368,67 +373,42 @@ class Subscriber:
             self._expected = 0  # a new subscription: what came before it is replayed or reset
             self._seen = -1
             self._delays = self._backoff.delays()  # the next failure waits the initial delay
-            await self._receive(sub, monitor)
+            await self._receive(sub)
         finally:
-            sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+            await sub.close()
 
-    async def _handshake(self, monitor: zmq.asyncio.Socket) -> None:
-        """Until the ZMTP handshake succeeds, at most ``connect_timeout_s``: heartbeats start
-        only after it, and a frozen process's kernel still accepts the connection."""
-        try:
-            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
-            # arrives as the awaited message does (CPython gh-86296), and close() then waited
-            # for a task that went on.
-            async with asyncio.timeout(self._connect_timeout_s):
-                while True:
-                    frames = await monitor.recv_multipart()
-                    event = parse_monitor_message(frames)["event"]
-                    if event & _CONNECTED:
-                        return
-                    if event & _LOST:
-                        self.stats.connect_failures_total += 1
-                        raise _Lost(f"connection failed ({zmq.Event(event).name})")
-        except TimeoutError:
-            self.stats.connect_failures_total += 1
-            raise _Lost(f"no connection within {self._connect_timeout_s}s") from None
-
-    async def _receive(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        live = _Live(sub, monitor)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+    async def _receive(self, sub: zmtp.Connection) -> None:
         self._held.clear()
         self._held_bytes = 0
         while True:
-            ready = dict(await poller.poll())
-            if monitor in ready:
-                self._check_monitor(live.plain_monitor)
-            if sub in ready:
-                while True:
-                    try:
-                        frames = live.plain_sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self._on_message(frames, live)
-                    while self._held:  # what came while a replay was read, in order
-                        held = self._held.popleft()
-                        self._held_bytes -= _size(held)
-                        await self._on_message(held, live)
-                        await self._pace(held)
-                    if await self._pace(frames):
-                        break  # the loop had its turn: poll again
+            await sub.wait()
+            while (frames := self._take(sub)) is not None:
+                await self._on_message(frames, sub)
+                while self._held:  # what came while a replay was read, in order
+                    held = self._held.popleft()
+                    self._held_bytes -= _size(held)
+                    await self._on_message(held, sub)
+                    await self._pace(held)
+                if await self._pace(frames):
+                    break  # the loop had its turn: look again
 
-    def _hold(self, live: _Live) -> None:
-        """During a replay: read what the subscription has (so that ZMQ keeps reading the
-        connection, heartbeats included), keep it undecoded up to ``LIVE_HOLD_BYTES``, and
-        note the newest sequence number; past the bound a message is dropped and counted
+    def _take(self, sub: zmtp.Connection) -> list[bytes] | None:
+        """The subscription's next message, None if none yet; a lost connection (closed,
+        silent through its heartbeats, or over a bound) raises :class:`_Lost`."""
+        try:
+            return sub.take()
+        except zmtp.ZmtpError as exc:
+            self.stats.disconnects_total += 1
+            raise _Lost(f"disconnected: {exc}") from None
+
+    def _hold(self, sub: zmtp.Connection) -> None:
+        """During a replay: read what the subscription has (so that the connection is kept
+        read, heartbeats included), keep it undecoded up to ``LIVE_HOLD_BYTES``, and note the
+        newest sequence number; past the bound a message is dropped and counted
         (``queue_full``): the gap it leaves is replayed after."""
         for _ in range(_DRAIN_PER_WAKE):
-            try:
-                frames = live.plain_sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = self._take(sub)
+            if frames is None:
                 return
             seq = _seq_of(frames[1]) if len(frames) == 3 else None
             if seq is not None and seq > self._seen:
@@ -451,17 +431,6 @@ class Subscriber:
         await asyncio.sleep(0)
         return True
 
-    def _check_monitor(self, monitor: zmq.Socket[bytes]) -> None:
-        while True:
-            try:
-                frames = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = parse_monitor_message(frames)["event"]
-            if event & zmq.EVENT_DISCONNECTED:
-                self.stats.disconnects_total += 1
-                raise _Lost("disconnected")
-
     def _decode(self, frames: list[bytes]) -> EventBatch | None:
         """The message's batch, or None (a counted drop)."""
         try:
@@ -471,7 +440,7 @@ class Subscriber:
             log.debug("KV events from %s: dropped a message: %s", self.endpoint, exc)
             return None
 
-    async def _on_message(self, frames: list[bytes], live: _Live) -> None:
+    async def _on_message(self, frames: list[bytes], sub: zmtp.Connection) -> None:
         batch = self._decode(frames)
         if batch is None:
             return
@@ -484,9 +453,9 @@ class Subscriber:
         self._count_behind()
         if batch.seq > self._expected:
             self.stats.gaps_total += 1
-            await self._fill_gap(batch.seq, live)
-            # seq, then what the engine published during the replay: held, queued in ZMQ and
-            # TCP on both sides, which a drop would waste the replay on.
+            await self._fill_gap(batch.seq, sub)
+            # seq, then what the engine published during the replay: held, queued in the
+            # connection and TCP on both sides, which a drop would waste the replay on.
             self._patient = _PATIENT_AFTER_REPLAY + 1 + len(self._held)
         if self._patient:
             self._patient -= 1
@@ -495,14 +464,14 @@ class Subscriber:
             self._push(batch)
         self._expected = batch.seq + 1
 
-    async def _fill_gap(self, seq: int, live: _Live) -> None:
+    async def _fill_gap(self, seq: int, sub: zmtp.Connection) -> None:
         """Replay ``[expected, seq)`` into the queue as it arrives; a reset before a batch that
         does not follow the one before it, and before ``seq`` when the replay stops short."""
         start = max(self._expected, seq - self._max_replay)
         if self._max_replay and self.replay_endpoint is not None:
             self.stats.replaying = True
             try:
-                async with contextlib.aclosing(self._replay(start, seq, live)) as replayed:
+                async with contextlib.aclosing(self._replay(start, seq, sub)) as replayed:
                     async for batch in replayed:
                         if batch.seq != self._expected:
                             await self._put(_Reset(ResetReason.GAP))
@@ -513,40 +482,41 @@ class Subscriber:
         if self._expected != seq:
             await self._put(_Reset(ResetReason.GAP))
 
-    async def _replay(self, start: int, stop: int, live: _Live) -> AsyncGenerator[EventBatch, None]:
+    async def _replay(
+        self, start: int, stop: int, sub: zmtp.Connection
+    ) -> AsyncGenerator[EventBatch, None]:
         """The batches ``[start, stop)`` the replay socket still has, in order (maybe none),
         as they arrive; each new one within ``replay_timeout_s`` of the one before (a batch
         already had, repeated, is no progress), all within ``replay_deadline_s``. Meanwhile the
-        subscription is read into the hold (``_hold``) and its monitor watched."""
-        assert self.replay_endpoint is not None
+        subscription is read into the hold (``_hold``); its loss ends it all."""
+        assert self._replay_port is not None
         self.stats.replays_total += 1
-        dealer = self.replay_socket()
-        plain_dealer: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
-        poller = zmq.asyncio.Poller()
-        for sock in (dealer, live.sub, live.monitor):
-            poller.register(sock, zmq.POLLIN)
         last = start - 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_deadline_s
         stalled = loop.time() + self._replay_timeout_s
+        dealer: zmtp.Connection | None = None
+        ready = sub.ready
         try:
-            dealer.connect(self.replay_endpoint)
-            await dealer.send_multipart([b"", encode_seq(start)])
+            async with asyncio.timeout(self._replay_timeout_s):
+                dealer = await self._connect(
+                    self._replay_port, b"DEALER", self.replay_limits, ready
+                )
+            dealer.send([b"", encode_seq(start)])
             # Replies past the gap come through the subscription too: read up to stop - 1.
             while last < stop - 1:
                 left = min(deadline, stalled) - loop.time()
                 if left <= 0:
                     raise TimeoutError
-                ready = dict(await poller.poll(max(1, math.ceil(left * 1000))))
-                if live.monitor in ready:
-                    self._check_monitor(live.plain_monitor)  # a lost connection ends it all
-                if live.sub in ready:
-                    self._hold(live)
-                if dealer not in ready:
-                    continue
-                try:
-                    frames = plain_dealer.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
+                if not (dealer.pending or sub.pending):
+                    ready.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(left):
+                            await ready.wait()
+                if sub.pending:
+                    self._hold(sub)  # a lost subscription ends it all (_Lost)
+                frames = dealer.take()
+                if frames is None:
                     continue
                 if len(frames) == 4 and frames[0] == b"" and _is_end(frames[2]):
                     break
@@ -578,8 +548,18 @@ class Subscriber:
                 stop,
                 "deadline" if loop.time() >= deadline else "no progress",
             )
+        except (OSError, zmtp.ZmtpError) as exc:  # the replay's connection only
+            log.info(
+                "KV events from %s: replay from %d ended at %d of %d: %s",
+                self.endpoint,
+                start,
+                last + 1,
+                stop,
+                exc,
+            )
         finally:
-            dealer.close(linger=0)
+            if dealer is not None:
+                await dealer.close()
 
     async def _put(self, item: _Item) -> None:
         """Queue for the consumer, waiting for room (a replay: memory stays the queue's)."""
@@ -661,19 +641,6 @@ class Subscriber:
     async def drained(self) -> None:
         """Wait until everything queued so far was applied (tests, benchmarks)."""
         await self._queue.join()
-
-
-class _Live:
-    """A session's subscription and monitor sockets, with their synchronous twins (reads
-    happen on those: no future per message)."""
-
-    __slots__ = ("monitor", "plain_monitor", "plain_sub", "sub")
-
-    def __init__(self, sub: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
-        self.sub = sub
-        self.monitor = monitor
-        self.plain_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-        self.plain_monitor: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
 
 
 def _size(frames: list[bytes]) -> int:

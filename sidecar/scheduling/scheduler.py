@@ -58,7 +58,7 @@ from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
 from sidecar.tasks import OnFailure, stop_task
 
-if TYPE_CHECKING:  # the fleet imports zmq: loaded only with SIDECAR_KV_EVENTS=true
+if TYPE_CHECKING:  # the fleet imports msgpack: loaded only with SIDECAR_KV_EVENTS=true
     from sidecar.kvevents.fleet import KVFleet, PromptLookup
 
 logger = logging.getLogger("sidecar.scheduling")

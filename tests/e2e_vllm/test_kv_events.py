@@ -288,7 +288,6 @@ async def following(events_engine: EventsEngine) -> AsyncIterator[Following]:
         replay_port=events_engine.replay_port,
         topic=TOPIC,
         consumer=follower,
-        context=context,
     )
     client = HttpClient(connect_timeout_s=5.0)
     await client.open()
@@ -658,7 +657,6 @@ async def test_a_late_subscriber_rebuilds_the_same_index_by_replay(
         replay_port=following.engine.replay_port,
         topic=TOPIC,
         consumer=late,
-        context=following.context,
     ) as subscriber:
         await wait_connected(subscriber)
         rng = random.Random(2605)

@@ -46,16 +46,16 @@ FAIL_S = 5.0
 without the bound it never ends, and the test fails at this, not at the test's timeout."""
 
 
-async def test_the_sockets_refuse_a_frame_over_the_payload_limit_and_queue_few() -> None:
+def test_the_connections_refuse_a_frame_over_the_payload_limit_and_queue_few() -> None:
     subscriber = Subscriber(host="127.0.0.1", port=1, replay_port=2, consumer=Recorder())
     limit = DEFAULT_LIMITS.max_payload_bytes
-    for sock in (subscriber.subscription_socket(), subscriber.replay_socket()):
-        try:
-            assert sock.getsockopt(zmq.MAXMSGSIZE) == limit == 2 * MIB
-            # Three frames at the limit a message: 4 messages are 24 MiB at most.
-            assert sock.getsockopt(zmq.RCVHWM) == 4
-        finally:
-            sock.close(linger=0)
+    for bounds, frames in ((subscriber.subscription_limits, 3), (subscriber.replay_limits, 4)):
+        assert bounds.max_frame_bytes == limit == 2 * MIB
+        assert bounds.max_frames == frames
+        assert limit < bounds.max_message_bytes <= limit + 8 * 1024
+        # Four messages at the bound queued, one being read: about 12 MiB at most.
+        assert bounds.max_queued == 4
+        assert bounds.held_bytes() <= 13 * MIB
 
 
 def removals(seq: int, count: int = 2048) -> EventBatch:
@@ -118,6 +118,39 @@ async def test_a_message_over_the_limit_ends_the_connection_before_it_is_held() 
     assert subscriber.stats.disconnects_total == 1
     assert recorder.items[1] is ResetReason.RECONNECTED
     assert subscriber.stats.drops_total == {}
+
+
+async def test_a_message_of_many_frames_is_a_lost_connection_not_hundreds_of_mib() -> None:
+    """A hostile engine's PUB (pyzmq) sends one message of 200 frames of 2 MiB (400 MiB, which
+    libzmq held whole before the subscriber saw any of it): the subscriber reads its first
+    frame, ends the connection on the second's header (past the message's bytes), reconnects,
+    resets, and takes what follows. Nothing is counted as a dropped message: none was read whole."""
+    raw = RawPublisher()
+    recorder = Recorder()
+    frame = b"x" * DEFAULT_LIMITS.max_payload_bytes
+    try:
+        async with Subscriber(
+            host="127.0.0.1",
+            port=raw.port,
+            consumer=recorder,
+            backoff=Backoff(initial_s=0.01, cap_s=0.05),
+        ) as subscriber:
+            await raw.wait_subscribed()
+            raw.send(encode_message(EventBatch(seq=0, ts=1.0, events=())))
+            await recorder.wait_batches(1)
+            plain: zmq.Socket[bytes] = zmq.Socket.shadow(raw._socket.underlying)
+            plain.send_multipart([frame] * 200, zmq.NOBLOCK, copy=False)
+            await raw.wait_subscribed()  # subscribed again: a new connection
+            raw.send(encode_message(EventBatch(seq=0, ts=2.0, events=())))
+            await recorder.wait_batches(2)
+    finally:
+        raw.close()
+    assert subscriber.stats.disconnects_total == 1
+    assert recorder.items[1] is ResetReason.RECONNECTED
+    assert subscriber.stats.drops_total == {}
+    bounds = subscriber.subscription_limits
+    assert bounds.max_frames == 3
+    assert bounds.max_message_bytes < 2 * DEFAULT_LIMITS.max_payload_bytes
 
 
 def test_the_decoded_size_bounds_what_a_batch_holds() -> None:
