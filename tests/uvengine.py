@@ -9,7 +9,6 @@ Every request it parsed is recorded, with its body, in arrival order.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -120,19 +119,29 @@ async def _json(send: Send, status: int, payload: object) -> None:
 class RunningUvicorn:
     engine: UvicornEngine
     server: uvicorn.Server
-    task: asyncio.Task[None]
+    sock: socket.socket
 
     @property
     def url(self) -> str:
         return self.engine.url
 
     async def close(self) -> None:
-        self.server.should_exit = True
-        await self.task
+        """uvicorn's ``shutdown`` less its fixed 0.1 s waits: stop listening, end every
+        connection (the sidecar in front has closed its own by now)."""
+        for server in self.server.servers:
+            server.close()
+        self.sock.close()
+        for connection in list(self.server.server_state.connections):
+            connection.shutdown()
+        for server in self.server.servers:
+            await server.wait_closed()
 
 
 async def start_uvicorn_engine(http: str) -> RunningUvicorn:
-    """The engine under uvicorn with its ``http`` implementation (``h11`` or ``httptools``)."""
+    """The engine under uvicorn with its ``http`` implementation (``h11`` or ``httptools``).
+
+    Started by uvicorn's own ``startup``, without ``serve``'s loop, which looks for the end
+    every 0.1 s and installs signal handlers."""
     engine = UvicornEngine()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -141,9 +150,8 @@ async def start_uvicorn_engine(http: str) -> RunningUvicorn:
     config = uvicorn.Config(
         engine, http=http, lifespan="off", log_level="critical", access_log=False
     )
+    config.load()
     server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    async with asyncio.timeout(10):
-        while not server.started:  # uvicorn has no event to await for its start  # noqa: ASYNC110
-            await asyncio.sleep(0.01)
-    return RunningUvicorn(engine, server, task)
+    server.lifespan = config.lifespan_class(config)
+    await server.startup(sockets=[sock])
+    return RunningUvicorn(engine, server, sock)
