@@ -92,13 +92,12 @@ async def test_a_flood_does_not_grow_the_queue_past_its_bytes() -> None:
     assert (stats.queued, stats.queued_bytes) == (0, 0)
 
 
-async def test_a_message_over_the_limit_ends_the_connection_before_it_is_held() -> None:
-    """A payload a byte over the limit: ZMQ refuses the frame while receiving it (it was taken
-    whole up to four times the limit, then dropped) and the connection ends; the subscriber
-    reconnects, resets, and takes what follows."""
+async def _one_hostile_message(send: Callable[[RawPublisher], None]) -> Subscriber:
+    """A batch, then what ``send`` sends, then another batch: the subscriber must lose the
+    connection to the hostile message, reconnect, reset, and take the batch after it, having
+    counted no message as a drop (none was read whole). The subscriber, closed."""
     raw = RawPublisher()
     recorder = Recorder()
-    limit = DEFAULT_LIMITS.max_payload_bytes
     try:
         async with Subscriber(
             host="127.0.0.1",
@@ -109,7 +108,7 @@ async def test_a_message_over_the_limit_ends_the_connection_before_it_is_held() 
             await raw.wait_subscribed()
             raw.send(encode_message(EventBatch(seq=0, ts=1.0, events=())))
             await recorder.wait_batches(1)
-            raw.send([b"", encode_seq(1), b"\xc0" * (limit + 1)])
+            send(raw)
             await raw.wait_subscribed()  # subscribed again: a new connection
             raw.send(encode_message(EventBatch(seq=0, ts=2.0, events=())))
             await recorder.wait_batches(2)
@@ -118,36 +117,27 @@ async def test_a_message_over_the_limit_ends_the_connection_before_it_is_held() 
     assert subscriber.stats.disconnects_total == 1
     assert recorder.items[1] is ResetReason.RECONNECTED
     assert subscriber.stats.drops_total == {}
+    return subscriber
+
+
+async def test_a_message_over_the_limit_ends_the_connection_before_it_is_held() -> None:
+    """A payload a byte over the limit: the reader refuses the frame on its header, before its
+    body is read, and the connection ends."""
+    limit = DEFAULT_LIMITS.max_payload_bytes
+    await _one_hostile_message(lambda raw: raw.send([b"", encode_seq(1), b"\xc0" * (limit + 1)]))
 
 
 async def test_a_message_of_many_frames_is_a_lost_connection_not_hundreds_of_mib() -> None:
     """A hostile engine's PUB (pyzmq) sends one message of 200 frames of 2 MiB (400 MiB, which
     libzmq held whole before the subscriber saw any of it): the subscriber reads its first
-    frame, ends the connection on the second's header (past the message's bytes), reconnects,
-    resets, and takes what follows. Nothing is counted as a dropped message: none was read whole."""
-    raw = RawPublisher()
-    recorder = Recorder()
+    frame and ends the connection on the second's header (past the message's bytes)."""
     frame = b"x" * DEFAULT_LIMITS.max_payload_bytes
-    try:
-        async with Subscriber(
-            host="127.0.0.1",
-            port=raw.port,
-            consumer=recorder,
-            backoff=Backoff(initial_s=0.01, cap_s=0.05),
-        ) as subscriber:
-            await raw.wait_subscribed()
-            raw.send(encode_message(EventBatch(seq=0, ts=1.0, events=())))
-            await recorder.wait_batches(1)
-            plain: zmq.Socket[bytes] = zmq.Socket.shadow(raw._socket.underlying)
-            plain.send_multipart([frame] * 200, zmq.NOBLOCK, copy=False)
-            await raw.wait_subscribed()  # subscribed again: a new connection
-            raw.send(encode_message(EventBatch(seq=0, ts=2.0, events=())))
-            await recorder.wait_batches(2)
-    finally:
-        raw.close()
-    assert subscriber.stats.disconnects_total == 1
-    assert recorder.items[1] is ResetReason.RECONNECTED
-    assert subscriber.stats.drops_total == {}
+
+    def many_frames(raw: RawPublisher) -> None:
+        plain: zmq.Socket[bytes] = zmq.Socket.shadow(raw._socket.underlying)
+        plain.send_multipart([frame] * 200, zmq.NOBLOCK, copy=False)
+
+    subscriber = await _one_hostile_message(many_frames)
     bounds = subscriber.subscription_limits
     assert bounds.max_frames == 3
     assert bounds.max_message_bytes < 2 * DEFAULT_LIMITS.max_payload_bytes
