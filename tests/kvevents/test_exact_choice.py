@@ -111,6 +111,21 @@ async def until_ready(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> N
     await eventually(ready)
 
 
+async def until_idle(http: aiohttp.ClientSession, sidecar: RunningSidecar) -> None:
+    """Until every rank is ready, holds none of this sidecar's requests and was last scraped
+    with none waiting: the choice then weighs what the ranks hold alone. (A scrape taken while
+    the previous request was queued counts a waiting request, 1,000 tokens, against its rank
+    until the next scrape; on a loaded machine that can outweigh a cached prompt.)"""
+
+    async def idle() -> bool:
+        return all(
+            rank["ready"] and rank["inflight"] == 0 and not (rank["scraped"] or {}).get("waiting")
+            for rank in (await get_json(http, sidecar.url + "/debug/scheduler"))["decode_ranks"]
+        )
+
+    await eventually(idle)
+
+
 async def until_applied(
     http: aiohttp.ClientSession, sidecar: RunningSidecar, rank: int, batches: int
 ) -> None:
@@ -164,6 +179,7 @@ async def test_a_prompt_only_one_ranks_events_hold_goes_to_that_rank(
     await until_applied(http, sidecar, 0, 1)
     await until_applied(http, sidecar, 1, len(prompts))
     for prompt in prompts:
+        await until_idle(http, sidecar)
         record = await through(http, sidecar, prompt)
         assert record["decode_rank"] == 1
         assert record["cached_source"] == "events"
