@@ -55,6 +55,11 @@ CARRIERS: tuple[tuple[str, ...], ...] = (
 itself, and the objects at these paths."""
 
 _QUOTED_NAMES = tuple(b'"%s"' % name.encode() for name in CLIENT_FIELDS)
+_NESTED: dict[str, tuple[tuple[str, ...], ...]] = {}
+"""``CARRIERS`` below the top level, by their top-level member: the paths inside it."""
+for _where in CARRIERS:
+    if _where:
+        _NESTED[_where[0]] = (*_NESTED.get(_where[0], ()), _where[1:])
 
 
 def client_kv_field(body: object) -> str | None:
@@ -83,7 +88,7 @@ def strip_client_fields(body: dict[str, Any]) -> bool:
     holds it, or holds its name in a string.
     """
     removed = _strip(body)
-    for top in {where[0] for where in CARRIERS if where}:
+    for top, paths in _NESTED.items():
         value = body.get(top)
         if isinstance(value, orjson.Fragment):
             text = orjson.dumps(value)
@@ -94,9 +99,8 @@ def strip_client_fields(body: dict[str, Any]) -> bool:
             except orjson.JSONDecodeError as exc:  # a string set aside, invalid: never parsed
                 raise BadRequest(f"request body is not valid JSON: {exc}") from None
         if isinstance(value, dict):
-            for where in CARRIERS:
-                if where and where[0] == top:
-                    removed |= _strip(_holder(value, where[1:]))
+            for path in paths:
+                removed |= _strip(_holder(value, path))
     return removed
 
 
