@@ -10,8 +10,10 @@ unwinds through meet it as follows:
   (the engine drops a prefill it is still computing); ``finish`` hands it to the background, and
   its KV is released when it arrives; ``auto`` finishes a call predicted to end within
   ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler predicts:
-  ``Scheduler.prefill_outlook``). Whatever the mode, a call whose answer has started to arrive is
-  finished: the engine is done, its KV staged.
+  ``Scheduler.prefill_outlook``), and aborts every call when releases are off (finishing would
+  stage KV that nobody releases). Whatever the mode, a call whose answer has started to arrive is
+  finished: the engine is done, its KV staged — unless the background is full, when it is
+  aborted and its release counted ``skipped``.
 - **any other call still running when its attempt exits** (legs sent at once: SGLang) —
   ``OnDisconnect.abort``: cancelled, held until it ends, counted;
 - **KV staged and not taken** — released by its ``StagedKv``'s exit, as after any other failure;
