@@ -7,6 +7,11 @@ body, or the SSE events whose bytes hold the patch's marker, are parsed and rewr
 Once the status line went out it cannot change: a broken engine stream ends an SSE answer with an
 error event (no ``[DONE]``) and truncates any other answer by closing the connection. The relay
 reports what happened (``Relayed``); it writes no record.
+
+A client that leaves mid-answer ends the relay either way: a write that fails returns
+``client_gone``, and aiohttp's handler cancellation raises ``CancelledError`` in the relay. The
+handler records both as ``cancelled`` and closes the engine's answer; what becomes of the engine
+work before the answer started is ``sidecar.connectors.disconnect``'s to decide.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from sidecar.observability.tracking import task_name
-from tests.conftest import completion, eventually, get_json, inject
+from tests.conftest import completion, eventually, get_json, inject, metric
 
 
 async def _running(http: aiohttp.ClientSession, url: str) -> float:
@@ -104,3 +104,42 @@ async def test_a_stream_left_midway_records_the_status_it_sent(
     entry = await get_json(http, sidecar.url + "/debug/requests/left-midway")
     assert (entry["state"], entry["status"]) == ("cancelled", 200), entry
     assert "first_byte" in entry["phases"], entry
+
+
+async def test_auto_aborts_even_a_short_prefill_when_releases_are_off(
+    http, start_sidecar_with, prefill, decode
+) -> None:
+    """``auto`` lets a prefill predicted to end soon finish only to release its KV: with
+    releases off, finishing would stage KV that nobody releases, so it aborts."""
+    sidecar = await start_sidecar_with(release_on_disconnect=False)
+    await inject(http, prefill, kind="hang", role="prefill")
+
+    async def send() -> None:
+        async with (
+            aiohttp.ClientSession() as own,
+            own.post(
+                sidecar.url + "/v1/completions",
+                json=completion(),  # a short prompt: auto would finish it, releases on
+                headers={"x-prefiller-host-port": prefill.endpoint},
+            ) as response,
+        ):
+            await response.read()
+
+    client = asyncio.create_task(send())
+    await eventually(lambda: _held_is(http, prefill.url, 1))
+    client.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await client
+    aborted = 'pd_sidecar_prefill_disconnects_total{action="abort"}'
+    await eventually(lambda: _metric_is(http, sidecar.url, aborted, 1))
+    await eventually(lambda: _held_is(http, prefill.url, 0))  # the engine dropped it
+    finished = 'pd_sidecar_prefill_disconnects_total{action="finish"}'
+    assert await metric(http, sidecar.url, finished) == 0
+
+
+async def _held_is(http: aiohttp.ClientSession, url: str, count: int) -> bool:
+    return (await get_json(http, url + "/emulator/faults"))["held"] == count
+
+
+async def _metric_is(http: aiohttp.ClientSession, url: str, sample: str, value: float) -> bool:
+    return await metric(http, url, sample) == value

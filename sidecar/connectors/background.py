@@ -10,8 +10,8 @@ KV release.
 - Releases: at most ``RELEASES_AT_ONCE`` sent at once; more wait for a place, in order (each
   wait counted in ``pd_sidecar_kv_release_waits_total``), up to ``MAX_RELEASES`` sent or
   waiting; beyond that a release is refused (the engine's own expiry frees that KV later; its
-  owner, ``sidecar.connectors.prefill.StagedKv``, counts it ``skipped``).
-- Cancelled tasks held until they end (``watch``): not bounded here — each is already cancelled
+  sender, ``sidecar.connectors.prefill.Attempt.send_release``, counts it ``skipped``).
+- Aborted tasks held until they end (``abort``): not bounded here — each is already cancelled
   and ends at its next step, and each belongs to a request that ended.
 """
 
@@ -71,8 +71,9 @@ class BackgroundWork:
         _hold(self._adopted, task)
         return True
 
-    def watch(self, task: asyncio.Future[Any]) -> None:
-        """Hold a reference to ``task`` (already cancelled, say) until it ends."""
+    def abort(self, task: asyncio.Future[Any]) -> None:
+        """Cancel ``task`` (a leg its request gave up on), held until it ends."""
+        task.cancel()
         _hold(self._watched, task)
 
     def release(

@@ -24,16 +24,11 @@ endpoint when the scheduler chose it, on the same one when the gateway named it.
 that was not taken — a decode that failed, was refused, or whose client left — by scheduling the
 release in the background work that outlives the request (``sidecar.connectors.background``), never
 by awaiting it. Each outcome is counted once: ``sent``/``failed`` by the release itself, ``skipped``
-here.
+by whoever could not send it (``Attempt.send_release``, ``OnDisconnect``).
 
-**A client that leaves while the prefill runs** (``SIDECAR_PREFILL_ON_DISCONNECT``): ``abort``
-cancels the call (the engine drops a prefill it is still computing); ``finish`` hands it to the
-background, and its KV is released when it arrives; ``auto`` finishes a call predicted to end
-within ``AUTO_FINISH_WITHIN_S`` and aborts one that is queued or far from done (the scheduler
-predicts: ``Scheduler.prefill_outlook``). Whatever the mode, a call whose answer has started to
-arrive is finished: the engine is done, its KV staged. The call's own task reports to the
-scheduler when it really ends, so an endpoint's slot is never counted free while the engine still
-works on it. Nothing here awaits after a cancellation: a second one cannot skip a step.
+**A client that leaves while the prefill runs**: the call is finished in the background or
+aborted, as ``sidecar.connectors.disconnect`` (the client-disconnect policy) decides; each attempt
+asks it (``Attempt.client_left``), and every abort of a running call goes through it.
 """
 
 from __future__ import annotations
@@ -49,6 +44,7 @@ from typing import NoReturn
 from sidecar.body import Wire
 from sidecar.config import Settings
 from sidecar.connectors.background import BackgroundWork
+from sidecar.connectors.disconnect import OnDisconnect
 from sidecar.connectors.exchange import Body, Exchange, Prefilled, Refused
 from sidecar.engines.upstream import EngineAnswer, Engines, parse_json
 from sidecar.errors import (
@@ -71,11 +67,6 @@ from sidecar.scheduling.scheduler import Scheduler
 logger = logging.getLogger("sidecar.connectors.prefill")
 
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
-AUTO_FINISH_WITHIN_S = 0.5
-"""``auto``: a prefill whose client left is let finish when its prompt's own compute, or its
-predicted remaining time (overdue included), is within this many seconds; one queued or further
-from done is aborted."""
-
 Accept = Callable[[object, Endpoint], Prefilled | None]
 """A 2xx prefill answer, as its ``Reader`` gave it → ``Prefilled``, or None when unusable."""
 Reader = Callable[[EngineAnswer, int], Awaitable[object]]
@@ -163,6 +154,10 @@ class Prefill:
         self.metrics = metrics
         self.background = background
         self.release_urls = release_urls
+        self.disconnects = OnDisconnect(
+            options.on_disconnect, scheduler=scheduler, background=background, metrics=metrics
+        )
+        """What is done with a call whose client left."""
 
     def attempts(self, ex: Exchange) -> Attempts:
         """``ex``'s prefill attempts, starting where it was placed (none when it was placed
@@ -174,8 +169,8 @@ class Prefill:
         ok: bool | None = None  # cancelled, or the client's own fault: says nothing
         outcome, error, cached = "cancelled", None, None
         counted: int | None = None
-        # (An exception is a bug, logged by whoever awaits the call, or by
-        # StagedKv._release_when_done.)
+        # (An exception is a bug, logged by whoever awaits the call, or by the StagedKv it
+        # delivers to after its client left.)
         seconds = asyncio.get_running_loop().time() - started
         if not call.cancelled() and call.exception() is None:
             result = call.result()
@@ -448,6 +443,29 @@ class Attempt:
             self._handed_over = True
         return self._handed_over
 
+    def client_left(self, delivered: Callable[[Call], None], *, stages_kv: bool) -> None:
+        """The client left while its connector waited for the call: it is finished in the
+        background (``delivered`` is called with it once it ends) or aborted, as the
+        client-disconnect policy decides (``OnDisconnect.prefill_left``). ``stages_kv``: a
+        finished call's KV would be released."""
+        call = self._call
+        assert call is not None, "left before the call was sent"
+        self._prefill.disconnects.prefill_left(self, call, delivered, stages_kv=stages_kv)
+
+    def send_release(self, release: Release, prefilled: Prefilled) -> None:
+        """Free the KV this attempt's prefill staged (``prefilled``), in the background: nothing
+        when releases are off, ``skipped`` counted when the background is full."""
+        prefill, ex = self._prefill, self._ex
+        if not prefill.background.releasing:
+            return
+        headers = ex.headers.copy()
+        headers[REQUEST_ID_HEADER] = release.request_id
+        data = ex.encode(release.body(prefilled))
+        if not prefill.background.release(
+            ex.request_id, prefill.release_urls(ex), headers, data, ex.trace
+        ):
+            prefill.metrics.kv_releases.labels("skipped").inc()
+
     def __enter__(self) -> Attempt:
         return self
 
@@ -456,7 +474,8 @@ class Attempt:
 
     def close(self, *, left: bool = False) -> None:
         """Abort the call unless it ended or was handed over (``left``: because its client left,
-        counted); give back the reservation of an attempt never sent. Idempotent."""
+        counted: ``OnDisconnect.abort``); give back the reservation of an attempt never sent.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -466,10 +485,7 @@ class Attempt:
             return
         self.prefill_done()
         if not call.done() and not self._handed_over:
-            call.cancel()
-            self._prefill.background.watch(call)
-            if left:
-                self._prefill.metrics.prefill_disconnects.labels("abort").inc()
+            self._prefill.disconnects.abort(call, left=left)
 
 
 class _State(enum.Enum):
@@ -483,8 +499,9 @@ class _State(enum.Enum):
 class StagedKv:
     """KV that one attempt's prefill stages for the request's decode leg: taken by it, or
     released — once, whatever happens (the module's docstring). A context manager: its exit
-    releases KV not taken, hands a prefill whose client left to the background or aborts it
-    (``SIDECAR_PREFILL_ON_DISCONNECT``), and closes the attempt."""
+    releases KV not taken and closes the attempt. It sees only the attempt's public side: the
+    call (``start``), its hand-over, the client-disconnect policy (``Attempt.client_left``) and
+    the release (``Attempt.send_release``)."""
 
     __slots__ = ("_attempt", "_prefilled", "_release", "_state")
 
@@ -495,13 +512,14 @@ class StagedKv:
         self._state = _State.WAITING
 
     async def prefill(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Result:
-        """The attempt's call; a cancellation (the client left) is met as the module's
-        docstring says, synchronously."""
+        """The attempt's call; a cancellation (the client left) is met by the client-disconnect
+        policy, synchronously: a call it finishes delivers its KV here, to be released."""
         call = self._attempt.start(data, accept, read)
         try:
             result = await asyncio.shield(call)
         except asyncio.CancelledError:
-            self._client_left(call)
+            stages_kv = self._release is not None
+            self._attempt.client_left(self._release_when_done, stages_kv=stages_kv)
             raise
         if isinstance(result, Prefilled):
             self._staged(result)
@@ -509,7 +527,7 @@ class StagedKv:
 
     def start(self, data: Wire, accept: Accept, read: Reader = json_answer) -> Call:
         """The attempt's call, for a protocol that waits for it along with its decode leg (the
-        exit aborts it unless it ended or was handed over; no disconnect policy)."""
+        exit aborts it unless it ended or was handed over: ``OnDisconnect.abort``)."""
         return self._attempt.start(data, accept, read)
 
     def hand_over(self, call: Call) -> bool:
@@ -528,17 +546,8 @@ class StagedKv:
             return
         self._state = _State.RELEASED
         recipe, prefilled = self._release, self._prefilled
-        prefill = self._attempt._prefill
-        if recipe is None or prefilled is None or not prefill.background.releasing:
-            return
-        ex = self._attempt._ex
-        headers = ex.headers.copy()
-        headers[REQUEST_ID_HEADER] = recipe.request_id
-        data = ex.encode(recipe.body(prefilled))
-        if not prefill.background.release(
-            ex.request_id, prefill.release_urls(ex), headers, data, ex.trace
-        ):
-            prefill.metrics.kv_releases.labels("skipped").inc()
+        if recipe is not None and prefilled is not None:
+            self._attempt.send_release(recipe, prefilled)
 
     def __enter__(self) -> StagedKv:
         return self
@@ -551,41 +560,6 @@ class StagedKv:
         if self._state is _State.WAITING:
             self._prefilled = prefilled
             self._state = _State.STAGED
-
-    def _client_left(self, call: Call) -> None:
-        """Abort the call or let it finish; synchronous on purpose."""
-        if call.done():  # its answer came in with the cancellation
-            self._release_when_done(call)
-            return
-        attempt = self._attempt
-        prefill = attempt._prefill
-        # An engine whose status line is in has finished the prefill (and staged its KV):
-        # aborting saves nothing then, and only reading the answer can free the KV.
-        answering = attempt.answering.is_set()
-        action = "finish" if answering else self._action()
-        if action == "finish" and attempt.hand_over(call):
-            call.add_done_callback(self._release_when_done)
-            prefill.metrics.prefill_disconnects.labels("finish").inc()
-        elif answering and self._release is not None:
-            # Aborted on exit (and counted there), its staged KV cannot be read now: left to
-            # the engine's expiry.
-            prefill.metrics.kv_releases.labels("skipped").inc()
-
-    def _action(self) -> str:
-        attempt = self._attempt
-        prefill = attempt._prefill
-        mode = prefill.options.on_disconnect
-        if mode != "auto":
-            return mode
-        if not prefill.background.releasing:
-            return "abort"  # finishing would only stage KV that nobody releases
-        elapsed = asyncio.get_running_loop().time() - attempt.started
-        outlook = prefill.scheduler.prefill_outlook(attempt.placement, elapsed)
-        if outlook.queued:
-            return "abort"  # not started: nothing to race with, all of its compute saved
-        if outlook.compute_s <= AUTO_FINISH_WITHIN_S:
-            return "finish"  # little compute to save, whatever the fitted overhead says
-        return "finish" if outlook.remaining_s <= AUTO_FINISH_WITHIN_S else "abort"
 
     def _release_when_done(self, call: Call) -> None:
         """The KV of a call that delivered after its client left is released."""

@@ -162,8 +162,7 @@ class _DecodeLeg:
     def __exit__(self, *exc: object) -> None:
         task = self.task
         if not task.done():
-            task.cancel()
-            self._parts.background.watch(task)
+            self._parts.background.abort(task)
         elif not self.kept and not task.cancelled() and task.exception() is None:
             task.result().upstream.close()
 
