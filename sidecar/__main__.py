@@ -103,18 +103,32 @@ def load_tracing(settings: Settings) -> Tracing | None:
         raise SystemExit(2) from None
 
 
+def check_kv_events(settings: Settings) -> None:
+    """Exit status 2 with a one-line message when SIDECAR_KV_EVENTS=true cannot be honoured
+    (its extra missing)."""
+    if not settings.kv_events:
+        return
+    from sidecar import kvevents
+
+    problem = kvevents.unavailable()
+    if problem is not None:
+        print(f"pd-sidecar: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if any(arg in ("-h", "--help", "-help") for arg in args):
-        print(_help(sys.argv[0]))
+        _print(_help(sys.argv[0]))
         return
     if args and args[0] == "--version":
-        print(__version__)
+        _print(__version__)
         return
     flags = read_flags(args) if args else Translation()
     settings = load_settings(flags.settings)
     listener_tls = self_signed(settings) if flags.self_signed else None
     tracing = load_tracing(settings)
+    check_kv_events(settings)
     logging.basicConfig(
         level=settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -136,6 +150,19 @@ def main(argv: list[str] | None = None) -> None:
         status = uvloop.run(_serve(settings, tracing, listener_tls))
     if status:
         raise SystemExit(status)
+
+
+def _print(text: str) -> None:
+    """``text`` on stdout; a reader that went away (``--help | head``) ends it quietly, as
+    argparse's help does. Python ignores SIGPIPE, so the write, or the interpreter's own flush at
+    exit, raises ``BrokenPipeError``: stdout is pointed at /dev/null so that the flush cannot."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _warn_unknown_variables() -> None:

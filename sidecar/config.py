@@ -9,6 +9,7 @@ test fails while the page is out of date): a field's ``description`` is what bot
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -240,7 +241,7 @@ class Settings(BaseSettings):
         description="Subscribe to the KV-cache events of the prefill pool's members and of the "
         "local decode ranks (vLLM --kv-events-config) and predict their prefix-cache hits from "
         "what they report; an engine without events keeps the approximate indexes. Needs the "
-        "kvevents extra (pip install 'pd-sidecar[kvevents]'; the image has it).",
+        "kvevents extra (the image has it; from a checkout: pip install '.[kvevents]').",
     )
     kv_events_port: int = Field(
         5557,
@@ -631,8 +632,8 @@ class Settings(BaseSettings):
         False,
         description="Export OpenTelemetry spans of every request and propagate W3C trace "
         "context on the engine legs; configured by the SDK's OTEL_* variables (endpoint, "
-        "protocol, sampler, service name). Needs the tracing extra (pip install "
-        "'pd-sidecar[tracing]'; the image has it).",
+        "protocol, sampler, service name). Needs the tracing extra (the image has it; from a "
+        "checkout: pip install '.[tracing]').",
     )
     gc_gen0_threshold: int = Field(
         10_000,
@@ -937,6 +938,23 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _decode_is_not_the_sidecar(self) -> Settings:
+        ours = {self.port: "SIDECAR_PORT", self.admin_port: "SIDECAR_ADMIN_PORT"}
+        if self.rank_ports and self.port:
+            ours.update(
+                {self.port + r: "SIDECAR_RANK_PORTS" for r in range(1, len(self.decode_ranks))}
+            )
+        for url in self.decode_ranks:
+            parsed = URL(url)
+            if in_this_pod(parsed.host) and parsed.port and parsed.port in ours:
+                raise ValueError(
+                    f"the decode engine {url} is on a port of the sidecar's own "
+                    f"({ours[parsed.port]}): the engine listens on a port of its own (vLLM "
+                    "--port 8200), the sidecar on the pod's serving port"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _rank_ports_fit(self) -> Settings:
         last = self.port + len(self.decode_ranks) - 1
         if self.rank_ports and self.port and last > 65535:
@@ -1189,6 +1207,18 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         else:
             messages.append(f"ignoring unknown variable {name} (see --help)")
     return messages
+
+
+def in_this_pod(host: str | None) -> bool:
+    """Whether ``host`` names this pod (network namespace): ``localhost``, a loopback or the
+    any-address. A decode URL there at a port of the sidecar's own is the sidecar itself."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
 
 
 def explain(error: ValidationError) -> str:

@@ -513,3 +513,38 @@ def test_the_decode_ranks_kv_event_ports_must_not_collide() -> None:
     assert settings.kv_events_decode_replay_port == 5560
     with pytest.raises(ValidationError, match="run past 65535"):
         Settings(decode_urls=ranks, kv_events_decode_port=65534, kv_events_decode_replay_port=None)
+
+
+@pytest.mark.parametrize(
+    ("values", "which"),
+    [
+        ({"port": 8000, "decode_url": "http://localhost:8000"}, "SIDECAR_PORT"),
+        ({"port": 8000, "decode_url": "http://127.0.0.1:8000"}, "SIDECAR_PORT"),
+        ({"port": 8000, "decode_url": "http://[::1]:8000"}, "SIDECAR_PORT"),
+        ({"port": 8000, "decode_url": "http://127.0.0.2:8000"}, "SIDECAR_PORT"),
+        (
+            {"port": 8000, "admin_port": 9000, "decode_url": "http://0.0.0.0:9000"},
+            "SIDECAR_ADMIN_PORT",
+        ),
+        (
+            {
+                "port": 8000,
+                "rank_ports": True,
+                "decode_urls": "http://127.0.0.1:8200,http://127.0.0.1:8001",
+            },
+            "SIDECAR_RANK_PORTS",
+        ),
+    ],
+)
+def test_a_decode_engine_on_the_sidecar_s_own_port_is_refused(values, which) -> None:
+    """It would be the sidecar calling itself: the engine belongs on a port of its own."""
+    with pytest.raises(ValidationError) as caught:
+        Settings(**values)
+    assert f"is on a port of the sidecar's own ({which}" in str(caught.value)
+
+
+def test_a_decode_engine_on_another_port_or_host_is_not_the_sidecar() -> None:
+    Settings(port=8000, decode_url="http://localhost:8200")
+    Settings(port=8000, decode_url="http://decode.example:8000")  # another host's port
+    Settings(port=8000, rank_ports=True, decode_urls="http://127.0.0.1:8200,http://127.0.0.1:8002")
+    Settings(port=0, decode_url="http://127.0.0.1:1")  # a free port: none of the engine's

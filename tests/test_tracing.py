@@ -439,7 +439,7 @@ def test_without_the_extra(tracing: str) -> None:
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
         "pd-sidecar: SIDECAR_TRACING=true needs the OpenTelemetry SDK, which is not installed: "
-        "pip install 'pd-sidecar[tracing]'\n"
+        "the image has it; from a checkout of the source: pip install '.[tracing]'\n"
     )
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from collections.abc import Sequence
 
 from sidecar.emulator.app import start_emulator
 from sidecar.emulator.config import EmulatorConfig, config_from_args
+from sidecar.server.binding import CannotListen
 
 log = logging.getLogger("sidecar.emulator")
+MODULE = "python -m sidecar.emulator"
 
 
 async def serve(config: EmulatorConfig) -> None:
@@ -19,7 +22,12 @@ async def serve(config: EmulatorConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     log.debug("effective configuration: %s", config)
-    emulator = await start_emulator(config)
+    try:
+        emulator = await start_emulator(config)
+    except CannotListen as exc:  # the API port (closed again)
+        raise CannotStart(str(exc)) from None
+    except OSError as exc:  # the side channel's port (closed again)
+        raise CannotStart(f"cannot listen (--side-channel-port): {exc.strerror or exc}") from None
     try:
         log.info(
             "emulator serving %s at %s (side channel %s:%d, engine %s, %s mode, kv protocol %s%s)",
@@ -38,15 +46,24 @@ async def serve(config: EmulatorConfig) -> None:
         await emulator.close()
 
 
+class CannotStart(Exception):
+    """The emulator cannot serve (a port it cannot bind); its message is one line."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config = config_from_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
+        run = asyncio.run
     else:
-        uvloop.run(serve(config))
+        run = uvloop.run
+    try:
+        run(serve(config))
+    except CannotStart as exc:
+        print(f"{MODULE}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sidecar.extras import install_hint
 from sidecar.kvevents.events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -157,7 +158,7 @@ class ZmqKvEvents(KvEventSink):
             from sidecar.kvevents import wire
         except ImportError as exc:
             raise RuntimeError(
-                f"KV events need the kvevents extra (pip install 'pd-sidecar[kvevents]'): {exc}"
+                f"KV events need the kvevents extra ({install_hint('kvevents')}): {exc}"
             ) from exc
 
         self._wire = wire

@@ -1,6 +1,6 @@
 """OpenTelemetry tracing (``SIDECAR_TRACING=true``): the only module that imports ``opentelemetry``.
 
-The SDK is the optional extra ``pd-sidecar[tracing]``; it is imported when a ``Tracing`` is built,
+The SDK is the optional extra ``tracing``; it is imported when a ``Tracing`` is built,
 never otherwise. With tracing off, a request's trace is ``NO_TRACE`` and its legs ``NO_LEG``, whose
 methods do nothing (no ``None`` checks on the request path), and the client's
 ``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
@@ -42,6 +42,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar import __version__
+from sidecar.extras import install_hint
 from sidecar.observability.tracking import RequestRecord, State
 from sidecar.scheduling.placement import Placement
 
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sidecar.observability.tracing")
 
-EXTRA = "pip install 'pd-sidecar[tracing]'"
+EXTRA = install_hint("tracing")
 SERVICE_NAME = "pd-sidecar"
 """``service.name`` when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES names one."""
 TRACEPARENT = "traceparent"

@@ -7,6 +7,7 @@ connection bounds of ``sidecar.server.listener``) and on every address of ``SIDE
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import ssl
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from yarl import URL
 
 from sidecar.app import (
     ADMIN_APP,
@@ -25,7 +27,7 @@ from sidecar.app import (
     SERVER_TLS,
     create_app,
 )
-from sidecar.config import Settings
+from sidecar.config import Settings, in_this_pod
 from sidecar.connectors import ConnectorFactory
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.observability.metrics import Metrics
@@ -137,9 +139,12 @@ async def start_sidecar(
     runners: list[web.AppRunner] = [runner]
     await runner.setup()
     try:
-        sockets = await _listen(
-            runner, settings.host, settings.port, "SIDECAR_PORT", context, make_socket
-        )
+        try:
+            sockets = await _listen(
+                runner, settings.host, settings.port, "SIDECAR_PORT", context, make_socket
+            )
+        except CannotListen as exc:
+            raise CannotListen(f"{exc}{await _engine_on_port(settings, exc)}") from exc.__cause__
         host, port = reachable(sockets)
         listening = [display(*sock.getsockname()[:2]) for sock in sockets]
         rank_ports = await _listen_per_rank(settings, app, runner, port, context, make_socket)
@@ -248,6 +253,31 @@ async def _listen(
             raise CannotListen(f"cannot listen on {address} ({variable}): {exc}") from exc
         raise
     return sockets
+
+
+async def _engine_on_port(settings: Settings, exc: CannotListen) -> str:
+    """The likely cause when the serving port is in use, the decode engine is in the pod and
+    nothing listens where SIDECAR_DECODE_URL says it does: the engine still listens on the
+    serving port (a manifest gave the sidecar that port and left the engine's ``--port`` as it
+    was). "" for any other failure."""
+    cause = exc.__cause__
+    if not isinstance(cause, OSError) or cause.errno != errno.EADDRINUSE:
+        return ""
+    for url in settings.decode_ranks:
+        engine = URL(url)
+        if not in_this_pod(engine.host) or engine.port is None:
+            continue
+        try:
+            async with asyncio.timeout(1):
+                _, writer = await asyncio.open_connection(engine.host, engine.port)
+        except (OSError, TimeoutError):
+            return (
+                f"; nothing listens at SIDECAR_DECODE_URL ({url}): if the decode engine is on "
+                f"port {settings.port}, move it to {engine.port} (vLLM --port {engine.port}), "
+                "the sidecar takes the pod's serving port (docs/deploy.md)"
+            )
+        writer.close()
+    return ""
 
 
 async def _own_identity(listen_hosts: Sequence[str]) -> dict[str, list[str]]:
