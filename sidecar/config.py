@@ -12,7 +12,7 @@ import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 from typing import Annotated, Any, Literal
 
@@ -1180,6 +1180,40 @@ def _gist(name: str) -> str:
     return "_".join(_SAME_WORD.get(word, word) for word in words)
 
 
+def _one_edit(typed: str, name: str) -> bool:
+    """Whether ``typed`` is ``name`` with one letter dropped, added or changed, or two
+    neighbours swapped."""
+    if typed == name or abs(len(typed) - len(name)) > 1:
+        return False
+    if len(typed) == len(name):
+        diff = [i for i, (a, b) in enumerate(zip(typed, name, strict=True)) if a != b]
+        return len(diff) == 1 or (
+            len(diff) == 2
+            and diff[1] == diff[0] + 1
+            and (typed[diff[0]], typed[diff[1]]) == (name[diff[1]], name[diff[0]])
+        )
+    short, long = sorted((typed, name), key=len)
+    i = next((i for i, (a, b) in enumerate(zip(short, long, strict=False)) if a != b), len(short))
+    return short[i:] == long[i + 1 :]
+
+
+def nearest_setting(typed: str, known: Iterable[str] | None = None) -> str | None:
+    """The setting an unknown ``SIDECAR_*`` name most likely means, or None: one edit away
+    (``_one_edit``; among several, one of the same length first, then in order), else the
+    same name in another proxy's words for an address (``_SAME_WORD``), else the closest by
+    ``difflib`` at 0.75. ``known``: the variables (every setting's, by default)."""
+    names = sorted(known if known is not None else (name for name, _, _ in describe_fields()))
+    typed = typed.upper()
+    edits = [name for name in names if _one_edit(typed, name)]
+    if edits:
+        return min(edits, key=lambda name: len(name) != len(typed))
+    gists: dict[str, str] = {}
+    for name in names:
+        gists.setdefault(_gist(name), name)
+    nearest = difflib.get_close_matches(_gist(typed), gists, n=1, cutoff=0.75)
+    return gists[nearest[0]] if nearest else None
+
+
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A warning per ``SIDECAR_*`` variable in ``environ`` that is no setting, naming the
     nearest setting when one is near (a typo, or another proxy's word for it).
@@ -1187,9 +1221,6 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     Only warnings: an unknown name must never stop the start, since a newer manifest may run
     an older image."""
     known = {name for name, _, _ in describe_fields()}
-    gists: dict[str, str] = {}
-    for name in sorted(known):
-        gists.setdefault(_gist(name), name)
     messages = []
     for name in sorted(environ):
         # Settings are read whatever the case of the rest of the name (pydantic-settings).
@@ -1201,9 +1232,9 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
                 "(enableServiceLinks: false in the pod spec leaves it out)"
             )
             continue
-        nearest = difflib.get_close_matches(_gist(name.upper()), gists, n=1, cutoff=0.75)
+        nearest = nearest_setting(name, known)
         if nearest:
-            messages.append(f"ignoring unknown variable {name}: did you mean {gists[nearest[0]]}?")
+            messages.append(f"ignoring unknown variable {name}: did you mean {nearest}?")
         else:
             messages.append(f"ignoring unknown variable {name} (see --help)")
     return messages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -9,10 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from sidecar.__main__ import load_settings
-from sidecar.config import Settings, describe_fields, explain, unknown_variables
+from sidecar.config import (
+    Settings,
+    describe_fields,
+    explain,
+    nearest_setting,
+    unknown_variables,
+)
+from sidecar.inject import environment
+from sidecar.inject.environment import EnvError
 from sidecar.scheduling.endpoints import Endpoint
 from tests.imports import imported
 
@@ -548,3 +559,56 @@ def test_a_decode_engine_on_another_port_or_host_is_not_the_sidecar() -> None:
     Settings(port=8000, decode_url="http://decode.example:8000")  # another host's port
     Settings(port=8000, rank_ports=True, decode_urls="http://127.0.0.1:8200,http://127.0.0.1:8002")
     Settings(port=0, decode_url="http://127.0.0.1:1")  # a free port: none of the engine's
+
+
+@functools.cache
+def _one_edit_variants(name: str) -> frozenset[str]:
+    """``name`` with a letter dropped, added, changed, or two neighbours swapped."""
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789"
+    head, rest = "SIDECAR_", name.removeprefix("SIDECAR_")
+    out = set()
+    for i in range(len(rest) + 1):
+        out |= {rest[:i] + c + rest[i:] for c in letters}
+        if i < len(rest):
+            out.add(rest[:i] + rest[i + 1 :])
+            out |= {rest[:i] + c + rest[i + 1 :] for c in letters}
+        if i + 1 < len(rest):
+            out.add(rest[:i] + rest[i + 1] + rest[i] + rest[i + 2 :])
+    return frozenset(head + variant for variant in out if variant != rest)
+
+
+KNOWN = sorted(name for name, _, _ in describe_fields())
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.sampled_from(KNOWN), pick=st.randoms(use_true_random=False))
+def test_a_setting_with_one_edit_is_answered_with_that_setting(name, pick) -> None:
+    """Every known name with one edit (after the prefix): the hint is that name, unless the
+    edit made another known name, or one edit from another one too (``SIDECAR_DECODE_URS`` is
+    one from ``_URL`` and from ``_URLS``): then it is one of those."""
+    typed = pick.choice(sorted(_one_edit_variants(name)))
+    if typed in KNOWN:
+        return  # a setting itself: not unknown
+    also = [other for other in KNOWN if other != name and typed in _one_edit_variants(other)]
+    answer = nearest_setting(typed)
+    assert answer == name if not also else answer in [name, *also], (typed, answer, also)
+    assert unknown_variables({typed: "1"}) == [
+        f"ignoring unknown variable {typed}: did you mean {answer}?"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("SIDECAR_REDIS_URI", "SIDECAR_REDIS_URL"),
+        ("SIDECAR_DECODE_ULR", "SIDECAR_DECODE_URL"),
+        ("SIDECAR_STATE_BACKEN", "SIDECAR_STATE_BACKEND"),
+        ("SIDECAR_PREFILL_ENDPOINST", "SIDECAR_PREFILL_ENDPOINTS"),
+        ("sidecar_log_levl", "SIDECAR_LOG_LEVEL"),
+    ],
+)
+def test_the_typos_an_operator_made_are_answered(typed: str, meant: str) -> None:
+    """The running sidecar and ``inject --env`` give the same hint."""
+    assert nearest_setting(typed) == meant
+    with pytest.raises(EnvError, match=f"did you mean {meant}\\?"):
+        environment.check([{"name": typed.upper(), "value": "x"}])

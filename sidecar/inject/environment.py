@@ -9,7 +9,6 @@ own ``Settings`` (from these values only, never from the injector's own environm
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -69,7 +68,7 @@ def check(env: Sequence[Mapping[str, Any]]) -> None:
     from pydantic import ValidationError
     from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-    from sidecar.config import Settings, explain
+    from sidecar.config import Settings, explain, nearest_setting
 
     class Given(Settings):
         """Settings from the values passed in, not from this process's environment."""
@@ -92,8 +91,8 @@ def check(env: Sequence[Mapping[str, Any]]) -> None:
         if not name.startswith(PREFIX):
             continue
         if name not in known:
-            near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-            hint = f"; did you mean {near[0]}?" if near else " (python -m sidecar --help)"
+            near = nearest_setting(name, known)
+            hint = f"; did you mean {near}?" if near else " (python -m sidecar --help)"
             raise EnvError(f"{name} is not a setting of the sidecar{hint}")
         if "value" in item:
             values[known[name]] = item["value"]
