@@ -735,7 +735,10 @@ class Settings(BaseSettings):
             return data
         entries = data.get("prefill_endpoints")
         if isinstance(entries, str):
-            entries = _items(entries)
+            try:
+                entries = _items(entries)
+            except ValueError:
+                return data  # the field's own validator says what is wrong with it
         if not isinstance(entries, list | tuple):
             return data
         schemed = [
@@ -1126,7 +1129,22 @@ def _listen_address(host: str) -> bool:
 
 
 def _items(value: str) -> list[str]:
-    return [item for item in (part.strip() for part in value.split(",")) if item]
+    """A list setting's items: comma-separated, each stripped. ``ValueError`` naming commas for
+    a list written otherwise (a JSON list; ``;`` or spaces between items), which would
+    otherwise be read as one odd item."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]") and ('"' in text or "'" in text):
+        raise ValueError(
+            f"{text!r} is written as a JSON list: give the items separated by commas, without "
+            "brackets or quotes (a,b)"
+        )
+    items = [item for item in (part.strip() for part in value.split(",")) if item]
+    for item in items:
+        if ";" in item or any(char.isspace() for char in item):
+            raise ValueError(
+                f"{item!r}: the items of a list are separated by commas (a,b), not by ';' or spaces"
+            )
+    return items
 
 
 def describe_fields() -> list[tuple[str, str, str]]:

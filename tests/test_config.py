@@ -612,3 +612,29 @@ def test_the_typos_an_operator_made_are_answered(typed: str, meant: str) -> None
     assert nearest_setting(typed) == meant
     with pytest.raises(EnvError, match=f"did you mean {meant}\\?"):
         environment.check([{"name": typed.upper(), "value": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("prefill_endpoints", "p0:8000;p1:8000", "'p0:8000;p1:8000': the items of a list are"),
+        ("prefill_endpoints", "p0:8000 p1:8000", "separated by commas (a,b), not by ';' or spaces"),
+        ("prefill_endpoints", '["p0:8000", "p1:8000"]', "is written as a JSON list: give the"),
+        ("prefill_allowed_cidrs", "10.0.0.0/8; fd00::/8", "separated by commas (a,b)"),
+        ("host", "0.0.0.0 ::", "separated by commas (a,b)"),
+    ],
+)
+def test_a_list_written_otherwise_than_with_commas_says_commas(variable, value, says) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Settings(**{variable: value})
+    message = explain(caught.value)
+    assert message.startswith(f"invalid configuration: SIDECAR_{variable.upper()}: "), message
+    assert says in message
+
+
+def test_commas_with_spaces_and_bracketed_ipv6_are_lists() -> None:
+    settings = Settings(prefill_endpoints=" p0:8000 , [fd00::1]:8000,")
+    assert [str(endpoint) for endpoint in settings.prefill_endpoints] == [
+        "p0:8000",
+        "[fd00::1]:8000",
+    ]

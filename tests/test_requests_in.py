@@ -92,6 +92,9 @@ async def test_body_over_limit_is_413(http, start_sidecar_with: StartSidecar, de
         {"x-prefiller-host-port": ",127.0.0.9:1"},
         {"x-prefiller-host-port": "::1:8000"},
         {"x-gateway-prefill-endpoints": "127.0.0.9"},
+        {"x-prefiller-host-port": "https://127.0.0.9:1"},  # SIDECAR_PREFILL_TLS decides
+        {"x-prefiller-host-port": "grpc://127.0.0.9:1"},
+        {"x-prefiller-host-port": "http://127.0.0.9:1/v1"},
     ],
 )
 async def test_malformed_prefill_header_is_400(http, sidecar, decode, headers) -> None:
