@@ -16,6 +16,8 @@ import yaml
 import sidecar
 from sidecar.emulator.config import config_from_args
 from sidecar.inject import defaults, inject_text
+from sidecar.inject.__main__ import main as inject_main
+from sidecar.inject.check import check_text
 from sidecar.inject.template import ENGINE_EXIT_S, grace_period_s, load
 from tests.k8s import MANIFESTS, ROOT, crd_schemas, documents, kustomize, validate, yamllint
 from tests.test_inject import check_termination, settings_of
@@ -257,7 +259,8 @@ def test_the_component_patch_is_the_packaged_definition() -> None:
     spec = patch["spec"]["template"]["spec"]
     assert patch["spec"]["template"]["metadata"]["labels"] == packaged["podLabels"]
     assert spec["initContainers"] == [packaged["container"]]
-    assert spec["terminationGracePeriodSeconds"] == packaged["terminationGracePeriodSeconds"]
+    # The workload's own: a patch could only replace it, lowering a larger one.
+    assert "terminationGracePeriodSeconds" not in spec
     assert json_patch == [
         {
             "op": "add",
@@ -406,3 +409,84 @@ def test_an_overlay_may_give_the_sidecar_data_parallel_ranks(tmp_path: Path) -> 
     (decode,) = documents(kustomize(tmp_path))
     settings = settings_of(decode["spec"]["template"]["spec"])
     assert settings.decode_ranks == ("http://127.0.0.1:8200", "http://127.0.0.1:8201")
+
+
+@pytest.mark.parametrize("path", BUILDS, ids=lambda p: p.name)
+def test_every_build_passes_the_check(path: Path) -> None:
+    assert check_text(kustomize(path)) == (1, [])
+
+
+def test_the_check_catches_what_the_component_lets_through(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decode Deployment whose engine still listens on --port 8000 as port http, with a grace
+    period of 120 s, built with the component: kustomize accepts it; the check names the port
+    both containers take, the port name both give, and the engine's --port. The component
+    leaves the grace period as it was."""
+    source = (MANIFESTS / "base" / "decode.yaml").read_text()
+    source = source.replace("8200", "8000").replace("name: engine", "name: http")
+    source = source.replace(
+        "terminationGracePeriodSeconds: 65", "terminationGracePeriodSeconds: 120"
+    )
+    (tmp_path / "decode.yaml").write_text(source)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [decode.yaml]\ncomponents: [{os.path.relpath(COMPONENT, tmp_path)}]\n"
+    )
+    built = kustomize(tmp_path)
+    validate(built)  # the API's schemas see nothing wrong
+    (decode,) = documents(built)
+    assert decode["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    checked, problems = check_text(built)
+    assert checked == 1
+    assert problems == [
+        "Deployment/decode: containers 'vllm' and 'pd-sidecar' both declare containerPort 8000: "
+        "in the pod one of them cannot bind it",
+        "Deployment/decode: containers 'vllm' and 'pd-sidecar' both name a port 'http': a "
+        "Service's targetPort by that name is ambiguous",
+        "Deployment/decode: container 'vllm' listens on --port 8000, a port of the sidecar: move "
+        "it to the port SIDECAR_DECODE_URL names (8200)",
+    ]
+    (tmp_path / "built.yaml").write_text(built)
+    with pytest.raises(SystemExit) as exit_info:
+        inject_main(["--check", "-f", str(tmp_path / "built.yaml")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 3
+    assert "both declare containerPort 8000" in err
+
+
+@pytest.mark.parametrize(
+    ("grace", "says"),
+    [
+        (None, "terminationGracePeriodSeconds 30 is shorter than the drain needs: 65"),
+        (64, "terminationGracePeriodSeconds 64 is shorter than the drain needs: 65"),
+        (65, None),
+    ],
+)
+def test_the_check_wants_a_grace_period_that_covers_the_drain(grace, says) -> None:
+    """The engine's preStop wait (30) + SIDECAR_DRAIN_TIMEOUT_S (30) + 5; Kubernetes' default,
+    30, when the pod sets none."""
+    decode = by_kind(documents(kustomize(MANIFESTS / "base")), "Deployment", "decode")
+    spec = decode["spec"]["template"]["spec"]
+    spec.pop("terminationGracePeriodSeconds")
+    if grace is not None:
+        spec["terminationGracePeriodSeconds"] = grace
+    _, problems = check_text(yaml.safe_dump(decode))
+    assert problems == (
+        []
+        if says is None
+        else [
+            f"Deployment/decode: {says} (the engine's "
+            "preStop wait 30 s + SIDECAR_DRAIN_TIMEOUT_S 30 s + 5 s for the engine to exit)"
+        ]
+    )
+
+
+def test_the_check_of_nothing_injected_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "prefill.yaml").write_text((MANIFESTS / "prefill" / "prefill.yaml").read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        inject_main(["--check", "-f", str(tmp_path / "prefill.yaml")])
+    assert exit_info.value.code == 1
+    assert "no workload carries the sidecar" in capsys.readouterr().err

@@ -8,7 +8,10 @@ import re
 import sys
 from collections.abc import Sequence
 
+import yaml
+
 from sidecar.inject import environment
+from sidecar.inject.check import check_text
 from sidecar.inject.documents import inject_text
 from sidecar.inject.environment import EnvError
 from sidecar.inject.pod import InjectError
@@ -82,6 +85,14 @@ def parser(prog: str = MODULE) -> argparse.ArgumentParser:
         action="append",
         metavar="FILE",
         help="YAML file to read, '-' for stdin (repeatable; default: stdin)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="inject nothing: check the workloads that carry the sidecar already (e.g. built "
+        "with the kustomize component) for a port two containers take, an engine left on the "
+        "sidecar's port and a grace period shorter than the drain needs; one line per "
+        "problem, exit status 1 when there is one",
     )
     p.add_argument(
         "--name",
@@ -205,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         except OSError as exc:
             print(f"{prog}: cannot read {name}: {exc.strerror}", file=sys.stderr)
             raise SystemExit(2) from None
+    if args.check:
+        _check(prog, _join(texts))
+        return
     try:
         output, report = inject_text(_join(texts), options, args.name)
     except (InjectError, EnvError) as exc:
@@ -217,6 +231,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     for line in lines:
         print(f"{prog}: {line}", file=sys.stderr)
     sys.stdout.write(output)
+
+
+def _check(prog: str, text: str) -> None:
+    try:
+        checked, problems = check_text(text)
+    except yaml.YAMLError as exc:
+        print(f"{prog}: the input is not valid YAML: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for problem in problems:
+        print(f"{prog}: {problem}", file=sys.stderr)
+    if not checked:
+        print(f"{prog}: no workload carries the sidecar: nothing to check", file=sys.stderr)
+        raise SystemExit(1)
+    if problems:
+        raise SystemExit(1)
+    print(f"{prog}: {checked} workload(s) with the sidecar checked: no problem", file=sys.stderr)
 
 
 def _read(name: str) -> str:

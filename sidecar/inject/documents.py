@@ -129,12 +129,12 @@ def split(text: str) -> list[str]:
     return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
 
 
-def _describe(doc: dict[str, Any]) -> str:
+def describe(doc: dict[str, Any]) -> str:
     metadata = doc.get("metadata") or {}
     return f"{doc.get('kind')}/{metadata.get('name', '?')}"
 
 
-def _pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
     path = POD_SPEC_PATHS.get(str(doc.get("kind")))
     node: Any = doc
     for key in path or ():
@@ -151,28 +151,28 @@ def _inject_object(
         return any(changed)
     kind = str(doc.get("kind"))
     if kind in UNSUPPORTED:
-        report.skipped.append(f"{_describe(doc)}: skipped: {UNSUPPORTED[kind]}")
+        report.skipped.append(f"{describe(doc)}: skipped: {UNSUPPORTED[kind]}")
         return False
-    spec = _pod_spec(doc)
+    spec = pod_spec(doc)
     if spec is None:
         return False
     reason = selection.skip_reason(doc)
     if reason is not None:
-        report.skipped.append(f"{_describe(doc)}: skipped: {reason}")
+        report.skipped.append(f"{describe(doc)}: skipped: {reason}")
         return False
     if already_injected(spec):
-        report.unchanged.append(_describe(doc))
+        report.unchanged.append(describe(doc))
         return False
     try:
         notes = inject_pod_spec(spec, options)
     except InjectError as exc:
-        raise InjectError(f"{_describe(doc)}: {exc}") from None
+        raise InjectError(f"{describe(doc)}: {exc}") from None
     role = role_of(doc)
     if role is not None and role not in DECODE_ROLES:
         notes.append(f"injected although labelled {ROLE_LABEL}={role}: --name names it")
-    report.notes.extend(f"{_describe(doc)}: {note}" for note in notes)
+    report.notes.extend(f"{describe(doc)}: {note}" for note in notes)
     _label_pod(doc)
-    report.injected.append(_describe(doc))
+    report.injected.append(describe(doc))
     return True
 
 
@@ -191,12 +191,12 @@ def _label_pod(doc: dict[str, Any]) -> None:
     labels.update(pod_labels())
 
 
-def _workloads(data: Any) -> Iterable[dict[str, Any]]:
+def workloads(data: Any) -> Iterable[dict[str, Any]]:
     if isinstance(data, dict):
         if data.get("kind") == "List":
             for item in data.get("items") or []:
-                yield from _workloads(item)
-        elif _pod_spec(data) is not None:
+                yield from workloads(item)
+        elif pod_spec(data) is not None:
             yield data
 
 
@@ -218,19 +218,19 @@ def inject_text(text: str, options: Options, names: Iterable[str] = ()) -> tuple
             parsed.append(yaml.safe_load(chunk))
         except yaml.YAMLError as exc:
             raise InjectError(f"document {index} is not valid YAML: {exc}") from None
-    workloads = [w for data in parsed for w in _workloads(data)]
-    found = {str((w.get("metadata") or {}).get("name", "")) for w in workloads}
+    objects = [w for data in parsed for w in workloads(data)]
+    found = {str((w.get("metadata") or {}).get("name", "")) for w in objects}
     missing = sorted(wanted - found)
     if missing:
         raise InjectError(f"no Deployment, StatefulSet or pod named {', '.join(missing)}")
     kinds = [str(data.get("kind")) for data in parsed if isinstance(data, dict)]
-    if not workloads and not any(kind in UNSUPPORTED for kind in kinds):
+    if not objects and not any(kind in UNSUPPORTED for kind in kinds):
         seen = ", ".join(sorted(set(kinds))) or "none"
         raise InjectError(
             "nothing to inject: no Deployment, StatefulSet, DaemonSet, ReplicaSet, PodTemplate or "
             f"Pod in the input (kinds: {seen})"
         )
-    selection = _Selection(wanted, any(role_of(w) is not None for w in workloads))
+    selection = _Selection(wanted, any(role_of(w) is not None for w in objects))
     report = Report()
     out: list[str] = []
     for chunk, data in zip(chunks, parsed, strict=True):

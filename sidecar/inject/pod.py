@@ -79,12 +79,12 @@ def inject_pod_spec(spec: Spec, options: Options) -> list[str]:
                 f"container {other.get('name')!r} uses port {options.admin_port}, the sidecar's "
                 "admin port (--admin-port)"
             )
-    if options.engine_port in _declared_ports(engine) or options.engine_port in _flag_ports(engine):
+    if options.engine_port in _declared_ports(engine) or options.engine_port in flag_ports(engine):
         raise InjectError(f"{who} already uses port {options.engine_port} (--engine-port)")
     unreadable = [value for value in _flag_values(engine) if not value.isdigit()]
     if unreadable:
         raise InjectError(f"{who} runs with --port {unreadable[0]}, which is not a number")
-    flags = _flag_ports(engine)
+    flags = flag_ports(engine)
     if flags and flags != {port}:
         shown = ", ".join(str(p) for p in sorted(flags))
         raise InjectError(f"{who} declares containerPort {port} but runs with --port {shown}")
@@ -192,7 +192,7 @@ def _flag_values(container: Container) -> list[str]:
     return values
 
 
-def _flag_ports(container: Container) -> set[int]:
+def flag_ports(container: Container) -> set[int]:
     return {int(value) for value in _flag_values(container) if value.isdigit()}
 
 
@@ -201,7 +201,7 @@ def _declared_ports(container: Container) -> set[int]:
 
 
 def _ports_of(container: Container) -> set[int]:
-    return _declared_ports(container) | _flag_ports(container)
+    return _declared_ports(container) | flag_ports(container)
 
 
 def _serving_port_name(engine: Container, port: int) -> str | None:

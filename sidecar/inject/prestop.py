@@ -74,7 +74,7 @@ def compose(
             "has a preStop hook the injector cannot read (one of exec, httpGet or sleep "
             "expected): fix or remove it"
         )
-    waited = _wait_s(existing)
+    waited = wait_s(existing)
     if waited is not None:
         shown = _show(existing)
         if waited >= drain_s:
@@ -126,7 +126,7 @@ def compose(
     raise PreStopError(f"has a preStop hook of a kind the injector does not know ({kind})")
 
 
-def _wait_s(hook: Hook) -> float | None:
+def wait_s(hook: Hook) -> float | None:
     """Seconds of a hook that only waits, None for any other."""
     if "sleep" in hook:
         seconds = (hook["sleep"] or {}).get("seconds")
