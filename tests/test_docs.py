@@ -5,12 +5,20 @@ repository (another checkout's ``../``, a machine's ``/work/...`` or home direct
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import os
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+
+from tests.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
@@ -227,3 +235,79 @@ def test_every_relative_link_resolves(page: Path) -> None:
 def test_quoted_commands_name_no_path_outside_the_repository(page: Path) -> None:
     problems = outside_paths(page)
     assert not problems, "\n".join(problems)
+
+
+# The examples a reader can run on one machine carry a marker on the line before their fence:
+#   <!-- runnable ports=8100,8200 cwd=manifests/base -->
+# ``ports``: the fixed ports the block uses, each swapped for a free one; ``cwd``: where it runs
+# (the repository's root by default). The block runs with ``bash -e``, this Python's scripts
+# first on PATH and no SIDECAR_* variable, and must exit 0 within a minute; whatever it left
+# running is killed with it.
+RUNNABLE = re.compile(r"^<!--\s*runnable((?:\s+\w+=\S+)*)\s*-->\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    page: str
+    line: int
+    script: str
+    ports: tuple[int, ...]
+    cwd: str
+
+    def __str__(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def runnable_examples(pages: list[Path]) -> list[Example]:
+    found = []
+    for page in pages:
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines):
+            marker = RUNNABLE.match(line)
+            if marker is None:
+                continue
+            options = dict(item.split("=", 1) for item in marker.group(1).split())
+            assert FENCE.match(lines[number + 1]), f"{page.name}:{number + 1}: no block follows"
+            end = next(i for i in range(number + 2, len(lines)) if FENCE.match(lines[i]))
+            ports = tuple(int(port) for port in options.get("ports", "").split(",") if port)
+            script = "\n".join(lines[number + 2 : end]) + "\n"
+            found.append(Example(page.name, number + 2, script, ports, options.get("cwd", ".")))
+    return found
+
+
+EXAMPLES = runnable_examples(PAGES)
+
+
+def test_the_runnable_examples_are_found() -> None:
+    """The marker is seen where it is: the emulator's round trips and the manifests' check."""
+    assert {str(example).split(":")[0] for example in EXAMPLES} >= {"emulator.md", "deploy.md"}
+
+
+@pytest.mark.system
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("example", EXAMPLES, ids=str)
+def test_a_runnable_example_runs(example: Example, tmp_path: Path) -> None:
+    script = example.script
+    for port in example.ports:
+        assert re.search(rf"\b{port}\b", script), f"{example}: port {port} not in the block"
+        script = re.sub(rf"\b{port}\b", str(free_port()), script)
+    scripts = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env["PATH"] = f"{scripts}:{env.get('PATH', '')}"
+    # Its output to a file, not a pipe: what it left running must not hold the test open.
+    output = tmp_path / "output"
+    with output.open("w") as sink:
+        process = subprocess.Popen(
+            ["bash", "-e", "-c", script],
+            cwd=ROOT / example.cwd,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its background jobs go with it, whatever happens
+        )
+        try:
+            status = process.wait(timeout=60)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    assert status == 0, f"{example} exited {status}:\n{output.read_text()[-3000:]}"
