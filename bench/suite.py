@@ -83,13 +83,13 @@ def smoke(names: tuple[str, ...] = BENCHMARKS) -> int:
     began = time.monotonic()
     for name in names:
         argv = ["-m", "bench", name, "--quick", *SMOKE_ARGS.get(name, ())]
-        print(f"=== python {' '.join(argv)}", flush=True)
+        print(f"[smoke] python {' '.join(argv)}", flush=True)
         started = time.monotonic()
         status = subprocess.run([sys.executable, *argv], cwd=PACKAGE.parent).returncode
         times.append((name, time.monotonic() - started))
         if status != 0:
             failed.append(f"{name} (exit status {status})")
-        print(f"=== {name}: {times[-1][1]:.1f} s, exit status {status}", flush=True)
+        print(f"[smoke] {name}: {times[-1][1]:.1f} s, exit status {status}", flush=True)
     print()
     for name, seconds in times:
         print(f"{name:<20} {seconds:>6.1f} s")

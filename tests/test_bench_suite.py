@@ -17,7 +17,15 @@ import pytest
 from bench.__main__ import main as entry
 from bench.__main__ import parser
 from bench.decision_cost import child_command
-from bench.suite import BENCHMARKS, PACKAGE, SMOKE_ARGS, add_quick, apply_quick, summary
+from bench.suite import (
+    BENCHMARKS,
+    PACKAGE,
+    SMOKE_ARGS,
+    add_quick,
+    apply_quick,
+    smoke,
+    summary,
+)
 
 REPO = PACKAGE.parent
 
@@ -130,3 +138,13 @@ def test_the_ab_child_is_each_checkouts_own_benchmark(tmp_path: Path) -> None:
     assert command == [sys.executable, "-m", "bench.decision_cost"]
     assert "DECISION_COST_REPO" not in env
     assert "PYTHONPATH" not in env
+
+
+@pytest.mark.system  # a benchmark's quick run in a process of its own: ~1 s
+def test_the_smoke_run_runs_each_quick_mode_and_times_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert smoke(("resp_bounds",)) == 0
+    out = capsys.readouterr().out
+    assert "[smoke] resp_bounds: " in out
+    assert "exit status 0" in out
