@@ -8,8 +8,9 @@ could not start) or a bound the benchmark guards does not hold (a leak, memory p
 (with :data:`SMOKE_ARGS`), each in a process of its own (``make bench-smoke``).
 
 The other modules are the benchmarks' parts: libraries (the load generator, the launcher, the
-readings, the simulator in ``bench/sim``) and programs the benchmarks start in subprocesses as
-``python -m bench.X`` (the aiohttp floor proxy, an OTLP sink, the sidecar under tracemalloc).
+readings, the simulator in ``bench/sim``) and programs run as ``python -m bench.X``: the aiohttp
+floor proxy and the sidecar under tracemalloc, which the benchmarks start, and an OTLP sink to
+point a traced sidecar at.
 """
 
 from __future__ import annotations
