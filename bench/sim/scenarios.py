@@ -1,4 +1,4 @@
-"""The scenarios ``python -m bench.simulate`` runs, each with its variants and its checks."""
+"""The scenarios ``python -m bench simulate`` runs, each with its variants and its checks."""
 
 from __future__ import annotations
 
