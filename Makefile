@@ -42,13 +42,16 @@ check: lint types test
 demo: setup
 	$(PY) -m sidecar.demo
 
-# Overhead against vllm-router and the floor (docs/benchmarks.md): the full matrix, 3 runs,
-# ~25 minutes; the smoke run (one concurrency, a few hundred requests, no figure judged) in CI.
+# The benchmarks (`python -m bench --help` lists them; docs/benchmarks.md has their figures).
+# bench: the overhead against vllm-router and the floor, the full matrix, 3 runs, ~25 minutes.
+# bench-smoke (CI): every benchmark in its quick mode, one after the other, seconds each; it
+# fails when one does not run (a failed request, a process that cannot start, a leak), never on
+# a timing.
 bench: setup
-	$(PY) bench/overhead.py
+	$(PY) -m bench overhead
 
 bench-smoke: setup
-	$(PY) bench/overhead.py --quick
+	$(PY) -m bench --smoke
 
 # Real vLLM (CPU) prefill and decode engines: its own venv, reused once built (docs/e2e.md).
 e2e-vllm-setup:

@@ -1,1 +1,2 @@
-"""Benchmarks and the scheduling simulator. Never imported by the ``sidecar`` package."""
+"""Benchmarks and the scheduling simulator (``python -m bench --help``; bench/suite.py). Never
+imported by the ``sidecar`` package."""

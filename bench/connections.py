@@ -1,6 +1,6 @@
 """What idle and slow client connections cost the sidecar, and that they are let go.
 
-    python -m bench.connections [--connections 5000] [--kind silent|drip]
+    python -m bench connections [--connections 5000] [--kind silent|drip]
                                 [--sidecar-nofile N] [--env SIDECAR_X=value ...] [--no-wait]
 
 Starts ``python -m sidecar`` (its decode engine an unreachable loopback address: no request is
@@ -13,7 +13,11 @@ kubelet's probe comes. ``--sidecar-nofile N`` runs the sidecar under an open-fil
 (soft and hard, as a container runtime may set it). The defaults are the sidecar's; ``--env``
 overrides them, e.g. ``--env SIDECAR_MAX_CONNECTIONS=100000 --env
 SIDECAR_CLIENT_HEADER_TIMEOUT_S=3600`` for what the connections cost with no cap and no head
-timeout (the sidecar before issue 21).
+timeout.
+
+``--quick``: 300 silent connections and a head timeout of 2 s; exit status 1 when ``/health``
+does not answer 200 with them open, or when the sidecar has not closed every one after its head
+timeout.
 
 Both processes need ~N descriptors: the soft open-files limit is raised to the hard one.
 """
@@ -31,11 +35,12 @@ import aiohttp
 
 from bench.cluster import raise_open_files_limit
 from bench.readings import Metrics, mib, read_proc
+from bench.suite import add_quick, apply_quick
 from devkit.processes import Child, Launcher, environment, free_port
 from sidecar.config import Settings
 
 DRIP_EVERY_S = 5.0
-"""The slow client's pace: one header byte every 5 s, as in the issue."""
+"""The slow client's pace: one header byte every 5 s."""
 DRIP_HEAD = b"GET /health HTTP/1.1\r\nHost: sidecar\r\nX-Slow: " + b"a" * 4000
 OPEN_BATCH = 250
 """Connections opened at once (the listen backlog is 2048)."""
@@ -155,6 +160,7 @@ async def run(args: argparse.Namespace) -> int:
         held = await read(sidecar, admin_url, http)
         show(f"{args.connections} opened in {time.monotonic() - started:.1f} s", held)
         status, probe_s = await probe(port)
+        failed = status != 200
         print(f"GET /health on a new connection: {status} in {probe_s * 1000:.1f} ms")
         if held.open > before.open:
             grown = held.rss - before.rss
@@ -169,21 +175,22 @@ async def run(args: argparse.Namespace) -> int:
             await asyncio.sleep(head_timeout_s + 2.0)  # the head timeout is what is measured
             after = await read(sidecar, admin_url, http)
             show(f"{head_timeout_s:.0f} s + 2 s later", after)
-            print(
-                f"closed by the sidecar: {closed_by_server(opened)} of {len(opened)} "
-                "(seen by the clients)"
-            )
+            closed = closed_by_server(opened)
+            print(f"closed by the sidecar: {closed} of {len(opened)} (seen by the clients)")
+            failed = failed or closed < len(opened)
         if dripping is not None:
             dripping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await dripping
         for _, writer in opened:
             writer.close()
-    return 0
+    return 1 if args.quick and failed else 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench connections", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--connections", type=int, default=5000)
     parser.add_argument("--kind", choices=("silent", "drip"), default="silent")
     parser.add_argument("--env", action="append", default=[], metavar="SIDECAR_X=value")
@@ -195,8 +202,11 @@ def main() -> None:
         help="run the sidecar under an open-files limit of N (soft and hard, with prlimit)",
     )
     parser.add_argument("--no-wait", action="store_true", help="skip the wait for the timeout")
-    raise SystemExit(asyncio.run(run(parser.parse_args())))
+    add_quick(parser, "300 silent connections, a 2 s head timeout; fails when one is not closed")
+    args = parser.parse_args(argv)
+    apply_quick(parser, args, connections=300, env=["SIDECAR_CLIENT_HEADER_TIMEOUT_S=2"])
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_cli())

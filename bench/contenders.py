@@ -154,8 +154,8 @@ async def start_proxy(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if variant == "aiohttp-floor":
-        script = str(REPO / "bench" / "floor_proxy.py")
-        argv = [sys.executable, script, "--port", str(port), "--decode-url", decode.url]
+        argv = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port)]
+        argv += ["--decode-url", decode.url]
         target: str | None = prefill.endpoint
     elif variant == "vllm-router":
         assert router is not None
@@ -167,7 +167,9 @@ async def start_proxy(
         target = None
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    child = await launcher.start(variant, [*under, *argv], url=url, ready="/health", timeout_s=60)
+    child = await launcher.start(
+        variant, [*under, *argv], cwd=REPO, url=url, ready="/health", timeout_s=60
+    )
     return child, ProxyTarget(variant, url, target)
 
 

@@ -1,10 +1,11 @@
 """The scheduler's own decision cost: placing a 2,000-token prompt among 8 prefill endpoints.
 
-    python bench/decision_cost.py      # every policy on the memory backend, qoe on Redis
-    python bench/decision_cost.py --iterations 500 --policies qoe
-    python bench/decision_cost.py --baseline ../main --rounds 3   # A/B, interleaved
-    python bench/decision_cost.py --instructions --baseline ../main  # callgrind, Ir per placement
-    python bench/decision_cost.py --kv-events   # the exact indexes in sync: bench/decision_kv.py
+    python -m bench decision_cost      # every policy on the memory backend, qoe on Redis
+    python -m bench decision_cost --iterations 500 --policies qoe
+    python -m bench decision_cost --baseline ../main --rounds 3   # A/B, interleaved
+    python -m bench decision_cost --instructions --baseline ../main  # callgrind, Ir per placement
+    python -m bench decision_cost --kv-events   # the exact indexes in sync: bench/decision_kv.py
+    python -m bench decision_cost --quick       # 100 placements each
 
 Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
 static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates
@@ -46,44 +47,40 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-_MEASURED = os.environ.get("DECISION_COST_REPO")
-if _MEASURED:  # a child measuring another checkout's sidecar package
-    sys.path.insert(0, _MEASURED)
 if os.environ.get("DECISION_COST_NO_HIREDIS"):  # redis-py as without hiredis: its Python parser
     sys.modules["hiredis"] = None  # type: ignore[assignment]
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections import Counter, deque  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import asyncio
+import glob
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import redis.asyncio as aioredis  # noqa: E402
+import redis.asyncio as aioredis
 
-from devkit.processes import Launcher, free_port, tcp_open  # noqa: E402
-from devkit.stats import percentile  # noqa: E402
-from sidecar.config import Settings  # noqa: E402
-from sidecar.discovery import Discovery  # noqa: E402
-from sidecar.observability.metrics import Metrics  # noqa: E402
-from sidecar.scheduling.endpoints import Endpoint  # noqa: E402
-from sidecar.scheduling.model import LocalView  # noqa: E402
-from sidecar.scheduling.placement import Placement  # noqa: E402
-from sidecar.scheduling.policies import POLICIES  # noqa: E402
-from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions  # noqa: E402
-from sidecar.scheduling.state import MemoryState, StateBackend  # noqa: E402
-from sidecar.scheduling.state.redis import RedisState  # noqa: E402
+from bench.suite import add_quick, apply_quick
+from devkit.processes import Launcher, free_port, tcp_open
+from devkit.stats import percentile
+from sidecar.config import Settings
+from sidecar.discovery import Discovery
+from sidecar.observability.metrics import Metrics
+from sidecar.scheduling.endpoints import Endpoint
+from sidecar.scheduling.model import LocalView
+from sidecar.scheduling.placement import Placement
+from sidecar.scheduling.policies import POLICIES
+from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
+from sidecar.scheduling.state import MemoryState, StateBackend
+from sidecar.scheduling.state.redis import RedisState
 
-BENCH = Path(__file__).resolve()
+REPO = Path(__file__).resolve().parent.parent
 ENDPOINTS = 8
 PROMPT_TOKENS = 2000
 IN_FLIGHT = 4
@@ -679,6 +676,21 @@ async def child(
     return await redis_placements(url, iterations, "qoe", prefix=prefix, key=None, others=others)
 
 
+def child_command(repo: Path) -> tuple[list[str], dict[str, str]]:
+    """How ``repo``'s own copy of this benchmark is started as a child, and its environment.
+
+    Each checkout is measured by its own harness, started in its directory so that its
+    ``sidecar`` package is the one imported: the harness uses the scheduler's internals, which
+    change between checkouts. A checkout with ``bench/__main__.py`` runs it as a module; an older
+    one as the script it was then, which finds its checkout through ``DECISION_COST_REPO``."""
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    env.pop("PYTHONPATH", None)  # nothing of this checkout's may shadow the measured one's
+    if (repo / "bench" / "__main__.py").exists():
+        return [sys.executable, "-m", "bench.decision_cost"], env
+    env["DECISION_COST_REPO"] = str(repo)
+    return [sys.executable, str(repo / "bench" / "decision_cost.py")], env
+
+
 def run_child(
     repo: Path,
     kind: str,
@@ -688,10 +700,10 @@ def run_child(
     wrap: tuple[str, ...] = (),
     others: int = 0,
 ) -> dict[str, Any]:
-    argv = [*wrap, sys.executable, str(BENCH), "--child", kind, "--iterations", str(iterations)]
+    command, env = child_command(repo)
+    argv = [*wrap, *command, "--child", kind, "--iterations", str(iterations)]
     if url:
         argv += ["--redis-url", url, "--redis-prefix", prefix, "--others", str(others)]
-    env = {**os.environ, "DECISION_COST_REPO": str(repo), "PYTHONHASHSEED": "0"}
     done = subprocess.run(argv, env=env, cwd=repo, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr}")
@@ -707,7 +719,7 @@ async def ab(baseline: Path, iterations: int, rounds: int, others: list[int]) ->
     """Memory and Redis placements of this checkout and ``baseline``, alternated; on Redis with
     each count of other live sidecars in ``others`` (the prefix share off: the script's own
     time is then the reservation sync's alone)."""
-    here = BENCH.parent.parent
+    here = REPO
     variants = {"this": here, "baseline": baseline}
     lines = [
         f"A/B, {rounds} rounds of {iterations} placements each (qoe): median / p99 µs, the"
@@ -782,7 +794,7 @@ def redis_instructions(
     timed runs: the background syncs of each reservation and release included), of this
     checkout and ``baseline``, with hiredis and (a checkout without the syncs' own connection)
     with redis-py's Python parser; and the script calls Redis answered per placement."""
-    repos = {"this": BENCH.parent.parent}
+    repos = {"this": REPO}
     if baseline is not None:
         repos["baseline"] = baseline
     what = "placement (qoe, share off)" if kind == "count-redis" else "reserve, refresh, release"
@@ -838,8 +850,9 @@ def call_report(figures: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        prog="python -m bench decision_cost",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -881,7 +894,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--others", default="0,32", help="other live sidecars in the Redis pool (A/B; list)"
     )
-    args = parser.parse_args(argv)
+    add_quick(parser, "100 placements each")
+    args = apply_quick(parser, parser.parse_args(argv), iterations=100)
     from bench.cluster import run
 
     if args.kv_events:
@@ -890,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         return decision_kv.run(args.iterations, count=args.instructions)
 
     if args.instructions:
-        repos = {"this": BENCH.parent.parent}
+        repos = {"this": REPO}
         if args.baseline is not None:
             repos["baseline"] = args.baseline.resolve()
         for name, repo in repos.items():
@@ -944,4 +958,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_cli())

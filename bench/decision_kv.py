@@ -1,7 +1,10 @@
-"""The decision's cost with KV events on (issue 26): ``bench/decision_cost.py --kv-events``.
+"""The decision's cost with KV events on: ``python -m bench decision_cost --kv-events``.
 
-    python bench/decision_cost.py --kv-events                  # timed, and /tokenize apart
-    python bench/decision_cost.py --kv-events --instructions   # callgrind, Ir per decision
+    python -m bench decision_cost --kv-events                  # timed, and /tokenize apart
+    python -m bench decision_cost --kv-events --instructions   # callgrind, Ir per decision
+
+Not a benchmark of its own: ``decision_cost`` runs it, and callgrind runs it as
+``python -m bench.decision_kv --count KIND CASE N`` (the operations counted).
 
 The memory placement of ``decision_cost.py`` (qoe, a 2,000-token prompt of 8,000 characters, 8
 prefill endpoints, ``IN_FLIGHT`` placements reserved, both approximate prefix indexes on), with a
@@ -40,11 +43,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script (callgrind's child): the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.decision_cost import (
     ENDPOINTS,
@@ -74,7 +73,6 @@ from sidecar.kvevents.tokens import TokenIds, TokenSourceStats, checked_ids
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.state import MemoryState
 
-BENCH = Path(__file__).resolve()
 BLOCK = 16
 """vLLM's default block size."""
 FILLER = 16
@@ -375,7 +373,7 @@ def instructions(kind: str, case: str) -> float:
         for n in (SHORT, LONG):
             argv = [
                 "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.{n}",
-                sys.executable, str(BENCH), "--count", kind, case, str(n),
+                sys.executable, "-m", "bench.decision_kv", "--count", kind, case, str(n),
             ]  # fmt: skip
             env = {**os.environ, "PYTHONHASHSEED": "0"}
             subprocess.run(argv, env=env, check=True, capture_output=True)
@@ -443,7 +441,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--count"]:
         count_child(argv[1], argv[2], int(argv[3]))
         return 0
-    print(json.dumps({"usage": "bench/decision_cost.py --kv-events [--instructions]"}))
+    print(json.dumps({"usage": "python -m bench decision_cost --kv-events [--instructions]"}))
     return 2
 
 

@@ -1,6 +1,6 @@
 """The aiohttp floor: the smallest two-leg P/D proxy on the sidecar's own stack.
 
-    python bench/floor_proxy.py --port 8000 --decode-url http://127.0.0.1:8200
+    python -m bench.floor_proxy --port 8000 --decode-url http://127.0.0.1:8200
 
 aiohttp server and client, uvloop, orjson, and nothing else: for each ``POST /v1/...`` it reads
 the body, sends the prefill leg (one token, not streamed, ``kv_transfer_params`` asking to keep
@@ -85,7 +85,9 @@ async def serve(host: str, port: int, decode_url: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="the aiohttp floor proxy (bench/overhead.py)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.floor_proxy", description="the aiohttp floor proxy (overhead)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--decode-url", required=True)

@@ -1,12 +1,14 @@
-"""Instructions per request of a proxy, counted by callgrind: a figure that does not move with
-the machine's load, for changes too small for CPU seconds to show (docs/benchmarks.md,
-"Tracing's cost" and "Issue 25: the request path against the aiohttp floor").
+"""Instructions per request of a proxy, counted by callgrind (the load does not move them).
 
-    python bench/instructions.py                          # this checkout's sidecar
-    python bench/instructions.py --repo ../main           # another checkout's, same interpreter
-    python bench/instructions.py --variants sidecar,aiohttp-floor --concurrency 16
-    python bench/instructions.py --baseline ../main --variants sidecar   # A/B, one run
-    python bench/instructions.py --sidecar-env SIDECAR_TRACING=true --sidecar-env OTEL_...=...
+A figure that does not move with the machine's load, for changes too small for CPU seconds to
+show (docs/benchmarks.md).
+
+    python -m bench instructions                          # this checkout's sidecar
+    python -m bench instructions --repo ../main           # another checkout's, same interpreter
+    python -m bench instructions --variants sidecar,aiohttp-floor --concurrency 16
+    python -m bench instructions --baseline ../main --variants sidecar   # A/B, one run
+    python -m bench instructions --sidecar-env SIDECAR_TRACING=true --sidecar-env OTEL_...=...
+    python -m bench instructions --quick                  # the sidecar and the floor, 5 requests
 
 Two emulators (``python -m sidecar.emulator``), started once, and each variant in turn under
 ``valgrind --tool=callgrind`` (``PYTHONHASHSEED=0``) on a free loopback port: ``sidecar`` (the
@@ -48,6 +50,8 @@ from typing import IO
 
 import aiohttp
 
+from bench.suite import add_quick, apply_quick
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = ("sidecar", "sidecar-base", "aiohttp-floor")
 FLOOR = "aiohttp-floor"
@@ -55,6 +59,7 @@ FLOOR = "aiohttp-floor"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="python -m bench instructions",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -79,7 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sidecar-env", action="append", default=[], metavar="NAME=VALUE", help="repeatable"
     )
     parser.add_argument("--out", type=Path, default=None, help="callgrind files (default: tmp)")
+    add_quick(parser, "the sidecar and the floor, 5 requests per mode, no idle window")
     args = parser.parse_args(argv)
+    apply_quick(
+        parser, args, variants="sidecar,aiohttp-floor", requests=5, warmup=2, output_tokens=8,
+        settle_s=0.5, idle_s=0.0,
+    )  # fmt: skip
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.baseline is not None and "sidecar-base" not in args.variants:
         args.variants.insert(0, "sidecar-base")
@@ -168,8 +178,8 @@ def proxy_command(
     """The command line, working directory and environment of one variant."""
     decode_url = f"http://127.0.0.1:{decode}"
     if variant == FLOOR:
-        script = str(REPO / "bench" / "floor_proxy.py")
-        return [sys.executable, script, "--port", str(port), "--decode-url", decode_url], REPO, env
+        command = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port)]
+        return [*command, "--decode-url", decode_url], REPO, env
     sidecar_env = {
         **env,
         "SIDECAR_HOST": "127.0.0.1",
@@ -280,7 +290,7 @@ async def measure_one(
     return per_request
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_cli(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="pd-sidecar-instructions-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -310,4 +320,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main_cli())

@@ -1,5 +1,6 @@
-"""What receiving vLLM's KV events costs the sidecar: CPU of the subscriber's process per
-10,000 events per second (issue 26's target: at most 20 % of one core).
+"""What receiving vLLM's KV events costs: the subscriber's CPU per 10,000 events per second.
+
+The target: at most 20 % of one core per 10,000 events per second.
 
 An event is one stored or removed block (or one clear). A publisher process (this script with
 ``--publish``) sends vLLM-shaped batches on loopback at a fixed rate of events per second, in
@@ -9,8 +10,11 @@ its own CPU seconds (user + system, ZMQ's I/O thread included) over the measured
 shapes: ``steps`` (a scheduler step's batch: 4 stores of 8 blocks and an eviction of 8, 40
 events) and ``single`` (one block per message, the costliest per event).
 
-    python -m bench.kv_events                       # 10,000 events/s, 10 s per shape
-    python -m bench.kv_events --rate 20000 --seconds 5
+    python -m bench kv_events                       # 10,000 events/s, 10 s per shape
+    python -m bench kv_events --rate 20000 --seconds 5
+    python -m bench kv_events --quick               # 1 s per shape; fails when none arrive
+
+Exit status 1 when a shape's events did not arrive; the figures are never judged.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import resource
 import sys
 import time
 
+from bench.suite import add_quick, apply_quick
 from sidecar.kvevents.events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from sidecar.kvevents.subscriber import ResetReason, Subscriber
 from sidecar.kvevents.wire import encode_payload, encode_seq
@@ -118,35 +123,40 @@ async def measure(shape: str, rate: float, seconds: float) -> tuple[float, float
     return events / wall, cpu / wall
 
 
-async def run(rate: float, seconds: float) -> None:
+async def run(rate: float, seconds: float) -> int:
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} before the run")
+    status = 0
     for shape in SHAPES:
         received, share = await measure(shape, rate, seconds)
+        status = status or int(received == 0)
         per_10k = share * 10_000 / received if received else float("nan")
         print(
             f"{shape:>6}: {received:8.0f} events/s received, {share * 100:5.1f} % of one core"
             f" -> {per_10k * 100:5.1f} % of one core per 10,000 events/s (target <= 20 %)"
         )
     print(f"load average {os.getloadavg()[0]:.2f} after the run")
+    return status
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench kv_events", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rate", type=float, default=10_000, help="events per second")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per shape")
     parser.add_argument("--publish", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parser.add_argument("--shape", choices=SHAPES, default="steps", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_quick(parser, "1 s per shape")
+    args = apply_quick(parser, parser.parse_args(argv), seconds=1.0)
     if args.publish is not None:
         publish(args.publish, args.shape, args.rate, args.seconds)
-        return
+        return 0
     try:
         import uvloop
     except ImportError:
-        asyncio.run(run(args.rate, args.seconds))
-    else:
-        uvloop.run(run(args.rate, args.seconds))
+        return asyncio.run(run(args.rate, args.seconds))
+    return uvloop.run(run(args.rate, args.seconds))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_cli())

@@ -1,10 +1,12 @@
-"""What a hostile KV-event publisher can make a sidecar hold: its RSS growth and ``/health``'s
-latency while one publisher attacks its subscriber, against the per-subscriber budget of
-``docs/kv-events.md`` (Bounds) plus the index's cap.
+"""What a hostile KV-event publisher can make a sidecar hold, and /health's latency meanwhile.
 
-    python -m bench.kv_events_flood                     # the three attacks, 40 s each
-    python -m bench.kv_events_flood --attack replay --seconds 20
-    python -m bench.kv_events_flood --checkout /tmp/older    # another checkout's sidecar
+The sidecar's RSS growth and ``/health``'s latency while one publisher attacks its subscriber,
+against the per-subscriber budget of ``docs/kv-events.md`` (Bounds) plus the index's cap.
+
+    python -m bench kv_events_flood                     # the three attacks, 40 s each
+    python -m bench kv_events_flood --attack replay --seconds 20
+    python -m bench kv_events_flood --checkout /tmp/older    # another checkout's sidecar
+    python -m bench kv_events_flood --quick             # the three attacks, 3 s each
 
 A decode emulator and a sidecar with ``SIDECAR_KV_EVENTS=true`` whose prefill pool is one
 member on 127.0.0.2; a process of this script plays that member's publisher (its events port
@@ -37,13 +39,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import aiohttp
 
 from bench.cluster import BenchLauncher
 from bench.readings import read_proc
+from bench.suite import add_quick, apply_quick
 from devkit.processes import free_port
 
 HOST = "127.0.0.2"
@@ -244,7 +244,10 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def main_cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench kv_events_flood",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     parser.add_argument("--attack", choices=ATTACKS, action="append", help="default: all")
     parser.add_argument("--seconds", type=float, default=40.0, help="each attack's length")
     parser.add_argument(
@@ -253,7 +256,8 @@ def main_cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--hostile", choices=ATTACKS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--replay-port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    add_quick(parser, "each attack for 3 s")
+    args = apply_quick(parser, parser.parse_args(argv), seconds=3.0)
     if args.hostile is not None:
         hostile(args.hostile, args.port, args.replay_port, args.seconds)
         return 0

@@ -1,8 +1,9 @@
-"""The exact prefix index's cost (issue 26): applying KV events, a look-up, memory per block.
+"""The exact prefix index's cost: applying KV events, a look-up, memory per block.
 
-    python bench/kv_index.py                # ~1 minute
-    python bench/kv_index.py --repeats 9
-    python bench/kv_index.py --instructions # callgrind: instructions per operation (~2 minutes)
+    python -m bench kv_index                # ~1 minute
+    python -m bench kv_index --repeats 9
+    python -m bench kv_index --instructions # callgrind: instructions per operation (~2 minutes)
+    python -m bench kv_index --quick        # one repeat, sets 10 times smaller (seconds)
 
 ``sidecar.kvevents.index.KVIndex`` alone, in this process, no I/O. Events are what vLLM publishes
 for prompts of 2,000 tokens in blocks of 16 (125 blocks): one ``BlockStored`` per prompt, or one
@@ -33,8 +34,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.suite import add_quick, apply_quick
 from sidecar.kvevents.events import (
     MEDIUM_CPU,
     BlockRemoved,
@@ -89,8 +89,9 @@ def timed(run: Callable[[], int], repeats: int) -> tuple[float, float]:
     return min(samples), statistics.median(samples)
 
 
-def apply_costs(repeats: int) -> list[tuple[str, float, float]]:
-    prompts = [prompt(seed) for seed in range(1000)]
+def apply_costs(repeats: int, scale: int = 1) -> list[tuple[str, float, float]]:
+    """``scale``: the sets are that many times smaller (the quick run's)."""
+    prompts = [prompt(seed) for seed in range(1000 // scale)]
     hashes = [engine_hashes(p) for p in prompts]
     rows = []
     seq = iter(range(10**9))
@@ -99,7 +100,8 @@ def apply_costs(repeats: int) -> list[tuple[str, float, float]]:
         return EventBatch(seq=next(seq), ts=0.0, events=events)
 
     whole = [batch(stored(p, h)) for p, h in zip(prompts, hashes, strict=True)]
-    removed = [batch(BlockRemoved(block_hashes=(block,))) for h in hashes[:400] for block in h]
+    some = 400 // scale
+    removed = [batch(BlockRemoved(block_hashes=(block,))) for h in hashes[:some] for block in h]
 
     def store_whole() -> int:
         index = KVIndex(max_blocks=100_000)
@@ -111,7 +113,7 @@ def apply_costs(repeats: int) -> list[tuple[str, float, float]]:
 
     singles = [
         batch(stored(p, h, first=i, count=1))
-        for p, h in zip(prompts[:400], hashes[:400], strict=True)
+        for p, h in zip(prompts[:some], hashes[:some], strict=True)
         for i in range(BLOCKS)
     ]
 
@@ -127,7 +129,7 @@ def apply_costs(repeats: int) -> list[tuple[str, float, float]]:
         samples = []
         for _ in range(repeats):
             index = KVIndex(max_blocks=100_000)
-            for b in whole[:400]:
+            for b in whole[:some]:
                 index.apply(b)
             start = time.perf_counter()
             for b in removed:
@@ -139,16 +141,16 @@ def apply_costs(repeats: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def lookup_costs(repeats: int) -> list[tuple[str, float, float]]:
+def lookup_costs(repeats: int, scale: int = 1) -> list[tuple[str, float, float]]:
     rows = []
     index = KVIndex(max_blocks=100_000)
-    for seed in range(500):
+    for seed in range(500 // scale):
         ids = prompt(seed)
         index.apply(EventBatch(seq=seed, ts=0.0, events=(stored(ids, engine_hashes(ids)),)))
     full = [*prompt(7), 1]
     half = [*prompt(7)[: PROMPT_TOKENS // 2], *prompt(99_999)[: PROMPT_TOKENS // 2]]
     miss = prompt(99_999)
-    n = 2000
+    n = 2000 // scale
 
     for name, probe, expect in (
         ("look-up, 2,000 tokens, all 125 blocks cached", full, 125 * BLOCK),
@@ -214,8 +216,8 @@ def lookup_costs(repeats: int) -> list[tuple[str, float, float]]:
     return rows
 
 
-def memory_per_block(as_bytes: bool) -> float:
-    prompts = [prompt(seed, 20 * BLOCK) for seed in range(5000)]
+def memory_per_block(as_bytes: bool, scale: int = 1) -> float:
+    prompts = [prompt(seed, 20 * BLOCK) for seed in range(5000 // scale)]
     hashes = [engine_hashes(p, as_bytes=True) for p in prompts]
     tracemalloc.start()
     try:
@@ -275,7 +277,8 @@ def instructions(name: str, ops: int) -> float:
                     "--tool=callgrind",
                     f"--callgrind-out-file={dump}",
                     sys.executable,
-                    __file__,
+                    "-m",
+                    "bench.kv_index",
                     "--child",
                     name,
                     "--ops",
@@ -292,13 +295,16 @@ def instructions(name: str, ops: int) -> float:
     return (count(ops) - count(0)) / ops
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench kv_index", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--instructions", action="store_true")
     parser.add_argument("--ops", type=int, default=50)
     parser.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    add_quick(parser, "one repeat, sets 10 times smaller")
+    args = apply_quick(parser, parser.parse_args(argv), repeats=1)
     if args.child:
         child(args.child, args.ops)
         return 0
@@ -310,12 +316,14 @@ def main() -> int:
     version = sys.version.split()[0]
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, Python {version}")
     print(f"{'':56} {'best µs':>9} {'median µs':>10}")
-    for name, best, median in [*apply_costs(args.repeats), *lookup_costs(args.repeats)]:
+    scale = 10 if args.quick else 1
+    rows = [*apply_costs(args.repeats, scale), *lookup_costs(args.repeats, scale)]
+    for name, best, median in rows:
         print(f"{name:56} {best * 1e6:9.2f} {median * 1e6:10.2f}")
-    print(f"memory per block, 64-bit int hashes: {memory_per_block(False):.0f} bytes")
-    print(f"memory per block, 32-byte hashes:    {memory_per_block(True):.0f} bytes")
+    print(f"memory per block, 64-bit int hashes: {memory_per_block(False, scale):.0f} bytes")
+    print(f"memory per block, 32-byte hashes:    {memory_per_block(True, scale):.0f} bytes")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_cli())

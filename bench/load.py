@@ -1,7 +1,8 @@
 """Load benchmark: hold many concurrent streaming P/D requests through one sidecar.
 
-    python bench/load.py                                   # 1000 streams, 3000 requests
-    python bench/load.py --concurrency 200 --requests 600  # a quick look
+    python -m bench load                                   # 1000 streams, 3000 requests
+    python -m bench load --concurrency 200 --requests 600  # a quick look
+    python -m bench load --quick                           # 50 streams, 150 requests, judged
 
 Starts a prefill emulator, a decode emulator (with a per-token delay, so that streams are long-lived
 and really concurrent) and a sidecar as subprocesses on free loopback ports (bench/cluster.py),
@@ -25,10 +26,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 
@@ -60,6 +57,7 @@ from bench.readings import (
     own_cpu_s,
     read_proc,
 )
+from bench.suite import add_quick, apply_quick
 from devkit.stats import (
     percentile,
 )
@@ -67,6 +65,7 @@ from devkit.stats import (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="python -m bench load",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -113,7 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-s", type=float, default=0.5, help="RSS sampling period")
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period")
     add_cluster_arguments(parser)
+    add_quick(parser, "50 streams of 10 tokens, 150 requests, a short settle; judged")
     args = parser.parse_args(argv)
+    apply_quick(
+        parser, args, concurrency=50, requests=150, output_tokens=10, decode_s_per_token=0.05,
+        ramp_s=1.0, warmup=5, settle_s=5.0, sample_s=0.2, progress_s=2.0,
+    )  # fmt: skip
     if args.concurrency < 1 or args.requests < 1 or args.output_tokens < 1:
         parser.error("--concurrency, --requests and --output-tokens must be positive")
     if args.timeout_s is None:

@@ -3,8 +3,8 @@
 For measuring the sidecar's tracing cost without export errors (retries, logged failures)
 distorting it (docs/benchmarks.md, "Tracing's cost")::
 
-    python bench/otlp_sink.py --port 4318 &
-    python bench/overhead.py --variants sidecar --sidecar-env SIDECAR_TRACING=true \\
+    python -m bench.otlp_sink --port 4318 &
+    python -m bench overhead --variants sidecar --sidecar-env SIDECAR_TRACING=true \\
         --sidecar-env OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318 ...
 
 The request bodies are read and dropped (not decoded: the cost under test is the sidecar's).
@@ -38,7 +38,10 @@ def make_app() -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.otlp_sink",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=4318)
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 """Overhead benchmark: the sidecar side by side with vllm-router, an aiohttp floor and no proxy.
 
-    python bench/overhead.py                 # the full matrix, 3 runs, medians (make bench)
-    python bench/overhead.py --runs 1        # one run
-    python bench/overhead.py --quick         # the CI smoke run: c=16, a few hundred requests
-    python bench/overhead.py --profile docs/profiles   # py-spy flame graphs at c=16 instead
+    python -m bench overhead                 # the full matrix, 3 runs, medians (make bench)
+    python -m bench overhead --runs 1        # one run
+    python -m bench overhead --quick         # the CI smoke run: c=16, a few hundred requests
+    python -m bench overhead --profile docs/profiles   # py-spy flame graphs at c=16 instead
 
 Every request is a full P/D exchange on the same two zero-latency emulators and the same load
 generator (``drive`` in bench/client.py): the **floor** (the client sends the prefill leg and the
@@ -15,8 +15,8 @@ under test has a core of its own (``taskset``); the emulators and the client sha
 ``--concurrency``: a warm-up, then ``--requests`` requests timed by the client (throughput,
 latency and time to first byte p50/p99) while the proxy's CPU seconds (from ``/proc/<pid>/stat``,
 the primary figure: stable on a noisy machine), its peak RSS and the machine's CPU pressure are
-read. Then the scheduler's own decision cost (bench/decision_cost.py). A table, the issue's
-targets with today's ratios, and a JSON report (``--json``).
+read. Then the scheduler's own decision cost (bench/decision_cost.py). A table, the targets
+with today's ratios, and a JSON report (``--json``).
 
 Exit status 1 when a request failed or a variant could not start; figures are never judged.
 See docs/benchmarks.md.
@@ -37,9 +37,6 @@ from collections import Counter
 from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson
 from aiohttp import http_parser
@@ -68,6 +65,7 @@ from sidecar.scheduling.policies import POLICIES
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="python -m bench overhead",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -175,7 +175,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(rows: list[Row], stream_mode: str) -> list[dict[str, Any]]:
-    """The issue's targets that this benchmark measures, with today's figures and ratios."""
+    """The targets this benchmark measures, with today's figures and ratios."""
     found: list[dict[str, Any]] = []
 
     def cpu(variant: str, mode: str) -> float | None:
@@ -193,7 +193,7 @@ def targets(rows: list[Row], stream_mode: str) -> list[dict[str, Any]]:
         )
         vs_router, floor_vs_router = _ratio(side, router), _ratio(floor, router)
         vs_floor = _ratio(side, floor)
-        # The issue: when the aiohttp floor itself misses, the target is 1.1 x that floor.
+        # When the aiohttp floor itself misses, the target is 1.1 x that floor.
         rebased = floor_vs_router is not None and floor_vs_router > limit
         met = (
             (vs_floor is not None and vs_floor <= 1.1)
@@ -256,7 +256,7 @@ def _x(ratio: float | None) -> str:
 
 
 def target_lines(found: list[dict[str, Any]]) -> list[str]:
-    lines = ["", "targets (issue 14), today:"]
+    lines = ["", "targets, today:"]
     for item in found:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[item["met"]]
         lines.append(f"  [{verdict:>6}] {item['target']}: {item['today']}")

@@ -1,7 +1,8 @@
 """What an oversized prefill answer costs the sidecar: its peak RSS, and what it read.
 
-    python bench/prefill_answer.py                          # 4 answers of 400 MiB, one at a time
-    python bench/prefill_answer.py --size-mib 100 --requests 8 --concurrency 4
+    python -m bench prefill_answer                          # 4 answers of 400 MiB, one at a time
+    python -m bench prefill_answer --size-mib 100 --requests 8 --concurrency 4
+    python -m bench prefill_answer --quick                  # 2 answers of 100 MiB
 
 Same processes as bench/load.py. The prefill emulator is armed with ``bloat`` faults: each
 prefill answer carries ``--size-mib`` of padding before its own fields, chunked (no
@@ -22,13 +23,10 @@ import argparse
 import asyncio
 import sys
 from collections import Counter
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cluster import Cluster, ClusterConfig, add_cluster_arguments, run
 from bench.readings import mib, read_proc
+from bench.suite import add_quick, apply_quick
 
 MIB = 1024 * 1024
 
@@ -84,8 +82,10 @@ async def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench prefill_answer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--size-mib", type=int, default=400, help="padding per prefill answer")
     parser.add_argument("--requests", type=int, default=4, help="requests sent")
     parser.add_argument("--concurrency", type=int, default=1, help="requests at once")
@@ -93,9 +93,14 @@ def parse_args() -> argparse.Namespace:
         "--max-growth-mib", type=int, default=64, help="peak RSS growth allowed over the start"
     )
     add_cluster_arguments(parser)
-    return parser.parse_args()
+    add_quick(parser, "2 answers of 100 MiB, judged as the full run")
+    return apply_quick(parser, parser.parse_args(argv), size_mib=100, requests=2)
+
+
+def main_cli(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run(lambda: main(args))
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    sys.exit(run(lambda: main(arguments)))
+    sys.exit(main_cli())

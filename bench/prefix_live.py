@@ -1,8 +1,8 @@
-"""Prefix-aware against prefix-blind prefill placement, on real processes (issue 23).
+"""Prefix-aware against prefix-blind prefill placement, on real processes.
 
-    python bench/prefix_live.py                 # both runs, 60 s of arrivals each (~3 minutes)
-    python bench/prefix_live.py --duration 30 --seed 2 --num-gpu-blocks 3000
-    python bench/prefix_live.py --quick         # ~10 s, a faster cluster, nothing judged
+    python -m bench prefix_live                 # both runs, 60 s of arrivals each (~3 minutes)
+    python -m bench prefix_live --duration 30 --seed 2 --num-gpu-blocks 3000
+    python -m bench prefix_live --quick         # ~10 s, a faster cluster, nothing judged
 
 The cluster, on loopback: four prefill emulators with bench/calibrate.py's latency model (two at
 10,000 tokens/s, two 3× slower, one prefill at a time, 5 % slowdown per extra request, attention
@@ -12,7 +12,7 @@ the KV cache an 8B model leaves on a 24 GB GPU at 128 KiB per token; the decode 
 the same); two decode emulators (calibrate's); two sidecars, each beside one decode emulator,
 sharing a real ``redis-server``.
 
-The workload is issue 23's shared-system-prompt one: 32 system prompts of 2,000–8,000 tokens
+The workload is the shared-system-prompt one: 32 system prompts of 2,000–8,000 tokens
 (uniform), one per request chosen with Zipf popularity (s = 1.1), then a unique user part of
 50–500 tokens; outputs of 100–300 tokens; Poisson arrivals at ``--load`` of what the prefill
 pool computes per second without any cache hit. Everything is seeded. Prompts are text of four
@@ -30,7 +30,7 @@ prefills, the share of prompt tokens the client saw cached (``usage.prompt_token
 per prefill emulator the run's ``vllm:prefix_cache_hits_total`` / ``queries_total``; the
 placements by reason; the sidecars' prediction error (``pd_sidecar_prefill_prefix_error_tokens``,
 ``pd_sidecar_prefill_cached_tokens_total``, ``/debug/scheduler``'s ``prefill_prefixes``). The
-target (issue 23): mean TTFT prefix-aware ≤ 0.8 × blind, with hits on the prefill emulators; the
+target: mean TTFT prefix-aware ≤ 0.8 × blind, with hits on the prefill emulators; the
 exit status is 1 when it is missed (never with ``--quick``).
 """
 
@@ -51,9 +51,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import aiohttp
 import orjson
 
@@ -69,7 +66,7 @@ SYSTEM_TOKENS = (2_000, 8_000)
 ZIPF_S = 1.1
 USER_TOKENS = (50, 500)
 OUTPUT_TOKENS = (100, 300)
-"""Issue 23's shared-system-prompt workload, fixed."""
+"""The shared-system-prompt workload, fixed."""
 CHARS_PER_TOKEN = 4
 TARGET = 0.8
 """Mean TTFT prefix-aware / prefix-blind, at most."""
@@ -548,7 +545,7 @@ async def main(argv: Sequence[str] | None = None) -> int:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python bench/prefix_live.py", description=__doc__.split("\n\n")[0]
+        prog="python -m bench prefix_live", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--load", type=float, default=0.7, help="of the uncached pool's rate")
@@ -574,5 +571,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def main_cli(argv: list[str] | None = None) -> int:
+    return run(functools.partial(main, argv))
+
+
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(main_cli())

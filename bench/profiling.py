@@ -1,6 +1,6 @@
 """Where a proxy's CPU goes: py-spy flame graphs under the overhead benchmark's c=16 load.
 
-``python bench/overhead.py --profile DIR`` starts the sidecar and the aiohttp floor in turn (on
+``python -m bench overhead --profile DIR`` starts the sidecar and the aiohttp floor in turn (on
 the same emulators and pinning as the measurement) and, for non-streaming and streaming load at
 concurrency 16, records ``--profile-s`` seconds with ``py-spy record`` (from the benchmark's
 venv: ``pip install py-spy``; on the client's core, so it takes nothing from the proxy's):

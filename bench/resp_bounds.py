@@ -1,7 +1,8 @@
 """What bounding Redis's replies costs, and the worst the bounds let through.
 
-    python bench/resp_bounds.py
-    python bench/resp_bounds.py --iterations 5000
+    python -m bench resp_bounds
+    python -m bench resp_bounds --iterations 5000
+    python -m bench resp_bounds --quick         # 100 iterations
 
 ``sidecar.scheduling.state.replies.ReplyBounds`` walks every byte read from Redis before hiredis
 parses it. Printed, per reply (microseconds, median of ``--iterations``): the walk and hiredis's
@@ -13,20 +14,16 @@ milliseconds, once each: these are the longest a hostile Redis can hold the loop
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import hiredis
 
+from bench.suite import add_quick, apply_quick
 from sidecar.scheduling.state.protocol import MAX_ENTRIES, MAX_KEY_BYTES
 from sidecar.scheduling.state.replies import (
     MAX_LINE_BYTES,
@@ -90,10 +87,13 @@ def worst(name: str, data: bytes) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench resp_bounds", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--iterations", type=int, default=2000)
-    args = parser.parse_args()
+    add_quick(parser, "100 iterations")
+    args = apply_quick(parser, parser.parse_args(argv), iterations=100)
     print("a sync's reply (median per reply):")
     for label, endpoints, name_bytes, iterations in (
         ("8 endpoints", 8, 15, args.iterations),
@@ -115,7 +115,8 @@ def main() -> None:
     worst("long simple strings", b"*%d\r\n" % lines + (b"+" + b"x" * line + b"\r\n") * lines)
     big = MAX_REPLY_BYTES - 32
     worst("one bulk string", b"$%d\r\n" % big + b"x" * big + b"\r\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_cli())

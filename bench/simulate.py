@@ -1,9 +1,9 @@
 """The scheduling simulator: goodput and latency of every policy on a modelled P/D cluster.
 
-    python -m bench.simulate                      # every scenario, seeds 1, 2, 3 (~6 minutes)
-    python -m bench.simulate --quick              # smaller runs, coarser search
-    python -m bench.simulate --scenario standard --policies qoe,round_robin:always,never
-    python -m bench.simulate --plain              # issue 4's idealised model
+    python -m bench simulate                      # every scenario, seeds 1, 2, 3 (~6 minutes)
+    python -m bench simulate --quick              # smaller runs, coarser search
+    python -m bench simulate --scenario standard --policies qoe,round_robin:always,never
+    python -m bench simulate --plain              # the first, idealised model
 
 A variant is ``policy`` (conditional disaggregation, the production decider), ``policy:always``
 (disaggregate every request) or ``never`` (every prefill on the local decode engine). Each
@@ -22,11 +22,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
@@ -78,7 +74,7 @@ def parse_variant(text: str) -> Variant:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.simulate", description=__doc__.split("\n\n")[0]
+        prog="python -m bench simulate", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument(
@@ -102,7 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "hash_ids): runs the mooncake scenario, skipped without it",
     )
     model = parser.add_argument_group("the model (defaults: what production does)")
-    model.add_argument("--plain", action="store_true", help="issue 4's idealised model: all below")
+    model.add_argument("--plain", action="store_true", help="the first, idealised model: all below")
     model.add_argument("--state", choices=["redis", "shared", "local"])
     model.add_argument("--stale-mode", choices=["scrape", "delay"])
     model.add_argument("--staleness", type=float, help="scrape interval, seconds (default 1)")
@@ -165,7 +161,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     return [replace(scenario, **changes, **plain) for scenario in chosen]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main_cli(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     effort = QUICK if args.quick else FULL
     if args.requests:
@@ -347,4 +343,4 @@ def _number(value: float) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_cli())

@@ -1,9 +1,12 @@
-"""What one open stream costs the sidecar in memory: RSS at steps of held streams, and what the
-heap holds per stream (tracemalloc), by module and by line.
+"""What one open stream costs the sidecar in memory: its RSS, and its heap by line.
 
-    python bench/stream_memory.py                          # steps 0,250,500,750,1000; both passes
-    python bench/stream_memory.py --steps 0,500,1000 --no-trace
-    python bench/stream_memory.py --sidecar-env SIDECAR_TRACING=true
+RSS at steps of held streams, and what the heap holds per stream (tracemalloc), by module and by
+line.
+
+    python -m bench stream_memory                          # steps 0,250,500,750,1000; both passes
+    python -m bench stream_memory --steps 0,500,1000 --no-trace
+    python -m bench stream_memory --sidecar-env SIDECAR_TRACING=true
+    python -m bench stream_memory --quick                  # steps 0,20,40; both passes
 
 Starts a prefill and a decode emulator (the decode one slow: ``--decode-s-per-token``, 1 s, so
 that streams stay open while they are counted) and a sidecar (bench/cluster.py's launcher), warms
@@ -36,21 +39,18 @@ import tracemalloc
 from collections import defaultdict
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import aiohttp
 
 from bench.client import ClientStats, RequestSpec, client_session, stream_one, wait_until
 from bench.cluster import BenchLauncher, add_launcher_arguments, raise_open_files_limit, run
 from bench.readings import Metrics, load_average, read_proc
+from bench.suite import add_quick, apply_quick
 from devkit.processes import Child
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        prog="python -m bench stream_memory",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--top", type=int, default=25, help="lines of each tracemalloc table")
     add_launcher_arguments(parser)
+    add_quick(parser, "steps 0,20,40, both passes")
     args = parser.parse_args(argv)
+    apply_quick(parser, args, steps="0,20,40", ramp_s=1.0, settle_s=0.5, top=5)
     args.steps = [int(s) for s in args.steps.split(",") if s]
     if args.steps != sorted(args.steps) or len(args.steps) < 2 or args.steps[0] < 0:
         parser.error("--steps: at least two non-decreasing counts, from 0 or more")
@@ -134,7 +136,7 @@ async def one_pass(
     if traced is not None:
         os.environ["BENCH_TRACEMALLOC_DIR"] = str(traced)
         os.environ["BENCH_TRACEMALLOC_FRAMES"] = str(args.frames)
-        under = [sys.executable, str(REPO / "bench" / "traced_sidecar.py")]
+        under = [sys.executable, "-m", "bench.traced_sidecar"]
     name = "sidecar-traced" if traced is not None else "sidecar"
     sidecar = launcher.spawn_sidecar(name, decode_url=decode.url, settings=settings, under=under)
     await sidecar.wait_ready("/ready", timeout_s=60 if traced is None else 300)

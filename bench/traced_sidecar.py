@@ -1,6 +1,6 @@
 """Run ``python -m sidecar`` under tracemalloc; each SIGUSR1 dumps a snapshot (bench only).
 
-    python bench/traced_sidecar.py python -m sidecar     # as bench/cluster.py's ``under``
+    python -m bench.traced_sidecar python -m sidecar     # as bench/cluster.py's ``under``
 
 ``BENCH_TRACEMALLOC_DIR`` names the directory the snapshots go to (``1.snapshot``, ``2.snapshot``,
 ...; each written under a temporary name and renamed, so a reader never sees half of one);
@@ -20,8 +20,6 @@ import tracemalloc
 from pathlib import Path
 from types import FrameType
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 def main() -> None:
     directory = Path(os.environ["BENCH_TRACEMALLOC_DIR"])
@@ -37,7 +35,6 @@ def main() -> None:
         partial.rename(directory / f"{taken}.snapshot")
 
     signal.signal(signal.SIGUSR1, dump)
-    sys.path.insert(0, str(REPO))
     sys.argv = ["sidecar"]  # what follows this script on its command line is `python -m sidecar`
     runpy.run_module("sidecar", run_name="__main__", alter_sys=True)
 

@@ -119,7 +119,7 @@ def test_profile_summary_counts_a_frame_once_per_stack() -> None:
 
 @pytest.mark.system  # ~10 s: placements on both backends, a redis-server
 async def test_the_decision_costs_report_is_written_as_json() -> None:
-    """``bench/overhead.py`` writes ``decision_cost.measure``'s figures into its JSON report
+    """The overhead benchmark writes ``decision_cost.measure``'s figures into its JSON report
     (``make bench-smoke`` in CI): every key must be text (orjson refuses others)."""
     from bench import decision_cost
 

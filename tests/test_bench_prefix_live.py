@@ -26,7 +26,7 @@ from sidecar.scheduling.prompts import estimate_tokens
 from tests.tools import program
 
 
-def test_the_workload_is_fixed_by_its_seed_and_has_the_issues_shape() -> None:
+def test_the_workload_is_fixed_by_its_seed_and_has_its_shape() -> None:
     workload = make_workload(1, rate=50.0, duration_s=40.0)
     assert workload == make_workload(1, rate=50.0, duration_s=40.0)
     assert workload != make_workload(2, rate=50.0, duration_s=40.0)

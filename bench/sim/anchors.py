@@ -1,4 +1,4 @@
-"""What users would run instead of our scheduler, as the simulator's anchor policies (issue 23).
+"""What users would run instead of our scheduler, as the simulator's anchor policies.
 
 Each is a central router, as its project deploys it: one instance sees every request of the
 fleet, chooses its prefill engine, and keeps its own state. Both are written from the projects'

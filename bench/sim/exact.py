@@ -1,4 +1,4 @@
-"""The exact prefix source in the simulator (issue 26): each prefill engine publishes what its
+"""The exact prefix source in the simulator: each prefill engine publishes what its
 prefix cache stores and evicts as vLLM's KV events, and the sidecars read the exact cached tokens
 per candidate from production's ``KVIndex`` fed with them, a configurable lag behind.
 

@@ -1,4 +1,4 @@
-"""Issue 26, item 4: with several sidecars, does each subscribe to every engine's KV events, or
+"""With several sidecars, does each subscribe to every engine's KV events, or
 does one subscribe and publish the index through the state backend? Measured on the simulator's
 Mooncake replay with 8 prefill engines and 16 decode engines (16 sidecars):
 

@@ -179,7 +179,7 @@ class Simulation:
     def _clock(self) -> float:
         return self.loop.now
 
-    # What the approximate index cannot see (issue 26): restarts, other traffic.
+    # What the approximate index cannot see: restarts, other traffic.
 
     def _disturb(self, number: int, key: str, seed: int) -> None:
         scenario = self.scenario

@@ -116,7 +116,7 @@ class Scenario:
     """``SIDECAR_SCHEDULER_CHOICES``: the candidates ``qoe`` compares."""
     # Workload.
     workload: Workload = "mixed"
-    """``mixed``: chat, RAG, multi-turn (below); ``system_prompts``: issue 23's shared system
+    """``mixed``: chat, RAG, multi-turn (below); ``system_prompts``: shared system
     prompts; ``trace``: a Mooncake-format trace (``trace_path``)."""
     trace_path: str | None = None
     bursty: bool = False
@@ -225,7 +225,7 @@ class Scenario:
         )
 
     def plain(self) -> Scenario:
-        """The first simulator's idealisations (issue 4): instant shared reservations, exact
+        """The first simulator's idealisations: instant shared reservations, exact
         token counts, linear prefill, one stale snapshot for every sidecar, whole prompts
         reserved."""
         return replace(
@@ -246,10 +246,10 @@ class Variant:
     mode: Mode = "conditional"
     blind: bool = False
     """The sidecars run without the prefill prefix index (``SIDECAR_PREFILL_PREFIX_INDEX=false``:
-    every endpoint computes the whole prompt), as before issue 23."""
+    every endpoint computes the whole prompt), as production did before it had one."""
     exact: bool = False
     """The sidecars read each prefill candidate's cached tokens from the engine's exact index,
-    fed by its KV events (``bench.sim.exact``; issue 26), instead of the approximate one."""
+    fed by its KV events (``bench.sim.exact``), instead of the approximate one."""
 
     @property
     def label(self) -> str:

@@ -1,4 +1,4 @@
-"""The scenarios ``python -m bench.simulate`` runs, each with its variants and its checks."""
+"""The scenarios ``python -m bench simulate`` runs, each with its variants and its checks."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ STANDARD = Scenario(
     ),
     guess=18.0,
 )
-"""Issue 4's standard scenario: 4 prefill and 4 decode engines, every engine 10,000 tokens/s."""
+"""The standard scenario: 4 prefill and 4 decode engines, every engine 10,000 tokens/s."""
 
 MIXED = replace(
     STANDARD,
@@ -60,7 +60,7 @@ WIDE = replace(
 """16 decode engines and their sidecars sharing the standard 4 prefill engines."""
 
 PREFIX_VARIANTS = (QOE, QOE_BLIND, SGLANG, LLMD, LEAST_LOADED)
-"""Issue 23: the prefill prefix index (production's default) against the scheduler without it,
+"""The prefill prefix index (production's default) against the scheduler without it,
 what users would run instead (``bench.sim.anchors``), and the peers' load-only choice."""
 
 SHARED_PROMPTS = replace(
@@ -76,7 +76,7 @@ SHARED_PROMPTS = replace(
     ),
     guess=14.0,
 )
-"""Issue 23's generated workload: 32 shared system prompts (Zipf), each with a user part of its
+"""The generated workload: 32 shared system prompts (Zipf), each with a user part of its
 own, on the standard fleet."""
 
 MOONCAKE = replace(
@@ -96,7 +96,7 @@ MOONCAKE = replace(
 )
 """Mooncake's conversation trace (``--trace PATH``), time-scaled, on the standard fleet. Its
 prompts reach 126,000 tokens: the TTFT SLO is at least 3 x the prompt's prefill alone. Each
-prefill engine caches 3,000 of the trace's 512-token blocks (issue 23's rough replay)."""
+prefill engine caches 3,000 of the trace's 512-token blocks (a rough replay)."""
 
 MOONCAKE_EVICT = replace(
     MOONCAKE,
@@ -115,7 +115,7 @@ MOONCAKE_EVICT = replace(
     ),
     guess=0.6,
 )
-"""Issue 26: Mooncake's trace on prefill caches that evict (1,536 of the trace's 512-token
+"""Mooncake's trace on prefill caches that evict (1,536 of the trace's 512-token
 blocks each, half of ``mooncake``'s), engines restarted every 600 s on average and 1,000 tokens/s
 of traffic the sidecars never see cached on each: what the approximate index cannot see, and
 the exact index (``qoe exact``, KV events 50 ms behind) does. At 90 % no variant reaches the

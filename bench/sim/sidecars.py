@@ -94,7 +94,7 @@ class Sidecar:
             options["stall_weight"] = scenario.stall_weight
         decider = Decider(policy, **options)
         # The prefill prefix index is on by default (SIDECAR_PREFILL_PREFIX_INDEX); a blind
-        # variant runs without it, as production did before issue 23.
+        # variant runs without it, as production did before it had one.
         aware = not variant.blind and variant.mode in ("conditional", "always")
         self.prefixes: PrefillPrefixes | None = prefill_prefixes() if aware else None
         self.exact: ExactPrefixes | None = None

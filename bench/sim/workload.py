@@ -59,7 +59,7 @@ def shapes(scenario: Scenario, seed: int) -> Iterator[Shape]:
 
 
 def mixed(scenario: Scenario, seed: int) -> Iterator[Shape]:
-    """Chat, long RAG and multi-turn continuations (issue 4's workload)."""
+    """Chat, long RAG and multi-turn continuations (the first simulator's workload)."""
     rng = random.Random(f"workload-{seed}")
     text = random.Random(f"text-{seed}")
     gamma_shape = 1.0 / (scenario.burst_cv**2)
@@ -127,7 +127,7 @@ SYSTEM_KEYS = 1 << 40
 
 
 def system_prompts(scenario: Scenario, seed: int) -> Iterator[Shape]:
-    """Issue 23's shared-system-prompt workload, its parameters fixed: ``system_prompts``
+    """The shared-system-prompt workload, its parameters fixed: ``system_prompts``
     (32) system prompts of ``system_tokens`` (2,000-8,000, uniform) true tokens, each request
     one of them chosen with Zipf popularity (``system_zipf_s``, 1.1: the k-th most popular
     drawn with weight k^-1.1) followed by a user part of its own (``system_user_tokens``,

@@ -1,5 +1,5 @@
-"""What keeps a decision's exact look-ups cheap (bench/decision_cost.py --kv-events): the
-prompt converted only as far as it is keyed, the short way for one full-attention group, the
+"""What keeps a decision's exact look-ups cheap (``python -m bench decision_cost --kv-events``):
+the prompt converted only as far as it is keyed, the short way for one full-attention group, the
 placement rebuilt positionally. Each gives the answers the general way gives."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from bench.sim.goodput import find_goodput
 from bench.sim.run import simulate
 from bench.sim.scenario import LEAST_LOADED, QOE, ROUND_ROBIN, Scenario, Variant
 from bench.sim.scenarios import MIXED, STANDARD
-from bench.simulate import main
+from bench.simulate import main_cli
 
 TINY = replace(STANDARD, name="tiny", prefill_engines=2, decode_engines=2)
 
@@ -127,7 +127,7 @@ def test_checks_judge_ratios():
 
 def test_the_command_prints_goodput_and_latency_tables(capsys):
     quick = ["--requests", "100", "--jobs", "1", "--seeds", "1"]
-    status = main(["--scenario", "standard", "--policies", "never", *quick])
+    status = main_cli(["--scenario", "standard", "--policies", "never", *quick])
     out = capsys.readouterr().out
     assert "Goodput (req/s): highest rate with >= 90 %" in out
     assert "never (all local)" in out
@@ -137,5 +137,5 @@ def test_the_command_prints_goodput_and_latency_tables(capsys):
     assert status == 1
     assert "[FAIL] standard seed 1: qoe goodput >= 1.5x round_robin always" in out
     assert "cannot run, not run: qoe, round_robin always" in out
-    assert main(["--scenario", "standard", "--policies", "never", "--no-checks", *quick]) == 0
+    assert main_cli(["--scenario", "standard", "--policies", "never", "--no-checks", *quick]) == 0
     assert "checks not judged (--no-checks)" in capsys.readouterr().out
