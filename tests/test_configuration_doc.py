@@ -130,6 +130,7 @@ MISSPELT_ON_PURPOSE = {
     "SIDECAR_SERVICE_HOST": "configuration.md: a variable Kubernetes sets for a Service",
     "SIDECAR_PORT_8000_TCP": "configuration.md: a variable Kubernetes sets for a Service",
     "SIDECAR_PREFIL_DNS": "deploy.md: the inject command's nearest-name refusal",
+    "SIDECAR_DECODE_ULR": "configuration.md: a misspelling one edit away",
 }
 
 
