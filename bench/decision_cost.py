@@ -6,26 +6,25 @@
     python bench/decision_cost.py --instructions --baseline ../main  # callgrind, Ir per placement
     python bench/decision_cost.py --kv-events   # the exact indexes in sync: bench/decision_kv.py
 
-Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
-static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates
-have no scraped load, only reservations) and its state backend, memory or Redis (a
-``redis-server`` started on a free loopback port; skipped with a note when the program is
-missing). The prefill prefix index is on with a keyed hash (``SIDECAR_PREFIX_HASH_KEY``, a fixed
-bench key), as is the local decode prefix index. Each iteration times
-``await scheduler.place(body, None)`` with ``perf_counter_ns`` for a completion whose prompt is
-8,000 characters (2,000 estimated tokens), distinct per iteration like real traffic (so both
-prefix indexes hash and insert every block every time: 125 local blocks of 16 tokens, 31 prefill
-blocks of 64); up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new
-one, so policies see non-trivial reservations. Reported: the median and p99 in microseconds, and
-the parts of a placement timed on their own. A decision hashes a prompt only as far as its
-look-ups read it (the first miss, for a distinct prompt); what the placement teaches the indexes
-is recorded after ``place()`` returns (``Scheduler._record``, in the loop's next turn): timed
-apart, right after each placement, as "recorded after". The parts: the local index (the prompt's
-hashes to the first miss, the rank's look-up), the candidates with their per-endpoint look-ups
-(8 prefill indexes), the policy (the decider on 8 ready-made candidates), the reservation (the
-backend's reserve, the prediction kept), and, recorded after, the local index's insert (every
-block hashed) and the prefill index's (every block hashed, the chosen endpoint's index updated,
-the prefix published).
+Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a static
+pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates have no
+scraped load, only reservations) and its state backend, memory or Redis (a ``redis-server`` started
+on a free loopback port; skipped with a note when the program is missing). The prefill prefix index
+is on with a keyed hash (``SIDECAR_PREFIX_HASH_KEY``, a fixed bench key), as is the local decode
+prefix index. Each iteration times ``await scheduler.place_request(body, None)`` with
+``perf_counter_ns`` for a completion whose prompt is 8,000 characters (2,000 estimated tokens),
+distinct per iteration like real traffic (so both prefix indexes hash and insert every block every
+time: 125 local blocks of 16 tokens, 31 prefill blocks of 64); up to ``IN_FLIGHT`` placements stay
+reserved, the oldest released after each new one, so policies see non-trivial reservations.
+Reported: the median and p99 in microseconds, and the parts of a placement timed on their own. A
+decision hashes a prompt only as far as its look-ups read it (the first miss, for a distinct
+prompt); what the placement teaches the indexes is recorded after ``place_request()`` returns
+(``Scheduler._record``, in the loop's next turn): timed apart, right after each placement, as
+"recorded after". The parts: the local index (the prompt's hashes to the first miss, the rank's
+look-up), the candidates with their per-endpoint look-ups (8 prefill indexes), the policy (the
+decider on 8 ready-made candidates), the reservation (the backend's reserve, the prediction kept),
+and, recorded after, the local index's insert (every block hashed) and the prefill index's (every
+block hashed, the chosen endpoint's index updated, the prefix published).
 
 With Redis: the round trip of one ``PING`` and of an ``EVALSHA`` of an empty script through the
 same client library, measured apart, so that the placement reads as one round trip plus the
@@ -74,8 +73,8 @@ from devkit.processes import Launcher, free_port, tcp_open  # noqa: E402
 from devkit.stats import percentile  # noqa: E402
 from sidecar.config import Settings  # noqa: E402
 from sidecar.discovery import Discovery  # noqa: E402
+from sidecar.fleet.endpoints import Endpoint  # noqa: E402
 from sidecar.observability.metrics import Metrics  # noqa: E402
-from sidecar.scheduling.endpoints import Endpoint  # noqa: E402
 from sidecar.scheduling.model import LocalView  # noqa: E402
 from sidecar.scheduling.placement import Placement  # noqa: E402
 from sidecar.scheduling.policies import POLICIES  # noqa: E402
@@ -167,7 +166,7 @@ async def time_placements(
         for index in range(iterations + iterations // 10):  # the first tenth warms up
             request = body(index)
             start, cpu_start = clock(), cpu()
-            placement = await scheduler.place(request, None)
+            placement, _ = await scheduler.place_request(request, None)
             elapsed, cpu_elapsed = clock() - start, cpu() - cpu_start
             if record is not None:  # as the loop's next turn would: not in the decision's time
                 cpu_start = cpu()
@@ -224,11 +223,12 @@ async def time_continuations(iterations: int, block_tokens: int) -> dict[str, fl
     decisions: list[int] = []
     after: list[int] = []
     try:
-        finish(scheduler, await scheduler.place({"model": "m", "prompt": HISTORY}, None))
+        first, _ = await scheduler.place_request({"model": "m", "prompt": HISTORY}, None)
+        finish(scheduler, first)
         for i in range(iterations + iterations // 10):
             turn = {"model": "m", "prompt": HISTORY + f"{i:>8} " + "q" * 192, "max_tokens": 1}
             start = cpu()
-            placement = await scheduler.place(turn, None)
+            placement, _ = await scheduler.place_request(turn, None)
             middle = cpu()
             record()
             end = cpu()
@@ -252,7 +252,7 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
     planner, ranks, hasher = scheduler._planner, scheduler.ranks, scheduler._hasher
     assert hasher is not None
     for endpoint in pool():
-        planner.join(endpoint, scheduler._new_health())
+        planner.join(endpoint, scheduler.pool.new_health())
     # What _reserve would record after the decision is applied (and timed) below instead.
     scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     names = [

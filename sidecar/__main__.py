@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from sidecar import __version__, llmd
 from sidecar.app import DRAIN, TLS_VERSIONS
 from sidecar.config import Settings, describe_fields, explain, unknown_variables
+from sidecar.drain import BUDGET_SLACK_S
 from sidecar.llmd import FlagError, Translation
 from sidecar.observability.tracing import Tracing, TracingUnavailable
 from sidecar.security.tls import ServerTls, TlsFilesError
-from sidecar.server.drain import BUDGET_SLACK_S
 from sidecar.server.listener import raise_open_files_limit
 from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 
@@ -212,7 +212,7 @@ def _settle_heap(gen0_threshold: int) -> None:
 
 async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:
     """Fail readiness, stop accepting, let streams finish, cancel stragglers, close: all within
-    ``timeout_s`` + 1 s (``sidecar.server.drain``)."""
+    ``timeout_s`` + 1 s (``sidecar.drain``)."""
     sidecar.begin_drain()
     inflight = sidecar.app[DRAIN].in_flight()
     logger.info("draining: %d request(s) in flight, up to %gs", inflight, timeout_s)

@@ -2,7 +2,7 @@
 its resources behind typed ``AppKey``s and their lifecycles (``cleanup_ctx``).
 
 ``sidecar.server.runner.start_sidecar`` serves it (as aiohttp keeps ``web_app`` and
-``web_runner`` apart); ``sidecar.server.admin`` holds the probes and views beside the routes.
+``web_runner`` apart); ``sidecar.admin`` holds the probes and views beside the routes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from sidecar.admin import AdminViews
 from sidecar.body import Bodies
 from sidecar.config import Settings
 from sidecar.connectors import Connector, ConnectorFactory
@@ -28,6 +29,7 @@ from sidecar.connectors.prefill import Prefill, PrefillOptions
 from sidecar.connectors.sglang import SglangConnector
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.discovery import Discovery, Resolver, system_resolver
+from sidecar.drain import Drain
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import Readiness
 from sidecar.engines.upstream import Engines
@@ -49,8 +51,6 @@ from sidecar.security.kube import KubeClient
 from sidecar.security.poolwatch import InferencePoolWatch
 from sidecar.security.tls import ClientTls, FileWatch, ServerTls
 from sidecar.security.trust import PrefillGuard
-from sidecar.server.admin import AdminViews
-from sidecar.server.drain import Drain
 from sidecar.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def create_app(
         engines=engines,
         ranks=scheduler.ranks,
         readiness=readiness,
-        pool=scheduler,
+        pool=scheduler.pool,
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
@@ -174,7 +174,7 @@ def create_app(
     guard = PrefillGuard(
         cidrs=settings.prefill_allowed_cidrs,
         hosts=settings.prefill_allowed_hosts,
-        pool=scheduler.pool_endpoints,
+        pool=scheduler.pool.endpoints,
         pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
         allowlist=pool_watch,
     )

@@ -29,8 +29,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from sidecar import defaults
-from sidecar.connectors import facts
-from sidecar.scheduling.endpoints import (
+from sidecar.fleet import connectors
+from sidecar.fleet.endpoints import (
     Endpoint,
     parse_endpoint,
     parse_pool_entry,
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         "LMCache-style stores: the decode finds the KV by prefix).",
     )
     sglang_bootstrap_port: int = Field(
-        facts.SGLANG.bootstrap_port,
+        connectors.SGLANG.bootstrap_port,
         ge=1,
         le=65535,
         description="SGLang prefill servers' bootstrap port (their --disaggregation-bootstrap-"
@@ -646,7 +646,7 @@ class Settings(BaseSettings):
     @classmethod
     def _connector_alias(cls, value: Any) -> Any:
         if isinstance(value, str):
-            known = facts.named(value)
+            known = connectors.named(value)
             return known.name if known is not None else value.strip().lower()
         return value
 
@@ -665,7 +665,9 @@ class Settings(BaseSettings):
     def _fallback_for_connector(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.data.get("connector", "")
         # Why the connector's decode server cannot prefill (its facts), or None when it can.
-        cannot = facts.CONNECTORS[name].cannot_prefill if name in facts.CONNECTORS else None
+        cannot = (
+            connectors.CONNECTORS[name].cannot_prefill if name in connectors.CONNECTORS else None
+        )
         if value is None or (isinstance(value, str) and not value.strip()):
             return "local" if cannot is None else "fail"
         if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":

@@ -24,7 +24,7 @@ from sidecar.config import (
 )
 from sidecar.inject import environment
 from sidecar.inject.environment import EnvError
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.fleet.endpoints import Endpoint
 from tests.imports import imported
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -466,7 +466,7 @@ def test_importing_the_settings_loads_neither_aiohttp_nor_redis() -> None:
     """``config.py`` is a leaf (issue 22): what reads or checks settings without serving (the
     injector, ``--help``) does not load the engine client or the Redis client."""
     loaded = imported("-c", "import sidecar.config")
-    assert {"pydantic_settings", "sidecar.config", "sidecar.connectors.facts"} <= loaded
+    assert {"pydantic_settings", "sidecar.config", "sidecar.fleet.connectors"} <= loaded
     assert "aiohttp" not in loaded
     assert "redis" not in loaded
 

@@ -40,8 +40,7 @@ from sidecar.engines.readiness import (
     Thresholds,
     judge,
 )
-from sidecar.engines.scrape import EngineLoad, parse_engine_load
-from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.engines.scrape import parse_engine_load
 from sidecar.engines.upstream import Engines
 from sidecar.errors import (
     EngineError,
@@ -50,7 +49,9 @@ from sidecar.errors import (
     EngineTimeout,
     EngineUnreachable,
 )
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.polls import PrefillPoll
+from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.tasks import stop_task
 
@@ -87,17 +88,6 @@ class MonitorOptions:
     @property
     def scrape_timeout_s(self) -> float:
         return min(self.scrape_interval_s, SCRAPE_TIMEOUT_MAX_S)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillPoll:
-    """One prefill endpoint's poll in a scrape round, as the scheduler asks for it."""
-
-    key: str
-    """The endpoint's key in the pool (``host:port``)."""
-    endpoint: Endpoint
-    probe: bool
-    """True: its ``/health`` (it is probed after an ejection); False: its ``/metrics``."""
 
 
 class PrefillPool(Protocol):

@@ -36,15 +36,15 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar import __version__
 from sidecar.extras import install_hint
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.tracking import RequestRecord, State
-from sidecar.scheduling.placement import Placement
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -71,6 +71,30 @@ EXPORTERS = {
     ),
 }
 """OTLP protocol → (the exporter's module, its package). The extra holds the HTTP one."""
+
+
+class _Decided(Protocol):
+    @property
+    def reason(self) -> str: ...
+
+
+class _Rank(Protocol):
+    @property
+    def index(self) -> int: ...
+
+
+class Placed(Protocol):
+    """What the placement span reads of a placement (``sidecar.scheduling.placement.Placement``:
+    the scheduling layer sits above this one)."""
+
+    @property
+    def decision(self) -> _Decided: ...
+
+    @property
+    def endpoint(self) -> Endpoint | None: ...
+
+    @property
+    def rank(self) -> _Rank: ...
 
 
 class TracingUnavailable(Exception):
@@ -288,7 +312,7 @@ class RequestTrace:
             )
         return Leg(self._tracing, span)
 
-    def placed(self, span: Span, placement: Placement) -> None:
+    def placed(self, span: Span, placement: Placed) -> None:
         """End the placement span with the decision."""
         if span.is_recording():
             remote = placement.endpoint is not None

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
-from sidecar.engines.scrape import EngineLoad, describe_load
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad, describe_load
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import (
     Availability,
     Health,

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from sidecar.engines.scrape import EngineLoad
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.model import Decision, Speed
 from sidecar.scheduling.placement import (

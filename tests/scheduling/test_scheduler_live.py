@@ -9,8 +9,8 @@ import pytest
 from sidecar.app import SCHEDULER
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.metrics import Metrics
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
 from tests.conftest import (
@@ -229,19 +229,18 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
     await scheduler.start()
     try:
         key = f"127.0.0.1:{first.port}"
-        placement = await scheduler.place(completion(LONG), None)
+        placement, _ = await scheduler.place_request(completion(LONG), None)
         assert placement.decision.endpoint == key
         answer[:] = []  # the pod left the Service
-        await scheduler.refresh_pool()
+        await scheduler.pool.refresh()
         [state] = scheduler.snapshot()["endpoints"]
         assert state["state"] == "draining"
-        assert (await scheduler.place(completion("other " + LONG), None)).decision.reason == (
-            "pool_empty"
-        )
+        other, _ = await scheduler.place_request(completion("other " + LONG), None)
+        assert other.decision.reason == "pool_empty"
         scheduler.prefill_finished(placement, ok=True, seconds=0.01)
         assert scheduler.snapshot()["endpoints"] == []  # drained, then gone
         answer[:] = ["127.0.0.1"]
-        await scheduler.refresh_pool()
+        await scheduler.pool.refresh()
         assert [e["state"] for e in scheduler.snapshot()["endpoints"]] == ["healthy"]
     finally:
         await scheduler.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from sidecar.engines.scrape import EngineLoad
+from sidecar.fleet.load import EngineLoad
 
 
 class EngineHealth(enum.Enum):
