@@ -91,13 +91,12 @@ def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
         raise SystemExit(2) from None
 
 
-def load_tracing(settings: Settings) -> Tracing | None:
-    """The tracer provider SIDECAR_TRACING asks for, built from the ``OTEL_*`` variables; exit
-    status 2 with a one-line message when it cannot be (the extra or an exporter missing)."""
-    if not settings.tracing:
-        return None
+def load_tracing(settings: Settings) -> Tracing:
+    """The tracer provider SIDECAR_TRACING asks for, built from the ``OTEL_*`` variables
+    (``NO_TRACING`` when off); exit status 2 with a one-line message when it cannot be (the
+    extra or an exporter missing)."""
     try:
-        return Tracing.from_environment()
+        return Tracing.when(settings.tracing)
     except TracingUnavailable as exc:
         print(f"pd-sidecar: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in flags.notes:
         logger.warning("llm-d flag: %s", note)
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
-    if tracing is not None:
+    if tracing.enabled:
         logger.info("tracing on: %s", tracing.description)
     # Before the listener sizes its cap to it (sidecar.server.listener.connection_budget).
     raise_open_files_limit()
@@ -170,9 +169,7 @@ def _warn_unknown_variables() -> None:
         logger.warning("%s", message)
 
 
-async def _serve(
-    settings: Settings, tracing: Tracing | None, listener_tls: ServerTls | None
-) -> int:
+async def _serve(settings: Settings, tracing: Tracing, listener_tls: ServerTls | None) -> int:
     """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound, or TLS
     files could not be loaded)."""
     stop = asyncio.Event()
