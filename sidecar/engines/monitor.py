@@ -63,7 +63,7 @@ HEALTH_TIMEOUT_MIN_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class MonitorOptions:
-    """The settings the monitor reads, under their own names (``from_settings``)."""
+    """The settings the monitor uses, under their own names (``from_settings``)."""
 
     ready_interval_s: float
     scrape_interval_s: float

@@ -64,7 +64,7 @@ request whose ``model`` is one of them is looked up in that engine's index as th
 
 @dataclass(frozen=True, slots=True)
 class FleetOptions:
-    """The fleet's settings under their own names (``from_settings``)."""
+    """The settings the fleet uses, under their own names (``from_settings``)."""
 
     port: int
     replay_port: int | None

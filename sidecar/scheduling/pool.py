@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.polls import PrefillPoll
@@ -39,12 +40,22 @@ logger = logging.getLogger("sidecar.scheduling")
 
 @dataclass(frozen=True, slots=True)
 class PoolOptions:
-    """How often discovery is re-resolved, and when and for how long an endpoint is ejected."""
+    """The settings the pool uses, under their own names (``from_settings``): how often
+    discovery is re-resolved, when and for how long an endpoint is ejected."""
 
     discovery_interval_s: float
     eject_after_failures: int
     eject_base_s: float
     eject_max_s: float
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PoolOptions:
+        return cls(
+            discovery_interval_s=settings.discovery_interval_s,
+            eject_after_failures=settings.eject_after_failures,
+            eject_base_s=settings.eject_base_s,
+            eject_max_s=settings.eject_max_s,
+        )
 
 
 class PrefillPool:

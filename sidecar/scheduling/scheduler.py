@@ -57,8 +57,8 @@ logger = logging.getLogger("sidecar.scheduling")
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOptions:
-    """What the scheduler is configured with: settings under their own names, and the connector's
-    one fact it needs (``from_settings``)."""
+    """The settings the scheduler uses, under their own names, and the one fact of the connector
+    it needs (``from_settings``)."""
 
     decode_ranks: tuple[str, ...]
     scheduler_policy: str
@@ -80,10 +80,7 @@ class SchedulerOptions:
     prefix_index_memory_mib: float
     prefix_hash_key: bytes | None
     scrape_interval_s: float
-    discovery_interval_s: float
-    eject_after_failures: int
-    eject_base_s: float
-    eject_max_s: float
+    pool: PoolOptions
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerOptions:
@@ -109,10 +106,7 @@ class SchedulerOptions:
             if settings.prefix_hash_key is None
             else settings.prefix_hash_key.get_secret_value().encode(),
             scrape_interval_s=settings.scrape_interval_s,
-            discovery_interval_s=settings.discovery_interval_s,
-            eject_after_failures=settings.eject_after_failures,
-            eject_base_s=settings.eject_base_s,
-            eject_max_s=settings.eject_max_s,
+            pool=PoolOptions.from_settings(settings),
         )
 
 
@@ -175,12 +169,7 @@ class Scheduler:
         )
         self._pool = self._planner.pool
         self.pool = PrefillPool(
-            PoolOptions(
-                discovery_interval_s=options.discovery_interval_s,
-                eject_after_failures=options.eject_after_failures,
-                eject_base_s=options.eject_base_s,
-                eject_max_s=options.eject_max_s,
-            ),
+            options.pool,
             discovery=discovery,
             planner=self._planner,
             backend=backend,
