@@ -167,8 +167,8 @@ class Settings(BaseSettings):
         "prefill server with nothing queued (0: the stall is not weighed, and short prompts "
         "always prefill locally).",
     )
-    # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
-    # "Ageing and re-tests").
+    # Ageing and re-tests: an endpoint that was slow once must not be starved for good
+    # (docs/scheduling.md).
     speed_half_life_s: float = Field(
         defaults.SPEED_HALF_LIFE_S,
         gt=0,
@@ -192,8 +192,7 @@ class Settings(BaseSettings):
         description="Blocks remembered by the local prefix-cache estimate (LRU); with "
         "SIDECAR_DECODE_URLS, shared equally by the ranks' indexes.",
     )
-    # Issue 23: what each prefill server holds of the prompts (docs/scheduling.md, "Prefix-aware
-    # prefill placement").
+    # Prefix-aware placement: what each prefill server holds of the prompts (docs/scheduling.md).
     prefill_prefix_index: bool = Field(
         True,
         description="Predict what each prefill endpoint holds in its prefix cache (the prompts "
@@ -234,8 +233,7 @@ class Settings(BaseSettings):
         "SIDECAR_STATE_BACKEND=redis the sidecars share what they placed only when it is "
         "set; unset, each sidecar draws a key of its own and learns alone.",
     )
-    # Issue 26: what the engines say they hold (docs/kv-events.md, docs/scheduling.md "Exact
-    # prefix state from KV events").
+    # KV events: what the engines say they hold (docs/kv-events.md, docs/scheduling.md).
     kv_events: bool = Field(
         False,
         description="Subscribe to the KV-cache events of the prefill pool's members and of the "

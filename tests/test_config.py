@@ -463,8 +463,8 @@ def test_prefill_headers_parse_in_order_lowercased() -> None:
 
 
 def test_importing_the_settings_loads_neither_aiohttp_nor_redis() -> None:
-    """``config.py`` is a leaf (issue 22): what reads or checks settings without serving (the
-    injector, ``--help``) does not load the engine client or the Redis client."""
+    """``config.py`` imports only the fleet's vocabulary: what reads or checks settings without
+    serving (``--help``, the llm-d flags) does not load the engine client or the Redis client."""
     loaded = imported("-c", "import sidecar.config")
     assert {"pydantic_settings", "sidecar.config", "sidecar.fleet.connectors"} <= loaded
     assert "aiohttp" not in loaded

@@ -1,5 +1,5 @@
 """Every engine the sidecar takes KV events from: a subscriber and an exact index per prefill
-pool member and per local decode rank, started and stopped with the app (issue 26).
+pool member and per local decode rank, started and stopped with the app.
 
 Who is subscribed to: the prefill pool's members as discovery finds them (``follow``: a
 subscriber starts when an endpoint joins discovery's answer and stops when it leaves it) and the

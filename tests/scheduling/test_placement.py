@@ -131,7 +131,7 @@ def test_claiming_by_block_hashes_is_claiming_by_text():
     assert tokens_of_text(4001) == 1000
 
 
-# --- re-tests and ageing (issue 21) ------------------------------------------------------------
+# --- re-tests and ageing -----------------------------------------------------------------------
 
 
 def ageing_planner(*ports: int, half_life_s: float | None, retest_s: float) -> Planner:

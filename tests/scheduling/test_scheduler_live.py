@@ -295,7 +295,7 @@ async def _until_chosen(http, sidecar, endpoint: str, within_s: float) -> dict |
 async def test_a_stalled_endpoint_is_retested_within_the_interval_after_it_thaws(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
-    """Issue 21: after a freeze its fitted overhead keeps the policy away for good; the re-test
+    """Re-tests: after a freeze its fitted overhead keeps the policy away for good; the re-test
     sends it a prefill within SIDECAR_SCHEDULER_RETEST_S of its last one."""
     frozen, healthy = await start_engine(), await start_engine()
     retest_s = 1.0
@@ -325,7 +325,7 @@ async def test_a_stalled_endpoint_is_retested_within_the_interval_after_it_thaws
 async def test_a_stalled_endpoint_is_chosen_again_as_its_estimate_ages(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
-    """Issue 21, the estimate's ageing alone (no re-tests): engines slower than the prior
+    """The estimate's ageing alone (no re-tests): engines slower than the prior
     (5,000 tokens/s), the frozen one's fit decays toward the prior and wins again."""
     frozen = await start_engine(prefill_s_per_token=2e-4)
     healthy = await start_engine(prefill_s_per_token=2e-4)
