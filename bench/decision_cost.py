@@ -55,6 +55,7 @@ if os.environ.get("DECISION_COST_NO_HIREDIS"):  # redis-py as without hiredis: i
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import functools  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -65,7 +66,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import Counter, deque  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
 import redis.asyncio as aioredis  # noqa: E402
 
@@ -73,7 +74,6 @@ from devkit.processes import Launcher, free_port, tcp_open  # noqa: E402
 from devkit.stats import percentile  # noqa: E402
 from sidecar.config import Settings  # noqa: E402
 from sidecar.discovery import Discovery  # noqa: E402
-from sidecar.fleet.endpoints import Endpoint  # noqa: E402
 from sidecar.observability.metrics import Metrics  # noqa: E402
 from sidecar.scheduling.model import LocalView  # noqa: E402
 from sidecar.scheduling.placement import Placement  # noqa: E402
@@ -81,6 +81,9 @@ from sidecar.scheduling.policies import POLICIES  # noqa: E402
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions  # noqa: E402
 from sidecar.scheduling.state import MemoryState, StateBackend  # noqa: E402
 from sidecar.scheduling.state.redis import RedisState  # noqa: E402
+
+if TYPE_CHECKING:
+    from sidecar.fleet.endpoints import Endpoint
 
 BENCH = Path(__file__).resolve()
 ENDPOINTS = 8
@@ -105,8 +108,12 @@ def summary(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
+@functools.cache
 def pool() -> tuple[Endpoint, ...]:
-    return tuple(Endpoint("127.0.0.1", 20000 + i) for i in range(ENDPOINTS))
+    """Parsed by the settings (once): the measured code imports no module a ``--baseline`` checkout
+    may keep elsewhere (``Endpoint``'s)."""
+    addresses = ",".join(f"127.0.0.1:{20000 + i}" for i in range(ENDPOINTS))
+    return Settings(decode_url="http://127.0.0.1:1", prefill_endpoints=addresses).prefill_endpoints
 
 
 def scheduler_on(backend: StateBackend, policy: str, *, key: str | None = HASH_KEY) -> Scheduler:

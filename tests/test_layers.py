@@ -174,3 +174,19 @@ def test_a_layer_never_imports_one_above_it() -> None:
 
 def test_the_vocabulary_imports_nothing_of_the_sidecar() -> None:
     assert dict(import_graph()[LEAF]) == {}
+
+
+def test_the_architecture_page_draws_these_layers() -> None:
+    """docs/architecture.md's drawing: a line per layer, top first, its name in the first 20
+    columns and then its units (a subpackage with its slash; continuation lines indented)."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    drawing = page.split("## Layers", 1)[1].split("```", 2)[1].strip("\n").splitlines()
+    drawn: list[tuple[str, set[str]]] = []
+    for line in drawing:
+        name, units = line[:20].strip(), line[20:].split()
+        if name:
+            drawn.append((name, set()))
+        drawn[-1][1].update(u.removesuffix("/").removesuffix("/__init__") for u in units)
+    assert [name for name, _ in drawn] == [name for name, _ in LAYERS]
+    for (name, units), (_, words) in zip(LAYERS, drawn, strict=True):
+        assert units <= words, name
