@@ -183,10 +183,10 @@ def test_the_architecture_page_draws_these_layers() -> None:
     drawing = page.split("## Layers", 1)[1].split("```", 2)[1].strip("\n").splitlines()
     drawn: list[tuple[str, set[str]]] = []
     for line in drawing:
-        name, units = line[:20].strip(), line[20:].split()
+        name, words = line[:20].strip(), line[20:].split()
         if name:
             drawn.append((name, set()))
-        drawn[-1][1].update(u.removesuffix("/").removesuffix("/__init__") for u in units)
+        drawn[-1][1].update(w.removesuffix("/").removesuffix("/__init__") for w in words)
     assert [name for name, _ in drawn] == [name for name, _ in LAYERS]
-    for (name, units), (_, words) in zip(LAYERS, drawn, strict=True):
-        assert units <= words, name
+    for (name, units), (_, written) in zip(LAYERS, drawn, strict=True):
+        assert units <= written, name

@@ -113,7 +113,8 @@ class PrefillPool:
             if key not in current and not state.draining:
                 state.draining = True
                 logger.info("prefill endpoint %s left discovery: draining", key)
-            self.leave_if_drained(state)
+            if state.draining and state.inflight == 0:
+                self.leave(state)
 
     def new_health(self) -> Health:
         return Health(
@@ -122,11 +123,10 @@ class PrefillPool:
             max_s=self._options.eject_max_s,
         )
 
-    def leave_if_drained(self, state: EndpointState) -> None:
-        """A draining endpoint leaves once its last prefill ended."""
-        if state.draining and state.inflight == 0:
-            self._planner.leave(state.key)
-            self._metrics.forget_endpoint(state.key)
+    def leave(self, state: EndpointState) -> None:
+        """A draining endpoint leaves, its last prefill ended: forgotten, its series gone."""
+        self._planner.leave(state.key)
+        self._metrics.forget_endpoint(state.key)
 
     def endpoints(self) -> list[Endpoint]:
         """Every endpoint of the pool, draining ones included (for the header allowlist)."""

@@ -461,7 +461,8 @@ class Scheduler:
                     self.backend.publish_speed(state.key, speed)
         elif ok is False:
             self.pool.failed(state)
-        self.pool.leave_if_drained(state)
+        if state.draining and state.inflight == 0:
+            self.pool.leave(state)
 
     def _prefix_answered(
         self, key: str, guess: PrefixGuess, prompt_tokens: int | None, cached_tokens: int | None
