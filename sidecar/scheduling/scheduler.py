@@ -167,7 +167,9 @@ class Scheduler:
             # decided before, recorded first: none is remembered after the forgetting.
             before_forget=self._record,
         )
-        self._pool = self._planner.pool
+        self._endpoints = self._planner.pool
+        """What is known of each endpoint of the pool, by key (the planner's, which the pool
+        changes as discovery and polls say)."""
         self.pool = PrefillPool(
             options.pool,
             discovery=discovery,
@@ -323,7 +325,7 @@ class Scheduler:
         if decision.endpoint is None:
             claim.prefilling(decision.uncached_tokens)
             return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
-        endpoint = self._pool[decision.endpoint].endpoint
+        endpoint = self._endpoints[decision.endpoint].endpoint
         return self._reserve(decision, endpoint, claim, hashes, size)
 
     async def retry(
@@ -355,7 +357,7 @@ class Scheduler:
         retried = dataclasses.replace(
             decision, endpoint=chosen.key, remote_cached_tokens=chosen.cached_tokens
         )
-        endpoint = self._pool[chosen.key].endpoint
+        endpoint = self._endpoints[chosen.key].endpoint
         placement = self._reserve(retried, endpoint, failed.rank, hashes, size)
         fleet = self._kv_events
         return placement if fleet is None or exact is None else fleet.decided(placement, exact)
@@ -378,7 +380,7 @@ class Scheduler:
         hashes: Sequence[bytes] = (),
         prompt_bytes: int = 0,
     ) -> Placement:
-        state = self._pool.get(str(endpoint))
+        state = self._endpoints.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
         state.inflight += 1
@@ -423,7 +425,7 @@ class Scheduler:
 
     def _record_prefill(self, key: str, hashes: Sequence[bytes]) -> None:
         assert self._prefixes is not None
-        if key not in self._pool:  # it left the pool since: its index is forgotten
+        if key not in self._endpoints:  # it left the pool since: its index is forgotten
             return
         full = hashes.all() if isinstance(hashes, LazyHashes) else hashes
         self._prefixes.placed(key, full)
@@ -446,7 +448,7 @@ class Scheduler:
         if reservation is None:
             return
         self.backend.release(reservation)
-        state = self._pool.get(reservation.endpoint)
+        state = self._endpoints.get(reservation.endpoint)
         if state is None:
             return
         state.inflight -= 1
@@ -489,7 +491,7 @@ class Scheduler:
         """Another sidecar placed a prompt with these ``hashes`` on ``key`` (the state backend's
         prefix share): only for endpoints of this pool."""
         self._record()
-        if self._prefixes is not None and key in self._pool:
+        if self._prefixes is not None and key in self._endpoints:
             self._prefixes.placed(key, hashes)
 
     def prefill_outlook(self, placement: Placement, elapsed_s: float) -> PrefillOutlook:
