@@ -9,7 +9,7 @@ from sidecar.fleet.endpoints import Endpoint
 
 @dataclass(frozen=True, slots=True)
 class PrefillPoll:
-    """One prefill endpoint's poll in a scrape round, as the scheduler asks for it."""
+    """One prefill endpoint's poll in a scrape round, as the pool asks for it."""
 
     key: str
     """The endpoint's key in the pool (``host:port``)."""
