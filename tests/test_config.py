@@ -22,9 +22,9 @@ from sidecar.config import (
     nearest_setting,
     unknown_variables,
 )
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.inject import environment
 from sidecar.inject.environment import EnvError
-from sidecar.fleet.endpoints import Endpoint
 from tests.imports import imported
 
 ROOT = Path(__file__).resolve().parent.parent

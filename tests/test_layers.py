@@ -33,7 +33,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("scheduling", "scheduling discovery"),
         (
             "foundation",
-            f"config observability body errors sanitize defaults caches tasks drain {PACKAGE}",
+            "config observability body errors sanitize defaults caches tasks drain extras "
+            + PACKAGE,
         ),
         ("vocabulary", "fleet"),
     )
