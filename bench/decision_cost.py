@@ -7,26 +7,25 @@
     python -m bench decision_cost --kv-events   # the exact indexes in sync: bench/decision_kv.py
     python -m bench decision_cost --quick       # 100 placements each
 
-Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a
-static pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates
-have no scraped load, only reservations) and its state backend, memory or Redis (a
-``redis-server`` started on a free loopback port; skipped with a note when the program is
-missing). The prefill prefix index is on with a keyed hash (``SIDECAR_PREFIX_HASH_KEY``, a fixed
-bench key), as is the local decode prefix index. Each iteration times
-``await scheduler.place(body, None)`` with ``perf_counter_ns`` for a completion whose prompt is
-8,000 characters (2,000 estimated tokens), distinct per iteration like real traffic (so both
-prefix indexes hash and insert every block every time: 125 local blocks of 16 tokens, 31 prefill
-blocks of 64); up to ``IN_FLIGHT`` placements stay reserved, the oldest released after each new
-one, so policies see non-trivial reservations. Reported: the median and p99 in microseconds, and
-the parts of a placement timed on their own. A decision hashes a prompt only as far as its
-look-ups read it (the first miss, for a distinct prompt); what the placement teaches the indexes
-is recorded after ``place()`` returns (``Scheduler._record``, in the loop's next turn): timed
-apart, right after each placement, as "recorded after". The parts: the local index (the prompt's
-hashes to the first miss, the rank's look-up), the candidates with their per-endpoint look-ups
-(8 prefill indexes), the policy (the decider on 8 ready-made candidates), the reservation (the
-backend's reserve, the prediction kept), and, recorded after, the local index's insert (every
-block hashed) and the prefill index's (every block hashed, the chosen endpoint's index updated,
-the prefix published).
+Runs the sidecar's real scheduling objects in this process (no HTTP): a ``Scheduler`` with a static
+pool of 8 endpoints (nothing listens there: the scraper is not started, so candidates have no
+scraped load, only reservations) and its state backend, memory or Redis (a ``redis-server`` started
+on a free loopback port; skipped with a note when the program is missing). The prefill prefix index
+is on with a keyed hash (``SIDECAR_PREFIX_HASH_KEY``, a fixed bench key), as is the local decode
+prefix index. Each iteration times ``await scheduler.place_request(body, None)`` with
+``perf_counter_ns`` for a completion whose prompt is 8,000 characters (2,000 estimated tokens),
+distinct per iteration like real traffic (so both prefix indexes hash and insert every block every
+time: 125 local blocks of 16 tokens, 31 prefill blocks of 64); up to ``IN_FLIGHT`` placements stay
+reserved, the oldest released after each new one, so policies see non-trivial reservations.
+Reported: the median and p99 in microseconds, and the parts of a placement timed on their own. A
+decision hashes a prompt only as far as its look-ups read it (the first miss, for a distinct
+prompt); what the placement teaches the indexes is recorded after ``place_request()`` returns
+(``Scheduler._record``, in the loop's next turn): timed apart, right after each placement, as
+"recorded after". The parts: the local index (the prompt's hashes to the first miss, the rank's
+look-up), the candidates with their per-endpoint look-ups (8 prefill indexes), the policy (the
+decider on 8 ready-made candidates), the reservation (the backend's reserve, the prediction kept),
+and, recorded after, the local index's insert (every block hashed) and the prefill index's (every
+block hashed, the chosen endpoint's index updated, the prefix published).
 
 With Redis: the round trip of one ``PING`` and of an ``EVALSHA`` of an empty script through the
 same client library, measured apart, so that the placement reads as one round trip plus the
@@ -52,6 +51,7 @@ if os.environ.get("DECISION_COST_NO_HIREDIS"):  # redis-py as without hiredis: i
 
 import argparse
 import asyncio
+import functools
 import glob
 import json
 import logging
@@ -62,7 +62,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
@@ -72,13 +72,15 @@ from devkit.stats import percentile
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.observability.metrics import Metrics
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.model import LocalView
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.policies import POLICIES
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState, StateBackend
 from sidecar.scheduling.state.redis import RedisState
+
+if TYPE_CHECKING:
+    from sidecar.fleet.endpoints import Endpoint
 
 REPO = Path(__file__).resolve().parent.parent
 ENDPOINTS = 8
@@ -103,8 +105,12 @@ def summary(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
+@functools.cache
 def pool() -> tuple[Endpoint, ...]:
-    return tuple(Endpoint("127.0.0.1", 20000 + i) for i in range(ENDPOINTS))
+    """Parsed by the settings (once): the measured code imports no module a ``--baseline`` checkout
+    may keep elsewhere (``Endpoint``'s)."""
+    addresses = ",".join(f"127.0.0.1:{20000 + i}" for i in range(ENDPOINTS))
+    return Settings(decode_url="http://127.0.0.1:1", prefill_endpoints=addresses).prefill_endpoints
 
 
 def scheduler_on(backend: StateBackend, policy: str, *, key: str | None = HASH_KEY) -> Scheduler:
@@ -164,7 +170,7 @@ async def time_placements(
         for index in range(iterations + iterations // 10):  # the first tenth warms up
             request = body(index)
             start, cpu_start = clock(), cpu()
-            placement = await scheduler.place(request, None)
+            placement, _ = await scheduler.place_request(request, None)
             elapsed, cpu_elapsed = clock() - start, cpu() - cpu_start
             if record is not None:  # as the loop's next turn would: not in the decision's time
                 cpu_start = cpu()
@@ -221,11 +227,12 @@ async def time_continuations(iterations: int, block_tokens: int) -> dict[str, fl
     decisions: list[int] = []
     after: list[int] = []
     try:
-        finish(scheduler, await scheduler.place({"model": "m", "prompt": HISTORY}, None))
+        first, _ = await scheduler.place_request({"model": "m", "prompt": HISTORY}, None)
+        finish(scheduler, first)
         for i in range(iterations + iterations // 10):
             turn = {"model": "m", "prompt": HISTORY + f"{i:>8} " + "q" * 192, "max_tokens": 1}
             start = cpu()
-            placement = await scheduler.place(turn, None)
+            placement, _ = await scheduler.place_request(turn, None)
             middle = cpu()
             record()
             end = cpu()
@@ -249,7 +256,7 @@ def time_parts(iterations: int) -> dict[str, dict[str, float]]:
     planner, ranks, hasher = scheduler._planner, scheduler.ranks, scheduler._hasher
     assert hasher is not None
     for endpoint in pool():
-        planner.join(endpoint, scheduler._new_health())
+        planner.join(endpoint, scheduler.pool.new_health())
     # What _reserve would record after the decision is applied (and timed) below instead.
     scheduler._defer = lambda *_: None  # type: ignore[method-assign]
     names = [

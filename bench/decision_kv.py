@@ -236,7 +236,7 @@ async def placements(
     try:
         for i, request in enumerate(requests):
             start, cpu_start = clock(), cpu()
-            placement = await scheduler.place(request, None)
+            placement, _ = await scheduler.place_request(request, None)
             elapsed, cpu_elapsed = clock() - start, cpu() - cpu_start
             record()
             if i >= iterations // 10:

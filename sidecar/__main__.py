@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from sidecar import __version__, llmd
 from sidecar.app import DRAIN, TLS_VERSIONS
 from sidecar.config import Settings, describe_fields, explain, unknown_variables
+from sidecar.drain import BUDGET_SLACK_S
 from sidecar.llmd import FlagError, Translation
 from sidecar.observability.tracing import Tracing, TracingUnavailable
 from sidecar.security.tls import ServerTls, TlsFilesError
-from sidecar.server.drain import BUDGET_SLACK_S
 from sidecar.server.listener import raise_open_files_limit
 from sidecar.server.runner import CannotListen, RunningSidecar, start_sidecar
 
@@ -91,13 +91,12 @@ def load_settings(overrides: Mapping[str, Any] | None = None) -> Settings:
         raise SystemExit(2) from None
 
 
-def load_tracing(settings: Settings) -> Tracing | None:
-    """The tracer provider SIDECAR_TRACING asks for, built from the ``OTEL_*`` variables; exit
-    status 2 with a one-line message when it cannot be (the extra or an exporter missing)."""
-    if not settings.tracing:
-        return None
+def load_tracing(settings: Settings) -> Tracing:
+    """The tracer provider SIDECAR_TRACING asks for, built from the ``OTEL_*`` variables
+    (``NO_TRACING`` when off); exit status 2 with a one-line message when it cannot be (the
+    extra or an exporter missing)."""
     try:
-        return Tracing.from_environment()
+        return Tracing.when(settings.tracing)
     except TracingUnavailable as exc:
         print(f"pd-sidecar: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in flags.notes:
         logger.warning("llm-d flag: %s", note)
     logger.info("pd-sidecar %s starting with %s", __version__, settings.model_dump_json())
-    if tracing is not None:
+    if tracing.enabled:
         logger.info("tracing on: %s", tracing.description)
     # Before the listener sizes its cap to it (sidecar.server.listener.connection_budget).
     raise_open_files_limit()
@@ -170,9 +169,7 @@ def _warn_unknown_variables() -> None:
         logger.warning("%s", message)
 
 
-async def _serve(
-    settings: Settings, tracing: Tracing | None, listener_tls: ServerTls | None
-) -> int:
+async def _serve(settings: Settings, tracing: Tracing, listener_tls: ServerTls | None) -> int:
     """Serve until SIGTERM or SIGINT; the exit status (1: a port could not be bound, or TLS
     files could not be loaded)."""
     stop = asyncio.Event()
@@ -212,7 +209,7 @@ def _settle_heap(gen0_threshold: int) -> None:
 
 async def _drain(sidecar: RunningSidecar, timeout_s: float) -> None:
     """Fail readiness, stop accepting, let streams finish, cancel stragglers, close: all within
-    ``timeout_s`` + 1 s (``sidecar.server.drain``)."""
+    ``timeout_s`` + 1 s (``sidecar.drain``)."""
     sidecar.begin_drain()
     inflight = sidecar.app[DRAIN].in_flight()
     logger.info("draining: %d request(s) in flight, up to %gs", inflight, timeout_s)

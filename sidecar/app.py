@@ -2,7 +2,7 @@
 its resources behind typed ``AppKey``s and their lifecycles (``cleanup_ctx``).
 
 ``sidecar.server.runner.start_sidecar`` serves it (as aiohttp keeps ``web_app`` and
-``web_runner`` apart); ``sidecar.server.admin`` holds the probes and views beside the routes.
+``web_runner`` apart); ``sidecar.admin`` holds the probes and views beside the routes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from sidecar.admin import AdminViews
 from sidecar.body import Bodies
 from sidecar.config import Settings
 from sidecar.connectors import Connector, ConnectorFactory
@@ -28,6 +29,7 @@ from sidecar.connectors.prefill import Prefill, PrefillOptions
 from sidecar.connectors.sglang import SglangConnector
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.discovery import Discovery, Resolver, system_resolver
+from sidecar.drain import Drain
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import Readiness
 from sidecar.engines.upstream import Engines
@@ -49,8 +51,6 @@ from sidecar.security.kube import KubeClient
 from sidecar.security.poolwatch import InferencePoolWatch
 from sidecar.security.tls import ClientTls, FileWatch, ServerTls
 from sidecar.security.trust import PrefillGuard
-from sidecar.server.admin import AdminViews
-from sidecar.server.drain import Drain
 from sidecar.tasks import stop_task
 
 if TYPE_CHECKING:
@@ -92,16 +92,17 @@ def create_app(
     """A fresh application: nothing is shared between two apps in one process.
 
     ``tracing``: the spans' provider, which the app then shuts down (tests pass one exporting
-    where they read); None builds it from the ``OTEL_*`` variables when SIDECAR_TRACING=true
-    (raises ``TracingUnavailable`` when it cannot be). ``connector``: builds the connector from
+    where they read); None: what SIDECAR_TRACING says (``Tracing.when``: built from the
+    ``OTEL_*`` variables, raising ``TracingUnavailable`` when it cannot be, or ``NO_TRACING``,
+    whose methods do nothing). ``connector``: builds the connector from
     the settings and the shared parts (None: ``make_connector``, the one ``SIDECAR_CONNECTOR``
     names; a test plugs in its own). ``resolver``: what ``SIDECAR_PREFILL_DNS`` is looked up
     with (a test plays the DNS). ``listener_tls``: the listener's certificate when it is no
     files of the settings (``--secure-proxy``'s self-signed one, in memory); it wins over
     ``SIDECAR_TLS_CERT_FILE``.
     """
-    if tracing is None and settings.tracing:
-        tracing = Tracing.from_environment()
+    if tracing is None:  # not given: what the settings say
+        tracing = Tracing.when(settings.tracing)
     drain = Drain(settings.drain_timeout_s)
     # Bodies are read by the pipeline under its own limit; aiohttp's cap is never used.
     # A coded body is refused (sidecar.framing) before routing on the canonical path
@@ -110,9 +111,7 @@ def create_app(
         client_max_size=settings.max_body_bytes,
         middlewares=[identity_bodies, canonical_paths, drain.middleware],
     )
-    app[DRAIN] = drain
-    if tracing is not None:
-        app[TRACING] = tracing
+    app[DRAIN], app[TRACING] = drain, tracing
     tracker = Tracker(settings.debug_history)
     metrics = Metrics()
     # No engine over HTTPS (the settings then refuse every engine TLS file): no context to
@@ -164,7 +163,7 @@ def create_app(
         engines=engines,
         ranks=scheduler.ranks,
         readiness=readiness,
-        pool=scheduler,
+        pool=scheduler.pool,
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
@@ -174,7 +173,7 @@ def create_app(
     guard = PrefillGuard(
         cidrs=settings.prefill_allowed_cidrs,
         hosts=settings.prefill_allowed_hosts,
-        pool=scheduler.pool_endpoints,
+        pool=scheduler.pool.endpoints,
         pool_configured=bool(settings.prefill_endpoints or settings.prefill_dns),
         allowlist=pool_watch,
     )
@@ -438,8 +437,7 @@ async def _background_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
-    if TRACING in app:
-        await app[TRACING].close(app[DRAIN].background_s())
+    await app[TRACING].close(app[DRAIN].background_s())
 
 
 async def _engines_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -29,8 +29,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from sidecar import defaults
-from sidecar.connectors import facts
-from sidecar.scheduling.endpoints import (
+from sidecar.fleet import connectors
+from sidecar.fleet.endpoints import (
     Endpoint,
     parse_endpoint,
     parse_pool_entry,
@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         "LMCache-style stores: the decode finds the KV by prefix).",
     )
     sglang_bootstrap_port: int = Field(
-        facts.SGLANG.bootstrap_port,
+        connectors.SGLANG.bootstrap_port,
         ge=1,
         le=65535,
         description="SGLang prefill servers' bootstrap port (their --disaggregation-bootstrap-"
@@ -167,8 +167,8 @@ class Settings(BaseSettings):
         "prefill server with nothing queued (0: the stall is not weighed, and short prompts "
         "always prefill locally).",
     )
-    # Issue 21: an endpoint that was slow once must not be starved for good (docs/scheduling.md,
-    # "Ageing and re-tests").
+    # Ageing and re-tests: an endpoint that was slow once must not be starved for good
+    # (docs/scheduling.md).
     speed_half_life_s: float = Field(
         defaults.SPEED_HALF_LIFE_S,
         gt=0,
@@ -192,8 +192,7 @@ class Settings(BaseSettings):
         description="Blocks remembered by the local prefix-cache estimate (LRU); with "
         "SIDECAR_DECODE_URLS, shared equally by the ranks' indexes.",
     )
-    # Issue 23: what each prefill server holds of the prompts (docs/scheduling.md, "Prefix-aware
-    # prefill placement").
+    # Prefix-aware placement: what each prefill server holds of the prompts (docs/scheduling.md).
     prefill_prefix_index: bool = Field(
         True,
         description="Predict what each prefill endpoint holds in its prefix cache (the prompts "
@@ -234,8 +233,7 @@ class Settings(BaseSettings):
         "SIDECAR_STATE_BACKEND=redis the sidecars share what they placed only when it is "
         "set; unset, each sidecar draws a key of its own and learns alone.",
     )
-    # Issue 26: what the engines say they hold (docs/kv-events.md, docs/scheduling.md "Exact
-    # prefix state from KV events").
+    # KV events: what the engines say they hold (docs/kv-events.md, docs/scheduling.md).
     kv_events: bool = Field(
         False,
         description="Subscribe to the KV-cache events of the prefill pool's members and of the "
@@ -646,7 +644,7 @@ class Settings(BaseSettings):
     @classmethod
     def _connector_alias(cls, value: Any) -> Any:
         if isinstance(value, str):
-            known = facts.named(value)
+            known = connectors.named(value)
             return known.name if known is not None else value.strip().lower()
         return value
 
@@ -665,7 +663,9 @@ class Settings(BaseSettings):
     def _fallback_for_connector(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.data.get("connector", "")
         # Why the connector's decode server cannot prefill (its facts), or None when it can.
-        cannot = facts.CONNECTORS[name].cannot_prefill if name in facts.CONNECTORS else None
+        cannot = (
+            connectors.CONNECTORS[name].cannot_prefill if name in connectors.CONNECTORS else None
+        )
         if value is None or (isinstance(value, str) and not value.strip()):
             return "local" if cannot is None else "fail"
         if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":

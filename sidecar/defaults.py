@@ -48,7 +48,6 @@ STALL_WEIGHT = 0.1
 counts for, in seconds of a new request's time to first token, when the decider weighs a local
 prefill (every decode running on the engine waits while it computes; counted only against a
 prefill server with nothing queued). A tenth: a request's time-to-first-token budget (about 1 s)
-is about a tenth of its decode's (some 200 tokens at 50 ms). In the simulator: mixed +3 to +8 %
-goodput, standard unchanged, wide within one search step, shared system prompts +22 to +34 %
-over the prefix-blind scheduler (docs/scheduling.md, "Prefix-aware placement (issue 23):
-results")."""
+is about a tenth of its decode's (some 200 tokens at 50 ms). In the simulator it raises goodput
+on mixed and shared-system-prompt workloads and leaves the standard one unchanged
+(docs/benchmarks.md)."""

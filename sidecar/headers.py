@@ -12,7 +12,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from sidecar.caches import BoundedCache
 from sidecar.defaults import PREFILL_HEADERS
 from sidecar.errors import REQUEST_ID_HEADER, BadRequest
-from sidecar.scheduling.endpoints import Endpoint, parse_endpoint
+from sidecar.fleet.endpoints import Endpoint, parse_endpoint
 
 MAX_REQUEST_ID = 128
 PARSED_TARGETS_KEPT = 256

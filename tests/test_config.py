@@ -22,9 +22,9 @@ from sidecar.config import (
     nearest_setting,
     unknown_variables,
 )
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.inject import environment
 from sidecar.inject.environment import EnvError
-from sidecar.scheduling.endpoints import Endpoint
 from tests.imports import imported
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -463,10 +463,10 @@ def test_prefill_headers_parse_in_order_lowercased() -> None:
 
 
 def test_importing_the_settings_loads_neither_aiohttp_nor_redis() -> None:
-    """``config.py`` is a leaf (issue 22): what reads or checks settings without serving (the
-    injector, ``--help``) does not load the engine client or the Redis client."""
+    """``config.py`` imports only the fleet's vocabulary: what reads or checks settings without
+    serving (``--help``, the llm-d flags) does not load the engine client or the Redis client."""
     loaded = imported("-c", "import sidecar.config")
-    assert {"pydantic_settings", "sidecar.config", "sidecar.connectors.facts"} <= loaded
+    assert {"pydantic_settings", "sidecar.config", "sidecar.fleet.connectors"} <= loaded
     assert "aiohttp" not in loaded
     assert "redis" not in loaded
 

@@ -1,6 +1,6 @@
 """What one connector does that the shared contract suite (tests/test_contract.py) cannot say.
 
-Every connector: its facts (``sidecar/connectors/facts.py``) under its name. SGLang: rooms, the
+Every connector: its facts (``sidecar/fleet/connectors.py``) under its name. SGLang: rooms, the
 bootstrap port, every request disaggregated (no healthy prefill server: 503), a retry restarting
 both legs (on the same server or another), a refused prefill ending its decode at once, both legs'
 timings. Shared storage: the client's usage says what the prefill found cached, not what the
@@ -17,13 +17,13 @@ import orjson
 import pytest
 
 from sidecar.config import Settings
-from sidecar.connectors.facts import CONNECTORS
 from sidecar.connectors.nixl import NixlConnector
 from sidecar.connectors.nixl_push import NixlPushConnector
 from sidecar.connectors.sglang import ROOM_LIMIT, SglangConnector, new_room
 from sidecar.connectors.shared_storage import SharedStorageConnector
 from sidecar.emulator import RunningEmulator
 from sidecar.errors import BadRequest
+from sidecar.fleet.connectors import CONNECTORS
 from sidecar.sanitize import BOOTSTRAP_PORT, BOOTSTRAP_ROOM
 from sidecar.server.runner import RunningSidecar
 from tests.conftest import (
@@ -66,8 +66,9 @@ async def _nothing_waits(http: aiohttp.ClientSession, decode: RunningEmulator) -
 
 
 def test_every_connector_has_its_facts_under_its_name() -> None:
-    """``facts.py`` says what the settings and the scheduler know of each protocol without
-    importing it: under the names of the connector classes, which SIDECAR_CONNECTOR accepts."""
+    """``sidecar.fleet.connectors`` says what the settings and the scheduler know of each
+    protocol without importing it: under the names of the connector classes, which
+    SIDECAR_CONNECTOR accepts."""
     names = [
         NixlConnector.name,
         NixlPushConnector.name,

@@ -145,7 +145,7 @@ async def test_the_page_files(http, sidecar, name: str, media_type: str) -> None
     [
         ("debug.html", 404, "NotFoundError"),
         ("nothing.js", 404, "NotFoundError"),
-        # An encoded slash is refused before routing (issue 21; sidecar/paths.py).
+        # An encoded slash is refused before routing (sidecar/paths.py).
         ("..%2Fdebug.py", 400, "BadRequestError"),
         ("%2e%2e", 404, "NotFoundError"),
     ],

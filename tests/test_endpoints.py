@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sidecar.scheduling.endpoints import Endpoint, parse_endpoint
+from sidecar.fleet.endpoints import Endpoint, parse_endpoint
 
 
 @pytest.mark.parametrize(

@@ -459,8 +459,8 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str
 
 
 def test_the_injector_loads_no_aiohttp() -> None:
-    """Neither the package nor its command line loads the engine client (issue 22: it cost the
-    injector half a second; ``config.py`` is a leaf and the injector does not even import it)."""
+    """Neither the package nor its command line loads the engine client (it would cost the
+    injector about half a second)."""
     for args in (["-c", "import sidecar.inject"], ["-m", "sidecar.inject", "--help"]):
         loaded = imported(*args)
         assert "sidecar.inject.template" in loaded, args
@@ -592,8 +592,8 @@ def test_the_console_script_is_installed() -> None:
     )
 
 
-# Issue 24: real manifests. The engine's own preStop hook, llm-d's role label, the sidecar's
-# settings on the command line, the command's name.
+# Real manifests: the engine's own preStop hook, llm-d's role label, the sidecar's settings on
+# the command line, the command's name.
 
 VLLM_DECODE = """\
 apiVersion: apps/v1

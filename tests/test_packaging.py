@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.connectors import facts
+from sidecar.fleet import connectors
 from sidecar.inject import defaults
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,7 +157,7 @@ def test_the_readme_opens_with_what_ships_and_states_the_scope() -> None:
     readme = (ROOT / "README.md").read_text()
     opening = " ".join(readme.split("\n\n")[1].split())
     # Every connector the code ships is a present-tense claim, none a promise.
-    assert {"nixl", "sglang"} <= set(facts.CONNECTORS)
+    assert {"nixl", "sglang"} <= set(connectors.CONNECTORS)
     assert "(vLLM or SGLang)" in opening
     assert "next" not in opening
     assert "today" not in opening

@@ -13,8 +13,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from sidecar.defaults import PREFILLER_HOST_PORT
 from sidecar.errors import BadRequest
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.headers import PARSED_TARGETS_KEPT, GatewayHeaders
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.server.serverlog import LINES_PER_WINDOW, ServerLog
 from tests.conftest import StartSidecar, completion, engine_requests, get_json
 

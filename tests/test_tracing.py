@@ -21,9 +21,10 @@ import aiohttp
 import pytest
 
 from sidecar.__main__ import load_tracing
+from sidecar.app import TRACING
 from sidecar.config import Settings
 from sidecar.emulator import RunningEmulator
-from sidecar.observability.tracing import otlp_endpoint
+from sidecar.observability.tracing import NO_TRACING, otlp_endpoint
 from tests.conftest import (
     completion,
     engine_requests,
@@ -311,6 +312,11 @@ async def test_tracing_off_passes_the_trace_context_through_untouched(
     assert [leg and leg["traceparent"] for leg in decode_legs] == [context, None, context]
 
 
+async def test_tracing_off_is_the_null_object(sidecar) -> None:
+    """Off, the app holds ``NO_TRACING``, never None: the modules call it, none checks."""
+    assert sidecar.app[TRACING] is NO_TRACING
+
+
 async def test_a_disabled_sdk_passes_the_trace_context_through(
     otlp: Receiver, http, start_sidecar_with, prefill, decode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -389,7 +395,7 @@ def test_an_exporter_that_cannot_be_built_exits_2(
     assert error.count("\n") == 1, error
     assert error.startswith("pd-sidecar: SIDECAR_TRACING=true")
     assert says in error
-    assert load_tracing(Settings(tracing=False)) is None
+    assert load_tracing(Settings(tracing=False)) is NO_TRACING
 
 
 # The sidecar with every ``opentelemetry`` import failing, as without the extra: ``main`` (argv

@@ -23,10 +23,10 @@ from bench.sim.exact import ExactPrefixes, ExactSource
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
 from sidecar.config import Settings
-from sidecar.engines.scrape import EngineLoad
-from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.placement import STALE_AFTER_SCRAPES, Planner
 from sidecar.scheduling.policies import make_policy

@@ -11,8 +11,8 @@ prefill staged is never left for the engine's expiry — whatever fails, and whe
 leaves, it is either taken by the decode leg or released.
 
 What a protocol is before any request — its name and aliases, whether its decode server can
-prefill, its defaults — is in ``facts.py``, which the settings read; so this package imports no
-connector (nor aiohttp) until one is used: ``sidecar.app`` builds the configured one.
+prefill, its defaults — is in ``sidecar.fleet.connectors``, which the settings read; this package
+imports no connector (nor aiohttp) until one is used: ``sidecar.app`` builds the configured one.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:  # the package itself stays light: config imports its facts (``facts.py``)
+if TYPE_CHECKING:  # for annotations only: importing the package loads no connector
     from sidecar.config import Settings
     from sidecar.connectors.exchange import Answer, Body, Exchange, Refused
     from sidecar.connectors.parts import Parts

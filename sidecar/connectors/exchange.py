@@ -14,20 +14,18 @@ outcomes, never aiohttp objects:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from multidict import CIMultiDict
 
 from sidecar.body import NO_MEMBERS, Members, Wire, encode
 from sidecar.engines.upstream import EngineAnswer
 from sidecar.errors import REQUEST_ID_HEADER
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.metrics import ROUTES
 from sidecar.observability.tracing import NO_TRACE, RequestTrace
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.scheduling.exact import PromptLookup
 from sidecar.scheduling.placement import Placement
-
-if TYPE_CHECKING:  # the fleet imports msgpack: loaded only with SIDECAR_KV_EVENTS=true
-    from sidecar.kvevents.fleet import PromptLookup
 
 Body = dict[str, Any]
 

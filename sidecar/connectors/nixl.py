@@ -32,8 +32,8 @@ from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import Release
 from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.sanitize import KV_TRANSFER_PARAMS, strip_client_fields
-from sidecar.scheduling.endpoints import Endpoint
 
 REMOTE_HOST = "remote_host"
 CACHE_SALT = "cache_salt"

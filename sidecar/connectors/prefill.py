@@ -57,10 +57,10 @@ from sidecar.errors import (
     foreign_refusal,
     is_error_body,
 )
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Leg
 from sidecar.observability.tracking import task_name
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.placement import Placement
 from sidecar.scheduling.scheduler import Scheduler
 

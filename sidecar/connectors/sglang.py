@@ -36,9 +36,9 @@ from sidecar.connectors.exchange import Answer, Exchange, Prefilled, Refused
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.prefill import drained
 from sidecar.errors import BadRequest, PrefillFailed
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.tracking import task_name
 from sidecar.sanitize import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, strip_client_fields
-from sidecar.scheduling.endpoints import Endpoint
 
 ROOM_LIMIT = 2**63
 """Rooms are integers in [0, 2^63 - 1] (SGLang stores them as int64)."""

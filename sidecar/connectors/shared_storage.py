@@ -18,8 +18,8 @@ from sidecar.connectors.nixl import PROMPT_LOGPROBS, needs_prompt_logprobs, one_
 from sidecar.connectors.parts import Parts
 from sidecar.connectors.refusals import in_client_terms
 from sidecar.connectors.usage import CachedTokensPatch, cached_tokens, prompt_tokens
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.sanitize import strip_client_fields
-from sidecar.scheduling.endpoints import Endpoint
 
 
 class SharedStorageConnector:

@@ -12,7 +12,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.fleet.endpoints import Endpoint
 
 logger = logging.getLogger("sidecar.discovery")
 

@@ -5,7 +5,7 @@ Two rounds, each repeated an interval after the previous one ended, every poll o
 - **health** (every ``SIDECAR_READY_INTERVAL_S``): every decode rank's ``/health``; a poll may
   take one interval (at least a second) before it counts as no answer;
 - **scrape** (every ``SIDECAR_SCRAPE_INTERVAL_S``): every decode rank's ``/metrics``, and for
-  each prefill endpoint of the pool what the scheduler asks for — its ``/metrics``, its
+  each prefill endpoint of the pool what the pool asks for — its ``/metrics``, its
   ``/health`` while it is probed after an ejection, nothing while it is ejected; a poll may take
   the interval, at most 2 s.
 
@@ -14,9 +14,9 @@ What a poll finds is published as an immutable ``EngineSnapshot``. A decode rank
 failures before unready), becomes the rank's ``engine`` (``DecodeRanks.publish``, which also
 forgets the rank's prefix index when a ``/health`` poll says the engine lost its cache): the one
 value readiness (``/ready``), the rank choice and ``/debug/scheduler`` read; readiness then
-reports what changed (logs, gauges). A prefill endpoint's goes to the scheduler
-(``PrefillPool.prefill_polled``), which owns what it means for the endpoint (ejection,
-re-admission, its load). The monitor decides nothing itself.
+reports what changed (logs, gauges). A prefill endpoint's goes to the pool
+(``sidecar.scheduling.pool.PrefillPool.prefill_polled``), which owns what it means for the
+endpoint (ejection, re-admission, its load). The monitor decides nothing itself.
 
 Nothing here blocks the event loop: every poll is bounded by its timeout, the rounds are two
 tasks, and ``close()`` stops them (the app's cleanup, before the scheduler and the engine pool
@@ -40,8 +40,7 @@ from sidecar.engines.readiness import (
     Thresholds,
     judge,
 )
-from sidecar.engines.scrape import EngineLoad, parse_engine_load
-from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.engines.scrape import parse_engine_load
 from sidecar.engines.upstream import Engines
 from sidecar.errors import (
     EngineError,
@@ -50,7 +49,9 @@ from sidecar.errors import (
     EngineTimeout,
     EngineUnreachable,
 )
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.polls import PrefillPoll
+from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.tasks import stop_task
 
@@ -62,7 +63,7 @@ HEALTH_TIMEOUT_MIN_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class MonitorOptions:
-    """The settings the monitor reads, under their own names (``from_settings``)."""
+    """The settings the monitor uses, under their own names (``from_settings``)."""
 
     ready_interval_s: float
     scrape_interval_s: float
@@ -89,19 +90,8 @@ class MonitorOptions:
         return min(self.scrape_interval_s, SCRAPE_TIMEOUT_MAX_S)
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillPoll:
-    """One prefill endpoint's poll in a scrape round, as the scheduler asks for it."""
-
-    key: str
-    """The endpoint's key in the pool (``host:port``)."""
-    endpoint: Endpoint
-    probe: bool
-    """True: its ``/health`` (it is probed after an ejection); False: its ``/metrics``."""
-
-
-class PrefillPool(Protocol):
-    """What the monitor asks of whoever owns the prefill pool (the scheduler)."""
+class PolledPool(Protocol):
+    """What the monitor asks of whoever owns the prefill pool (``scheduling.pool.PrefillPool``)."""
 
     def prefill_polls(self) -> list[PrefillPoll]:
         """This scrape round's polls: one per endpoint of the pool but the ejected ones."""
@@ -112,7 +102,7 @@ class PrefillPool(Protocol):
         ...
 
 
-class _NoPrefillPool:
+class _NoPool:
     """A monitor of the decode engine alone."""
 
     def prefill_polls(self) -> list[PrefillPoll]:
@@ -122,7 +112,7 @@ class _NoPrefillPool:
         raise AssertionError("no prefill endpoint was polled")
 
 
-NO_PREFILL_POOL: PrefillPool = _NoPrefillPool()
+NO_POOL: PolledPool = _NoPool()
 
 
 class EngineMonitor:
@@ -136,7 +126,7 @@ class EngineMonitor:
         engines: Engines,
         ranks: DecodeRanks,
         readiness: Readiness,
-        pool: PrefillPool = NO_PREFILL_POOL,
+        pool: PolledPool = NO_POOL,
     ) -> None:
         self._options = options
         self._engines = engines
@@ -191,7 +181,7 @@ class EngineMonitor:
     # --- the scrape round ------------------------------------------------------------------
 
     async def scrape(self) -> None:
-        """Scrape every decode rank, and poll the prefill endpoints the scheduler asks for."""
+        """Scrape every decode rank, and poll the prefill endpoints the pool asks for."""
         polls = self._pool.prefill_polls()
         await asyncio.gather(
             *(self._scrape_rank(rank) for rank in self._ranks),

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+
+from sidecar.fleet.load import EngineLoad, total_cache
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -39,22 +39,8 @@ MAX_CACHE_TOKENS = 10_000_000_000
 _MAX_DIGITS = len(str(MAX_CACHE_TOKENS))
 _MAX_INFO_LINE = 16_384
 """Characters of a ``vllm:cache_config_info`` line read at most (vLLM's is about 1,000)."""
-_MAX_ENGINES = 64
-"""``vllm:cache_config_info`` lines summed at most (one per data-parallel engine)."""
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
 """One ``name="value"`` pair of the text format; a value escapes ``\\``, ``\"`` and newlines."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    waiting: float | None
-    running: float | None
-    kv_usage: float | None
-    at: float
-    """Monotonic time of the scrape."""
-    cache_tokens: int | None = None
-    """The engine's KV cache in tokens (``vllm:cache_config_info``; several engines' summed);
-    None when the engine does not say, or says it malformed."""
 
 
 def _labels(line: str, start: int) -> dict[str, str] | None:
@@ -140,50 +126,5 @@ def parse_engine_load(text: str, at: float) -> EngineLoad:
         running=sum(running) if running else None,
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=at,
-        cache_tokens=_total_cache(caches),
+        cache_tokens=total_cache(caches),
     )
-
-
-def _total_cache(caches: list[int | None]) -> int | None:
-    """Every engine's cache summed; unknown when any is, or when there are implausibly many."""
-    if not caches or len(caches) > _MAX_ENGINES or None in caches:
-        return None
-    return sum(c for c in caches if c is not None)
-
-
-def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
-    """Several data-parallel ranks' scrapes as one engine's: queues and caches summed (a cache
-    unknown while any rank's is), KV usage averaged, the oldest scrape's time; None while any
-    rank has none (one rank's load is its own)."""
-    if len(loads) == 1:
-        return loads[0]
-    known = [load for load in loads if load is not None]
-    if len(known) < len(loads) or not known:
-        return None
-
-    def total(values: list[float | None]) -> float | None:
-        present = [value for value in values if value is not None]
-        return sum(present) if present else None
-
-    usage = [load.kv_usage for load in known if load.kv_usage is not None]
-    caches = [load.cache_tokens for load in known]
-    return EngineLoad(
-        waiting=total([load.waiting for load in known]),
-        running=total([load.running for load in known]),
-        kv_usage=sum(usage) / len(usage) if usage else None,
-        at=min(load.at for load in known),
-        cache_tokens=_total_cache(caches),
-    )
-
-
-def describe_load(load: EngineLoad | None, now: float) -> dict[str, Any] | None:
-    """For /debug/scheduler."""
-    if load is None:
-        return None
-    return {
-        "waiting": load.waiting,
-        "running": load.running,
-        "kv_usage": load.kv_usage,
-        "cache_tokens": load.cache_tokens,
-        "age_s": round(now - load.at, 3),
-    }

@@ -10,7 +10,7 @@ import asyncio
 import os
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -34,8 +34,7 @@ from sidecar.errors import (
     EngineUnreachable,
     EngineUntrusted,
 )
-from sidecar.scheduling.endpoints import Endpoint
-from sidecar.security.tls import ClientTls
+from sidecar.fleet.endpoints import Endpoint
 
 # The exceptions an engine call can raise on its way to a response or through its body.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
@@ -485,6 +484,14 @@ class HttpClient:
         return timeout
 
 
+class ClientContexts(Protocol):
+    """The TLS contexts of engine connections (``sidecar.security.tls.ClientTls``)."""
+
+    def context(self, insecure: bool) -> ssl.SSLContext:
+        """The context of a stage that skips verification (``insecure``) or verifies."""
+        ...
+
+
 class Engines:
     """HTTP access to the engines: one keep-alive pool for requests (``requests``), one small one
     for health and metrics polls (``polls``).
@@ -507,7 +514,7 @@ class Engines:
         *,
         connect_timeout_s: float,
         keepalive_s: float = ENGINE_KEEPALIVE_S,
-        tls: ClientTls | None = None,
+        tls: ClientContexts | None = None,
         prefill_tls: bool = False,
         prefill_server_name: str | None = None,
         decode_urls: Sequence[str] = (),

@@ -1,4 +1,4 @@
-"""What the engines say they hold: vLLM's KV-cache events (issue 26).
+"""What the engines say they hold: vLLM's KV-cache events.
 
 ``events`` holds the decoded events, the same for both of vLLM's encodings; the wire, the
 subscriber and the exact prefix index build on it.

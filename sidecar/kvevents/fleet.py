@@ -1,5 +1,5 @@
 """Every engine the sidecar takes KV events from: a subscriber and an exact index per prefill
-pool member and per local decode rank, started and stopped with the app (issue 26).
+pool member and per local decode rank, started and stopped with the app.
 
 Who is subscribed to: the prefill pool's members as discovery finds them (``follow``: a
 subscriber starts when an endpoint joins discovery's answer and stops when it leaves it) and the
@@ -40,6 +40,7 @@ from typing import Any
 from yarl import URL
 
 from sidecar.config import Settings
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.kvevents.events import BlockStored, EventBatch
 from sidecar.kvevents.index import Hit, KVIndex, PromptKeys
 from sidecar.kvevents.subscriber import ResetReason, Subscriber
@@ -51,7 +52,7 @@ from sidecar.observability.kv_metrics import (
     EngineReport,
     FleetReport,
 )
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.scheduling import exact
 from sidecar.scheduling.placement import Placement
 
 log = logging.getLogger("sidecar.kvevents.fleet")
@@ -63,7 +64,7 @@ request whose ``model`` is one of them is looked up in that engine's index as th
 
 @dataclass(frozen=True, slots=True)
 class FleetOptions:
-    """The fleet's settings under their own names (``from_settings``)."""
+    """The settings the fleet uses, under their own names (``from_settings``)."""
 
     port: int
     replay_port: int | None
@@ -451,7 +452,7 @@ class KVFleet:
             return PromptLookup(self, None, None, seconds)
         return PromptLookup(self, self.prompt_keys(ids, body), len(ids), seconds)
 
-    def decided(self, placement: Placement, lookup: PromptLookup) -> Placement:
+    def decided(self, placement: Placement, lookup: exact.PromptLookup) -> Placement:
         """Count where the decision's cached tokens came from; the placement with its
         ``tokenize_s`` and ``cached_source``."""
         sources = lookup.sources

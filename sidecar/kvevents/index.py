@@ -1,5 +1,5 @@
 """What one engine (or one data-parallel rank) holds in its KV cache, exactly: its KV events
-applied in order (issue 26).
+applied in order.
 
 The subscriber of that engine calls ``apply(batch)`` for every ``EventBatch`` and ``reset(reason)``
 when it cannot tell what it missed; the scheduler calls ``lookup(token_ids, lora=, salt=)`` and

@@ -20,9 +20,9 @@ from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from sidecar import defaults
+from sidecar.fleet.endpoints import split_scheme
 from sidecar.llmd.flags import BY_NAME, NOT_OFFLOADING, FlagError, Value, parse
 from sidecar.llmd.goparse import GO_BOOL, go_int
-from sidecar.scheduling.endpoints import split_scheme
 
 LLMD_MODEL_SERVER_PORT = 8200
 """llm-d's default for --model-server-port (it was 8001 before the router repository)."""

@@ -176,7 +176,7 @@ class Metrics:
             "Generation requests being served now.",
             registry=self.registry,
         )
-        """Set from the tracker's count when ``/metrics`` is read (``sidecar.server.admin``),
+        """Set from the tracker's count when ``/metrics`` is read (``sidecar.admin``),
         not counted per request."""
         self.fallbacks = Counter(
             "pd_sidecar_fallbacks",

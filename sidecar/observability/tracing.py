@@ -1,9 +1,9 @@
 """OpenTelemetry tracing (``SIDECAR_TRACING=true``): the only module that imports ``opentelemetry``.
 
 The SDK is the optional extra ``tracing``; it is imported when a ``Tracing`` is built,
-never otherwise. With tracing off, a request's trace is ``NO_TRACE`` and its legs ``NO_LEG``, whose
-methods do nothing (no ``None`` checks on the request path), and the client's
-``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
+never otherwise. With tracing off, the app's ``Tracing`` is ``NO_TRACING``, a request's trace
+``NO_TRACE`` and its legs ``NO_LEG``, whose methods do nothing (no ``None`` checks anywhere),
+and the client's ``traceparent``/``tracestate`` reach the engines untouched (``sidecar.headers``).
 
 With tracing on, each generation request gets a server span, the child of the gateway's W3C trace
 context (or the root of a new trace), and one child span per phase::
@@ -36,15 +36,15 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from multidict import CIMultiDict
 from yarl import URL
 
 from sidecar import __version__
 from sidecar.extras import install_hint
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.tracking import RequestRecord, State
-from sidecar.scheduling.placement import Placement
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -73,13 +73,41 @@ EXPORTERS = {
 """OTLP protocol → (the exporter's module, its package). The extra holds the HTTP one."""
 
 
+class _Decided(Protocol):
+    @property
+    def reason(self) -> str: ...
+
+
+class _Rank(Protocol):
+    @property
+    def index(self) -> int: ...
+
+
+class Placed(Protocol):
+    """What the placement span reads of a placement (``sidecar.scheduling.placement.Placement``:
+    the scheduling layer sits above this one)."""
+
+    @property
+    def decision(self) -> _Decided: ...
+
+    @property
+    def endpoint(self) -> Endpoint | None: ...
+
+    @property
+    def rank(self) -> _Rank: ...
+
+
 class TracingUnavailable(Exception):
     """SIDECAR_TRACING=true cannot be honoured; the message is one line (exit status 2)."""
 
 
 class Tracing:
     """A tracer provider of its own (never the process-global one), its tracer and the W3C
-    propagator. Built once per app; ``close`` flushes and shuts it down."""
+    propagator. Built once per app; ``close`` flushes and shuts it down. Tracing off is
+    ``NO_TRACING``, whose methods do nothing."""
+
+    enabled = True
+    """False for ``NO_TRACING`` alone."""
 
     def __init__(self, provider: TracerProvider, *, exporter: str = "") -> None:
         from opentelemetry import trace
@@ -97,6 +125,12 @@ class Tracing:
         sampler = provider.sampler.get_description()
         service = provider.resource.attributes.get("service.name")
         self.description = f"service {service}, sampler {sampler}, exporter {exporter or 'none'}"
+
+    @classmethod
+    def when(cls, enabled: bool) -> Tracing:
+        """What ``SIDECAR_TRACING`` (``enabled``) asks for: a provider built from the ``OTEL_*``
+        variables (``from_environment``; raises ``TracingUnavailable``), or ``NO_TRACING``."""
+        return cls.from_environment() if enabled else NO_TRACING
 
     @classmethod
     def from_environment(cls) -> Tracing:
@@ -288,7 +322,7 @@ class RequestTrace:
             )
         return Leg(self._tracing, span)
 
-    def placed(self, span: Span, placement: Placement) -> None:
+    def placed(self, span: Span, placement: Placed) -> None:
         """End the placement span with the decision."""
         if span.is_recording():
             remote = placement.endpoint is not None
@@ -387,14 +421,21 @@ class Leg:
         _end(self._tracing, self.span, {**fields, **(attributes or {})}, error)
 
 
-class NoTracing:
-    """Tracing off (``NO_TRACING``): every request's trace is ``NO_TRACE``."""
+class NoTracing(Tracing):
+    """Tracing off (``NO_TRACING``): every request's trace is ``NO_TRACE``; nothing to close.
+    (Each method takes ``Tracing``'s arguments, against which the callers' types are checked.)"""
 
-    __slots__ = ()
+    enabled = False
+
+    def __init__(self) -> None:
+        """Nothing to hold: no provider, and ``opentelemetry`` is never imported."""
+        self.description = "off"
 
     def request(self, *args: object, **kwargs: object) -> RequestTrace:
-        """``Tracing.request``'s arguments (the callers' types are checked against it)."""
         return NO_TRACE
+
+    async def close(self, *args: object, **kwargs: object) -> None:
+        pass
 
 
 class NoTrace(RequestTrace):

@@ -37,8 +37,8 @@ class Candidate:
     """One prefill endpoint as a policy sees it. Only available endpoints are ever candidates
     (ejected, probing and draining ones are filtered out before a policy runs). Built anew for
     every endpoint on every decision, and never changed once built; not ``frozen``, as a frozen
-    dataclass's ``__init__`` sets each field through ``object.__setattr__``: 4× the instructions
-    (13,400 against 3,100 a candidate, callgrind; docs/benchmarks.md, issue 25).
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``, several times the
+    instructions of a plain one (measured with callgrind: docs/benchmarks.md).
 
     ``reserved_*`` are reservations of prefills chosen and not yet finished (every sidecar's with a
     shared backend, this sidecar's own otherwise): fresh. ``waiting``/``running`` are the engine's

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
-from sidecar.engines.scrape import EngineLoad, describe_load
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad, describe_load
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import (
     Availability,
     Health,
@@ -110,10 +110,10 @@ class Placement:
 RETEST_SLOWER = 1.5
 """How much slower than at the chosen endpoint's speed an endpoint's own speed estimate must
 predict a prompt for its re-test to be worth a request: a stall's estimate is many times worse
-(issue 21: 0.28–2.06 s of fitted overhead against the prior's 0.02 s), the spread between
-healthy engines' fits is not, and re-testing that spread sent a quarter of the requests at low
-rates to endpoints no slower than the chosen one (simulator, ``mooncake-evict``, 0.5 req/s:
-373 of 1,500 with the exact index; 179 with this bound; docs/benchmarks.md)."""
+(a frozen engine's fitted overhead runs to seconds, against the prior's 0.02 s), the spread
+between healthy engines' fits is not, and re-testing that spread sent a large share of the
+requests at low rates to endpoints no slower than the chosen one; this bound halves them (the
+simulator's ``mooncake-evict`` scenario: docs/benchmarks.md)."""
 
 
 def _first(item: tuple[float, Candidate]) -> float:

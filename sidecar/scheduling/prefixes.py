@@ -55,11 +55,10 @@ MAX_PROMPT_BLOCKS = 4096
 cost on the event loop and what one placement publishes; beyond it a prompt counts as uncached."""
 HELD_LESS = 0.5
 """An answer whose cached tokens are below this share of the prediction (and short of it by more
-than a block) counts as the endpoint having evicted what the index kept. Measured in the
-simulator (issue 23): with any shortfall beyond a block counting, a system prompt denser in
-characters than its user part made every answer look like an eviction, and the indexes shrank
-21-39 times each at 30 requests/s; at half, misses fell from 59 to 15 (18 with no shrinking at
-all)."""
+than a block) counts as the endpoint having evicted what the index kept. In the simulator,
+with any shortfall beyond a block counting, a system prompt denser in characters than its user
+part made every answer look like an eviction and the indexes kept shrinking; at half, the
+misses fell to about what no shrinking at all gives (docs/benchmarks.md)."""
 MIN_BLOCKS = 16
 """The least capacity feedback can shrink an endpoint to."""
 SHRINK = 0.9

@@ -36,8 +36,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sidecar.engines.scrape import EngineLoad, describe_load
-from sidecar.engines.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
+from sidecar.fleet.load import EngineLoad, describe_load
+from sidecar.fleet.snapshot import NOT_POLLED, EngineHealth, EngineSnapshot
 from sidecar.scheduling.policies import TOKENS_PER_WAITING
 from sidecar.scheduling.prompts import PrefixIndex, TextBlocks
 

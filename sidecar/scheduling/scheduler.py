@@ -1,22 +1,18 @@
-"""The scheduler's live side: the pool, what it knows of each endpoint, and placing a request.
+"""The scheduler's live side: placing a request, and retrying its prefill elsewhere.
 
 The pure part (per-endpoint knowledge, candidates, the decision, what is reserved and learnt) is
-``placement.Planner``, which the simulator runs too. Around it this keeps the I/O: discovery,
-health transitions (ejection with growing backoff, re-admission after a successful probe, logged
-and published), reservations in the state backend, metrics. Each request is first given a rank
-of the local decode engine (``ranks``: the prefix index per rank, or the rank's KV events where
-they are in sync, then load); the decision to prefill locally weighs that rank. A decision
-reads the prompt's prefix hashes only as far as its look-ups go (``LazyHashes``); what the
-placement teaches the indexes (the rank's and the prefill endpoint's blocks, the prefix
-published) is recorded after the decision returns, in the loop's next turn, and in any case
-before the next decision or anything else reads those indexes (``_record``; after a decision's
-refresh too, when placements were decided while it waited) or a rank's index is forgotten: no
-decision sees less than it did when the recording was part of it. A background task
-re-resolves discovery; the engines are polled by the engine monitor (``sidecar.engines.monitor``),
-which asks the scheduler what to poll in the pool (``prefill_polls``: scrapes, probes of
-endpoints after an ejection) and hands it what it found (``prefill_polled``); the scheduler alone
-writes what it knows of an endpoint. The request path does no I/O but the backend's single
-bounded ``reserve``.
+``placement.Planner``, which the simulator runs too; the prefill pool (discovery, health and
+ejection, what the engine monitor polls, the endpoints' gauges) is ``pool.PrefillPool``. Around
+the planner this keeps the request path's I/O: reservations in the state backend, metrics. Each
+request is first given a rank of the local decode engine (``ranks``: the prefix index per rank,
+or the rank's KV events where they are in sync, then load); the decision to prefill locally
+weighs that rank. A decision reads the prompt's prefix hashes only as far as its look-ups go
+(``LazyHashes``); what the placement teaches the indexes (the rank's and the prefill endpoint's
+blocks, the prefix published) is recorded after the decision returns, in the loop's next turn,
+and in any case before the next decision or anything else reads those indexes (``_record``;
+after a decision's refresh too, when placements were decided while it waited) or a rank's index
+is forgotten: no decision sees less than it did when the recording was part of it. The request
+path does no I/O but the backend's single bounded ``reserve``.
 """
 
 from __future__ import annotations
@@ -29,22 +25,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sidecar.config import Settings
-from sidecar.connectors.facts import CONNECTORS
 from sidecar.discovery import Discovery
-from sidecar.engines.monitor import PrefillPoll
-from sidecar.engines.scrape import EngineLoad, describe_load, merge_loads
-from sidecar.engines.snapshot import EngineSnapshot
+from sidecar.fleet.connectors import CONNECTORS
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import describe_load, merge_loads
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
-from sidecar.scheduling.estimates import Availability, Health
+from sidecar.scheduling.exact import ExactIndexes, PromptLookup
 from sidecar.scheduling.model import Candidate, Decision
 from sidecar.scheduling.placement import (
     STALE_AFTER_SCRAPES,
-    EndpointState,
     Placement,
     Planner,
     PrefillOutlook,
@@ -52,22 +45,20 @@ from sidecar.scheduling.placement import (
     speed_dict,
 )
 from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.pool import PoolOptions, PrefillPool
 from sidecar.scheduling.prefixes import PrefillPrefixes, PrefixGuess, PrefixHasher, blocks_within
 from sidecar.scheduling.prompts import LazyHashes, estimate_tokens, prompt_text
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.scheduling.state import SharedView, StateBackend
-from sidecar.tasks import OnFailure, stop_task
-
-if TYPE_CHECKING:  # the fleet imports msgpack: loaded only with SIDECAR_KV_EVENTS=true
-    from sidecar.kvevents.fleet import KVFleet, PromptLookup
+from sidecar.tasks import OnFailure
 
 logger = logging.getLogger("sidecar.scheduling")
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOptions:
-    """What the scheduler is configured with: settings under their own names, and the connector's
-    one fact it needs (``from_settings``)."""
+    """The settings the scheduler uses, under their own names, and the one fact of the connector
+    it needs (``from_settings``)."""
 
     decode_ranks: tuple[str, ...]
     scheduler_policy: str
@@ -89,10 +80,7 @@ class SchedulerOptions:
     prefix_index_memory_mib: float
     prefix_hash_key: bytes | None
     scrape_interval_s: float
-    discovery_interval_s: float
-    eject_after_failures: int
-    eject_base_s: float
-    eject_max_s: float
+    pool: PoolOptions
 
     @classmethod
     def from_settings(cls, settings: Settings) -> SchedulerOptions:
@@ -118,10 +106,7 @@ class SchedulerOptions:
             if settings.prefix_hash_key is None
             else settings.prefix_hash_key.get_secret_value().encode(),
             scrape_interval_s=settings.scrape_interval_s,
-            discovery_interval_s=settings.discovery_interval_s,
-            eject_after_failures=settings.eject_after_failures,
-            eject_base_s=settings.eject_base_s,
-            eject_max_s=settings.eject_max_s,
+            pool=PoolOptions.from_settings(settings),
         )
 
 
@@ -133,13 +118,12 @@ class Scheduler:
         discovery: Discovery,
         backend: StateBackend,
         metrics: Metrics,
-        kv_events: KVFleet | None = None,
+        kv_events: ExactIndexes | None = None,
     ) -> None:
         """``kv_events``: the engines' exact indexes (SIDECAR_KV_EVENTS; None: off), which
         answer for the engines whose events are in sync, the prefix indexes for the others."""
         self._options = options
         self._kv_events = kv_events
-        self._discovery = discovery
         self.backend = backend
         self._metrics = metrics
         self._rng = random.Random(options.scheduler_seed)
@@ -183,9 +167,19 @@ class Scheduler:
             # decided before, recorded first: none is remembered after the forgetting.
             before_forget=self._record,
         )
-        self._pool = self._planner.pool
+        self._endpoints = self._planner.pool
+        """What is known of each endpoint of the pool, by key (the planner's, which the pool
+        changes as discovery and polls say)."""
+        self.pool = PrefillPool(
+            options.pool,
+            discovery=discovery,
+            planner=self._planner,
+            backend=backend,
+            metrics=metrics,
+            prefixes=prefixes,
+            record=self._record,
+        )
         self._reasons: Counter[str] = Counter()
-        self._tasks: list[asyncio.Task[None]] = []
         self._unrecorded: list[tuple[Callable[[Any, Any], None], Any, Any]] = []
         """Placements' bookkeeping not applied yet, in the order of their decisions: at most
         one per placement decided since the loop's last turn (``_record`` empties it)."""
@@ -218,68 +212,17 @@ class Scheduler:
                 ),
             )
         await self.backend.start()
-        await self.refresh_pool()
-        if self._discovery.uses_dns:
-            self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
+        await self.pool.start()
 
     async def close(self) -> None:
         self._record()
         if self._recording is not None:
             self._recording.cancel()
             self._recording = None
-        for task in self._tasks:
-            await stop_task(task)
-        self._tasks.clear()
+        await self.pool.close()
         await self.backend.close()
 
-    async def refresh_pool(self) -> None:
-        """Apply discovery's current answer: new endpoints join, missing ones drain."""
-        current = {str(e): e for e in await self._discovery.resolve()}
-        for key, endpoint in current.items():
-            state = self._pool.get(key)
-            if state is None:
-                self._planner.join(endpoint, self._new_health())
-                self._metrics.endpoint_joined(key)
-                logger.info("prefill endpoint %s joined the pool", key)
-            elif state.draining:
-                state.draining = False
-                logger.info("prefill endpoint %s is back in the pool", key)
-        for key, state in list(self._pool.items()):
-            if key not in current and not state.draining:
-                state.draining = True
-                logger.info("prefill endpoint %s left discovery: draining", key)
-            if state.draining and state.inflight == 0:
-                self._planner.leave(key)
-                self._metrics.forget_endpoint(key)
-
-    def _new_health(self) -> Health:
-        return Health(
-            eject_after=self._options.eject_after_failures,
-            base_s=self._options.eject_base_s,
-            max_s=self._options.eject_max_s,
-        )
-
     # --- the request path ------------------------------------------------------------------
-
-    async def place(
-        self,
-        body: dict[str, Any],
-        header: Endpoint | None,
-        *,
-        local_reason: str | None = None,
-        text: bytes | None = None,
-        rank: int | None = None,
-    ) -> Placement:
-        """Decide which decode rank takes ``body`` and where it prefills; claim the rank and
-        reserve the prompt's tokens on the prefill endpoint. ``header``: the gateway's choice of
-        prefill server, used as is; ``local_reason``: why the request must prefill locally
-        anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
-        ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
-        the decode rank the request named (``RankPorts``), taken as is."""
-        placement, _ = await self.place_request(
-            body, header, local_reason=local_reason, text=text, rank=rank
-        )
-        return placement
 
     async def place_request(
         self,
@@ -290,7 +233,14 @@ class Scheduler:
         text: bytes | None = None,
         rank: int | None = None,
     ) -> tuple[Placement, PromptLookup | None]:
-        """``place``, and the decision's look-ups in the exact indexes when a retry of its
+        """Decide which decode rank takes ``body`` and where it prefills; claim the rank and
+        reserve the prompt's tokens on the prefill endpoint. ``header``: the gateway's choice of
+        prefill server, used as is; ``local_reason``: why the request must prefill locally
+        anyway. "Locally" means on the chosen rank: its prefix cache and queue are weighed.
+        ``text``: the prompt's text when the caller has it already (``prompt_text``). ``rank``:
+        the decode rank the request named (``RankPorts``), taken as is.
+
+        With the placement, the decision's look-ups in the exact indexes when a retry of its
         prefill is to repeat them (``retry``'s ``exact``): a remote placement the scheduler
         chose while an engine's events were in sync; None otherwise. They hold the request's
         token ids and keys: the caller keeps them for the prefill leg alone, never for the
@@ -375,7 +325,7 @@ class Scheduler:
         if decision.endpoint is None:
             claim.prefilling(decision.uncached_tokens)
             return Placement(decision, None, claim, local_tokens=decision.uncached_tokens)
-        endpoint = self._pool[decision.endpoint].endpoint
+        endpoint = self._endpoints[decision.endpoint].endpoint
         return self._reserve(decision, endpoint, claim, hashes, size)
 
     async def retry(
@@ -407,7 +357,7 @@ class Scheduler:
         retried = dataclasses.replace(
             decision, endpoint=chosen.key, remote_cached_tokens=chosen.cached_tokens
         )
-        endpoint = self._pool[chosen.key].endpoint
+        endpoint = self._endpoints[chosen.key].endpoint
         placement = self._reserve(retried, endpoint, failed.rank, hashes, size)
         fleet = self._kv_events
         return placement if fleet is None or exact is None else fleet.decided(placement, exact)
@@ -422,10 +372,6 @@ class Scheduler:
         if self._deferred != deferred:
             self._record()
 
-    def pool_endpoints(self) -> list[Endpoint]:
-        """Every endpoint of the pool, draining ones included (for the header allowlist)."""
-        return [state.endpoint for state in self._pool.values()]
-
     def _reserve(
         self,
         decision: Decision,
@@ -434,7 +380,7 @@ class Scheduler:
         hashes: Sequence[bytes] = (),
         prompt_bytes: int = 0,
     ) -> Placement:
-        state = self._pool.get(str(endpoint))
+        state = self._endpoints.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
         state.inflight += 1
@@ -479,7 +425,7 @@ class Scheduler:
 
     def _record_prefill(self, key: str, hashes: Sequence[bytes]) -> None:
         assert self._prefixes is not None
-        if key not in self._pool:  # it left the pool since: its index is forgotten
+        if key not in self._endpoints:  # it left the pool since: its index is forgotten
             return
         full = hashes.all() if isinstance(hashes, LazyHashes) else hashes
         self._prefixes.placed(key, full)
@@ -502,7 +448,7 @@ class Scheduler:
         if reservation is None:
             return
         self.backend.release(reservation)
-        state = self._pool.get(reservation.endpoint)
+        state = self._endpoints.get(reservation.endpoint)
         if state is None:
             return
         state.inflight -= 1
@@ -516,10 +462,9 @@ class Scheduler:
                 if speed is not None:
                     self.backend.publish_speed(state.key, speed)
         elif ok is False:
-            self._failure(state)
+            self.pool.failed(state)
         if state.draining and state.inflight == 0:
-            self._planner.leave(state.key)
-            self._metrics.forget_endpoint(state.key)
+            self.pool.leave(state)
 
     def _prefix_answered(
         self, key: str, guess: PrefixGuess, prompt_tokens: int | None, cached_tokens: int | None
@@ -546,7 +491,7 @@ class Scheduler:
         """Another sidecar placed a prompt with these ``hashes`` on ``key`` (the state backend's
         prefix share): only for endpoints of this pool."""
         self._record()
-        if self._prefixes is not None and key in self._pool:
+        if self._prefixes is not None and key in self._endpoints:
             self._prefixes.placed(key, hashes)
 
     def prefill_outlook(self, placement: Placement, elapsed_s: float) -> PrefillOutlook:
@@ -571,21 +516,6 @@ class Scheduler:
             ahead = placement.rank.rank.ahead_tokens
             self._planner.local_observed(ahead, placement.local_tokens, seconds)
 
-    def _failure(self, state: EndpointState) -> None:
-        now = time.monotonic()
-        was = state.health.refresh(now)
-        state.health.failure(now)
-        if state.health.state == Availability.EJECTED and was != Availability.EJECTED:
-            logger.warning(
-                "prefill endpoint %s ejected for %.1fs after %d failure(s)",
-                state.key,
-                state.health.ejected_until - now,
-                state.health.failures,
-            )
-            self.backend.publish_ejection(state.key, time.time() + state.health.ejected_until - now)
-            if was == Availability.HEALTHY:  # taken out of service; a failed probe is not new
-                self._metrics.endpoint_ejections.labels(state.key).inc()
-
     def _now(self) -> tuple[SharedView, float, float]:
         """The backend's view, the monotonic and the wall time: what a decision is made on."""
         return self.backend.view(), time.monotonic(), time.time()
@@ -595,87 +525,33 @@ class Scheduler:
     ) -> list[Candidate]:
         return self._planner.candidates(*self._now(), hashes, exact)
 
-    def _fresh(self, load: EngineLoad | None, name: str) -> float | None:
-        return self._planner.fresh(load, name, time.monotonic())
-
     def _count(self, decision: Decision) -> None:
         self._reasons[decision.reason] += 1
         kind = "local" if decision.endpoint is None else "remote"
         self._metrics.scheduler_decisions_by(kind, decision.reason).inc()
 
-    # --- background: discovery; what the engine monitor polls in the pool ------------------
-
-    async def _discover(self) -> None:
-        while True:
-            await asyncio.sleep(self._options.discovery_interval_s)
-            await self.refresh_pool()
-
-    def prefill_polls(self) -> list[PrefillPoll]:
-        """The pool's polls in the monitor's scrape round: an endpoint in service is scraped,
-        one whose ejection ran out is probed on ``/health``, an ejected one is left alone."""
-        polls = []
-        for state in list(self._pool.values()):
-            availability = state.health.refresh(time.monotonic())
-            if availability == Availability.EJECTED:
-                continue
-            probe = availability == Availability.PROBING
-            polls.append(PrefillPoll(state.key, state.endpoint, probe))
-        return polls
-
-    def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
-        """What the monitor found: a probe re-admits the endpoint or ejects it again; a scrape
-        brings its load, and one that could not reach it (refused or reset) is a failure."""
-        self._record()
-        state = self._pool.get(poll.key)
-        if state is None:  # it left the pool while polled
-            return
-        if poll.probe:
-            if snapshot.ready:
-                state.health.success()
-                logger.info("prefill endpoint %s passed its probe: re-admitted", state.key)
-            else:
-                self._failure(state)
-            return
-        state.load = snapshot.load
-        capacity = snapshot.load.cache_tokens if snapshot.load is not None else None
-        if capacity and self._prefixes is not None:
-            self._prefixes.set_capacity(state.key, capacity)
-        if snapshot.unreachable:
-            self._failure(state)
+    # --- what is read of it: /metrics, /debug/scheduler ------------------------------------
 
     def publish_gauges(self) -> None:
-        """Per-endpoint gauges, brought up to date when /metrics is read."""
+        """The pool's, the decode ranks' and the prefix index's gauges, brought up to date when
+        /metrics is read."""
         self._record()
-        view = self.backend.view()
-        for key, state in self._pool.items():
-            load = view.loads.get(key)
-            self._metrics.endpoint_reserved_tokens.labels(key).set(load.tokens if load else 0)
-            waiting = self._fresh(state.load, "waiting")
-            self._metrics.endpoint_waiting.labels(key).set(
-                waiting if waiting is not None else float("nan")
-            )
-            healthy = not state.draining and state.health.available(time.monotonic())
-            self._metrics.endpoint_healthy.labels(key).set(1 if healthy else 0)
-            # Present at 0 from the start: the first ejection then shows in increase().
-            self._metrics.endpoint_ejections.labels(key)
+        self.pool.publish_gauges()
         for rank in self.ranks:
             self._metrics.decode_rank_inflight.labels(str(rank.index)).set(rank.inflight)
         if self._prefixes is not None:
             self._metrics.prefix_index_blocks.set(len(self._prefixes))
 
-    # --- /debug/scheduler ------------------------------------------------------------------
-
     def snapshot(self) -> dict[str, Any]:
         self._record()
         now, wall = time.monotonic(), time.time()
-        view = self.backend.view()
         return {
             "policy": self._options.scheduler_policy,
             "choices": self._options.scheduler_choices,
             "disagg_min_tokens": self._options.disagg_min_tokens,
             "disagg_ttft_ratio": self._options.disagg_ttft_ratio,
             "disagg_stall_weight": self._options.disagg_stall_weight,
-            "discovery": self._discovery.describe(),
+            "discovery": self.pool.describe_discovery(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),
             "local": {
@@ -688,5 +564,5 @@ class Scheduler:
             "prefill_prefixes": {"enabled": False}
             if self._prefixes is None
             else {"enabled": True, **self._prefixes.describe()},
-            "endpoints": self._planner.describe(view, now, wall),
+            "endpoints": self.pool.describe(now, wall),
         }

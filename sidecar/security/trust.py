@@ -29,7 +29,7 @@ from typing import Protocol
 from sidecar.caches import BoundedCache
 from sidecar.discovery import Resolver, system_resolver
 from sidecar.errors import BadRequest, Forbidden
-from sidecar.scheduling.endpoints import Endpoint
+from sidecar.fleet.endpoints import Endpoint
 
 logger = logging.getLogger("sidecar.security.trust")
 

@@ -1,7 +1,7 @@
 """Serving the application (``sidecar.app.create_app``) on its ports until ``close()``: the API
 listener and, with ``SIDECAR_ADMIN_PORT``, the admin one, each on ``ListenerRunner`` (the
 connection bounds of ``sidecar.server.listener``) and on every address of ``SIDECAR_HOST``
-(``sidecar.server.binding``); the shutdown sequence of ``sidecar.server.drain``.
+(``sidecar.server.binding``); the shutdown sequence of ``sidecar.drain``.
 ``python -m sidecar`` runs it (``sidecar.__main__``)."""
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from sidecar.app import (
 from sidecar.config import Settings, in_this_pod
 from sidecar.connectors import ConnectorFactory
 from sidecar.discovery import Resolver, system_resolver
+from sidecar.drain import CUT_GRACE_S
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import Tracing
 from sidecar.security.tls import ServerTls
 from sidecar.server.binding import CannotListen as CannotListen
 from sidecar.server.binding import SocketFactory, bind, display, reachable
-from sidecar.server.drain import CUT_GRACE_S
 from sidecar.server.listener import (
     ADMIN_MAX_CONNECTIONS,
     ConnectionLimits,
@@ -89,7 +89,7 @@ class RunningSidecar:
         self.app[DRAIN].begin()
 
     async def close(self) -> int:
-        """The shutdown sequence of ``sidecar.server.drain``, within the drain timeout + 1 s: stop
+        """The shutdown sequence of ``sidecar.drain``, within the drain timeout + 1 s: stop
         listening, let requests in flight finish until the deadline, cancel the rest, and close
         every resource; the admin listener goes last. Returns how many requests were cut."""
         self.begin_drain()

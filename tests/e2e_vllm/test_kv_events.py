@@ -1,4 +1,4 @@
-"""Real vLLM's KV events, end to end (issue 26): the exact index follows a real engine.
+"""Real vLLM's KV events, end to end: the exact index follows a real engine.
 
 One vLLM prefill engine of this module's own (it stops any pair before it), started with
 ``--kv-events-config``, 32-token blocks (``--block-size 32``: vLLM's CPU attention takes
@@ -30,8 +30,7 @@ reach the client before its events reach the subscriber. Before every look-up th
 replay socket for anything newer than the last batch applied and waits until the subscriber has
 applied it.
 
-The figures the sequence test prints are recorded in docs/benchmarks.md ("Issue 26: real vLLM's
-events") and docs/kv-events.md.
+The figures the sequence test prints are recorded in docs/benchmarks.md and docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -577,7 +576,7 @@ async def test_predicted_cached_tokens_equal_what_vllm_reports(
     http: aiohttp.ClientSession, following: Following
 ) -> None:
     """The target: the index's prediction before each request equals vLLM's ``cached_tokens`` on
-    at least 95 % of requests after warm-up. Issue 18's approximate index, fed as the sidecar
+    at least 95 % of requests after warm-up. The approximate prefix index, fed as the sidecar
     feeds it (``scheduler.py``: looked up and ``placed`` when a prompt is sent, ``answered``
     with the reported tokens), is measured beside it on the same requests."""
     index = following.follower.index
@@ -627,7 +626,7 @@ async def test_predicted_cached_tokens_equal_what_vllm_reports(
 
     print()
     print(exact.line("exact index (KV events)"))
-    print(approx.line("approximate index (issue 18)"))
+    print(approx.line("approximate index"))
     evicted = index.stats().removed - removed_before
     reported = sum(reported_tokens)
     stats = following.subscriber.stats

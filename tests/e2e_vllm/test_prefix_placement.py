@@ -1,4 +1,5 @@
-"""Prefix-aware prefill placement on real vLLM engines (issue 23's last target).
+"""Prefix-aware prefill placement on real vLLM engines: the prefill engine holding a prompt's
+prefix gets it, and the sidecar predicts the hit the engine reports.
 
 Two vLLM prefill engines and one decode engine, all NixlConnector: the session's pair and its
 spare prefill engine (started with the pair, on the prefill engine's core; the decode engine
@@ -10,7 +11,7 @@ every request.
 
 The prompts share a prefix of exactly 1,024 tokens (the engine's own count, ``/tokenize``: eight
 of vLLM's 128-token blocks on CPU, so that the engine's cache granularity does not blur the
-comparison) followed by a unique part of about 160 tokens, the shape of issue 23's
+comparison) followed by a unique part of about 160 tokens, the shape of the simulator's
 shared-system-prompt workload. The text is words of the tiny model's vocabulary with two-digit
 numbers mixed in so that it has about 4 characters per token, the sidecar's estimate: the index
 predicts a hit as its share of the prompt's text times the engine's token count, so what matters
@@ -25,8 +26,8 @@ uncached tokens, under ``SIDECAR_DISAGG_MIN_TOKENS`` (512): decided ``prefix_cac
 decode engine's prefix cache serving 1,024 tokens of each (the second test proves it). With
 unique parts over 512 tokens the decider then found the pool saturated (``pool_saturated``): the
 tiny model's prefill is all overhead, the decode engine's own time to first byte 0.19–0.32 s,
-predicted remote times over twice that. Neither is what issue 23 asks about — *which* prefill
-server — so the first test's sidecar runs with ``SIDECAR_DISAGG_MIN_TOKENS=0`` and
+predicted remote times over twice that. Neither is what this module asks about — *which*
+prefill server — so the first test's sidecar runs with ``SIDECAR_DISAGG_MIN_TOKENS=0`` and
 ``SIDECAR_DISAGG_TTFT_RATIO=1000`` (every request goes remote); every other setting is the
 default (policy ``qoe``, prefix index on, 64-token blocks, trust 1, re-test every 15 s).
 
@@ -77,9 +78,10 @@ SUFFIX_PIECES = 130
 FOLLOWERS = 10
 """Requests after the first that share its prefix."""
 SHARE = 0.9
-"""Issue 23: at least this share of them goes to the engine that holds the prefix."""
+"""The target: at least this share of them goes to the engine that holds the prefix."""
 TOLERANCE = 0.1
-"""Issue 23: the sidecar's predicted hit is within this share of the engine's cached_tokens."""
+"""The target: the sidecar's predicted hit is within this share of the engine's
+cached_tokens."""
 
 HITS = "vllm:prefix_cache_hits_total"
 """Engine: prompt tokens its own prefix cache served."""

@@ -1,4 +1,4 @@
-"""One trace across the sidecar and real vLLM engines (issue 15).
+"""One trace across the sidecar and real vLLM engines.
 
 vLLM 0.32 exports its own spans when started with ``--otlp-traces-endpoint`` (its OpenTelemetry
 packages come with it in the e2e environment): one ``llm_request`` span per request, a child of

@@ -9,13 +9,8 @@ import aiohttp
 import pytest
 
 from sidecar.emulator import EmulatorConfig, start_emulator
-from sidecar.engines.scrape import (
-    EngineLoad,
-    cache_tokens_of,
-    describe_load,
-    merge_loads,
-    parse_engine_load,
-)
+from sidecar.engines.scrape import cache_tokens_of, parse_engine_load
+from sidecar.fleet.load import EngineLoad, describe_load, merge_loads
 
 INFO = "vllm:cache_config_info"
 

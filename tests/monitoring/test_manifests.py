@@ -42,7 +42,7 @@ SEVERITIES = {"warning", "critical"}
 # Series Prometheus itself adds to every target, which the rules and dashboard may use.
 PROMETHEUS_SERIES = {"up"}
 
-# The operator needs (requirement of the issue), by panel title.
+# What an operator needs to see on the dashboard, by panel title.
 REQUIRED_PANELS = {
     "Request rate by decision",
     "Prefill leg",

@@ -1,5 +1,5 @@
-"""The decider weighs the stall a local prefill imposes on the decodes running on its engine
-(issue 23 item 4)."""
+"""The decider weighs the stall a local prefill imposes on the decodes running on its
+engine."""
 
 from __future__ import annotations
 

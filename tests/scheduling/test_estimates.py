@@ -103,7 +103,7 @@ def test_a_failed_probe_doubles_the_ejection_up_to_the_maximum():
     assert health.ejected_until == 8.0
 
 
-# --- ageing (issue 21: an endpoint slow once must not stay slow in the books for good) --------
+# --- ageing: an endpoint slow once must not stay slow in the books for good -------------------
 
 
 def test_the_decay_weight_halves_every_half_life():

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from sidecar.engines.scrape import EngineLoad
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.estimates import Health
 from sidecar.scheduling.model import Decision, Speed
 from sidecar.scheduling.placement import (
@@ -131,7 +131,7 @@ def test_claiming_by_block_hashes_is_claiming_by_text():
     assert tokens_of_text(4001) == 1000
 
 
-# --- re-tests and ageing (issue 21) ------------------------------------------------------------
+# --- re-tests and ageing -----------------------------------------------------------------------
 
 
 def ageing_planner(*ports: int, half_life_s: float | None, retest_s: float) -> Planner:

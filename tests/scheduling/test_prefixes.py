@@ -186,8 +186,8 @@ def test_the_decision_counts_only_what_a_candidate_would_compute() -> None:
 
 
 def test_a_retest_never_takes_a_request_its_chosen_endpoint_holds_part_of() -> None:
+    from sidecar.fleet.endpoints import Endpoint
     from sidecar.scheduling.decider import Decider
-    from sidecar.scheduling.endpoints import Endpoint
     from sidecar.scheduling.estimates import Health
     from sidecar.scheduling.placement import Planner
     from sidecar.scheduling.policies import make_policy

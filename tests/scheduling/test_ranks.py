@@ -7,8 +7,8 @@ import itertools
 import random
 from collections import Counter
 
-from sidecar.engines.scrape import EngineLoad
-from sidecar.engines.snapshot import EngineHealth, EngineSnapshot
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import (
     TOKENS_PER_REQUEST,
     DecodeRanks,

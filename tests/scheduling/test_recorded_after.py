@@ -20,10 +20,10 @@ from sidecar.connectors.decode import on_a_rank
 from sidecar.discovery import Discovery
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import HealthPoll, Readiness, Thresholds, judge
-from sidecar.engines.snapshot import EngineHealth
 from sidecar.engines.upstream import Engines
+from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.snapshot import EngineHealth
 from sidecar.observability.metrics import Metrics
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.prefixes import PrefixHasher
 from sidecar.scheduling.prompts import PrefixIndex, leading_blocks
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
@@ -101,7 +101,7 @@ def held(scheduler: Scheduler, key: str, prompt: str) -> int:
 
 
 async def test_a_placement_is_recorded_in_the_loops_next_turn(scheduler: Scheduler) -> None:
-    placement = await scheduler.place(completion(SYSTEM + user(0)), None)
+    placement, _ = await scheduler.place_request(completion(SYSTEM + user(0)), None)
     key = placement.decision.endpoint
     assert key is not None
     rank = placement.rank.rank
@@ -119,9 +119,9 @@ async def test_a_placement_is_recorded_in_the_loops_next_turn(scheduler: Schedul
 async def test_a_request_right_after_another_sees_it_without_a_loop_turn(
     scheduler: Scheduler,
 ) -> None:
-    first = await scheduler.place(completion(SYSTEM + user(0)), None)
+    first, _ = await scheduler.place_request(completion(SYSTEM + user(0)), None)
     scheduler.prefill_finished(first, ok=None)  # its reservation no longer weighs
-    second = await scheduler.place(completion(SYSTEM + user(1)), None)  # no turn between
+    second, _ = await scheduler.place_request(completion(SYSTEM + user(1)), None)  # no turn between
     assert second.rank.rank is first.rank.rank
     assert second.decision.uncached_tokens == 2600 - 125 * 16  # the rank holds the system prompt
     assert second.decision.endpoint == first.decision.endpoint
@@ -136,13 +136,13 @@ async def test_the_header_path_and_a_retry_record_their_endpoint(
     scheduler: Scheduler, two_engines: tuple[Endpoint, Endpoint]
 ) -> None:
     one, two = two_engines
-    named = await scheduler.place(completion(SYSTEM + user(0)), one)
+    named, _ = await scheduler.place_request(completion(SYSTEM + user(0)), one)
     assert named.decision.reason == "header"
     await asyncio.sleep(0)
     assert held(scheduler, str(one), SYSTEM) == 31
     scheduler.prefill_finished(named, ok=None)
     # The prefill failed transiently: retried on the other endpoint, which holds it next.
-    placement = await scheduler.place(completion(SYSTEM + user(1)), None)
+    placement, _ = await scheduler.place_request(completion(SYSTEM + user(1)), None)
     assert placement.decision.endpoint == str(one)  # it holds the system prompt
     retried = await scheduler.retry(placement, {str(one)})
     assert retried is not None
@@ -155,7 +155,7 @@ async def test_the_header_path_and_a_retry_record_their_endpoint(
 async def test_close_records_what_is_left(two_engines: tuple[Endpoint, Endpoint]) -> None:
     scheduler = scheduler_for(two_engines)
     await scheduler.start()
-    placement = await scheduler.place(completion(SYSTEM + user(0)), None)
+    placement, _ = await scheduler.place_request(completion(SYSTEM + user(0)), None)
     await scheduler.close()
     assert len(placement.rank.rank.prefix) == LOCAL_BLOCKS
     assert scheduler._recording is None
@@ -171,7 +171,7 @@ async def test_a_failing_record_is_logged_not_raised(
     await scheduler.start()
     try:
         with caplog.at_level(logging.ERROR, logger="sidecar.scheduling"):
-            first = await scheduler.place(completion(SYSTEM + user(0)), None)
+            first, _ = await scheduler.place_request(completion(SYSTEM + user(0)), None)
             await asyncio.sleep(0)
         [record] = [r for r in caplog.records if "recording a placement" in r.getMessage()]
         assert record.exc_info is not None
@@ -179,7 +179,7 @@ async def test_a_failing_record_is_logged_not_raised(
         # What could be recorded was: the rank's index and the endpoint's (publishing failed).
         assert len(first.rank.rank.prefix) == LOCAL_BLOCKS
         scheduler.prefill_finished(first, ok=None)
-        second = await scheduler.place(completion(SYSTEM + user(1)), None)
+        second, _ = await scheduler.place_request(completion(SYSTEM + user(1)), None)
         assert second.decision.endpoint == first.decision.endpoint
         assert second.decision.remote_cached_tokens == 31 * 64
     finally:
@@ -277,9 +277,9 @@ async def test_decisions_woken_by_one_refresh_see_each_others_placements(
     nothing after the refresh, and saw no block of the system prompt anywhere). The other
     endpoint is busy, so both go to the same one whatever they predict there."""
     remote_scheduler.backend.reserve(str(two_engines[1]), 100_000)
-    first, second = await asyncio.gather(
-        remote_scheduler.place(completion(SYSTEM + user(0)), None),
-        remote_scheduler.place(completion(SYSTEM + user(1)), None),
+    (first, _), (second, _) = await asyncio.gather(
+        remote_scheduler.place_request(completion(SYSTEM + user(0)), None),
+        remote_scheduler.place_request(completion(SYSTEM + user(1)), None),
     )
     assert first.decision.endpoint == str(two_engines[0])
     assert first.decision.remote_cached_tokens == 0
@@ -296,7 +296,7 @@ async def test_retries_woken_by_one_refresh_see_each_others_placements(
     endpoint: the second is predicted to find there the system prompt the first took."""
     failed = []
     for n in range(2):
-        placement = await remote_scheduler.place(completion(SYSTEM + user(n)), None)
+        placement, _ = await remote_scheduler.place_request(completion(SYSTEM + user(n)), None)
         remote_scheduler.prefill_finished(placement, ok=None)
         failed.append(placement)
     assert failed[0].endpoint is not None
@@ -339,7 +339,9 @@ async def test_a_rank_that_lost_its_cache_forgets_a_prompt_placed_there_just_bef
         busy = ranks.claim_any(pinned=1)  # rank 1 busier: the choice goes to rank 0
         await decode[0].close()
         prompt = SYSTEM + user(0)
-        placement = await scheduler.place(completion(prompt), None, local_reason="batched_prompt")
+        placement, _ = await scheduler.place_request(
+            completion(prompt), None, local_reason="batched_prompt"
+        )
         lost = ranks[0]
         assert placement.rank.rank is lost
         poll = HealthPoll(

@@ -9,8 +9,8 @@ import pytest
 from sidecar.app import SCHEDULER
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
+from sidecar.fleet.endpoints import Endpoint
 from sidecar.observability.metrics import Metrics
-from sidecar.scheduling.endpoints import Endpoint
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
 from tests.conftest import (
@@ -229,19 +229,18 @@ async def test_pool_changes_apply_and_removed_endpoints_drain(prefill, decode) -
     await scheduler.start()
     try:
         key = f"127.0.0.1:{first.port}"
-        placement = await scheduler.place(completion(LONG), None)
+        placement, _ = await scheduler.place_request(completion(LONG), None)
         assert placement.decision.endpoint == key
         answer[:] = []  # the pod left the Service
-        await scheduler.refresh_pool()
+        await scheduler.pool.refresh()
         [state] = scheduler.snapshot()["endpoints"]
         assert state["state"] == "draining"
-        assert (await scheduler.place(completion("other " + LONG), None)).decision.reason == (
-            "pool_empty"
-        )
+        other, _ = await scheduler.place_request(completion("other " + LONG), None)
+        assert other.decision.reason == "pool_empty"
         scheduler.prefill_finished(placement, ok=True, seconds=0.01)
         assert scheduler.snapshot()["endpoints"] == []  # drained, then gone
         answer[:] = ["127.0.0.1"]
-        await scheduler.refresh_pool()
+        await scheduler.pool.refresh()
         assert [e["state"] for e in scheduler.snapshot()["endpoints"]] == ["healthy"]
     finally:
         await scheduler.close()
@@ -296,7 +295,7 @@ async def _until_chosen(http, sidecar, endpoint: str, within_s: float) -> dict |
 async def test_a_stalled_endpoint_is_retested_within_the_interval_after_it_thaws(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
-    """Issue 21: after a freeze its fitted overhead keeps the policy away for good; the re-test
+    """Re-tests: after a freeze its fitted overhead keeps the policy away for good; the re-test
     sends it a prefill within SIDECAR_SCHEDULER_RETEST_S of its last one."""
     frozen, healthy = await start_engine(), await start_engine()
     retest_s = 1.0
@@ -326,7 +325,7 @@ async def test_a_stalled_endpoint_is_retested_within_the_interval_after_it_thaws
 async def test_a_stalled_endpoint_is_chosen_again_as_its_estimate_ages(
     http, start_sidecar_with: StartSidecar, start_engine: StartEmulator
 ) -> None:
-    """Issue 21, the estimate's ageing alone (no re-tests): engines slower than the prior
+    """The estimate's ageing alone (no re-tests): engines slower than the prior
     (5,000 tokens/s), the frozen one's fit decays toward the prior and wins again."""
     frozen = await start_engine(prefill_s_per_token=2e-4)
     healthy = await start_engine(prefill_s_per_token=2e-4)

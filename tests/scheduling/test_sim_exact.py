@@ -1,4 +1,4 @@
-"""The simulator's exact prefix source (issue 26): prefill engines' caches publish KV events,
+"""The simulator's exact prefix source: prefill engines' caches publish KV events,
 production's ``KVIndex`` applies them a lag behind, and an ``exact`` variant decides on it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The simulator's prefix structure (issue 23): prefill engines' prefix caches, the workloads that
+"""The simulator's prefix structure: prefill engines' prefix caches, the workloads that
 share prefixes (a Mooncake-format trace, shared system prompts), the anchor policies."""
 
 from __future__ import annotations

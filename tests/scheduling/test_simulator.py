@@ -39,7 +39,7 @@ def test_always_disaggregating_prefills_everything_remotely():
 def test_conditional_disaggregation_splits_by_prompt():
     stats = run(Variant("qoe"))
     assert 0 < stats.remote_share < 1
-    # (retest: issue 21, an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S)
+    # (retest: an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S)
     assert set(stats.reasons) <= {
         "scheduled",
         "short_prompt",

@@ -184,8 +184,8 @@ class RedisState:
             sync = self._sync = asyncio.create_task(self._run_sync())
         # The sync goes on without the decision (it owes the view its answer): the decision
         # waits for its end or the budget on a future of its own, which is what the timeout
-        # and the shield of ``asyncio.timeout(...): await shield(sync)`` do, for half the
-        # instructions (docs/benchmarks.md, issue 25).
+        # and the shield of ``asyncio.timeout(...): await shield(sync)`` do, for about half the
+        # instructions (docs/benchmarks.md).
         waiter = asyncio.get_running_loop().create_future()
         sync.add_done_callback(lambda _: _settle(waiter, True))
         timer = waiter.get_loop().call_later(self._timeout_s, _settle, waiter, False)

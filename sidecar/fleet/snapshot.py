@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from sidecar.engines.scrape import EngineLoad
+from sidecar.fleet.load import EngineLoad
 
 
 class EngineHealth(enum.Enum):
@@ -38,7 +38,7 @@ class EngineSnapshot:
     ``/health`` poll's ``health`` (every ``SIDECAR_READY_INTERVAL_S``) and the ``/metrics``
     scrape's ``load`` and ``unreachable`` (every ``SIDECAR_SCRAPE_INTERVAL_S``). A prefill
     endpoint's is the one poll of a scrape round (its scrape, or its probe while it is probed
-    after an ejection), handed to the scheduler, which keeps what it needs.
+    after an ejection), handed to the prefill pool, which keeps what it needs.
     """
 
     health: EngineHealth = EngineHealth.UNKNOWN

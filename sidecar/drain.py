@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-logger = logging.getLogger("sidecar.server.drain")
+logger = logging.getLogger("sidecar.drain")
 
 CUT_GRACE_S = 0.25
 """How long a cancelled request, or the background work, gets once the deadline has passed."""

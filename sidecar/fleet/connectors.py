@@ -1,9 +1,9 @@
 """What is known of each KV connector protocol before any request: its name, the other names it
 goes by, whether its decode server can prefill, its defaults. One frozen value per protocol.
 
-The settings' validation and the scheduler read these; they must not import the connectors
-themselves (their exchanges need the engine client, aiohttp), so this module imports nothing of
-the package. What a connector sends the engines stays in its own module (``nixl.py``,
+The settings' validation and the scheduler read these without importing the connectors
+themselves (``sidecar.connectors``: their exchanges need the engine client, aiohttp). What a
+connector sends the engines stays in its own module (``sidecar/connectors/nixl.py``,
 ``sglang.py``, ...); ``tests/test_connectors.py`` keeps the names here and there the same.
 """
 
