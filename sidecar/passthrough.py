@@ -60,13 +60,13 @@ class Passthrough:
         gateway: GatewayHeaders,
         metrics: Metrics,
         bodies: Bodies,
-        tracing: Tracing | None = None,
+        tracing: Tracing | NoTracing = NO_TRACING,
         rank_ports: RankPorts | None = None,
     ) -> None:
         self._ranks = ranks
         self._rank_ports = RankPorts() if rank_ports is None else rank_ports
         self._bodies = bodies
-        self._tracing: Tracing | NoTracing = tracing or NO_TRACING
+        self._tracing = tracing
         self._first_byte_timeout_s = options.decode_first_byte_timeout_s
         self._idle_timeout_s = options.stream_idle_timeout_s
         self._engines = engines

@@ -83,13 +83,13 @@ class Pipeline:
         tracker: Tracker,
         metrics: Metrics,
         bodies: Bodies,
-        tracing: Tracing | None = None,
+        tracing: Tracing | NoTracing = NO_TRACING,
         rank_ports: RankPorts | None = None,
     ) -> None:
         self._options = options
         self._bodies = bodies
         self._rank_ports = RankPorts() if rank_ports is None else rank_ports
-        self._tracing: Tracing | NoTracing = tracing or NO_TRACING
+        self._tracing = tracing
         self._connector = connector
         self._scheduler = scheduler
         self._guard = guard
