@@ -114,6 +114,9 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class PrefillOptions:
+    """The settings the prefill leg uses, under their own names (``from_settings``): its
+    retries and their backoff, its timeout and answer cap, the fallback, the disconnect mode."""
+
     retries: int
     retry_backoff_s: float
     timeout_s: float

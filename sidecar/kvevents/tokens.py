@@ -1,10 +1,10 @@
 """A request's token ids, for the exact index: asked of the local decode engine's ``/tokenize``.
 
 Why the engine and not a tokenizer in the sidecar: docs/scheduling.md, "Exact prefix state from KV
-events" (measured by ``bench/token_sources.py``). The engine tokenizes with its own tokenizer and
-chat template and the request's own chat options, so the ids are those its KV events will carry,
-by construction; the sidecar needs no model files and no tokenizer library, and spends one
-loopback round trip.
+events" (the two were measured against each other: docs/benchmarks.md). The engine tokenizes with
+its own tokenizer and chat template and the request's own chat options, so the ids are those its
+KV events will carry, by construction; the sidecar needs no model files and no tokenizer library,
+and spends one loopback round trip.
 
 ``TokenSource.token_ids(body)`` returns the ids, or None when it cannot tell — the caller then uses
 the approximate index for that request. None when:
