@@ -68,7 +68,10 @@ def test_help_into_a_closed_pipe_ends_quietly(args: tuple[str, ...]) -> None:
 def test_the_emulator_on_a_taken_port_says_so_in_one_line(taken: int) -> None:
     for flags, says in [
         (("--port", str(taken)), f"cannot listen on 127.0.0.1:{taken} (--port): address "),
-        (("--port", "0", "--side-channel-port", str(taken)), "(--side-channel-port): "),
+        (
+            ("--port", "0", "--side-channel-port", str(taken)),
+            f"cannot listen on 127.0.0.1:{taken} (--side-channel-port): address ",
+        ),
     ]:
         result = _run("-m", "sidecar.emulator", "--host", "127.0.0.1", *flags)
         assert result.returncode == 2, result.stderr

@@ -24,10 +24,8 @@ async def serve(config: EmulatorConfig) -> None:
     log.debug("effective configuration: %s", config)
     try:
         emulator = await start_emulator(config)
-    except CannotListen as exc:  # the API port (closed again)
+    except CannotListen as exc:  # a port in use or not permitted (its listeners closed again)
         raise CannotStart(str(exc)) from None
-    except OSError as exc:  # the side channel's port (closed again)
-        raise CannotStart(f"cannot listen (--side-channel-port): {exc.strerror or exc}") from None
     try:
         log.info(
             "emulator serving %s at %s (side channel %s:%d, engine %s, %s mode, kv protocol %s%s)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import time
 import urllib.parse
@@ -57,7 +58,7 @@ from sidecar.emulator.reqlog import RequestLog
 from sidecar.emulator.sglang import RoomBoard, add_bootstrap_routes
 from sidecar.emulator.storage import SharedKvStore
 from sidecar.emulator.tokenize import handle_tokenize
-from sidecar.server.binding import bind, reachable
+from sidecar.server.binding import CannotListen, bind, reachable
 
 log = logging.getLogger("sidecar.emulator")
 
@@ -404,7 +405,13 @@ async def start_emulator(
     )
     await side_runner.setup()
     try:
-        await web.TCPSite(side_runner, config.side_channel_host, config.side_channel_port).start()
+        side_site = web.TCPSite(side_runner, config.side_channel_host, config.side_channel_port)
+        try:
+            await side_site.start()
+        except OSError as exc:  # in use, not permitted: one line (``python -m sidecar.emulator``)
+            where = f"{config.side_channel_host}:{config.side_channel_port}"
+            reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+            raise CannotListen(f"cannot listen on {where} (--side-channel-port): {reason}") from exc
         side_channel_port: int = side_runner.addresses[0][1]
         app = create_api_app(
             config, kv=kv, side_channel_port=side_channel_port, push=push, rooms=rooms
