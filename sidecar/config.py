@@ -558,7 +558,7 @@ class Settings(BaseSettings):
         "(SIDECAR_DECODE_URL(S)), unverified. Empty: SIDECAR_TLS_INSECURE_SKIP_VERIFY.",
     )
     drain_timeout_s: float = Field(
-        30,
+        defaults.DRAIN_TIMEOUT_S,
         ge=0,
         description="On SIGTERM, how long requests in flight may take to finish before they "
         "are cancelled, in seconds; the whole shutdown ends within this + 1 s.",
@@ -949,13 +949,24 @@ class Settings(BaseSettings):
             )
         for url in self.decode_ranks:
             parsed = URL(url)
-            if in_this_pod(parsed.host) and parsed.port and parsed.port in ours:
+            if parsed.port in ours and self._listens_at(parsed.host):
                 raise ValueError(
                     f"the decode engine {url} is on a port of the sidecar's own "
-                    f"({ours[parsed.port]}): the engine listens on a port of its own (vLLM "
-                    "--port 8200), the sidecar on the pod's serving port"
+                    f"({ours[parsed.port]}): the engine listens on a port of its own, the "
+                    "sidecar on the pod's serving port"
                 )
         return self
+
+    def _listens_at(self, host: str | None) -> bool:
+        """Whether the sidecar's listeners (SIDECAR_HOST) take connections to ``host``: a host
+        of this pod and a listener on the any-address, or that very address."""
+        if not in_this_pod(host):
+            return False
+        listening = {address.lower() for address in self.host}
+        if listening & {"0.0.0.0", "::"}:
+            return True
+        aliases = {"localhost": {"localhost", "127.0.0.1", "::1"}}
+        return bool(listening & aliases.get(host or "", {host or ""}))
 
     @model_validator(mode="after")
     def _rank_ports_fit(self) -> Settings:

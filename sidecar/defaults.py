@@ -12,6 +12,10 @@ DECODE_URL = "http://127.0.0.1:8200"
 """``SIDECAR_DECODE_URL``'s default: the local decode engine (the injector moves the engine to
 this port)."""
 
+DRAIN_TIMEOUT_S: float = 30
+"""``SIDECAR_DRAIN_TIMEOUT_S``' default (the injector's check counts it for a sidecar that does
+not set it)."""
+
 PREFILLER_HOST_PORT = "x-prefiller-host-port"
 GATEWAY_PREFILL_ENDPOINTS = "x-gateway-prefill-endpoints"
 PREFILL_HEADERS = (PREFILLER_HOST_PORT, GATEWAY_PREFILL_ENDPOINTS)

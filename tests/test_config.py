@@ -638,3 +638,10 @@ def test_commas_with_spaces_and_bracketed_ipv6_are_lists() -> None:
         "p0:8000",
         "[fd00::1]:8000",
     ]
+
+
+def test_a_decode_engine_on_an_address_the_sidecar_does_not_listen_on_is_not_the_sidecar() -> None:
+    """Listening on the pod's address alone, the sidecar does not take 127.0.0.1:8200."""
+    Settings(host="10.0.0.5", port=8200, decode_url="http://127.0.0.1:8200")
+    with pytest.raises(ValidationError, match="is on a port of the sidecar's own"):
+        Settings(host="127.0.0.1", port=8200, decode_url="http://localhost:8200")

@@ -444,7 +444,7 @@ def test_the_check_catches_what_the_component_lets_through(
         "Deployment/decode: containers 'vllm' and 'pd-sidecar' both name a port 'http': a "
         "Service's targetPort by that name is ambiguous",
         "Deployment/decode: container 'vllm' listens on --port 8000, a port of the sidecar: move "
-        "it to the port SIDECAR_DECODE_URL names (8200)",
+        "it to the port the sidecar's decode URL names (8200)",
     ]
     (tmp_path / "built.yaml").write_text(built)
     with pytest.raises(SystemExit) as exit_info:

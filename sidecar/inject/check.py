@@ -18,11 +18,14 @@ For every workload of a YAML stream that carries the sidecar (a native sidecar n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import yaml
+from yarl import URL
 
+from sidecar.defaults import DECODE_URL, DRAIN_TIMEOUT_S
 from sidecar.inject.documents import describe, pod_spec, workloads
 from sidecar.inject.pod import Container, Spec, flag_ports
 from sidecar.inject.prestop import wait_s
@@ -30,8 +33,6 @@ from sidecar.inject.template import CONTAINER_NAME, grace_period_s
 
 DEFAULT_GRACE_S = 30
 """``terminationGracePeriodSeconds`` when a pod does not set it (Kubernetes' default)."""
-DEFAULT_DRAIN_S = 30
-"""``SIDECAR_DRAIN_TIMEOUT_S``'s default (``sidecar.config``)."""
 
 
 def check_text(text: str) -> tuple[int, list[str]]:
@@ -68,14 +69,21 @@ def _ports(container: Container) -> Iterator[dict[str, Any]]:
     yield from (p for p in container.get("ports") or [] if isinstance(p, dict))
 
 
+def _number(value: object) -> int | None:
+    """A port number as the API takes it (an integer), else None: the API server refuses the
+    rest, and schema validation says so."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _shared_ports(running: list[Container]) -> list[str]:
     numbers: dict[tuple[int, str], list[str]] = {}
     names: dict[str, list[str]] = {}
     for container in running:
         name = str(container.get("name"))
         for port in _ports(container):
-            if "containerPort" in port:
-                key = (int(port["containerPort"]), str(port.get("protocol", "TCP")))
+            number = _number(port.get("containerPort"))
+            if number is not None:
+                key = (number, str(port.get("protocol", "TCP")))
                 numbers.setdefault(key, []).append(name)
             if port.get("name"):
                 names.setdefault(str(port["name"]), []).append(name)
@@ -95,27 +103,27 @@ def _shared_ports(running: list[Container]) -> list[str]:
 
 
 def _engine_on_our_port(spec: Spec, sidecar: Container) -> list[str]:
-    ours = {int(p["containerPort"]) for p in _ports(sidecar) if "containerPort" in p}
-    decode = _env(sidecar, "SIDECAR_DECODE_URL") or "http://127.0.0.1:8200"
-    engine_port = decode.rsplit(":", 1)[-1].rstrip("/")
+    ours = {n for p in _ports(sidecar) if (n := _number(p.get("containerPort"))) is not None}
+    ranks = _env(sidecar, "SIDECAR_DECODE_URLS")
+    decode = (ranks or "").split(",")[0].strip() or _env(sidecar, "SIDECAR_DECODE_URL")
+    engine_port = URL(decode or DECODE_URL).port
     return [
         f"container {container.get('name')!r} listens on --port {port}, a port of the sidecar: "
-        f"move it to the port SIDECAR_DECODE_URL names ({engine_port})"
+        f"move it to the port the sidecar's decode URL names ({engine_port})"
         for container in spec.get("containers") or []
         for port in sorted(flag_ports(container) & ours)
     ]
 
 
 def _grace(spec: Spec, sidecar: Container) -> list[str]:
-    drain = _env(sidecar, "SIDECAR_DRAIN_TIMEOUT_S")
-    drain_s = int(float(drain)) if drain else DEFAULT_DRAIN_S
+    drain_s = math.ceil(_seconds(_env(sidecar, "SIDECAR_DRAIN_TIMEOUT_S"), DRAIN_TIMEOUT_S))
     waits = [
         wait_s(hook)
         for container in spec.get("containers") or []
         for hook in [((container.get("lifecycle") or {}).get("preStop"))]
         if isinstance(hook, dict)
     ]
-    wait = int(max((w for w in waits if w is not None), default=0))
+    wait = math.ceil(max((w for w in waits if w is not None), default=0))
     needed = grace_period_s(wait, drain_s)
     grace = spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)
     if isinstance(grace, int) and grace >= needed:
@@ -125,6 +133,13 @@ def _grace(spec: Spec, sidecar: Container) -> list[str]:
         f"engine's preStop wait {wait} s + SIDECAR_DRAIN_TIMEOUT_S {drain_s} s + "
         f"{needed - wait - drain_s} s for the engine to exit)"
     ]
+
+
+def _seconds(text: str | None, default: float) -> float:
+    try:
+        return float(text) if text is not None else default
+    except ValueError:  # not the sidecar's to run: --env and the sidecar's start refuse it
+        return default
 
 
 def _env(container: Container, name: str) -> str | None:
