@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         status: int = module.main_cli(argv[1:])
         return status
     args = command.parse_args(argv)
+    if args.smoke and args.name is not None:
+        command.error("--smoke runs every benchmark: give it no NAME (NAME --quick runs one)")
     if args.smoke:
         return smoke()
     command.print_help()

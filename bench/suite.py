@@ -44,6 +44,9 @@ BENCHMARKS = (
 )
 """Every benchmark, by module name: what ``python -m bench NAME`` accepts."""
 
+SMOKE_TIMEOUT_S = 300.0
+"""A quick run that has not ended by then fails the smoke run (the slowest, instructions under
+callgrind, takes 70-170 s here)."""
 SMOKE_ARGS: dict[str, tuple[str, ...]] = {
     # The simulator's own --quick searches every scenario on three seeds (minutes): one
     # scenario, one seed, short runs, the checks (which need the full runs) not judged.
@@ -86,7 +89,13 @@ def smoke(names: tuple[str, ...] = BENCHMARKS) -> int:
         argv = ["-m", "bench", name, "--quick", *SMOKE_ARGS.get(name, ())]
         print(f"[smoke] python {' '.join(argv)}", flush=True)
         started = time.monotonic()
-        status = subprocess.run([sys.executable, *argv], cwd=PACKAGE.parent).returncode
+        try:
+            status = subprocess.run(
+                [sys.executable, *argv], cwd=PACKAGE.parent, timeout=SMOKE_TIMEOUT_S
+            ).returncode
+        except subprocess.TimeoutExpired:  # the child is killed: a hang fails, not CI's clock
+            status = -1
+            print(f"[smoke] {name}: no end within {SMOKE_TIMEOUT_S:.0f} s", flush=True)
         times.append((name, time.monotonic() - started))
         if status != 0:
             failed.append(f"{name} (exit status {status})")

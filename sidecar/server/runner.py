@@ -277,6 +277,7 @@ async def _engine_on_port(settings: Settings, exc: CannotListen) -> str:
                 "the sidecar takes the pod's serving port (docs/deploy.md)"
             )
         writer.close()
+        await writer.wait_closed()
     return ""
 
 
