@@ -19,12 +19,9 @@ the timeout).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-
-logger = logging.getLogger("sidecar.drain")
 
 CUT_GRACE_S = 0.25
 """How long a cancelled request, or the background work, gets once the deadline has passed."""

@@ -8,8 +8,9 @@ on its decode rank, what a placement reserves, and what is learnt from outcomes.
 
 No I/O and no clock of its own: the caller passes the monotonic time (``now``, scrapes and
 ejections) and the wall time (``wall``, ejections published by other sidecars) and the backend's
-``SharedView``. The live scheduler (``scheduler.py``) wraps it with discovery, scraping, the
-backend and metrics; the simulator (``bench/sim``) with a modelled cluster in virtual time.
+``SharedView``. The live scheduler (``scheduler.py``, with the pool of ``pool.py``: discovery,
+polls, ejections) wraps it with the backend and metrics; the simulator (``bench/sim``) with a
+modelled cluster in virtual time.
 """
 
 from __future__ import annotations
