@@ -27,6 +27,7 @@ from sidecar.config import Settings
 from sidecar.engines.upstream import HttpClient, Streamed
 from sidecar.errors import EngineError
 from sidecar.server.runner import RunningSidecar, start_sidecar
+from tests.conftest import eventually
 from tests.uvengine import RunningUvicorn, Seen, start_uvicorn_engine
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,10 +108,18 @@ async def engine(request) -> AsyncIterator[RunningUvicorn]:
 @pytest.fixture
 async def proxy(engine: RunningUvicorn) -> AsyncIterator[RunningSidecar]:
     # Requests one after another: each reuses the engine connection the previous one left.
-    # The decode engine is polled at the default interval: a test of framing must not turn on
-    # whether three /health polls in a row were answered within 1 s on a loaded machine.
+    # Ready before the test starts: hypothesis runs each example in a loop.run_until_complete of
+    # its own, so the loop stops between this fixture and the first example, for as long as
+    # hypothesis prepares it (seconds, cold, on a loaded machine). The first /health poll, in
+    # flight across that stop, would time out, and a rank never found ready is known down: 503.
+    # Once ready, three polls in a row must fail, at the default interval, to change that.
     settings = Settings(host="127.0.0.1", port=0, decode_url=engine.url)
     sidecar = await start_sidecar(settings)
+
+    async def ready() -> bool:
+        return (await exchange(sidecar.port, request_head("/ready", {}, "GET"))).status == 200
+
+    await eventually(ready)
     yield sidecar
     await sidecar.close()
 
