@@ -620,7 +620,7 @@ def test_the_typos_an_operator_made_are_answered(typed: str, meant: str) -> None
         ("prefill_endpoints", "p0:8000;p1:8000", "'p0:8000;p1:8000': the items of a list are"),
         ("prefill_endpoints", "p0:8000 p1:8000", "separated by commas (a,b), not by ';' or spaces"),
         ("prefill_endpoints", '["p0:8000", "p1:8000"]', "is written as a JSON list: give the"),
-        ("prefill_allowed_cidrs", "10.0.0.0/8; fd00::/8", "separated by commas (a,b)"),
+        ("prefill_allowed_cidrs", "127.0.0.0/8; ::1/128", "separated by commas (a,b)"),
         ("host", "0.0.0.0 ::", "separated by commas (a,b)"),
     ],
 )
@@ -641,7 +641,7 @@ def test_commas_with_spaces_and_bracketed_ipv6_are_lists() -> None:
 
 
 def test_a_decode_engine_on_an_address_the_sidecar_does_not_listen_on_is_not_the_sidecar() -> None:
-    """Listening on the pod's address alone, the sidecar does not take 127.0.0.1:8200."""
-    Settings(host="10.0.0.5", port=8200, decode_url="http://127.0.0.1:8200")
+    """Listening on one address alone, the sidecar does not take another's port 8200."""
+    Settings(host="127.0.0.5", port=8200, decode_url="http://127.0.0.1:8200")
     with pytest.raises(ValidationError, match="is on a port of the sidecar's own"):
         Settings(host="127.0.0.1", port=8200, decode_url="http://localhost:8200")
