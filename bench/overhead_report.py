@@ -8,10 +8,14 @@ the added latency over the floor, and the errors of all runs. :func:`table` and
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 FIGURES = (
@@ -261,3 +265,83 @@ def target_lines(found: list[dict[str, Any]]) -> list[str]:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[item["met"]]
         lines.append(f"  [{verdict:>6}] {item['target']}: {item['today']}")
     return lines
+
+
+# --- the results page's tables (docs/benchmark-tables.md) ---------------------------------------
+
+_MARKDOWN = (
+    ("req/s", "throughput_rps"),
+    ("p50 ms", "latency_p50_ms"),
+    ("p99 ms", "latency_p99_ms"),
+    ("TTFB p50", "ttfb_p50_ms"),
+    ("TTFB p99", "ttfb_p99_ms"),
+    ("+p50 ms", "added_p50_ms"),
+    ("CPU s / 1000 req", "cpu_s_per_1000"),
+    ("chunks / CPU s", "chunks_per_cpu_s"),
+    ("peak RSS MiB", "peak_rss_mib"),
+    ("proxy core %", "proxy_core_pct"),
+    ("client core %", "client_core_pct"),
+)
+
+
+def rows_from_json(report: dict[str, Any]) -> list[Row]:
+    """The medians a ``--json`` report stored, as rows."""
+    return [
+        Row(
+            item["variant"],
+            item["mode"],
+            item["concurrency"],
+            item["runs"],
+            item["requests"],
+            Counter(item["errors"]),
+            dict(item["figures"]),
+            item["added_p50_ms"],
+            item["added_p99_ms"],
+        )
+        for item in report["rows"]
+    ]
+
+
+def markdown(rows: list[Row]) -> dict[str, list[str]]:
+    """A Markdown table per mode, rows by concurrency then variant, as the results page shows
+    them: latencies in ms, +p50 signed, CPU in seconds per 1000 requests, RSS in MiB."""
+    tables: dict[str, list[str]] = {}
+    titles = ["c", "variant", *(title for title, _ in _MARKDOWN), "errors"]
+    for mode in dict.fromkeys(row.mode for row in rows):
+        lines = ["| " + " | ".join(titles) + " |", "|---|---|" + "---:|" * len(_MARKDOWN) + "---|"]
+        for row in sorted((r for r in rows if r.mode == mode), key=lambda r: r.concurrency):
+            cells = [_markdown_cell(row, name) for _, name in _MARKDOWN]
+            errors = sum(row.errors.values())
+            lines.append(
+                f"| {row.concurrency} | {row.variant} | {' | '.join(cells)} | {errors or ''} |"
+            )
+        tables[mode] = lines
+    return tables
+
+
+def _markdown_cell(row: Row, name: str) -> str:
+    value = getattr(row, name) if name.startswith("added") else row.get(name)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if name.startswith("added"):
+        return f"{value:+.2f}" if abs(value) < 100 else f"{value:+.0f}"
+    return _cell(row, name, 0).strip()
+
+
+def main_cli(argv: list[str] | None = None) -> int:
+    """``python -m bench.overhead_report REPORT.json``: its tables as the results page has them."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.overhead_report",
+        description="Print the Markdown tables of an overhead benchmark's JSON report.",
+    )
+    parser.add_argument("report", type=Path, help="a report of python -m bench overhead --json")
+    args = parser.parse_args(argv)
+    tables = markdown(rows_from_json(json.loads(args.report.read_text(encoding="utf-8"))))
+    for mode, lines in tables.items():
+        print(f"{mode}:\n")
+        print("\n".join(lines), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_cli())

@@ -4,13 +4,15 @@ in CI as ``make bench-smoke``."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
 from bench.client import Workload
-from bench.overhead_report import Point, medians, targets
+from bench.overhead_report import Point, markdown, medians, rows_from_json, targets
 from bench.profiling import heaviest
 
 STREAM = Workload(True, 3, 16)
@@ -127,3 +129,16 @@ async def test_the_decision_costs_report_is_written_as_json() -> None:
     decoded = orjson.loads(orjson.dumps(figures))
     assert set(decoded["continuations"]) == {"16", "64"}
     assert decoded["memory"]["qoe"]["median_us"] > 0
+
+
+def test_the_results_page_s_overhead_tables_are_their_json_rendered() -> None:
+    """docs/benchmark-tables.md: after each link to an overhead report, its tables, one per mode
+    in order, are what ``python -m bench.overhead_report REPORT`` prints for it."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "benchmark-tables.md").read_text()
+    sections = re.split(r"\(\[JSON\]\(\.\./(bench/results/[^)]+\.json)\)\)", page)
+    assert len(sections) >= 5, "two overhead reports linked"
+    for report, after in zip(sections[1::2], sections[2::2], strict=True):
+        tables = markdown(rows_from_json(orjson.loads((root / report).read_bytes())))
+        shown = [block.strip().splitlines() for block in re.findall(r"(?:^\|.*\n)+", after, re.M)]
+        assert shown[: len(tables)] == list(tables.values()), report

@@ -29,8 +29,9 @@ from bench.suite import (
 
 REPO = PACKAGE.parent
 
-HELPERS = {"floor_proxy", "otlp_sink", "traced_sidecar"}
-"""Programs the benchmarks start in subprocesses (``python -m bench.X``): not benchmarks."""
+HELPERS = {"floor_proxy", "otlp_sink", "overhead_report", "traced_sidecar"}
+"""Programs that are not benchmarks (``python -m bench.X``): those the benchmarks start in
+subprocesses, and the renderer of the overhead report's tables."""
 
 
 def _defines(path: Path, name: str) -> bool:
