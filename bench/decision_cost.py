@@ -156,7 +156,7 @@ async def time_placements(
     scheduler = scheduler_on(backend, policy, key=key)
     # No engine monitor: its scrapes would eject the 8 endpoints nobody listens on.
     await scheduler.start()
-    # What the placement records after its decision (a checkout that records in place(): None).
+    # What the placement records after its decision (a checkout that records while placing: None).
     record: Callable[[], None] | None = getattr(scheduler, "_record", None)
     if record is not None and not recorded:
         scheduler._defer = lambda *_: None  # type: ignore[method-assign]
@@ -609,7 +609,7 @@ def report(result: dict[str, Any]) -> list[str]:
         )
 
     for policy, figures in result["memory"].items():
-        row("place(), memory, " + policy, figures)
+        row("place_request(), memory, " + policy, figures)
         after = figures.get("recorded_after_cpu_median_us")
         if after is not None:
             lines.append(f"  {'  recorded after it (CPU median)':<44} {after:>10.1f}")
@@ -617,16 +617,17 @@ def report(result: dict[str, Any]) -> list[str]:
         row("  part: " + part, figures)
     for block, figures in result["continuations"].items():
         lines.append(
-            f"  place(), a continuation of {len(HISTORY) // 4} tokens, local blocks of {block}:"
+            f"  place_request(), a continuation of {len(HISTORY) // 4} tokens, local blocks of"
+            f" {block}:"
             f" CPU median {figures['cpu_median_us']:.1f} µs, recorded after"
             f" {figures['recorded_after_cpu_median_us']:.1f} µs"
         )
     redis = result["redis"]
     if isinstance(redis, str):
-        lines.append(f"  place(), redis: {redis}")
+        lines.append(f"  place_request(), redis: {redis}")
         return lines
-    row("place(), redis, " + redis["policy"] + ", prefix share on", redis)
-    row("place(), redis, " + redis["policy"] + ", prefix share off", redis["share_off"])
+    row("place_request(), redis, " + redis["policy"] + ", prefix share on", redis)
+    row("place_request(), redis, " + redis["policy"] + ", prefix share off", redis["share_off"])
     row("  redis PING round trip (redis.asyncio)", redis["ping"])
     row("  redis EVALSHA of an empty script (redis.asyncio)", redis["empty_evalsha"])
     if "bare_ping" in redis:

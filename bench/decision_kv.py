@@ -12,9 +12,9 @@ prefill endpoints, ``IN_FLIGHT`` placements reserved, both approximate prefix in
 fed ``EventBatch``es built in this process (no ZMQ; a subscriber stand-in says "connected"), each
 holding ``FILLER`` other prompts of 125 blocks of 16 tokens. The token ids are given (a token
 source that answers at once with the ids the emulator's ``/tokenize`` gives for the prompt),
-so the timed ``place()`` is the decision alone; the ``/tokenize`` round trip is measured apart,
-on loopback against a real emulator process, through the sidecar's own ``TokenSource``: it is
-part of the request's time to first token, not of the decision.
+so the timed ``place_request()`` is the decision alone; the ``/tokenize`` round trip is measured
+apart, on loopback against a real emulator process, through the sidecar's own ``TokenSource``: it
+is part of the request's time to first token, not of the decision.
 
 Cases, each prompt's text distinct per placement (the approximate indexes miss at their first
 block, as in ``decision_cost.py``):
@@ -24,8 +24,8 @@ block, as in ``decision_cost.py``):
   stored in turn on endpoints 0..7 and cycled through): that endpoint's look-up hits all 124
   blocks a hit may cover (vLLM computes the last token), the other 8 indexes miss at block 0.
 
-Reported: ``place()``'s wall median / p99 and thread-CPU median; the parts on their own — the
-request's keys (``PromptKeys``, computed as far as the look-ups read them), the 9 look-ups on
+Reported: ``place_request()``'s wall median / p99 and thread-CPU median; the parts on their own —
+the request's keys (``PromptKeys``, computed as far as the look-ups read them), the 9 look-ups on
 those keys (the hitting endpoint's apart), and the rest of the decision by difference.
 ``--instructions``: callgrind's ``Ir`` per decision (the placement's recording left out, as
 ``decision_cost.py``'s "the decision"), per keys and per look-ups, from two runs of ``SHORT``
@@ -407,14 +407,14 @@ def run(iterations: int, *, count: bool, tokenize_calls: int = 300) -> int:
     print(f"  {'what':<52} {'median µs':>10} {'p99 µs':>10} {'CPU med µs':>10}")
     unfleeted = asyncio.run(placements("off", iterations))
     print(  # the same placements without the fleet (decision_cost.py's memory qoe)
-        f"  {'place(), KV events off (the same placements)':<52}"
+        f"  {'place_request(), KV events off (the same placements)':<52}"
         f" {unfleeted['median_us']:>10.1f} {unfleeted['p99_us']:>10.1f}"
         f" {unfleeted['cpu_median_us']:>10.1f}"
     )
     for case in CASES:
         figures = asyncio.run(placements(case, iterations))
         print(
-            f"  {'place(), ' + case:<52} {figures['median_us']:>10.1f}"
+            f"  {'place_request(), ' + case:<52} {figures['median_us']:>10.1f}"
             f" {figures['p99_us']:>10.1f} {figures['cpu_median_us']:>10.1f}"
             f"  sources {figures['cached_source']}, {figures['reasons']}"
         )
