@@ -255,6 +255,7 @@ def create_app(
         admin.router.add_get("/health", views.health)
         admin.router.add_get("/ready", views.ready)
         app.router.add_route("*", "/metrics", views.elsewhere)
+        app.router.add_route("*", "/debug", views.elsewhere)
         app.router.add_route("*", "/debug/{tail:.*}", views.elsewhere)
         app[ADMIN_APP] = admin
         admin.on_response_prepare.append(_stamp_request_id)
@@ -265,6 +266,7 @@ def create_app(
     admin.router.add_get("/debug/scheduler", views.debug_scheduler)
     admin.router.add_get("/debug/requests", debug.requests)
     admin.router.add_get("/debug/requests/{id}", debug.request)
+    admin.router.add_get("/debug", debug.index)
     admin.router.add_get("/debug/ui", debug.ui)
     admin.router.add_get("/debug/ui/{name}", debug.ui_asset)
     admin.router.add_route("*", "/debug/{tail:.*}", debug.unknown)

@@ -257,3 +257,18 @@ async def test_a_limit_is_a_few_ascii_digits(http, sidecar, limit: str) -> None:
         assert "limit" in error["message"]
     async with http.get(sidecar.url + "/debug/requests", params={"limit": "999999999"}) as ok:
         assert ok.status == 200  # nine digits: clamped to the history
+
+
+@pytest.mark.parametrize("query", ["", "?state=failed&limit=5"])
+async def test_debug_leads_to_the_page(http, start_sidecar_with: StartSidecar, query: str) -> None:
+    """``/debug`` itself (not a 404): a redirect to the page, its query kept; on the API port
+    of a sidecar with an admin port, the pointer there, as for every ``/debug/...``."""
+    sidecar = await start_sidecar_with(admin_port=0)
+    async with http.get(sidecar.admin_url + "/debug" + query, allow_redirects=False) as response:
+        assert response.status == 302
+        assert response.headers["Location"] == "debug/ui" + query  # relative: under any prefix
+    async with http.get(sidecar.admin_url + "/debug" + query) as response:
+        assert (response.status, response.content_type) == (200, "text/html")
+    async with http.get(sidecar.url + "/debug") as response:
+        assert response.status == 404
+        assert "admin port" in (await response.json())["error"]["message"]

@@ -107,6 +107,8 @@ class Readiness:
         self._remind_every_s = remind_every_s
         self._unready_since = clock()
         self._remind_at: float | None = None  # None: the reason was not logged yet
+        self._ready_before = False
+        """Whether it was ready once: ready again after an outage says for how long it was not."""
         self.draining = False
         """Set at SIGTERM: not ready any more, whatever the engine says."""
 
@@ -152,8 +154,13 @@ class Readiness:
         ok = self.ready
         now = self._clock()
         if ok:
-            if not was:
-                logger.info("decode engine ready (not ready for %.0f s)", now - self._unready_since)
+            if not was and self._ready_before:
+                logger.info(
+                    "decode engine ready again (not ready for %.0f s)", now - self._unready_since
+                )
+            elif not was:
+                logger.info("decode engine ready")
+            self._ready_before = True
             self._remind_at = None
         elif was:
             self._unready_since = now

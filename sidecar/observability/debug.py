@@ -61,6 +61,12 @@ class DebugViews:
         response.headers[SERVER_TIME_HEADER] = f"{time.time():.3f}"
         return response
 
+    async def index(self, request: web.Request) -> web.Response:
+        """``/debug`` leads to the page (its query kept), by a relative reference: behind a path
+        prefix (``kubectl proxy``'s) it stays under it."""
+        query = request.query_string
+        raise web.HTTPFound("debug/ui" + (f"?{query}" if query else ""))
+
     async def ui(self, request: web.Request) -> web.Response:
         """The page, whatever the ``Accept`` header; the query is checked as for JSON."""
         try:

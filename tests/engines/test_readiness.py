@@ -169,7 +169,7 @@ async def test_one_slow_poll_does_not_flip_readiness(
 
     await eventually(polled_again)
     assert await ready(http, sidecar) == (200, '{"status":"ready"}')
-    assert lines(caplog) == ["decode engine ready (not ready for 0 s)", slow]
+    assert lines(caplog) == ["decode engine ready", slow]
 
 
 @pytest.mark.parametrize("failures", [3, 2])
@@ -226,7 +226,7 @@ async def test_successes_turn_it_ready_again(
         )
     await poll(sidecar)
     assert (await ready(http, sidecar))[0] == 200
-    assert lines(caplog)[-1].startswith("decode engine ready (not ready for ")
+    assert lines(caplog)[-1].startswith("decode engine ready again (not ready for ")
 
 
 async def test_a_refused_connection_is_unready_at_once(
