@@ -85,6 +85,10 @@ class Ranked:
             "kv_events": True,
             "kv_events_decode_port": port,
             "kv_events_decode_replay_port": replay,
+            # The ranks' /tokenize (in this process) answers well within it even cold and on a
+            # loaded machine; past the default 50 ms a request would be placed without its token
+            # ids, by the approximate indexes, which these tests are not about.
+            "kv_events_tokenize_timeout_ms": 5000,
         }
         values.update(settings)
         self.sidecar = await start_sidecar(Settings(**values))
