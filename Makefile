@@ -58,7 +58,7 @@ e2e-vllm-setup:
 	e2e/setup_vllm.sh
 
 e2e-vllm: setup e2e-vllm-setup
-	$(PY) -m pytest -m e2e_vllm tests/e2e_vllm
+	$(PY) -m pytest -m e2e_vllm --tb=short tests/e2e_vllm
 
 demo-vllm: setup e2e-vllm-setup
 	$(PY) -m e2e.demo_vllm
