@@ -9,7 +9,8 @@ served, up to the batch budget of prompt tokens per iteration (longer prompts ar
 several), an iteration costing the sum of its chunks; so a prefill's time grows with its tokens
 and with the batch it shares. A decode engine gives local prefills priority: while one runs,
 its decode batch stalls. Otherwise it runs decode steps, one token for every running request per
-step, a step taking longer the larger the batch. ``slots`` (the calibration against real
+step, a step taking longer the larger the batch. It runs at most ``decode_max_batch`` requests
+(local prefills included); the others queue, first come first served, for a free seat. ``slots`` (the calibration against real
 emulators): exactly what ``sidecar.emulator`` does — ``max_num_seqs`` slots taken first come
 first served, and every admitted request sleeps on its own: its prefill (or KV transfer), then
 one decode delay per output token after the first, each delay × (1 + slowdown × (running − 1))
@@ -228,7 +229,8 @@ class PrefillEngine:
 
 
 class DecodeEngine:
-    """Local prefills first (the decode batch stalls meanwhile), else one decode step."""
+    """Local prefills first (the decode batch stalls meanwhile), else one decode step; at most
+    ``decode_max_batch`` requests seated (prefilling, joining or decoding), the rest queued."""
 
     def __init__(
         self,
@@ -259,16 +261,40 @@ class DecodeEngine:
         self._finishing: list[tuple[int, int, Request]] = []
         self._joining: list[tuple[Request, bool]] = []
         self._first_pending: list[Request] = []
+        self._seats = scenario.decode_max_batch
+        self._seated = 0
+        self._queue: deque[tuple[Request, Job | None]] = deque()
+        """Requests waiting for a seat: a local prefill's job, or None for a remote one."""
 
     def submit_local(self, job: Job) -> None:
-        self._local.add(job)
+        self._admit(job.request, job)
+
+    def arrive_remote(self, request: Request) -> None:
+        """The KV cache arrived: the request joins the batch at the next step boundary (once it
+        has a seat)."""
+        self._admit(request, None)
+
+    def _admit(self, request: Request, job: Job | None) -> None:
+        if self._seats and self._seated >= self._seats:
+            self._queue.append((request, job))
+            self._record()
+            return
+        self._seat(request, job)
         self._kick()
         self._record()
 
-    def arrive_remote(self, request: Request) -> None:
-        """The KV cache arrived: the request joins the batch at the next step boundary."""
-        self._joining.append((request, True))
-        self._kick()
+    def _seat(self, request: Request, job: Job | None) -> None:
+        self._seated += 1
+        if job is None:
+            self._joining.append((request, True))
+        else:
+            self._local.add(job)
+
+    def _leave(self) -> None:
+        """A request finished: its seat goes to the first one waiting."""
+        self._seated -= 1
+        if self._queue:
+            self._seat(*self._queue.popleft())
 
     def _kick(self) -> None:
         if not self._busy:
@@ -309,6 +335,7 @@ class DecodeEngine:
                 self._joining.append((request, False))
             else:
                 request.finish = now
+                self._leave()
                 self._on_finish(request)
         self._start()
         self._record()
@@ -327,13 +354,16 @@ class DecodeEngine:
             request.finish = now
             self._batch -= 1
             finished = True
+            self._leave()
             self._on_finish(request)
         self._start()
         if finished:
             self._record()
 
     def _record(self) -> None:
-        self.gauge.record(self._loop.now, self._local.waiting, self._local.running + self._batch)
+        self.gauge.record(
+            self._loop.now, self._local.waiting + len(self._queue), self._local.running + self._batch
+        )
 
 
 class SlotPrefillEngine:

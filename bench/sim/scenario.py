@@ -41,6 +41,11 @@ class Scenario:
     decode_step_s_at_1: float = 0.020
     decode_step_s_at_64: float = 0.040
     """``batched``: decode step time at batch 1 and 64, linear in between and beyond."""
+    decode_max_batch: int = 64
+    """``batched``: requests a decode engine runs at once (its local prefills included); the
+    others wait, first come first served, and the wait is part of their time to first token
+    (vLLM's ``max_num_seqs``, in practice bound by the KV cache: 64 sequences of ~5,500 tokens is
+    about what an 80 GB GPU holds beside an 8B model's weights). 0: no bound."""
     transfer: Transfer = Transfer(fixed_s=0.002, s_per_token=1e-7)
     engine_model: EngineModel = "batched"
     """``batched``: iteration-level batching, a local prefill stalls its decode batch (the
