@@ -10,11 +10,11 @@ several), an iteration costing the sum of its chunks; so a prefill's time grows 
 and with the batch it shares. A decode engine gives local prefills priority: while one runs,
 its decode batch stalls. Otherwise it runs decode steps, one token for every running request per
 step, a step taking longer the larger the batch. It runs at most ``decode_max_batch`` requests
-(local prefills included); the others queue, first come first served, for a free seat. ``slots`` (the calibration against real
-emulators): exactly what ``sidecar.emulator`` does — ``max_num_seqs`` slots taken first come
-first served, and every admitted request sleeps on its own: its prefill (or KV transfer), then
-one decode delay per output token after the first, each delay × (1 + slowdown × (running − 1))
-with ``running`` read when the delay starts.
+(local prefills included); the others queue, first come first served, for a free seat.
+``slots`` (the calibration against real emulators): exactly what ``sidecar.emulator`` does —
+``max_num_seqs`` slots taken first come first served, and every admitted request sleeps on its
+own: its prefill (or KV transfer), then one decode delay per output token after the first, each
+delay × (1 + slowdown × (running − 1)) with ``running`` read when the delay starts.
 """
 
 from __future__ import annotations
@@ -361,9 +361,8 @@ class DecodeEngine:
             self._record()
 
     def _record(self) -> None:
-        self.gauge.record(
-            self._loop.now, self._local.waiting + len(self._queue), self._local.running + self._batch
-        )
+        waiting = self._local.waiting + len(self._queue)
+        self.gauge.record(self._loop.now, waiting, self._local.running + self._batch)
 
 
 class SlotPrefillEngine:

@@ -150,15 +150,18 @@ class Simulation:
         self._hasher = prefill_hasher()
         self._share = PrefixShare(self.loop, scenario, self.sidecars, seed)
         self._sglang: SglangCacheAware | None = None
+        self._sglang_decode: SglangCacheAware | None = None
         self._llmd: LlmdScorer | None = None
+        self._decode_pods = [f"decode-{i}" for i in range(scenario.decode_engines)]
         if variant.policy == "sglang_cache_aware":
             self._sglang = SglangCacheAware(keys)
+            self._sglang_decode = SglangCacheAware(self._decode_pods)
         elif variant.policy == "llm-d_pd_scorer":
             self._llmd = LlmdScorer(
                 keys,
                 scenario.prefill_cache_tokens // scenario.block_size,
                 random.Random(f"llm-d-{seed}"),
-                lambda key, at: float(self.prefill[key].gauge.at(at)[0]),
+                self._pod_waiting,
             )
         self._remote_tokens = 0
         self._remote_cached = 0
@@ -178,6 +181,12 @@ class Simulation:
 
     def _clock(self) -> float:
         return self.loop.now
+
+    def _pod_waiting(self, pod: str, at: float) -> float:
+        """A pod's waiting gauge as it was at ``at`` (what llm-d's queue scorer scrapes)."""
+        if pod.startswith("decode-"):
+            return float(self.decode[int(pod.removeprefix("decode-"))].gauge.at(at)[0])
+        return float(self.prefill[pod].gauge.at(at)[0])
 
     # What the approximate index cannot see: restarts, other traffic.
 
@@ -243,15 +252,23 @@ class Simulation:
                 loop.at(now + DRAIN_S, self._give_up)
         self._schedule_arrival()
 
-        engine = shape.home if shape.home is not None else self._gateway()
+        anchor = self.variant.mode == "anchor"
+        segments = shape.segments or (Segment(-1 - index, shape.prompt_tokens, shape.prompt_chars),)
+        llmd_hashes = self._llmd.hashes(prompt_text(segments)) if self._llmd else []
+        if shape.home is not None:
+            engine = shape.home
+        elif anchor:
+            engine = self._anchor_decode(segments, shape.prompt_chars, llmd_hashes)
+        else:
+            engine = self._gateway()
         request.engine = engine
         self.decode[engine].outstanding += 1
         sidecar = self.sidecars[engine]
         tokens, blocks = self._estimate(sidecar, shape)
         claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
         request.claim = claim
-        if self.variant.mode == "anchor":
-            self._route(request, sidecar, tokens)
+        if anchor:
+            self._route(request, segments, llmd_hashes, tokens)
             return
         sidecar.state.refresh(lambda: self._place(request, sidecar, tokens, cached))
 
@@ -343,12 +360,22 @@ class Simulation:
         request.sent = self.loop.now
         self.prefill[key].submit(Job(request, shape.prompt_tokens))
 
-    def _route(self, request: Request, sidecar: Sidecar, tokens: int) -> None:
+    def _anchor_decode(self, segments: Sequence[Segment], chars: int, hashes: list[int]) -> int:
+        """The anchor's own decode pick: SGLang's ``cache_aware`` on the decode workers, llm-d's
+        decode profile (prefix × 2 + queue × 1 over the decode pods)."""
+        now = self.loop.now
+        if self._sglang_decode is not None:
+            pod = self._sglang_decode.choose(segments, chars, now)
+        else:
+            assert self._llmd is not None
+            pod = self._llmd.choose(hashes, now, self._decode_pods)
+        return int(pod.removeprefix("decode-"))
+
+    def _route(
+        self, request: Request, segments: Sequence[Segment], hashes: list[int], tokens: int
+    ) -> None:
         """An anchor's central router decides (bench.sim.anchors), on the request's text."""
         shape = request.shape
-        segments = shape.segments or (
-            Segment(-1 - request.id, shape.prompt_tokens, shape.prompt_chars),
-        )
         if self._sglang is not None:
             # SGLang's PD mode disaggregates every request.
             request.reason = "scheduled"
@@ -356,7 +383,6 @@ class Simulation:
             return
         assert self._llmd is not None
         llmd = self._llmd
-        hashes = llmd.hashes(prompt_text(segments))
         decode_pod = f"decode-{request.engine}"
         if llmd.disaggregates(decode_pod, hashes, shape.prompt_chars):
             key = llmd.choose(hashes, self.loop.now)
@@ -443,6 +469,8 @@ class Simulation:
         self.decode[request.engine].outstanding -= 1
         if self._sglang is not None and request.endpoint is not None:
             self._sglang.finished(request.endpoint)
+        if self._sglang_decode is not None and request.shape.home is None:
+            self._sglang_decode.finished(f"decode-{request.engine}")
         request.claim.end()
         if request.measured:
             self._done += 1

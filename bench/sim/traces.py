@@ -65,7 +65,7 @@ def spread(times: Sequence[float]) -> list[float]:
         return list(times)
     last_interval = (distinct[-1] - distinct[0]) / (len(distinct) - 1)
     following = dict(zip(distinct, [*distinct[1:], distinct[-1] + last_interval], strict=True))
-    arrivals = []
+    arrivals: list[float] = []
     start = 0
     while start < len(times):
         at = times[start]

@@ -3,15 +3,19 @@ own decode picks, the metrics, the rate grid and the paired intervals."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+from collections import Counter, defaultdict
 from dataclasses import replace
 
 import pytest
 
+from bench.sim.anchors import LlmdScorer
 from bench.sim.engines import DecodeEngine, Loop, Request
 from bench.sim.run import Simulation
-from bench.sim.scenario import QOE
-from bench.sim.scenarios import MOONCAKE, STANDARD
+from bench.sim.scenario import LEAST_LOADED, LLMD, QOE, SGLANG
+from bench.sim.scenarios import MOONCAKE, SHARED_PROMPTS, STANDARD
 from bench.sim.workload import Shape
 
 
@@ -37,7 +41,7 @@ def test_a_trace_s_grouped_timestamps_replay_evenly_spread_at_every_rate(tmp_pat
     assert len(set(arrivals)) == len(stamps)
     steps = [0.25] * 4 + [1.0] * 2 + [1.0] + [4 / 9] * 2  # seconds of trace time apart
     scale = (len(stamps) - 1) / sum(steps)  # the trace's mean rate is 1 request/s
-    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
     assert gaps == pytest.approx([step * scale / rate for step in steps])
 
 
@@ -65,3 +69,36 @@ def test_a_decode_engine_runs_at_most_its_batch_and_queues_the_rest(seats):
         # The second and third join the batch at the same step boundary.
         assert third.first_token == second.first_token < first.finish
     assert len(finished) == 3
+
+
+def decode_concentration(variant) -> float:
+    """Mean over system prompts of the share of its requests on its most used decode engine."""
+    scenario = replace(SHARED_PROMPTS, prefill_engines=2, decode_engines=4)
+    simulation = Simulation(scenario, variant, 2.0, measured=300, warmup=50, seed=2)
+    simulation.run()
+    engines: dict[int, Counter[int]] = defaultdict(Counter)
+    for request in simulation.requests:
+        engines[request.shape.segments[0].key][request.engine] += 1
+    return sum(max(c.values()) / sum(c.values()) for c in engines.values()) / len(engines)
+
+
+def test_each_anchor_picks_the_decode_engine_its_own_way():
+    # SGLang's cache_aware and llm-d's decode profile both follow the prompt's prefix to the
+    # decode engine that saw it; the gateway in front of the other variants spreads by load.
+    assert decode_concentration(SGLANG) > 0.9
+    assert decode_concentration(LLMD) > 0.9
+    assert decode_concentration(LEAST_LOADED) < 0.7
+
+
+def test_llmd_s_decode_profile_lets_the_queue_push_back():
+    waiting = {"decode-0": 4.0, "decode-1": 0.0, "p0": 0.0}
+    scorer = LlmdScorer(["p0"], 1000, random.Random(1), lambda pod, at: waiting[pod])
+    hashes = scorer.hashes("y" * 640)
+    pods = ["decode-0", "decode-1"]
+    scorer.record("decode-0", hashes)
+    assert scorer.choose(hashes, 0.0, pods) == "decode-0"  # 2 x 1 + 0 > 0 + 1
+    scorer.record("decode-1", hashes[:4])
+    assert scorer.choose(hashes, 0.0, pods) == "decode-0"  # 2 > 2 x 0.4 + 1
+    scorer._index["decode-0"].clear()
+    scorer.record("decode-0", hashes[:4])
+    assert scorer.choose(hashes, 0.0, pods) == "decode-1"  # the queue decides between equals
