@@ -20,10 +20,11 @@ delay × (1 + slowdown × (running − 1)) with ``running`` read when the delay 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,26 @@ class Request:
     """The sidecar's ``PrefixGuess`` for the endpoint it chose (its feedback)."""
     predicted_cached: int = -1
     """True tokens the sidecar predicted the chosen prefill engine holds (-1: no prediction)."""
+    joined: int = -1
+    """The decode step after which it joined the batch (its tokens come from the next ones)."""
+    tail_tbt: float = math.nan
+    """Mooncake's tail time between tokens: the mean of the longest 10 % of its inter-token
+    gaps (``tail_gap``); 0 for a one-token answer."""
+
+
+TAIL_SHARE = 0.10
+"""Mooncake (FAST'25, kvcache-ai/Mooncake ``FAST25-release/Mooncake-FAST25.pdf``, §5.1 Metric):
+"the TBT is calculated as the average of the longest 10% of the token arrival intervals"."""
+
+
+def tail_gap(times: Sequence[float]) -> float:
+    """The mean of the longest ``TAIL_SHARE`` of the gaps between consecutive token times (at
+    least one gap; 0 when there is none)."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    if not gaps:
+        return 0.0
+    longest = heapq.nlargest(max(1, math.ceil(TAIL_SHARE * len(gaps))), gaps)
+    return sum(longest) / len(longest)
 
 
 @dataclass(slots=True, eq=False)
@@ -257,6 +278,8 @@ class DecodeEngine:
         self._on_finish = on_finish
         self._busy = False
         self._step = 0
+        self._ends: list[float] = [0.0]
+        """When each decode step ended (index: the step's number), for the inter-token gaps."""
         self._batch = 0
         self._finishing: list[tuple[int, int, Request]] = []
         self._joining: list[tuple[Request, bool]] = []
@@ -313,6 +336,7 @@ class DecodeEngine:
                 # A remote prefill's first token comes from this engine's first step; a local
                 # prefill produced it already.
                 tokens = request.shape.output_tokens - (0 if remote else 1)
+                request.joined = self._step
                 heapq.heappush(self._finishing, (self._step + tokens, request.id, request))
                 self._batch += 1
                 if remote:
@@ -335,6 +359,7 @@ class DecodeEngine:
                 self._joining.append((request, False))
             else:
                 request.finish = now
+                request.tail_tbt = 0.0
                 self._leave()
                 self._on_finish(request)
         self._start()
@@ -343,6 +368,7 @@ class DecodeEngine:
     def _end_step(self, _: object) -> None:
         now = self._loop.now
         self._step += 1
+        self._ends.append(now)
         for request in self._first_pending:
             request.first_token = now
             self._on_first_token(request)
@@ -352,6 +378,11 @@ class DecodeEngine:
         while finishing and finishing[0][0] <= self._step:
             request = heapq.heappop(finishing)[2]
             request.finish = now
+            # A remote prefill's tokens all come from steps; a local one's first from its prefill.
+            times = self._ends[request.joined + 1 :]
+            request.tail_tbt = tail_gap(
+                times if request.endpoint is not None else [request.first_token, *times]
+            )
             self._batch -= 1
             finished = True
             self._leave()
@@ -481,11 +512,13 @@ class SlotDecodeEngine:
     def _first(self, request: Request) -> None:
         request.first_token = self._loop.now
         self._on_first_token(request)
-        self._step(request, request.shape.output_tokens - 1)
+        self._step(request, request.shape.output_tokens - 1, [request.first_token])
 
-    def _step(self, request: Request, left: int) -> None:
+    def _step(self, request: Request, left: int, times: list[float]) -> None:
+        """``times``: when each of its tokens came, so far."""
         if left <= 0:
             request.finish = self._loop.now
+            request.tail_tbt = tail_gap(times)
             self._running -= 1
             if self._waiting:
                 self._start(*self._waiting.popleft())
@@ -493,7 +526,11 @@ class SlotDecodeEngine:
             self._on_finish(request)
             return
         delay = self._scenario.decode_s_per_token * self._factor()
-        self._loop.at(self._loop.now + delay, lambda _: self._step(request, left - 1))
+        self._loop.at(self._loop.now + delay, lambda _: self._token(request, left - 1, times))
+
+    def _token(self, request: Request, left: int, times: list[float]) -> None:
+        times.append(self._loop.now)
+        self._step(request, left, times)
 
     def _record(self) -> None:
         self.gauge.record(self._loop.now, len(self._waiting), self._running)

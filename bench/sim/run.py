@@ -22,6 +22,7 @@ from bench.sim.engines import (
 from bench.sim.exact import EventedCache, ExactPrompt, ExactSource, prompt_ids
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key, prefill_hasher
+from bench.sim.slos import Met, slos
 from bench.sim.state import PrefixShare, state_factory
 from bench.sim.texts import Segment, prompt_text
 from bench.sim.workload import Shape, shapes
@@ -53,6 +54,11 @@ class RunStats:
     ttft_p99: float
     tpot_p50: float
     tpot_p99: float
+    tpot_mean: float
+    tail_tbt_mean: float
+    """Mooncake's tail time between tokens (the mean of the longest 10 % of a request's
+    inter-token gaps), averaged over the measured requests; its 90th percentile below."""
+    tail_tbt_p90: float
     remote_share: float
     reasons: dict[str, int]
     queue_mean: float
@@ -75,6 +81,9 @@ class RunStats:
     sim_s: float
     by_kind: dict[str, float] = field(default_factory=dict)
     """SLO attainment per request kind."""
+    slos: dict[str, Met] = field(default_factory=dict)
+    """Per SLO set (``bench.sim.slos``): the shares meeting both bounds, TTFT's, the decode
+    one's. ``scaled`` is ``attainment`` / ``ttft_attainment`` / ``tpot_attainment``."""
 
 
 class Simulation:
@@ -499,6 +508,9 @@ class Simulation:
         met_ttft = met_tpot = met = 0
         ttfts: list[float] = []
         tpots: list[float] = []
+        tails: list[float] = []
+        judged = slos(scenario)
+        counts = {slo.name: [0, 0, 0] for slo in judged}
         kinds: Counter[str] = Counter()
         kinds_met: Counter[str] = Counter()
         unfinished = 0
@@ -508,11 +520,20 @@ class Simulation:
             if math.isnan(request.finish):
                 unfinished += 1
                 ttft = math.inf if math.isnan(ttft) else ttft
-                tpot = math.inf
+                tpot = tail = math.inf
             else:
                 tpot = (request.finish - request.first_token) / max(1, shape.output_tokens - 1)
+                tail = request.tail_tbt
             ttfts.append(ttft)
             tpots.append(tpot)
+            tails.append(tail)
+            for slo in judged:
+                count = counts[slo.name]
+                ttft_ok = slo.ttft_met(scenario, shape.prompt_tokens, ttft)
+                decode_ok = slo.decode_met(tpot, tail)
+                count[0] += ttft_ok and decode_ok
+                count[1] += ttft_ok
+                count[2] += decode_ok
             ok_ttft = ttft <= scenario.ttft_slo(shape.prompt_tokens)
             ok_tpot = tpot <= scenario.tpot_slo_s
             met_ttft += ok_ttft
@@ -537,6 +558,9 @@ class Simulation:
             ttft_p99=percentile(ttfts, 99),
             tpot_p50=percentile(tpots, 50),
             tpot_p99=percentile(tpots, 99),
+            tpot_mean=sum(tpots) / n,
+            tail_tbt_mean=sum(tails) / n,
+            tail_tbt_p90=percentile(tails, 90),
             remote_share=sum(r.endpoint is not None for r in self.requests) / n,
             reasons=dict(Counter(r.reason for r in self.requests)),
             queue_mean=self._sum_mean / samples,
@@ -554,6 +578,7 @@ class Simulation:
             wall_s=wall_s,
             sim_s=self.loop.now,
             by_kind={kind: kinds_met[kind] / count for kind, count in kinds.items()},
+            slos={name: Met(*(c / n for c in count)) for name, count in counts.items()},
         )
 
 

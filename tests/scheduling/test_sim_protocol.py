@@ -12,9 +12,9 @@ from dataclasses import replace
 import pytest
 
 from bench.sim.anchors import LlmdScorer
-from bench.sim.engines import DecodeEngine, Loop, Request
+from bench.sim.engines import DecodeEngine, Job, Loop, Request, tail_gap
 from bench.sim.run import Simulation
-from bench.sim.scenario import LEAST_LOADED, LLMD, QOE, SGLANG
+from bench.sim.scenario import LEAST_LOADED, LLMD, NEVER, QOE, SGLANG
 from bench.sim.scenarios import MOONCAKE, SHARED_PROMPTS, STANDARD
 from bench.sim.workload import Shape
 
@@ -102,3 +102,58 @@ def test_llmd_s_decode_profile_lets_the_queue_push_back():
     scorer._index["decode-0"].clear()
     scorer.record("decode-0", hashes[:4])
     assert scorer.choose(hashes, 0.0, pods) == "decode-1"  # the queue decides between equals
+
+
+def test_tail_time_between_tokens_is_the_mean_of_the_longest_tenth_of_the_gaps():
+    times = [0.0]
+    for gap in [0.02] * 18 + [0.5, 0.3]:
+        times.append(times[-1] + gap)
+    assert tail_gap(times) == pytest.approx(0.4)  # the longest 2 of 20 gaps
+    assert tail_gap(times[:12]) == pytest.approx(0.02)  # 11 gaps: the longest 2
+    assert tail_gap([1.0]) == 0.0
+
+
+def test_a_local_prefill_s_stall_shows_in_the_tail_not_in_the_mean_tpot():
+    loop = Loop()
+    engine = DecodeEngine(loop, 0, STANDARD, lambda request: None, lambda request: None)
+    (decoding,) = remote_requests(1, output_tokens=60)
+    decoding.endpoint = "p0"
+    engine.arrive_remote(decoding)
+    prompt = Shape("rag", 6000, 0, 2, None, 0.0, prompt_chars=24000)
+    local = Request(1, prompt, 0.3, True)
+    loop.at(0.3, lambda _: engine.submit_local(Job(local, 6000)))  # stalls the batch ~0.7 s
+    loop.run()
+    tpot = (decoding.finish - decoding.first_token) / 59
+    assert tpot < STANDARD.tpot_slo_s  # the mean hides the stall ...
+    assert decoding.tail_tbt > 0.1  # ... the tail shows it
+    assert local.tail_tbt == pytest.approx(local.finish - local.first_token)  # one gap
+
+
+def test_every_run_reports_each_slo_set_and_its_two_halves_apart():
+    stats = Simulation(
+        replace(STANDARD, prefill_engines=2, decode_engines=2),
+        NEVER,
+        6.0,
+        measured=300,
+        warmup=50,
+        seed=3,
+    ).run()
+    assert list(stats.slos) == [
+        "scaled",
+        "constant",
+        "mooncake 100 ms",
+        "mooncake 200 ms",
+        "mooncake 300 ms",
+    ]
+    scaled = stats.slos["scaled"]
+    assert (scaled.both, scaled.ttft, scaled.decode) == (
+        stats.attainment,
+        stats.ttft_attainment,
+        stats.tpot_attainment,
+    )
+    for met in stats.slos.values():
+        assert met.both <= min(met.ttft, met.decode)
+    tails = [stats.slos[f"mooncake {ms} ms"].decode for ms in (100, 200, 300)]
+    assert tails == sorted(tails)
+    assert tails[0] < 1  # local prefills stall the batches
+    assert stats.tail_tbt_mean > stats.tpot_mean
