@@ -38,8 +38,12 @@ crossing: the goodput read there moves little with a point of attainment."""
 CAPACITY_SAMPLE = 4000
 """Requests of the workload (seed 1) the capacity is computed on; a trace: all of it."""
 
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-"""Student's t, 97.5 % quantile, for 1-10 degrees of freedom."""
+_T975 = (
+    *(12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228),
+    *(2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086),
+    *(2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042),
+)
+"""Student's t, 97.5 % quantile, for 1-30 degrees of freedom (beyond: 1.96)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +116,7 @@ def paired_ratio(values: Sequence[float], bases: Sequence[float]) -> Interval | 
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return Interval(math.exp(mean), math.nan, math.nan, len(logs))
-    t = _T975[min(len(logs) - 1, len(_T975)) - 1] if len(logs) <= 11 else 1.96
+    t = _T975[len(logs) - 2] if len(logs) - 1 <= len(_T975) else 1.96
     half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(logs))
 
@@ -215,8 +219,8 @@ def report(
         "ratios, geometric mean over seeds [paired 95 % interval]; attainment (scaled SLO) at "
         "each rate, goodput where every seed of both crosses steeply:"
     )
-    header = f"{'factor':<17}{'ratio':<42}{'goodput':>22}"
-    lines.append(header + "".join(f"{r:>22.2f}" for r in rates))
+    header = f"{'factor':<17}{'ratio':<42}{'goodput':>24}"
+    lines.append(header + "".join(f"{r:>24.2f}" for r in rates))
     for factor, variant, base in comparisons(variants):
         steep = all(crossings[v, seed].steep for v in (variant, base) for seed in seeds)
         goodput = (
@@ -228,13 +232,13 @@ def report(
             else None
         )
         row = f"{factor:<17}{f'{variant.label} / {base.label}':<42}"
-        row += f"{(str(goodput) if goodput else '-' if steep else 'flat'):>22}"
+        row += f"{(str(goodput) if goodput else '-' if steep else 'flat'):>24}"
         for rate in rates:
             ratio = paired_ratio(
                 [runs[variant, seed, rate].attainment for seed in seeds],
                 [runs[base, seed, rate].attainment for seed in seeds],
             )
-            row += f"{(str(ratio) if ratio else '-'):>22}"
+            row += f"{(str(ratio) if ratio else '-'):>24}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -247,10 +251,11 @@ _METRICS = (
     ("mooncake 100 ms", "SLO attainment, Mooncake's with tail TBT 100 ms, %", "%"),
     ("mooncake 200 ms", "SLO attainment, Mooncake's with tail TBT 200 ms, %", "%"),
     ("mooncake 300 ms", "SLO attainment, Mooncake's with tail TBT 300 ms, %", "%"),
-    ("ttft_mean", "TTFT mean, ms", "ms"),
+    ("unfinished_share", "unfinished 60 s after the last arrival, %", "%"),
+    ("ttft_mean", "TTFT mean (requests with a first token), ms", "ms"),
     ("ttft_p90", "TTFT p90, ms", "ms"),
-    ("tpot_mean", "TPOT mean, ms", "ms"),
-    ("tail_tbt_mean", "tail TBT mean, ms", "ms"),
+    ("tpot_mean", "TPOT mean (finished requests), ms", "ms"),
+    ("tail_tbt_mean", "tail TBT mean (finished requests), ms", "ms"),
     ("remote_share", "remote prefills, %", "%"),
     ("local_prefill_share", "decode time on local prefills, %", "%"),
 )
@@ -265,6 +270,6 @@ def _metric(run: RunStats, name: str) -> float:
 
 
 def _cell(value: float, unit: str) -> str:
-    if math.isinf(value):
-        return "inf"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
     return f"{value * 100:.1f}" if unit == "%" else f"{value * 1000:.0f}"

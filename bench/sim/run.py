@@ -77,6 +77,8 @@ class RunStats:
     prefix_over_share: float
     """Share of them predicted to hold more than it did by that much (a hit it could not give)."""
     unfinished: int
+    """Measured requests that never finished: they count in the percentiles (as infinite) and
+    the SLO shares (as missing), not in the means."""
     wall_s: float
     sim_s: float
     by_kind: dict[str, float] = field(default_factory=dict)
@@ -84,6 +86,10 @@ class RunStats:
     slos: dict[str, Met] = field(default_factory=dict)
     """Per SLO set (``bench.sim.slos``): the shares meeting both bounds, TTFT's, the decode
     one's. ``scaled`` is ``attainment`` / ``ttft_attainment`` / ``tpot_attainment``."""
+
+    @property
+    def unfinished_share(self) -> float:
+        return self.unfinished / self.requests if self.requests else 0.0
 
 
 class Simulation:
@@ -552,14 +558,14 @@ class Simulation:
             attainment=met / n,
             ttft_attainment=met_ttft / n,
             tpot_attainment=met_tpot / n,
-            ttft_mean=sum(ttfts) / n,
+            ttft_mean=_finite_mean(ttfts),
             ttft_p50=percentile(ttfts, 50),
             ttft_p90=percentile(ttfts, 90),
             ttft_p99=percentile(ttfts, 99),
             tpot_p50=percentile(tpots, 50),
             tpot_p99=percentile(tpots, 99),
-            tpot_mean=sum(tpots) / n,
-            tail_tbt_mean=sum(tails) / n,
+            tpot_mean=_finite_mean(tpots),
+            tail_tbt_mean=_finite_mean(tails),
             tail_tbt_p90=percentile(tails, 90),
             remote_share=sum(r.endpoint is not None for r in self.requests) / n,
             reasons=dict(Counter(r.reason for r in self.requests)),
@@ -580,6 +586,12 @@ class Simulation:
             by_kind={kind: kinds_met[kind] / count for kind, count in kinds.items()},
             slos={name: Met(*(c / n for c in count)) for name, count in counts.items()},
         )
+
+
+def _finite_mean(values: list[float]) -> float:
+    """The mean over the requests that got there (NaN when none did)."""
+    finite = [value for value in values if not math.isinf(value)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def simulate(

@@ -215,3 +215,14 @@ def test_the_protocol_runs_every_variant_at_the_same_grid_of_capacity(capsys):
     assert "TTFT met, scaled SLO" in out
     assert "tail TBT mean" in out
     assert "8 runs in" in out
+
+
+def test_means_are_over_the_requests_that_got_there_and_the_rest_is_counted():
+    overloaded = replace(STANDARD, prefill_engines=1, decode_engines=1)
+    stats = Simulation(overloaded, NEVER, 30.0, measured=300, warmup=20, seed=3).run()
+    assert 0 < stats.unfinished < stats.requests
+    assert stats.unfinished_share == stats.unfinished / stats.requests
+    assert math.isinf(stats.ttft_p99)
+    assert math.isfinite(stats.ttft_mean)
+    assert math.isfinite(stats.tpot_mean)
+    assert math.isfinite(stats.tail_tbt_mean)
