@@ -4,12 +4,18 @@
     python -m bench simulate --quick              # smaller runs, coarser search
     python -m bench simulate --scenario standard --policies qoe,round_robin:always,never
     python -m bench simulate --plain              # the first, idealised model
+    python -m bench simulate --protocol --scenario shared-prompts   # the evaluation protocol
 
 A variant is ``policy`` (conditional disaggregation, the production decider), ``policy:always``
 (disaggregate every request) or ``never`` (every prefill on the local decode engine). Each
 scenario runs its own variants (``--policies`` replaces them) and judges its own checks on every
 seed; the exit status is 0 exactly when every check passed. A check whose variants did not run
 fails (``--no-checks`` skips them all, and says so). See docs/scheduling.md for the model.
+
+``--protocol`` runs the evaluation protocol instead (``bench.sim.protocol``): every variant
+(default: ``qoe``, ``qoe:always`` and the two anchors) at each rate of a fixed grid of the
+scenario's capacity, on seeds 1-5 (``--seeds``), and prints the curves and the ratios with their
+paired confidence intervals; it judges no check.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bench.sim import protocol
 from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
 from bench.sim.goodput import LOWEST_RATE, Goodput, find_goodput
@@ -88,8 +95,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds",
         type=lambda text: [int(part) for part in text.split(",") if part],
-        default=[1, 2, 3],
-        help="comma-separated workload seeds (default 1,2,3)",
+        help="comma-separated workload seeds (default 1,2,3; with --protocol 1,2,3,4,5)",
+    )
+    parser.add_argument(
+        "--protocol",
+        action="store_true",
+        help="the evaluation protocol: a fixed grid of rates, paired intervals over the seeds",
+    )
+    parser.add_argument(
+        "--grid",
+        type=lambda text: [float(part) for part in text.split(",") if part],
+        help="with --protocol: rates as fractions of the scenario's capacity "
+        "(default 0.2,0.4,0.6,0.8,1,1.2; --quick 0.4,0.8,1.2)",
     )
     parser.add_argument("--no-checks", action="store_true", help="judge no check (exit 0)")
     parser.add_argument(
@@ -168,7 +185,9 @@ def main_cli(argv: Sequence[str] | None = None) -> int:
         effort = replace(effort, measured=args.requests, warmup=max(100, args.requests // 6))
     started = time.perf_counter()
     chosen = scenarios(args)
-    seeds: list[int] = args.seeds
+    if args.protocol:
+        return _protocol(args, chosen, effort, started)
+    seeds: list[int] = args.seeds or [1, 2, 3]
     keys = [
         (scenario.name, seed, variant)
         for scenario in chosen
@@ -233,6 +252,7 @@ def main_cli(argv: Sequence[str] | None = None) -> int:
             )
             stats = [at_reference[scenario.name, seed, v] for v in scenario.variants]
             print(_latency_table(scenario.variants, stats))
+            print(_slo_table(scenario.variants, stats))
             if scenario.workload != "mixed":
                 print(_prefix_table(scenario.variants, stats))
         print()
@@ -259,6 +279,47 @@ def main_cli(argv: Sequence[str] | None = None) -> int:
     if not args.no_checks:
         print(f"checks: {judged - failed} of {judged} passed" + (" - FAIL" if failed else ""))
     return 1 if failed else 0
+
+
+def _protocol(
+    args: argparse.Namespace, chosen: list[Scenario], effort: Effort, started: float
+) -> int:
+    seeds: list[int] = args.seeds or list(protocol.SEEDS)
+    grid: list[float] = args.grid or list(protocol.QUICK_GRID if args.quick else protocol.GRID)
+    print(
+        f"pd-sidecar scheduling simulator, evaluation protocol (seeds "
+        f"{', '.join(map(str, seeds))}; {effort.measured} measured requests per run after "
+        f"{effort.warmup} warm-up)"
+    )
+    runs = 0
+    with _executor(args.jobs) as pool:
+        for scenario in chosen:
+            scenario = replace(scenario, trace_windows=True)
+            variants = list(args.policies or protocol.VARIANTS)
+            nominal = protocol.capacity(scenario)
+            rates = [fraction * nominal.rate for fraction in grid]
+            futures = {
+                (variant, seed, rate): pool.submit(
+                    simulate,
+                    scenario,
+                    variant,
+                    rate,
+                    measured=effort.measured,
+                    warmup=effort.warmup,
+                    seed=seed,
+                )
+                for variant in variants
+                for seed in seeds
+                for rate in rates
+            }
+            results = {key: future.result() for key, future in futures.items()}
+            runs += len(results)
+            print()
+            print(f"== {scenario.describe()}")
+            print(protocol.report(scenario, variants, seeds, grid, nominal, results))
+    print()
+    print(f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))")
+    return 0
 
 
 def _executor(jobs: int) -> Executor:
@@ -300,18 +361,41 @@ def _goodput_table(
 
 def _latency_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
     lines = [
-        f"{'variant':<22}{'SLO %':>7}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
-        f"{'remote %':>10}{'stall %':>9}{'queue mean':>12}{'max/mean':>10}"
+        f"{'variant':<22}{'SLO %':>7}{'TTFT %':>8}{'TPOT %':>8}{'TTFT mean':>11}{'p90':>7}"
+        f"{'p99':>7}{'TPOT mean':>11}{'tail TBT':>10}{'p90':>7}{'remote %':>10}{'stall %':>9}"
+        f"{'queue mean':>12}{'max/mean':>10}"
     ]
     for variant, run in zip(variants, stats, strict=True):
         lines.append(
-            f"{variant.label:<22}{run.attainment * 100:>7.1f}"
-            f"{_ms(run.ttft_p50):>10}{_ms(run.ttft_p99):>8}{_ms(run.tpot_p50):>10}"
-            f"{_ms(run.tpot_p99):>8}{run.remote_share * 100:>10.1f}"
+            f"{variant.label:<22}{run.attainment * 100:>7.1f}{run.ttft_attainment * 100:>8.1f}"
+            f"{run.tpot_attainment * 100:>8.1f}{_ms(run.ttft_mean):>11}{_ms(run.ttft_p90):>7}"
+            f"{_ms(run.ttft_p99):>7}{_ms(run.tpot_mean):>11}{_ms(run.tail_tbt_mean):>10}"
+            f"{_ms(run.tail_tbt_p90):>7}{run.remote_share * 100:>10.1f}"
             f"{run.local_prefill_share * 100:>9.1f}{run.queue_mean:>12.2f}"
             f"{_number(run.queue_max_over_mean):>10}"
         )
-    lines.append("(latencies in ms; stall % = share of decode-engine time spent on local prefills)")
+    lines.append(
+        "(latencies in ms; TTFT % / TPOT % = requests meeting that SLO alone; tail TBT = mean of "
+        "the longest 10 % of a request's inter-token gaps, Mooncake's; stall % = share of "
+        "decode-engine time spent on local prefills)"
+    )
+    return "\n".join(lines)
+
+
+def _slo_table(variants: Sequence[Variant], stats: list[RunStats]) -> str:
+    """Each SLO set (``bench.sim.slos``): both bounds met / TTFT's / the decode one's, in %."""
+    names = list(stats[0].slos)
+    lines = [
+        "SLO sets, % of requests meeting both / the TTFT bound / the decode bound (scaled: the "
+        "scenario's; constant: DistServe-style; mooncake: TTFT 30 s and tail TBT):",
+        f"{'variant':<22}" + "".join(f"{name:>20}" for name in names),
+    ]
+    for variant, run in zip(variants, stats, strict=True):
+        cells = (
+            f"{met.both * 100:.1f}/{met.ttft * 100:.1f}/{met.decode * 100:.1f}"
+            for met in run.slos.values()
+        )
+        lines.append(f"{variant.label:<22}" + "".join(f"{cell:>20}" for cell in cells))
     return "\n".join(lines)
 
 

@@ -1,20 +1,27 @@
 """What users would run instead of our scheduler, as the simulator's anchor policies.
 
 Each is a central router, as its project deploys it: one instance sees every request of the
-fleet, chooses its prefill engine, and keeps its own state. Both are written from the projects'
-documented behaviour and source as read (the facts and where they come from are in the
-comments; no code is copied), with the defaults a user gets, not tuned per workload. In front of
-both, as of every variant, the simulator's gateway picks the decode engine (the one with the
-fewest requests in flight): the anchors choose the prefill engine and whether to disaggregate.
+fleet, chooses its decode engine and its prefill engine, and keeps its own state. Both are
+written from the projects' documented behaviour and source as read (the facts and where they
+come from are in the comments; no code is copied), with the defaults a user gets, not tuned per
+workload. Each picks the decode engine its own way (the other variants, ours among them, sit
+behind the simulator's gateway, which picks the decode engine with the fewest requests in
+flight).
 
 - ``sglang_cache_aware``: SGLang's router (sgl-project/sglang, ``sgl-model-gateway``; formerly
   ``sgl-router``), ``--pd-disaggregation`` with its default policy ``cache_aware`` for the
-  prefill workers. PD mode disaggregates every request.
+  prefill workers and for the decode workers: ``--decode-policy`` defaults to None, "if not
+  specified, uses the main policy", and ``--policy`` defaults to ``cache_aware``
+  (``sgl-model-gateway/bindings/python/src/sglang_router/router_args.py``, sgl-project/sglang
+  commit 6614f984; an SGLang CI log of a PD launch, 2026-02-26, prints ``decode_policy: None``
+  and ``policy: CacheAware``). Each worker pool has its own tree and load counts. PD mode
+  disaggregates every request.
 - ``llm-d_pd_scorer``: llm-d's endpoint picker with its shipped P/D configuration
-  (llm-d/llm-d-inference-scheduler ``deploy/config/pd-epp-config.yaml``, v0.6.0-v0.8.0 and HEAD
-  520af478): prefill pods scored by the approximate prefix-cache scorer (weight 2) plus the
-  queue scorer (weight 1), the highest score wins; disaggregation by its
-  ``prefix-based-pd-decider`` (``nonCachedTokens: 16``).
+  (llm-d/llm-d-inference-scheduler ``deploy/config/pd-epp-config.yaml``, v0.6.0-v0.8.0, HEAD
+  520af478 and 0bb9fa83): its ``decode`` and ``prefill`` profiles alike score the pods by the
+  approximate prefix-cache scorer (weight 2) plus the queue scorer (weight 1), the highest score
+  wins; disaggregation by its ``prefix-based-pd-decider`` (``nonCachedTokens: 16``). One
+  prefix-cache scorer serves both profiles (one index, keyed by pod).
 """
 
 from __future__ import annotations
@@ -236,15 +243,15 @@ def llmd_hashes(text: str, block_chars: int, max_blocks: int) -> list[int]:
 
 
 class LlmdScorer:
-    """The prefill profile: every prefill pod scored 2 × prefix + 1 × queue, the maximum wins
-    (``max-score-picker``: shuffled, then stably sorted, so ties go at random).
+    """Both profiles: every pod of the profile's pool scored 2 × prefix + 1 × queue, the
+    maximum wins (``max-score-picker``: shuffled, then stably sorted, so ties go at random).
 
     - prefix score = the longest run of the request's leading blocks the pod's index holds /
       the request's blocks (``scheduling/scorer/prefix``); the index is one LRU of block hashes
       per pod (hashicorp golang-lru: adding a block makes it the most recent), fed after each
       decision with the request's blocks for its decode pod and its prefill pod;
     - queue score = (max − q) / (max − min) over the pods, all 1 when equal
-      (``scheduling/scorer/queuedepth``), q = the scraped ``vllm:num_requests_waiting``;
+      (``scheduling/scorer/queuedepth``), q = the pod's scraped ``vllm:num_requests_waiting``;
     - the decider (``prefix_based_pd_decider.go``): disaggregate when the prompt's estimated
       tokens (characters / 4) less those cached on the chosen decode pod (matched blocks × 16)
       reach ``nonCachedTokens``; the decode profile runs first.
@@ -257,7 +264,8 @@ class LlmdScorer:
         rng: random.Random,
         waiting: Callable[[str, float], float],
     ) -> None:
-        """``waiting(key, at)``: the pod's waiting gauge as scraped at ``at``."""
+        """``keys``: the prefill pods; ``waiting(pod, at)``: any pod's waiting gauge as scraped
+        at ``at``."""
         self.keys = list(keys)
         self._capacity = capacity_blocks
         self._rng = rng
@@ -286,12 +294,14 @@ class LlmdScorer:
         cached = self._matched(decode_pod, hashes) * LLMD_BLOCK_TOKENS
         return tokens - cached >= LLMD_NON_CACHED_TOKENS
 
-    def choose(self, hashes: Sequence[int], now: float) -> str:
+    def choose(self, hashes: Sequence[int], now: float, pods: Sequence[str] = ()) -> str:
+        """The best of ``pods`` (the decode profile's pool), or of the prefill pods."""
+        pool = pods or self.keys
         scraped = now - now % LLMD_REFRESH_S
-        queues = {key: self._waiting(key, scraped) for key in self.keys}
+        queues = {key: self._waiting(key, scraped) for key in pool}
         high, low = max(queues.values()), min(queues.values())
         scores = []
-        for key in self.keys:
+        for key in pool:
             prefix = self._matched(key, hashes) / len(hashes) if hashes else 0.0
             queue = 1.0 if high == low else (high - queues[key]) / (high - low)
             scores.append((LLMD_PREFIX_WEIGHT * prefix + LLMD_QUEUE_WEIGHT * queue, key))

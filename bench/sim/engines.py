@@ -9,20 +9,22 @@ served, up to the batch budget of prompt tokens per iteration (longer prompts ar
 several), an iteration costing the sum of its chunks; so a prefill's time grows with its tokens
 and with the batch it shares. A decode engine gives local prefills priority: while one runs,
 its decode batch stalls. Otherwise it runs decode steps, one token for every running request per
-step, a step taking longer the larger the batch. ``slots`` (the calibration against real
-emulators): exactly what ``sidecar.emulator`` does — ``max_num_seqs`` slots taken first come
-first served, and every admitted request sleeps on its own: its prefill (or KV transfer), then
-one decode delay per output token after the first, each delay × (1 + slowdown × (running − 1))
-with ``running`` read when the delay starts.
+step, a step taking longer the larger the batch. It runs at most ``decode_max_batch`` requests
+(local prefills included); the others queue, first come first served, for a free seat.
+``slots`` (the calibration against real emulators): exactly what ``sidecar.emulator`` does —
+``max_num_seqs`` slots taken first come first served, and every admitted request sleeps on its
+own: its prefill (or KV transfer), then one decode delay per output token after the first, each
+delay × (1 + slowdown × (running − 1)) with ``running`` read when the delay starts.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +84,26 @@ class Request:
     """The sidecar's ``PrefixGuess`` for the endpoint it chose (its feedback)."""
     predicted_cached: int = -1
     """True tokens the sidecar predicted the chosen prefill engine holds (-1: no prediction)."""
+    joined: int = -1
+    """The decode step after which it joined the batch (its tokens come from the next ones)."""
+    tail_tbt: float = math.nan
+    """Mooncake's tail time between tokens: the mean of the longest 10 % of its inter-token
+    gaps (``tail_gap``); 0 for a one-token answer."""
+
+
+TAIL_SHARE = 0.10
+"""Mooncake (FAST'25, kvcache-ai/Mooncake ``FAST25-release/Mooncake-FAST25.pdf``, §5.1 Metric):
+"the TBT is calculated as the average of the longest 10% of the token arrival intervals"."""
+
+
+def tail_gap(times: Sequence[float]) -> float:
+    """The mean of the longest ``TAIL_SHARE`` of the gaps between consecutive token times (at
+    least one gap; 0 when there is none)."""
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    if not gaps:
+        return 0.0
+    longest = heapq.nlargest(max(1, math.ceil(TAIL_SHARE * len(gaps))), gaps)
+    return sum(longest) / len(longest)
 
 
 @dataclass(slots=True, eq=False)
@@ -228,7 +250,8 @@ class PrefillEngine:
 
 
 class DecodeEngine:
-    """Local prefills first (the decode batch stalls meanwhile), else one decode step."""
+    """Local prefills first (the decode batch stalls meanwhile), else one decode step; at most
+    ``decode_max_batch`` requests seated (prefilling, joining or decoding), the rest queued."""
 
     def __init__(
         self,
@@ -255,20 +278,46 @@ class DecodeEngine:
         self._on_finish = on_finish
         self._busy = False
         self._step = 0
+        self._ends: list[float] = [0.0]
+        """When each decode step ended (index: the step's number), for the inter-token gaps."""
         self._batch = 0
         self._finishing: list[tuple[int, int, Request]] = []
         self._joining: list[tuple[Request, bool]] = []
         self._first_pending: list[Request] = []
+        self._seats = scenario.decode_max_batch
+        self._seated = 0
+        self._queue: deque[tuple[Request, Job | None]] = deque()
+        """Requests waiting for a seat: a local prefill's job, or None for a remote one."""
 
     def submit_local(self, job: Job) -> None:
-        self._local.add(job)
+        self._admit(job.request, job)
+
+    def arrive_remote(self, request: Request) -> None:
+        """The KV cache arrived: the request joins the batch at the next step boundary (once it
+        has a seat)."""
+        self._admit(request, None)
+
+    def _admit(self, request: Request, job: Job | None) -> None:
+        if self._seats and self._seated >= self._seats:
+            self._queue.append((request, job))
+            self._record()
+            return
+        self._seat(request, job)
         self._kick()
         self._record()
 
-    def arrive_remote(self, request: Request) -> None:
-        """The KV cache arrived: the request joins the batch at the next step boundary."""
-        self._joining.append((request, True))
-        self._kick()
+    def _seat(self, request: Request, job: Job | None) -> None:
+        self._seated += 1
+        if job is None:
+            self._joining.append((request, True))
+        else:
+            self._local.add(job)
+
+    def _leave(self) -> None:
+        """A request finished: its seat goes to the first one waiting."""
+        self._seated -= 1
+        if self._queue:
+            self._seat(*self._queue.popleft())
 
     def _kick(self) -> None:
         if not self._busy:
@@ -287,6 +336,7 @@ class DecodeEngine:
                 # A remote prefill's first token comes from this engine's first step; a local
                 # prefill produced it already.
                 tokens = request.shape.output_tokens - (0 if remote else 1)
+                request.joined = self._step
                 heapq.heappush(self._finishing, (self._step + tokens, request.id, request))
                 self._batch += 1
                 if remote:
@@ -309,6 +359,8 @@ class DecodeEngine:
                 self._joining.append((request, False))
             else:
                 request.finish = now
+                request.tail_tbt = 0.0
+                self._leave()
                 self._on_finish(request)
         self._start()
         self._record()
@@ -316,6 +368,7 @@ class DecodeEngine:
     def _end_step(self, _: object) -> None:
         now = self._loop.now
         self._step += 1
+        self._ends.append(now)
         for request in self._first_pending:
             request.first_token = now
             self._on_first_token(request)
@@ -325,15 +378,22 @@ class DecodeEngine:
         while finishing and finishing[0][0] <= self._step:
             request = heapq.heappop(finishing)[2]
             request.finish = now
+            # A remote prefill's tokens all come from steps; a local one's first from its prefill.
+            times = self._ends[request.joined + 1 :]
+            request.tail_tbt = tail_gap(
+                times if request.endpoint is not None else [request.first_token, *times]
+            )
             self._batch -= 1
             finished = True
+            self._leave()
             self._on_finish(request)
         self._start()
         if finished:
             self._record()
 
     def _record(self) -> None:
-        self.gauge.record(self._loop.now, self._local.waiting, self._local.running + self._batch)
+        waiting = self._local.waiting + len(self._queue)
+        self.gauge.record(self._loop.now, waiting, self._local.running + self._batch)
 
 
 class SlotPrefillEngine:
@@ -452,11 +512,13 @@ class SlotDecodeEngine:
     def _first(self, request: Request) -> None:
         request.first_token = self._loop.now
         self._on_first_token(request)
-        self._step(request, request.shape.output_tokens - 1)
+        self._step(request, request.shape.output_tokens - 1, [request.first_token])
 
-    def _step(self, request: Request, left: int) -> None:
+    def _step(self, request: Request, left: int, times: list[float]) -> None:
+        """``times``: when each of its tokens came, so far."""
         if left <= 0:
             request.finish = self._loop.now
+            request.tail_tbt = tail_gap(times)
             self._running -= 1
             if self._waiting:
                 self._start(*self._waiting.popleft())
@@ -464,7 +526,11 @@ class SlotDecodeEngine:
             self._on_finish(request)
             return
         delay = self._scenario.decode_s_per_token * self._factor()
-        self._loop.at(self._loop.now + delay, lambda _: self._step(request, left - 1))
+        self._loop.at(self._loop.now + delay, lambda _: self._token(request, left - 1, times))
+
+    def _token(self, request: Request, left: int, times: list[float]) -> None:
+        times.append(self._loop.now)
+        self._step(request, left, times)
 
     def _record(self) -> None:
         self.gauge.record(self._loop.now, len(self._waiting), self._running)

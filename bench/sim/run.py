@@ -22,6 +22,7 @@ from bench.sim.engines import (
 from bench.sim.exact import EventedCache, ExactPrompt, ExactSource, prompt_ids
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.sidecars import BLOCK_TOKENS, Sidecar, endpoint_key, prefill_hasher
+from bench.sim.slos import Met, slos
 from bench.sim.state import PrefixShare, state_factory
 from bench.sim.texts import Segment, prompt_text
 from bench.sim.workload import Shape, shapes
@@ -53,6 +54,11 @@ class RunStats:
     ttft_p99: float
     tpot_p50: float
     tpot_p99: float
+    tpot_mean: float
+    tail_tbt_mean: float
+    """Mooncake's tail time between tokens (the mean of the longest 10 % of a request's
+    inter-token gaps), averaged over the measured requests; its 90th percentile below."""
+    tail_tbt_p90: float
     remote_share: float
     reasons: dict[str, int]
     queue_mean: float
@@ -71,10 +77,19 @@ class RunStats:
     prefix_over_share: float
     """Share of them predicted to hold more than it did by that much (a hit it could not give)."""
     unfinished: int
+    """Measured requests that never finished: they count in the percentiles (as infinite) and
+    the SLO shares (as missing), not in the means."""
     wall_s: float
     sim_s: float
     by_kind: dict[str, float] = field(default_factory=dict)
     """SLO attainment per request kind."""
+    slos: dict[str, Met] = field(default_factory=dict)
+    """Per SLO set (``bench.sim.slos``): the shares meeting both bounds, TTFT's, the decode
+    one's. ``scaled`` is ``attainment`` / ``ttft_attainment`` / ``tpot_attainment``."""
+
+    @property
+    def unfinished_share(self) -> float:
+        return self.unfinished / self.requests if self.requests else 0.0
 
 
 class Simulation:
@@ -150,15 +165,18 @@ class Simulation:
         self._hasher = prefill_hasher()
         self._share = PrefixShare(self.loop, scenario, self.sidecars, seed)
         self._sglang: SglangCacheAware | None = None
+        self._sglang_decode: SglangCacheAware | None = None
         self._llmd: LlmdScorer | None = None
+        self._decode_pods = [f"decode-{i}" for i in range(scenario.decode_engines)]
         if variant.policy == "sglang_cache_aware":
             self._sglang = SglangCacheAware(keys)
+            self._sglang_decode = SglangCacheAware(self._decode_pods)
         elif variant.policy == "llm-d_pd_scorer":
             self._llmd = LlmdScorer(
                 keys,
                 scenario.prefill_cache_tokens // scenario.block_size,
                 random.Random(f"llm-d-{seed}"),
-                lambda key, at: float(self.prefill[key].gauge.at(at)[0]),
+                self._pod_waiting,
             )
         self._remote_tokens = 0
         self._remote_cached = 0
@@ -178,6 +196,12 @@ class Simulation:
 
     def _clock(self) -> float:
         return self.loop.now
+
+    def _pod_waiting(self, pod: str, at: float) -> float:
+        """A pod's waiting gauge as it was at ``at`` (what llm-d's queue scorer scrapes)."""
+        if pod.startswith("decode-"):
+            return float(self.decode[int(pod.removeprefix("decode-"))].gauge.at(at)[0])
+        return float(self.prefill[pod].gauge.at(at)[0])
 
     # What the approximate index cannot see: restarts, other traffic.
 
@@ -243,15 +267,23 @@ class Simulation:
                 loop.at(now + DRAIN_S, self._give_up)
         self._schedule_arrival()
 
-        engine = shape.home if shape.home is not None else self._gateway()
+        anchor = self.variant.mode == "anchor"
+        segments = shape.segments or (Segment(-1 - index, shape.prompt_tokens, shape.prompt_chars),)
+        llmd_hashes = self._llmd.hashes(prompt_text(segments)) if self._llmd else []
+        if shape.home is not None:
+            engine = shape.home
+        elif anchor:
+            engine = self._anchor_decode(segments, shape.prompt_chars, llmd_hashes)
+        else:
+            engine = self._gateway()
         request.engine = engine
         self.decode[engine].outstanding += 1
         sidecar = self.sidecars[engine]
         tokens, blocks = self._estimate(sidecar, shape)
         claim, cached = sidecar.ranks.claim_blocks(blocks, tokens)
         request.claim = claim
-        if self.variant.mode == "anchor":
-            self._route(request, sidecar, tokens)
+        if anchor:
+            self._route(request, segments, llmd_hashes, tokens)
             return
         sidecar.state.refresh(lambda: self._place(request, sidecar, tokens, cached))
 
@@ -343,12 +375,22 @@ class Simulation:
         request.sent = self.loop.now
         self.prefill[key].submit(Job(request, shape.prompt_tokens))
 
-    def _route(self, request: Request, sidecar: Sidecar, tokens: int) -> None:
+    def _anchor_decode(self, segments: Sequence[Segment], chars: int, hashes: list[int]) -> int:
+        """The anchor's own decode pick: SGLang's ``cache_aware`` on the decode workers, llm-d's
+        decode profile (prefix × 2 + queue × 1 over the decode pods)."""
+        now = self.loop.now
+        if self._sglang_decode is not None:
+            pod = self._sglang_decode.choose(segments, chars, now)
+        else:
+            assert self._llmd is not None
+            pod = self._llmd.choose(hashes, now, self._decode_pods)
+        return int(pod.removeprefix("decode-"))
+
+    def _route(
+        self, request: Request, segments: Sequence[Segment], hashes: list[int], tokens: int
+    ) -> None:
         """An anchor's central router decides (bench.sim.anchors), on the request's text."""
         shape = request.shape
-        segments = shape.segments or (
-            Segment(-1 - request.id, shape.prompt_tokens, shape.prompt_chars),
-        )
         if self._sglang is not None:
             # SGLang's PD mode disaggregates every request.
             request.reason = "scheduled"
@@ -356,7 +398,6 @@ class Simulation:
             return
         assert self._llmd is not None
         llmd = self._llmd
-        hashes = llmd.hashes(prompt_text(segments))
         decode_pod = f"decode-{request.engine}"
         if llmd.disaggregates(decode_pod, hashes, shape.prompt_chars):
             key = llmd.choose(hashes, self.loop.now)
@@ -443,6 +484,8 @@ class Simulation:
         self.decode[request.engine].outstanding -= 1
         if self._sglang is not None and request.endpoint is not None:
             self._sglang.finished(request.endpoint)
+        if self._sglang_decode is not None and request.shape.home is None:
+            self._sglang_decode.finished(f"decode-{request.engine}")
         request.claim.end()
         if request.measured:
             self._done += 1
@@ -471,6 +514,9 @@ class Simulation:
         met_ttft = met_tpot = met = 0
         ttfts: list[float] = []
         tpots: list[float] = []
+        tails: list[float] = []
+        judged = slos(scenario)
+        counts = {slo.name: [0, 0, 0] for slo in judged}
         kinds: Counter[str] = Counter()
         kinds_met: Counter[str] = Counter()
         unfinished = 0
@@ -480,11 +526,20 @@ class Simulation:
             if math.isnan(request.finish):
                 unfinished += 1
                 ttft = math.inf if math.isnan(ttft) else ttft
-                tpot = math.inf
+                tpot = tail = math.inf
             else:
                 tpot = (request.finish - request.first_token) / max(1, shape.output_tokens - 1)
+                tail = request.tail_tbt
             ttfts.append(ttft)
             tpots.append(tpot)
+            tails.append(tail)
+            for slo in judged:
+                count = counts[slo.name]
+                ttft_ok = slo.ttft_met(scenario, shape.prompt_tokens, ttft)
+                decode_ok = slo.decode_met(tpot, tail)
+                count[0] += ttft_ok and decode_ok
+                count[1] += ttft_ok
+                count[2] += decode_ok
             ok_ttft = ttft <= scenario.ttft_slo(shape.prompt_tokens)
             ok_tpot = tpot <= scenario.tpot_slo_s
             met_ttft += ok_ttft
@@ -503,12 +558,15 @@ class Simulation:
             attainment=met / n,
             ttft_attainment=met_ttft / n,
             tpot_attainment=met_tpot / n,
-            ttft_mean=sum(ttfts) / n,
+            ttft_mean=_finite_mean(ttfts),
             ttft_p50=percentile(ttfts, 50),
             ttft_p90=percentile(ttfts, 90),
             ttft_p99=percentile(ttfts, 99),
             tpot_p50=percentile(tpots, 50),
             tpot_p99=percentile(tpots, 99),
+            tpot_mean=_finite_mean(tpots),
+            tail_tbt_mean=_finite_mean(tails),
+            tail_tbt_p90=percentile(tails, 90),
             remote_share=sum(r.endpoint is not None for r in self.requests) / n,
             reasons=dict(Counter(r.reason for r in self.requests)),
             queue_mean=self._sum_mean / samples,
@@ -526,7 +584,14 @@ class Simulation:
             wall_s=wall_s,
             sim_s=self.loop.now,
             by_kind={kind: kinds_met[kind] / count for kind, count in kinds.items()},
+            slos={name: Met(*(c / n for c in count)) for name, count in counts.items()},
         )
+
+
+def _finite_mean(values: list[float]) -> float:
+    """The mean over the requests that got there (NaN when none did)."""
+    finite = [value for value in values if not math.isinf(value)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def simulate(

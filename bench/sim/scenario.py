@@ -41,6 +41,11 @@ class Scenario:
     decode_step_s_at_1: float = 0.020
     decode_step_s_at_64: float = 0.040
     """``batched``: decode step time at batch 1 and 64, linear in between and beyond."""
+    decode_max_batch: int = 64
+    """``batched``: requests a decode engine runs at once (its local prefills included); the
+    others wait, first come first served, and the wait is part of their time to first token
+    (vLLM's ``max_num_seqs``, in practice bound by the KV cache: 64 sequences of ~5,500 tokens is
+    about what an 80 GB GPU holds beside an 8B model's weights). 0: no bound."""
     transfer: Transfer = Transfer(fixed_s=0.002, s_per_token=1e-7)
     engine_model: EngineModel = "batched"
     """``batched``: iteration-level batching, a local prefill stalls its decode batch (the
@@ -119,6 +124,9 @@ class Scenario:
     """``mixed``: chat, RAG, multi-turn (below); ``system_prompts``: shared system
     prompts; ``trace``: a Mooncake-format trace (``trace_path``)."""
     trace_path: str | None = None
+    trace_windows: bool = False
+    """A trace's replay starts where the seed says and its spread has a seeded phase
+    (``bench.sim.traces``); off: every seed replays the same arrivals. The protocol sets it."""
     bursty: bool = False
     burst_cv: float = 3.0
     """Bursty arrivals: gamma inter-arrival times with this coefficient of variation."""
@@ -147,6 +155,13 @@ class Scenario:
     idle engine at ``prefill_tokens_per_s`` (for a trace's prompts of up to 126,000 tokens,
     which no fixed SLO suits)."""
     tpot_slo_s: float = 0.050
+    constant_ttft_s: float = 2.0
+    constant_tpot_s: float = 0.050
+    """DistServe-style constant SLOs of the workload (``bench.sim.slos``): TTFT ≤
+    ``constant_ttft_s`` whatever the prompt, mean TPOT ≤ ``constant_tpot_s``. The TTFT bound is
+    2.5 × the idle prefill of the workload's 90th-percentile prompt, to the half second: the
+    mixed workload's 6,302 tokens (0.70 s) and shared-prompts' 7,829 (0.90 s) give 2 s; the
+    conversation trace's 27,367 (4.14 s) gives 10.5 s."""
     target_attainment: float = 0.90
     # What runs by default, and what is checked.
     variants: tuple[Variant, ...] = ()

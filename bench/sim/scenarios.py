@@ -85,6 +85,7 @@ MOONCAKE = replace(
     workload="trace",
     variants=PREFIX_VARIANTS,
     ttft_slo_per_prefill=3.0,
+    constant_ttft_s=10.5,
     prefill_cache_tokens=3000 * 512,
     checks=(
         GoodputRatio(QOE, QOE_BLIND, 1.1),
