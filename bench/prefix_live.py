@@ -46,8 +46,9 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -169,9 +170,12 @@ class Shape:
     """Every delay divided by this (``--quick``)."""
     decode_num_gpu_blocks: int | None = None
     """The decode emulators' blocks; None: ``num_gpu_blocks``."""
+    prefill_speeds: tuple[float, ...] | None = None
+    """The prefill emulators' tokens/s; None: calibrate's four."""
 
     def speeds(self) -> list[float]:
-        return [speed * self.speedup for speed in CALIBRATION.speeds()]
+        speeds = self.prefill_speeds or CALIBRATION.speeds()
+        return [speed * self.speedup for speed in speeds]
 
     def prefill_flags(self, speed: float) -> list[str]:
         c = CALIBRATION
@@ -212,9 +216,9 @@ class LiveCluster:
         self.prefill: list[Child] = []
         self.decode: list[Child] = []
 
-    async def start(self, runs: Sequence[tuple[str, bool]]) -> list[list[Child]]:
-        """Redis, the emulators and each run's two sidecars (its tag, whether prefix-aware),
-        started together (the sidecars wait for their decode engines); returns the sidecars."""
+    async def start(self, runs: Sequence[tuple[str, Mapping[str, str]]]) -> list[list[Child]]:
+        """Redis, the emulators and each run's two sidecars (its tag, its settings), started
+        together (the sidecars wait for their decode engines); returns the sidecars."""
         port = free_port()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
@@ -225,7 +229,7 @@ class LiveCluster:
         for i in range(CALIBRATION.decode_engines):
             flags = self.shape.decode_flags()
             self.decode.append(self._launcher.spawn_emulator(f"decode-{i}", flags))
-        sidecars = [self._sidecars(tag, aware) for tag, aware in runs]
+        sidecars = [self._sidecars(tag, settings) for tag, settings in runs]
         await redis.wait_ready(lambda: tcp_open("127.0.0.1", port))
         await asyncio.gather(*(c.wait_ready("/health") for c in (*self.prefill, *self.decode)))
         await asyncio.gather(*(c.wait_ready("/ready") for pair in sidecars for c in pair))
@@ -236,7 +240,7 @@ class LiveCluster:
             async with http.post(child.url + "/reset_prefix_cache") as response:
                 response.raise_for_status()
 
-    def _sidecars(self, run_id: str, aware: bool) -> list[Child]:
+    def _sidecars(self, run_id: str, settings: Mapping[str, str]) -> list[Child]:
         pool = ",".join(child.endpoint for child in self.prefill)
         return [
             self._launcher.spawn_sidecar(
@@ -250,8 +254,8 @@ class LiveCluster:
                     "SIDECAR_SCHEDULER_SEED": str(i + 1),
                     "SIDECAR_SCRAPE_INTERVAL_S": repr(CALIBRATION.staleness_s),
                     "SIDECAR_LOG_LEVEL": "WARNING",
-                    INDEX_SETTING: "true" if aware else "false",
                     HASH_KEY_SETTING: self._hash_key,
+                    **settings,
                     **self._sidecar_env,
                 },
             )
@@ -292,6 +296,8 @@ class RunResult:
     whose answer said)."""
     prefixes_views: list[Any]
     """Each sidecar's ``/debug/scheduler`` ``prefill_prefixes``."""
+    placements: list[str | None] = field(default_factory=list)
+    """Per request of the workload, the prefill endpoint it went to (None: local, or failed)."""
 
     def mean_abs_error(self) -> float | None:
         """Of every sidecar's endpoints, weighted by their answers."""
@@ -314,19 +320,18 @@ class RunResult:
 
 
 async def send(
-    http: aiohttp.ClientSession, url: str, body: bytes, start_at: float
+    http: aiohttp.ClientSession, url: str, body: bytes, start_at: float, request_id: str
 ) -> Outcome | None:
-    """Send at ``start_at`` (loop time); the time to the first token event and the cached
-    tokens of the final usage event; None on failure."""
+    """Send at ``start_at`` (loop time) as ``request_id``; the time to the first token event and
+    the cached tokens of the final usage event; None on failure."""
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, start_at - loop.time()))
     sent = loop.time()
     first: float | None = None
     last = b""
+    headers = {"Content-Type": "application/json", "x-request-id": request_id}
     try:
-        async with http.post(
-            url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        ) as response:
+        async with http.post(url + "/v1/completions", data=body, headers=headers) as response:
             if response.status != 200:
                 await response.read()
                 return None
@@ -354,11 +359,22 @@ async def counters(http: aiohttp.ClientSession, child: Child) -> tuple[float, fl
     )
 
 
+async def placed_on(http: aiohttp.ClientSession, url: str, request_id: str) -> str | None:
+    """The prefill endpoint the sidecar at ``url`` sent ``request_id`` to (None: prefilled on
+    its decode engine, or no record)."""
+    async with http.get(f"{url}/debug/requests/{request_id}") as response:
+        if response.status != 200:
+            await response.read()
+            return None
+        endpoint = orjson.loads(await response.read()).get("prefill_endpoint")
+    return endpoint if isinstance(endpoint, str) else None
+
+
 async def run_once(
     cluster: LiveCluster,
     http: aiohttp.ClientSession,
     workload: Workload,
-    aware: bool,
+    name: str,
     sidecars: list[Child],
 ) -> tuple[RunResult, str]:
     """The workload through ``sidecars``, on emulators with empty prefix caches."""
@@ -382,13 +398,15 @@ async def run_once(
         contention.start()
         start = asyncio.get_running_loop().time() + 0.2
         homes = random.Random(f"homes-{workload.seed}")
+        via = [sidecars[homes.randrange(len(sidecars))].url for _ in workload.requests]
         outcomes = await asyncio.gather(
             *(
-                send(http, sidecars[homes.randrange(len(sidecars))].url, body, start + r.at)
-                for r, body in zip(workload.requests, bodies, strict=True)
+                send(http, url, body, start + r.at, f"{name}-{i}")
+                for i, (r, body, url) in enumerate(zip(workload.requests, bodies, via, strict=True))
             )
         )
         await contention.stop()
+        placements = [await placed_on(http, url, f"{name}-{i}") for i, url in enumerate(via)]
         after = [await counters(http, child) for child in cluster.prefill]
         remote = error_sum = error_count = predicted = reported = 0.0
         reasons: dict[str, float] = {}
@@ -415,7 +433,7 @@ async def run_once(
     cached = [o.cached_tokens for o, _ in told if o.cached_tokens is not None]
     prompt = sum(workload.prompt_tokens(r) for o, r in told if o.cached_tokens is not None)
     result = RunResult(
-        name="prefix-aware" if aware else "prefix-blind",
+        name=name,
         ttfts=[o.ttft_s for o in done],
         failed=len(outcomes) - len(done),
         remote_share=remote / max(1, len(outcomes)),
@@ -427,6 +445,7 @@ async def run_once(
         predicted=predicted,
         reported=reported,
         prefixes_views=views,
+        placements=placements,
     )
     return result, contention.describe()
 
@@ -482,9 +501,173 @@ def verdict(blind: RunResult, aware: RunResult) -> tuple[bool, str]:
     return ok, text
 
 
+# --- affinity under bounded caches ----------------------------------------------------------
+
+AFFINITY_HITS = 0.85
+"""The prefill servers' hit ratio, prefix-aware, of the ideal, at least."""
+AFFINITY_TTFT = 0.8
+"""Mean TTFT prefix-aware / round robin, at most."""
+AFFINITY_ONE_SERVER = 0.8
+"""Of each prefix's remote prefills, the share on its busiest server, at least."""
+AFFINITY_JUDGED = 5
+"""Prefixes with fewer remote prefills than this are listed, not judged."""
+AFFINITY_DECODE_BLOCKS = 64
+"""The decode emulators' prefix caches in ``--affinity``: too small to hold a system prompt, so
+that the decider sees every prompt uncached on its decode engine and the prefills go remote."""
+
+
+def block_tokens(tokens: int) -> int:
+    """Of a prompt part of ``tokens`` at its start, the tokens in whole cached blocks (64
+    characters, 16 tokens: the emulators' and the sidecar's)."""
+    block_chars = CALIBRATION.block_size * CHARS_PER_TOKEN
+    return (tokens * CHARS_PER_TOKEN // block_chars) * CALIBRATION.block_size
+
+
+def ideal_hits(workload: Workload, remote: Sequence[bool]) -> tuple[float, float]:
+    """Prefix-cache hits, and prompt tokens, of the remote prefills (``remote``, per request) if
+    each system prompt were computed once in all and held ever after: a bound that does not
+    depend on where the prefills went."""
+    seen: set[int] = set()
+    hits = tokens = 0.0
+    for request, went in zip(workload.requests, remote, strict=True):
+        if not went:
+            continue
+        tokens += workload.prompt_tokens(request)
+        if request.system in seen:
+            hits += block_tokens(workload.system_tokens[request.system])
+        seen.add(request.system)
+    return hits, tokens
+
+
+def one_server_shares(
+    workload: Workload, placements: Sequence[str | None]
+) -> dict[int, tuple[float, int]]:
+    """Per system prompt: the share of its remote prefills on its busiest server, and their
+    count."""
+    by_system: dict[int, Counter[str]] = {}
+    for request, endpoint in zip(workload.requests, placements, strict=True):
+        if endpoint is not None:
+            by_system.setdefault(request.system, Counter())[endpoint] += 1
+    return {
+        system: (counts.most_common(1)[0][1] / counts.total(), counts.total())
+        for system, counts in sorted(by_system.items())
+    }
+
+
+def affinity_report(
+    workload: Workload, baseline: RunResult, aware: RunResult
+) -> tuple[bool, list[str]]:
+    lines = []
+    ok = baseline.failed == aware.failed == 0
+    for r in (baseline, aware):
+        hits = sum(h for h, _ in r.hits)
+        queries = sum(q for _, q in r.hits)
+        best, prompt = ideal_hits(workload, [p is not None for p in r.placements])
+        shares = one_server_shares(workload, r.placements)
+        judged = [share for share, count in shares.values() if count >= AFFINITY_JUDGED]
+        lines.append(
+            f"{r.name}: prefill servers' hit ratio {hits / queries if queries else 0:.3f}, "
+            f"ideal {best / prompt if prompt else 0:.3f}; mean TTFT {r.ttft('mean') * 1000:.0f} ms"
+            f"; remote {sum(p is not None for p in r.placements)}/{len(r.placements)}; "
+            f"prefixes on one server for >= {AFFINITY_ONE_SERVER:.0%} of their prefills: "
+            f"{sum(share >= AFFINITY_ONE_SERVER for share in judged)}/{len(judged)} "
+            f"(lowest {min(judged, default=math.nan):.2f})"
+        )
+        lines.append(
+            "  per prefix (share on its busiest server / remote prefills): "
+            + ", ".join(f"{s}: {share:.2f}/{count}" for s, (share, count) in shares.items())
+        )
+    hits = sum(h for h, _ in aware.hits)
+    queries = sum(q for _, q in aware.hits)
+    best, prompt = ideal_hits(workload, [p is not None for p in aware.placements])
+    of_ideal = (hits / queries) / (best / prompt) if queries and best else 0.0
+    ttft = aware.ttft("mean") / baseline.ttft("mean")
+    aware_shares = one_server_shares(workload, aware.placements).values()
+    judged = [share for share, count in aware_shares if count >= AFFINITY_JUDGED]
+    ok = ok and of_ideal >= AFFINITY_HITS and ttft <= AFFINITY_TTFT
+    ok = ok and all(share >= AFFINITY_ONE_SERVER for share in judged)
+    servers = sorted({p for p in aware.placements if p is not None})
+    for system, (share, count) in one_server_shares(workload, aware.placements).items():
+        if count >= AFFINITY_JUDGED and share < AFFINITY_ONE_SERVER:
+            order = [
+                f"{servers.index(p)}@{r.at:.1f}s" if p is not None else f"local@{r.at:.1f}s"
+                for r, p in zip(workload.requests, aware.placements, strict=True)
+                if r.system == system
+            ]
+            lines.append(f"  prefix {system}, its requests' servers in order: {' '.join(order)}")
+    lines.append(
+        f"prefix-aware: hit ratio {of_ideal:.2f} of the ideal (target >= {AFFINITY_HITS}); "
+        f"mean TTFT {ttft:.2f} x round robin's (target <= {AFFINITY_TTFT}); every prefix with "
+        f">= {AFFINITY_JUDGED} remote prefills on one server for >= {AFFINITY_ONE_SERVER:.0%} "
+        f"of them: {all(share >= AFFINITY_ONE_SERVER for share in judged)}"
+    )
+    return ok, lines
+
+
+async def affinity_main(args: argparse.Namespace) -> int:
+    """Round robin against prefix-aware placement on ``--servers`` equal prefill servers whose
+    prefix caches each hold ``--cache-share`` of the system prompts' blocks."""
+    systems = system_prompts(args.seed)
+    shared_tokens = sum(block_tokens(tokens) for tokens in systems)
+    blocks = math.ceil(args.cache_share * shared_tokens / CALIBRATION.block_size)
+    speed = CALIBRATION.prefill_tokens_per_s
+    shape = Shape(
+        blocks,
+        speedup=QUICK_SPEEDUP if args.quick else 1.0,
+        decode_num_gpu_blocks=AFFINITY_DECODE_BLOCKS,
+        prefill_speeds=(speed,) * args.servers,
+    )
+    capacity = pool_rate(args.seed, shape.speeds())
+    rate = args.rate or args.load * capacity
+    workload = make_workload(args.seed, rate, args.duration)
+    print(
+        f"pd-sidecar prefix affinity benchmark: {len(workload.requests)} requests over "
+        f"{args.duration:g} s at {rate:.2f} req/s ({rate / capacity * 100:.0f} % of what the "
+        f"prefill pool computes without cache hits), seed {args.seed}; {args.servers} prefill "
+        f"emulators at {speed:,.0f} tokens/s holding {blocks:,} blocks each "
+        f"({args.cache_share:g} of the {SYSTEM_PROMPTS} system prompts' blocks); load average "
+        f"before: {load_average()}"
+    )
+    cluster = LiveCluster(shape, args.log_dir, dict(v.split("=", 1) for v in args.sidecar_env))
+    named = {
+        "round-robin": {INDEX_SETTING: "true", "SIDECAR_SCHEDULER_POLICY": "round_robin"},
+        "prefix-aware": {INDEX_SETTING: "true"},
+    }
+    runs = [(f"p{os.getpid()}{i}", settings) for i, settings in enumerate(named.values())]
+    results: list[RunResult] = []
+    started = time.monotonic()
+    try:
+        pairs = await cluster.start(runs)
+        print(f"logs: {cluster.log_dir}", flush=True)
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+        ) as http:
+            for name, sidecars in zip(named, pairs, strict=True):
+                result, contention = await run_once(cluster, http, workload, name, sidecars)
+                results.append(result)
+                print(f"  {name}: done; {contention}", flush=True)
+    finally:
+        await cluster.close()
+    print()
+    for line in report(results):
+        print(line)
+    ok, lines = affinity_report(workload, *results)
+    for line in lines:
+        print(line)
+    print(f"{time.monotonic() - started:.0f} s; load average after: {load_average()}")
+    if args.quick:
+        print("--quick: not judged")
+        return 0
+    print("target met" if ok else "target missed - FAIL")
+    return 0 if ok else 1
+
+
 async def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     raise_open_files_limit()
+    if args.affinity:
+        return await affinity_main(args)
     shape = Shape(
         args.num_gpu_blocks,
         speedup=QUICK_SPEEDUP if args.quick else 1.0,
@@ -516,7 +699,10 @@ async def main(argv: Sequence[str] | None = None) -> int:
     cluster = LiveCluster(shape, args.log_dir, dict(v.split("=", 1) for v in args.sidecar_env))
     results: list[RunResult] = []
     started = time.monotonic()
-    runs = [(f"p{os.getpid()}{'a' if aware else 'b'}", aware) for aware in (False, True)]
+    runs = [
+        (f"p{os.getpid()}{tag}", {INDEX_SETTING: "true" if aware else "false"})
+        for tag, aware in (("b", False), ("a", True))
+    ]
     try:
         pairs = await cluster.start(runs)
         print(f"logs: {cluster.log_dir}", flush=True)
@@ -524,8 +710,8 @@ async def main(argv: Sequence[str] | None = None) -> int:
         async with aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
         ) as http:
-            for (_, aware), sidecars in zip(runs, pairs, strict=True):
-                result, contention = await run_once(cluster, http, workload, aware, sidecars)
+            for name, sidecars in zip(("prefix-blind", "prefix-aware"), pairs, strict=True):
+                result, contention = await run_once(cluster, http, workload, name, sidecars)
                 results.append(result)
                 print(f"  {result.name}: done; {contention}", flush=True)
     finally:
@@ -562,6 +748,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quick", action="store_true", help="1 s at 4 req/s, 20x faster engines; no verdict"
+    )
+    parser.add_argument(
+        "--affinity",
+        action="store_true",
+        help="round robin against prefix-aware on equal prefill servers with bounded caches",
+    )
+    parser.add_argument(
+        "--servers", type=int, default=2, help="--affinity: prefill servers (default 2)"
+    )
+    parser.add_argument(
+        "--cache-share",
+        type=float,
+        default=0.5,
+        help="--affinity: each prefill cache holds this share of the system prompts (0.5)",
     )
     add_launcher_arguments(parser)
     args = parser.parse_args(argv)

@@ -13,10 +13,16 @@ from bench.prefix_live import (
     SYSTEM_PROMPTS,
     SYSTEM_TOKENS,
     USER_TOKENS,
+    Request,
     RunResult,
     Shape,
+    Workload,
+    affinity_report,
+    block_tokens,
+    ideal_hits,
     main,
     make_workload,
+    one_server_shares,
     pool_rate,
     verdict,
 )
@@ -120,3 +126,63 @@ def test_the_mean_absolute_error_weighs_every_sidecars_endpoints_by_their_answer
     result = RunResult("a", [1.0], 0, 1.0, None, [], {}, 0.0, 0.0, 0.0, 0.0, views)
     assert result.mean_abs_error() == 200.0
     assert RunResult("a", [1.0], 0, 1.0, None, [], {}, 0, 0, 0, 0, []).mean_abs_error() is None
+
+
+def _affinity_workload() -> Workload:
+    """Three system prompts of 1,024, 2,000 and 64 tokens; five requests."""
+    requests = tuple(Request(system, 100, 10, float(i)) for i, system in enumerate((0, 0, 1, 0, 1)))
+    return Workload(1, (1024, 2000, 64), requests)
+
+
+def test_the_ideal_computes_each_system_prompt_once_over_the_remote_prefills() -> None:
+    workload = _affinity_workload()
+    # All remote: prompt 0 hits twice (1,024 tokens), prompt 1 once (2,000).
+    assert ideal_hits(workload, [True] * 5) == (2 * 1024 + 2000, 3 * 1124 + 2 * 2100)
+    # The first request local: the second of prompt 0 is the one that computes it.
+    assert ideal_hits(workload, [False, True, True, True, True]) == (1024 + 2000, 2 * 1124 + 4200)
+    # Whole blocks of 64 characters: 1,000 tokens are 62.5 blocks.
+    assert block_tokens(1000) == 992
+    assert block_tokens(15) == 0
+
+
+def test_a_prefix_s_share_is_its_busiest_server_s_share_of_its_remote_prefills() -> None:
+    workload = _affinity_workload()
+    placements = ["a", "b", "a", "a", None]
+    assert one_server_shares(workload, placements) == {0: (2 / 3, 3), 1: (1.0, 1)}
+
+
+def test_the_affinity_verdict_needs_hits_ttft_and_one_server_per_judged_prefix() -> None:
+    requests = tuple(Request(0, 100, 10, float(i)) for i in range(6))
+    workload = Workload(1, (1000,), requests)
+    everything = 6 * 1100.0
+
+    def run(name: str, ttft: float, hits: float, placements: list[str | None]) -> RunResult:
+        return RunResult(
+            name, [ttft], 0, 1.0, None, [(hits, everything)], {}, 0, 0, 0, 0, [], placements
+        )
+
+    baseline = run("round-robin", 1.0, 1000.0, ["a", "b"] * 3)
+    ideal = 5 * float(block_tokens(1000))
+    assert affinity_report(workload, baseline, run("aware", 0.8, 0.86 * ideal, ["a"] * 6))[0]
+    assert not affinity_report(workload, baseline, run("aware", 0.81, ideal, ["a"] * 6))[0]
+    assert not affinity_report(workload, baseline, run("aware", 0.5, 0.8 * ideal, ["a"] * 6))[0]
+    split = ["a", "a", "a", "a", "b", "b"]  # 4 of 6 on one server
+    ok, lines = affinity_report(workload, baseline, run("aware", 0.5, ideal, split))
+    assert not ok
+    assert "prefix 0, its requests' servers in order: 0@0.0s 0@1.0s" in lines[-2]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(60)
+async def test_a_quick_affinity_run_goes_through_the_real_processes(
+    capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    program("redis-server", "redis-server")
+    assert await main(["--affinity", "--quick", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("round-robin ", "prefix-aware "))]
+    assert len(rows) == 2
+    for row in rows:
+        assert row.split()[4] == "0"  # failed
+    assert "prefix-aware: hit ratio" in out
+    assert "x round robin's" in out

@@ -55,6 +55,10 @@ class Candidate:
     cached_tokens: int = 0
     """Tokens of this prompt the endpoint is predicted to hold in its prefix cache (the prefill
     prefix index's match, weighed by how much a predicted hit is trusted): it computes the rest."""
+    affinity: int = 0
+    """The endpoint's rendezvous weight for the prompt's prefix (``placement.affinity``): the
+    same in every sidecar that shares the prefix hash key, so that among endpoints equally placed
+    to serve a prefix every sidecar prefers the same one. 0 for all: no prefix known."""
 
     def scraped_requests(self) -> float | None:
         if self.waiting is None and self.running is None:

@@ -15,6 +15,7 @@ modelled cluster in virtual time.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -58,14 +59,42 @@ class EndpointState:
     inflight: int = 0
     last_sent: float | None = None
     """When this sidecar last sent it a prefill (monotonic), or first considered it."""
+    rendezvous: int = 0
+    """The endpoint's part of its prefix affinities (``affinity``), from its key."""
     shared: Speed | None = None
     """The speed other sidecars published, as last seen, and since when (monotonic): a shared
     speed ages from the moment this sidecar saw it change."""
     shared_since: float = 0.0
 
+    def __post_init__(self) -> None:
+        self.rendezvous = endpoint_weight(str(self.endpoint))
+
     @property
     def key(self) -> str:
         return str(self.endpoint)
+
+
+AFFINITY_BLOCK = 4
+"""A prompt's prefix affinity is read at this block of its prefix hashes (its last, if
+shorter): 256 bytes, about 64 tokens. Prompts that share this much share a home; a shallower
+anchor would give one home to every prompt that opens with the same few words."""
+_MASK = (1 << 64) - 1
+
+
+def endpoint_weight(key: str) -> int:
+    """The endpoint's half of a rendezvous weight: stable across processes and restarts."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def affinity(anchor: int, endpoint: int) -> int:
+    """Rendezvous (highest random weight) hashing of a prefix ``anchor`` over endpoints: each
+    prefix ranks the endpoints in its own order, the same in every sidecar, and an endpoint
+    leaving moves only the prefixes it ranked first. The 64-bit finaliser of SplitMix64
+    (Steele, Lea and Flood, 2014) mixes the two halves; never 0 (0 means "no prefix")."""
+    z = (anchor ^ endpoint) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) | 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +230,9 @@ class Planner:
         endpoint's KV events say it holds (None for an endpoint without them: the prefix
         index answers for it)."""
         prefixes = self.prefixes if hashes else None
+        anchor = 0
+        if hashes:
+            anchor = int.from_bytes(hashes[min(len(hashes), AFFINITY_BLOCK) - 1][:8], "little")
         candidates = []
         for key, state in self.pool.items():
             health = state.health  # a healthy endpoint stays so without a failure: no refresh
@@ -230,6 +262,7 @@ class Planner:
                     None if scraped is None else scraped.kv_usage,
                     self.speed(state, view.speeds.get(key), now),
                     cached,
+                    affinity(anchor, state.rendezvous) if anchor else 0,
                 )
             )
         return candidates

@@ -31,10 +31,13 @@ def predicted_ttft(
     tokens: int,
     transfer: Transfer,
     tokens_per_waiting: float = TOKENS_PER_WAITING,
+    *,
+    credited: bool = True,
 ) -> float:
     """Queue ahead and the prompt's tokens the endpoint does not hold, at its observed speed, plus
-    the KV transfer of the whole prompt (the decode engine pulls every block)."""
-    computed = max(0, tokens - candidate.cached_tokens)
+    the KV transfer of the whole prompt (the decode engine pulls every block). ``credited``
+    False: as if it held none of the prompt."""
+    computed = max(0, tokens - candidate.cached_tokens) if credited else tokens
     work = candidate.queued_tokens(tokens_per_waiting) + computed
     return candidate.speed.seconds(work) + transfer.seconds(tokens)
 
@@ -103,7 +106,19 @@ class Qoe:
     Predicted TTFT = (tokens queued ahead + the prompt's tokens it is not predicted to hold) x
     the endpoint's observed seconds per token + its overhead + the KV transfer estimate. A small
     ``choices`` (2) trades the best pick for less herding when sidecars decide on one stale
-    view; the candidate predicted to hold most of the prompt is compared whatever the sample.
+    view.
+
+    Affinity: the prompt's prefix has one home, ``affinity_target``: the candidate predicted to
+    hold most of it, the highest rendezvous weight among equal holders, or, when none holds any
+    of it, the highest weight of all. The home is always compared, wins ties, and is the only
+    candidate credited with what it holds: another is predicted to compute the whole prompt,
+    even when the index says it holds the prefix too. A home that holds nothing yet is credited
+    with the whole prompt all the same (it will hold it), computed at the sample's fastest speed.
+    So a prefix leaves its home only when waiting there costs more than computing the prompt
+    elsewhere, and once the queue drains it
+    comes back: a copy made by that spill is left to age out of the other cache instead of
+    splitting the prefix's requests between two servers whose caches then evict each other;
+    and a prefix evicted everywhere comes back to the same home.
     """
 
     name = "qoe"
@@ -123,17 +138,43 @@ class Qoe:
 
     def choose(self, candidates: Sequence[Candidate], tokens: int) -> Candidate | None:
         sample = _sample(candidates, self._choices, self._rng)
-        if len(sample) < len(candidates):
-            # The endpoint predicted to hold most of the prompt is always compared: a sample
-            # without it would recompute a prefix the pool holds.
-            holder = max(candidates, key=lambda c: c.cached_tokens)
-            if holder.cached_tokens > 0 and holder not in sample:
-                sample = [*sample, holder]
-        return _lowest(
-            sample,
-            lambda c: predicted_ttft(c, tokens, self._transfer, self._tokens_per_waiting),
-            self._rng,
-        )
+        home = affinity_target(candidates)
+        if home is not None and home not in sample:
+            # A sample without the prefix's home would recompute what the pool holds.
+            sample = [*sample, home]
+        transfer, per_waiting = self._transfer, self._tokens_per_waiting
+
+        def cost(candidate: Candidate) -> float:
+            credited = candidate is home
+            return predicted_ttft(candidate, tokens, transfer, per_waiting, credited=credited)
+
+        if home is None:
+            return _lowest(sample, cost, self._rng)
+        scored = [(cost(c), c) for c in sample]
+        best = min(score for score, _ in scored)
+        if home.cached_tokens == 0:
+            # Nobody holds the prefix: its home is credited with what computing it elsewhere
+            # costs (later requests of the prefix find it at home), at the sample's fastest
+            # speed: a slow home is not credited with its own slowness.
+            best += min(c.speed.s_per_token for c in sample) * tokens
+        tied = [c for score, c in scored if score <= best]
+        return home if home in tied else self._rng.choice(tied)
+
+
+def affinity_target(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The prompt's prefix's home among ``candidates`` (``Qoe``): the one predicted to hold most
+    of the prompt, the highest ``affinity`` among equal holders; when none holds any of it, the
+    highest ``affinity``; None without either (no prefix known)."""
+    if not candidates:
+        return None
+    home = max(candidates, key=_held_then_affinity)
+    if home.cached_tokens == 0 and home.affinity == 0:
+        return None
+    return home
+
+
+def _held_then_affinity(candidate: Candidate) -> tuple[int, int]:
+    return candidate.cached_tokens, candidate.affinity
 
 
 POLICIES = ("qoe", "power_of_two", "least_loaded", "round_robin", "random")

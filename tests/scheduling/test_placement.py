@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -18,6 +19,7 @@ from sidecar.scheduling.placement import (
     reserved_tokens,
 )
 from sidecar.scheduling.policies import make_policy
+from sidecar.scheduling.prefixes import PrefixHasher
 from sidecar.scheduling.prompts import PrefixIndex, tokens_of_text
 from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.scheduling.state import Load, Reservation, SharedView
@@ -256,3 +258,21 @@ def test_a_published_speed_ages_from_when_it_was_seen_to_change():
     # Published anew (another sidecar's new observation): fresh again.
     renewed = SharedView({}, {"127.0.0.1:1": Speed(3e-4, 1.0)}, {})
     assert plan.candidates(renewed, 120.0, 120.0)[0].speed == Speed(3e-4, 1.0)
+
+
+def test_every_sidecar_gives_a_prefix_the_same_home_and_prefixes_spread_over_homes():
+    """Two planners (two sidecars) sharing a hash key rank the endpoints alike for a prompt's
+    prefix; prompts that share their first 256 bytes share it; 64 prefixes over four endpoints
+    land on each of them."""
+    hasher = PrefixHasher(b"k" * 32, block_tokens=16)
+    first, second = planner(1, 2, 3, 4), planner(4, 3, 2, 1)
+
+    def home(plan: Planner, prompt: str) -> str:
+        found = plan.candidates(EMPTY, 0.0, 0.0, hasher.hashes(prompt))
+        return max(found, key=lambda c: c.affinity).key
+
+    shared_start = "s" * 256
+    assert home(first, shared_start + "one") == home(second, shared_start + "two")
+    homes = Counter(home(first, f"prefix {i} " * 40) for i in range(64))
+    assert set(homes) == {f"127.0.0.1:{port}" for port in (1, 2, 3, 4)}
+    assert all(c.affinity == 0 for c in first.candidates(EMPTY, 0.0, 0.0))  # no prompt known

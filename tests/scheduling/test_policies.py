@@ -131,3 +131,61 @@ def test_policies_are_reproducible_with_the_same_seed():
     first = [make_policy("random", random.Random(3)).choose(candidates, 1) for _ in range(5)]
     again = [make_policy("random", random.Random(3)).choose(candidates, 1) for _ in range(5)]
     assert first == again
+
+
+# --- prefix affinity ------------------------------------------------------------------------
+
+PROMPT = 8000
+"""A long prompt whose prefix two endpoints hold (after a spill, say)."""
+
+
+def holders(queue_a: int, queue_b: int) -> list[Candidate]:
+    """Two equal endpoints both predicted to hold 7,000 tokens of the prompt; ``a`` ranks
+    first for its prefix."""
+    return [
+        Candidate("a", reserved_tokens=queue_a, cached_tokens=7000, affinity=20),
+        Candidate("b", reserved_tokens=queue_b, cached_tokens=7000, affinity=10),
+    ]
+
+
+def test_qoe_keeps_a_prefix_that_two_endpoints_hold_on_its_home():
+    """A queue difference smaller than computing the prompt does not split the prefix: every
+    request goes to the home, whose queue is longer by 5,000 tokens here (it would be the other
+    one's by predicted time alone, each credited with what it holds)."""
+    policy = Qoe(rng())
+    assert {key(policy.choose(holders(6000, 1000), PROMPT)) for _ in range(50)} == {"a"}
+    credited_each = [predicted_ttft(c, PROMPT, Transfer()) for c in holders(6000, 1000)]
+    assert credited_each[1] < credited_each[0]  # what the rule changes
+
+
+def test_qoe_spills_a_prefix_when_waiting_at_home_costs_more_than_computing_elsewhere():
+    policy = Qoe(rng())
+    # 9,000 tokens queued at home, against the whole prompt (8,000) on an idle endpoint.
+    assert key(policy.choose(holders(9000 + 1000, 0), PROMPT)) == "b"
+
+
+def test_qoe_gives_a_prefix_nobody_holds_its_home_when_the_endpoints_tie():
+    policy = Qoe(rng())
+    cold = [Candidate(k, affinity=w) for k, w in (("a", 5), ("b", 9), ("c", 7))]
+    assert {key(policy.choose(cold, 3000)) for _ in range(30)} == {"b"}
+    # With no prefix known (no affinities), a tie is broken at random, as before.
+    blind = [Candidate(k) for k in ("a", "b", "c")]
+    assert len({key(policy.choose(blind, 3000)) for _ in range(60)}) == 3
+
+
+def test_qoe_sends_a_prefix_nobody_holds_home_unless_waiting_there_costs_more_than_it():
+    """A home that holds nothing yet is credited with the prompt it will hold: a cold prompt of
+    3,000 tokens waits behind 2,000 queued at home, not behind 4,000."""
+    policy = Qoe(rng())
+
+    def cold(home_queue: int) -> list[Candidate]:
+        return [Candidate("a", reserved_tokens=home_queue, affinity=9), Candidate("b", affinity=5)]
+
+    assert key(policy.choose(cold(2000), 3000)) == "a"
+    assert key(policy.choose(cold(4000), 3000)) == "b"
+
+
+def test_qoe_compares_the_home_whatever_the_sample():
+    candidates = [Candidate(str(i), affinity=i + 1) for i in range(8)]
+    policy = Qoe(rng(), choices=2)
+    assert {key(policy.choose(candidates, 3000)) for _ in range(40)} == {"7"}
