@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Sequence
 
 import pytest
 
@@ -156,9 +157,9 @@ def test_the_affinity_verdict_needs_hits_ttft_and_one_server_per_judged_prefix()
     workload = Workload(1, (1000,), requests)
     everything = 6 * 1100.0
 
-    def run(name: str, ttft: float, hits: float, placements: list[str | None]) -> RunResult:
+    def run(name: str, ttft: float, hits: float, placements: Sequence[str | None]) -> RunResult:
         return RunResult(
-            name, [ttft], 0, 1.0, None, [(hits, everything)], {}, 0, 0, 0, 0, [], placements
+            name, [ttft], 0, 1.0, None, [(hits, everything)], {}, 0, 0, 0, 0, [], list(placements)
         )
 
     baseline = run("round-robin", 1.0, 1000.0, ["a", "b"] * 3)
