@@ -45,6 +45,9 @@ class Outcome:
     """Those requests' decision reasons (``scheduled``, ``retest``, ...)."""
     frozen_in_freeze: int
     """Prefills the frozen server was sent while frozen (they answered after the thaw)."""
+    predicted_s: tuple[float, float]
+    """Seconds each server's speed estimate predicted for a prompt of ~600 tokens after the
+    idle spell (``/debug/scheduler``), the thawed one's first."""
 
 
 async def _send(
@@ -116,12 +119,16 @@ async def freeze_idle_then_measure(
         await asyncio.sleep(0.3)  # under load before it freezes
         frozen.process.send_signal(signal.SIGSTOP)
         frozen_at = asyncio.get_running_loop().time()
+        # One prefill is held for certain, whatever the policy does meanwhile: named by the
+        # gateway's header, sent once the server is stopped (the kernel accepts the connection).
+        held = asyncio.create_task(_send(http, sidecar, f"held {LONG}", frozen.endpoint))
         try:
             await asyncio.sleep(FREEZE_S)  # the freeze itself
         finally:
             frozen.process.send_signal(signal.SIGCONT)
         stop.set()
         during = [record for records in await asyncio.gather(*load) for record in records]
+        during.append(await held)
         frozen_in_freeze = sum(
             r["prefill_endpoint"] == frozen.endpoint and r["durations_ms"]["prefill"] > 1000
             for r in during
@@ -143,6 +150,11 @@ async def freeze_idle_then_measure(
             return bool(idle_from) and loop.time() - idle_from[0] >= idle_s
 
         await eventually(idle_long_enough, within=idle_s + 10.0)
+        await _send(http, sidecar, f"short {'x' * 40}")  # a local prefill: no ageing, a decision
+        speeds = [(await _endpoint(http, sidecar, s.endpoint))["speed"] for s in (frozen, other)]
+        thawed_s, other_s = (
+            round(speed["overhead_s"] + 600 * speed["s_per_token"], 4) for speed in speeds
+        )
 
         queue = asyncio.Queue[int]()
         for i in range(REQUESTS):
@@ -159,7 +171,7 @@ async def freeze_idle_then_measure(
     for record in after:
         reasons[record["reason"]] = reasons.get(record["reason"], 0) + 1
     share = sum(r["prefill_endpoint"] == frozen.endpoint for r in after) / len(after)
-    return Outcome(share, reasons, frozen_in_freeze)
+    return Outcome(share, reasons, frozen_in_freeze, (thawed_s, other_s))
 
 
 @pytest.mark.system
