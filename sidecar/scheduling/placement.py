@@ -292,9 +292,11 @@ class Planner:
         best = state.speed.best
         if weight >= 1.0 or best is None:
             return
-        if best.seconds(VIRTUAL_HIGH_TOKENS) < state.speed.value_at(scraped_at).seconds(
-            VIRTUAL_HIGH_TOKENS
-        ):
+        # A stall's margin (as a re-test's): the spread between an endpoint's own fits under
+        # traffic is not a stall, and ageing every idle endpoint toward its best fit made them
+        # all look as fast as their luckiest (the simulator's Mooncake replay lost its goodput).
+        current = state.speed.value_at(scraped_at).seconds(VIRTUAL_HIGH_TOKENS)
+        if current >= RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
             state.speed.relax(best, weight, scraped_at)
 
     def candidate(

@@ -373,3 +373,16 @@ def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
     # Its answer, at its healthy speed, is learnt from the aged state: it stays fast.
     plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.1)
     assert predicted(plan, thawed, 161.1) < 2 * predicted(plan, other, 161.1)
+
+
+def test_a_fit_within_a_stalls_margin_of_its_best_is_not_aged_toward_it():
+    """Only a stall's margin (1.5 x its best) is aged away: the spread of an endpoint's fits
+    under traffic is not, or every idle endpoint would look as fast as its luckiest fit."""
+    aged, ageless = thawed_pool(idle_half_life_s=5.0), thawed_pool(idle_half_life_s=None)
+    for plan, _, other in (aged, ageless):
+        # A little slower than its best (1.3 x at 2,000 tokens): noise, not a stall.
+        for _ in range(3):
+            plan.prefill_observed(Reservation(other, 2000, 0), 1.3 * HEALTHY.seconds(2000), 95.0)
+        scraped_idle(plan, other, 96.0, 101.0)  # five seconds: one idle half-life
+    [(plan, _, other), (reference, _, _)] = aged, ageless
+    assert predicted(plan, other, 101.0) == predicted(reference, other, 101.0)
