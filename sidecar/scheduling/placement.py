@@ -60,6 +60,10 @@ class EndpointState:
     """The scrape time from which its scrapes have shown it idle — nothing waiting, nothing
     running — without a break (moved on as the idle ageing is applied); None while the last
     scrape did not (``Planner._age_idle``)."""
+    unanswered: bool = False
+    """A scrape went without gauges (no answer in time, refused, no metrics) since its speed
+    was last back within a stall's margin of its best: what a stall looks like from outside,
+    and what lets the idle ageing run."""
     draining: bool = False
     inflight: int = 0
     last_sent: float | None = None
@@ -80,6 +84,8 @@ class EndpointState:
 
     @load.setter
     def load(self, load: EngineLoad | None) -> None:
+        if load is None:
+            self.unanswered = True
         if load is None or load.waiting != 0 or load.running != 0:
             self.idle_since = None  # busy, unknown, or not answering: the idle spell ends
         elif self.idle_since is None:
@@ -238,6 +244,7 @@ class Planner:
                 scraped = None
             if (
                 scraped is not None
+                and state.unanswered
                 and state.idle_since is not None
                 and scraped.at > state.idle_since
                 and not state.inflight
@@ -292,12 +299,15 @@ class Planner:
         best = state.speed.best
         if weight >= 1.0 or best is None:
             return
-        # A stall's margin (as a re-test's): the spread between an endpoint's own fits under
-        # traffic is not a stall, and ageing every idle endpoint toward its best fit made them
-        # all look as fast as their luckiest (the simulator's Mooncake replay lost its goodput).
+        # Only after a scrape went unanswered (``unanswered``), and only a stall's margin (as a
+        # re-test's): fits slowed by mispredicted cache hits or by the spread under traffic
+        # are not stalls, and ageing every idle endpoint toward its best fit made them all look
+        # as fast as their luckiest (the simulator's Mooncake replay lost its goodput).
         current = state.speed.value_at(scraped_at).seconds(VIRTUAL_HIGH_TOKENS)
         if current >= RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
             state.speed.relax(best, weight, scraped_at)
+        else:
+            state.unanswered = False  # back within the margin: the stall is forgotten
 
     def candidate(
         self,
