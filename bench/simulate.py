@@ -35,7 +35,14 @@ from bench.sim.anchors import ANCHORS
 from bench.sim.checks import Outcome, Verdict
 from bench.sim.goodput import LOWEST_RATE, Goodput, find_goodput
 from bench.sim.run import RunStats, simulate
-from bench.sim.scenario import LEAST_LOADED, QOE, ROUND_ROBIN, Scenario, Variant
+from bench.sim.scenario import (
+    ANCHOR_VARIANTS,
+    LEAST_LOADED,
+    QOE,
+    ROUND_ROBIN,
+    Scenario,
+    Variant,
+)
 from bench.sim.scenarios import SCENARIOS
 from sidecar.scheduling.policies import POLICIES
 
@@ -54,11 +61,11 @@ QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 def parse_variant(text: str) -> Variant:
     """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index),
     ``policy:exact`` (the exact index fed by KV events), ``never``, or an anchor's name
-    (``sglang_cache_aware``, ``llm-d_pd_scorer``)."""
+    (``sglang_cache_aware``, ``llm-d_pd_scorer``, ``llm-d_precise``)."""
     if text == "never":
         return Variant("qoe", "never")
-    if text in ANCHORS:
-        return Variant(text, "anchor")
+    if text in ANCHOR_VARIANTS:
+        return ANCHOR_VARIANTS[text]
     policy, *modes = text.split(":")
     if policy not in POLICIES:
         choices = (*POLICIES, *ANCHORS)

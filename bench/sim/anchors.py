@@ -22,6 +22,10 @@ flight).
   approximate prefix-cache scorer (weight 2) plus the queue scorer (weight 1), the highest score
   wins; disaggregation by its ``prefix-based-pd-decider`` (``nonCachedTokens: 16``). One
   prefix-cache scorer serves both profiles (one index, keyed by pod).
+- ``llm-d_precise``: ``llm-d_pd_scorer`` with its prefill profile scored as llm-d's precise
+  prefix-cache configuration scores pods (``LlmdPrecise``): the exact index fed by the prefill
+  engines' KV events. Our composition of llm-d's shipped pieces: no shipped P/D configuration
+  uses the precise scorer.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from __future__ import annotations
 import heapq
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from bench.sim.texts import Segment
 
-ANCHORS = ("sglang_cache_aware", "llm-d_pd_scorer")
+ANCHORS = ("sglang_cache_aware", "llm-d_pd_scorer", "llm-d_precise")
 
 
 # SGLang cache_aware.
@@ -317,3 +322,119 @@ class LlmdScorer:
                 index[digest] = None
         while len(index) > self._capacity:
             index.popitem(last=False)
+
+
+# llm-d's precise prefix-cache scorer (facts from llm-d/llm-d-inference-scheduler HEAD 520af478,
+# which pins llm-d/llm-d-kv-cache v0.8.0; the plugin in pkg/epp/framework/plugins/scheduling/
+# scorer/preciseprefixcache/, the index and its scorer in llm-d-kv-cache pkg/kvcache/).
+
+LLMD_PRECISE_BLOCK_TOKENS = 16
+"""kv-cache ``defaultBlockSize`` (token_processor.go @ v0.8.0); a partial last block is dropped.
+Every shipped configuration sets 64 to match its vLLM's ``--block-size``: the default is the
+engines' block here (``Scenario.block_size``, 16)."""
+LLMD_PRECISE_WEIGHT = 2.0
+LLMD_KV_USAGE_WEIGHT = 1.0
+"""``deploy/config/epp-precise-prefix-cache-config.yaml`` @ 520af478 (and llm-d/llm-d's
+``precise-prefix-cache-aware`` guide @ 019a3f3f): precise 2.0, kv-cache-utilization 1.0,
+queue 1.0 (``LLMD_QUEUE_WEIGHT``), ``max-score-picker``."""
+
+Normalisation = Literal["absolute", "min-max"]
+
+
+def precise_scores(
+    leading: Mapping[str, int], total_blocks: int, normalisation: Normalisation = "absolute"
+) -> dict[str, float]:
+    """Each pod's precise prefix score from its run of the request's leading full blocks
+    (``LongestPrefixScorer``, GPU blocks weighing 1.0: the raw score is the run's length).
+
+    - ``absolute`` (scheduler HEAD 520af478, since e6f6b84f, utils.go ``absoluteScoredPods``):
+      run / the request's full blocks, clipped to [0, 1]; a request of no full block scores 0;
+    - ``min-max`` (scheduler v0.6.0 to v0.8.0, ``indexedScoresToNormalizedScoredPods``): over
+      the pods holding block 0, (run − min) / (max − min), 1.0 when they tie; 0 for the others.
+    """
+    scores = dict.fromkeys(leading, 0.0)
+    if normalisation == "absolute":
+        if total_blocks > 0:
+            for pod, run in leading.items():
+                scores[pod] = min(1.0, run / total_blocks)
+        return scores
+    hits = {pod: run for pod, run in leading.items() if run > 0}
+    if hits:
+        high, low = max(hits.values()), min(hits.values())
+        for pod, run in hits.items():
+            scores[pod] = 1.0 if high == low else (run - low) / (high - low)
+    return scores
+
+
+class LlmdPrecise:
+    """The prefill profile of ``llm-d_precise``: every prefill pod scored 2 × precise prefix +
+    1 × kv-cache utilisation + 1 × queue, the maximum wins (ties at random).
+
+    - precise prefix (``precise_scores``, ``absolute``: the normalisation of the scheduler's
+      HEAD 520af478, which pins kv-cache v0.8.0; the latest tag, v0.8.0, still has ``min-max``):
+      the pod's run of the request's leading full 16-token blocks in the index fed by its KV
+      events (``bench.sim.exact.ExactSource``, the scenario's ``kv_event_lag_s`` behind), over
+      the request's full blocks. Defaults as shipped: speculative indexing off (a block counts
+      once its event arrived), the in-memory index (10⁸ keys, 10 pods a key: unbounded for the
+      simulated fleets), no gap detection (no event is lost here), and ``AllBlocksCleared``
+      ignored (a no-op in kv-cache v0.8.0 pool.go: a restarted engine's blocks stay indexed);
+    - kv-cache utilisation = 1 − the pod's KV cache usage (``kv-cache-utilization-scorer``);
+    - queue = (max − q) / (max − min) over the pods, as in ``LlmdScorer``.
+
+    No shipped llm-d P/D configuration uses the precise scorer: it ships only in single-profile
+    configurations (``deploy/config/epp-precise-prefix-cache-config.yaml`` @ 520af478; the
+    guide ``guides/precise-prefix-cache-aware/`` in llm-d/llm-d @ 019a3f3f), every P/D one uses
+    the approximate ``prefix-cache-scorer`` (``deploy/config/pd-epp-config.yaml``, v0.6.0 =
+    7053654a to HEAD 520af478). This variant is our composition of those shipped pieces:
+    pd-epp-config.yaml's decode profile and ``prefix-based-pd-decider`` (``nonCachedTokens``
+    16; ``LlmdScorer``), this prefill profile with the precise configuration's weights.
+
+    The decider quirk (scheduler v0.8.0 and HEAD, since 95c78cf8): the precise scorer's
+    ``Score()`` overwrites the endpoint's ``PrefixCacheMatchInfo`` with a hit flag (0 or 1
+    block of 1 token), and the decider reads it from the decode pod: with the precise scorer in
+    the decode profile the decider sees at most a 1-token hit and disaggregates every request
+    of 16 tokens or more. Not modelled, because it does not arise here: the precise scorer is in
+    the prefill profile only, which runs after the decode profile and the decider, so the
+    decider reads the decode profile's approximate match, as llm-d's code does for this
+    composition. (The simulated decode engines publish no KV events either.)
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        rng: random.Random,
+        waiting: Callable[[str, float], float],
+        usage: Callable[[str], float],
+        normalisation: Normalisation = "absolute",
+    ) -> None:
+        """``waiting(pod, at)``: the pod's waiting gauge as scraped at ``at``; ``usage(pod)``:
+        its KV cache usage, 0 to 1."""
+        self.keys = list(keys)
+        self._rng = rng
+        self._waiting = waiting
+        self._usage = usage
+        self.normalisation: Normalisation = normalisation
+
+    def scores(self, leading: Mapping[str, int], total_blocks: int, now: float) -> dict[str, float]:
+        """Each prefill pod's weighted score; ``leading``: its run of leading full blocks."""
+        scraped = now - now % LLMD_REFRESH_S
+        queues = {key: self._waiting(key, scraped) for key in self.keys}
+        high, low = max(queues.values()), min(queues.values())
+        prefix = precise_scores(
+            {key: leading.get(key, 0) for key in self.keys}, total_blocks, self.normalisation
+        )
+        scores = {}
+        for key in self.keys:
+            queue = 1.0 if high == low else (high - queues[key]) / (high - low)
+            usage = 1.0 - min(1.0, max(0.0, self._usage(key)))
+            scores[key] = (
+                LLMD_PRECISE_WEIGHT * prefix[key]
+                + LLMD_KV_USAGE_WEIGHT * usage
+                + LLMD_QUEUE_WEIGHT * queue
+            )
+        return scores
+
+    def choose(self, leading: Mapping[str, int], total_blocks: int, now: float) -> str:
+        scores = self.scores(leading, total_blocks, now)
+        best = max(scores.values())
+        return self._rng.choice([key for key, score in scores.items() if score == best])

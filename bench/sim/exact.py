@@ -160,9 +160,12 @@ class EventedCache(PrefixCache):
 class ExactSource:
     """Every prefill engine's exact index, fed by its events ``lag_s`` after they happen."""
 
-    def __init__(self, loop: Loop, lag_s: float) -> None:
+    def __init__(self, loop: Loop, lag_s: float, *, clears: bool = True) -> None:
+        """``clears``: an ``AllBlocksCleared`` empties the engine's index (production's
+        ``KVIndex``); False: it is ignored, as llm-d-kv-cache v0.8.0 does (only logged)."""
         self.loop = loop
         self.lag_s = lag_s
+        self.clears = clears
         self.indexes: dict[str, KVIndex] = {}
         self.batches = 0
         """Batches published (one per store, eviction or restart)."""
@@ -190,7 +193,8 @@ class ExactSource:
                 self.events += len(event.block_hashes)
             else:
                 self.events += 1
-        batch = EventBatch(self._seq[key], self.loop.now, tuple(events))
+        kept = events if self.clears else [e for e in events if not isinstance(e, AllBlocksCleared)]
+        batch = EventBatch(self._seq[key], self.loop.now, tuple(kept))
         if self.observer is not None:
             self.observer(key, batch)
         index = self.indexes[key]
@@ -198,6 +202,14 @@ class ExactSource:
             index.apply(batch)
         else:
             self.loop.at(self.loop.now + self.lag_s, index.apply, batch)
+
+    def leading_blocks(self, key: str, keys: PromptKeys, block_tokens: int) -> int:
+        """Engine ``key``'s run of the prompt's leading full blocks of ``block_tokens`` that its
+        index holds on GPU (what an event-fed router such as llm-d's precise scorer reads)."""
+        index = self.indexes.get(key)
+        if index is None:
+            return 0
+        return index.lookup(keys).gpu // block_tokens
 
 
 @dataclass(slots=True)

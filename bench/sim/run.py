@@ -9,7 +9,12 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bench.sim.anchors import LlmdScorer, SglangCacheAware
+from bench.sim.anchors import (
+    LLMD_PRECISE_BLOCK_TOKENS,
+    LlmdPrecise,
+    LlmdScorer,
+    SglangCacheAware,
+)
 from bench.sim.engines import (
     DecodeEngine,
     Job,
@@ -129,7 +134,9 @@ class Simulation:
         }
         self.exact: ExactSource | None = None
         if variant.exact:
-            self.exact = ExactSource(self.loop, scenario.kv_event_lag_s)
+            # llm-d's index ignores AllBlocksCleared (bench.sim.anchors.LlmdPrecise).
+            clears = variant.policy != "llm-d_precise"
+            self.exact = ExactSource(self.loop, scenario.kv_event_lag_s, clears=clears)
             for key, engine in self.prefill.items():
                 assert isinstance(engine.cache, EventedCache)
                 self.exact.subscribe(key, engine.cache)
@@ -167,17 +174,25 @@ class Simulation:
         self._sglang: SglangCacheAware | None = None
         self._sglang_decode: SglangCacheAware | None = None
         self._llmd: LlmdScorer | None = None
+        self._precise: LlmdPrecise | None = None
+        self._sent_tokens = dict.fromkeys(keys, 0)
+        """Per prefill engine: the prompt tokens sent to it and not yet prefilled."""
         self._decode_pods = [f"decode-{i}" for i in range(scenario.decode_engines)]
         if variant.policy == "sglang_cache_aware":
             self._sglang = SglangCacheAware(keys)
             self._sglang_decode = SglangCacheAware(self._decode_pods)
-        elif variant.policy == "llm-d_pd_scorer":
+        elif variant.policy in ("llm-d_pd_scorer", "llm-d_precise"):
+            # The decode profile and the decider (llm-d_precise: the prefill profile's too).
             self._llmd = LlmdScorer(
                 keys,
                 scenario.prefill_cache_tokens // scenario.block_size,
                 random.Random(f"llm-d-{seed}"),
                 self._pod_waiting,
             )
+            if variant.policy == "llm-d_precise":
+                self._precise = LlmdPrecise(
+                    keys, random.Random(f"llm-d-precise-{seed}"), self._pod_waiting, self._kv_usage
+                )
         self._remote_tokens = 0
         self._remote_cached = 0
         self._predicted = 0
@@ -202,6 +217,12 @@ class Simulation:
         if pod.startswith("decode-"):
             return float(self.decode[int(pod.removeprefix("decode-"))].gauge.at(at)[0])
         return float(self.prefill[pod].gauge.at(at)[0])
+
+    def _kv_usage(self, pod: str) -> float:
+        """A prefill engine's KV cache usage when the decision is made: the prompts sent to it
+        and not yet prefilled over its cache (vLLM counts cached blocks no request uses as free;
+        the waiting prompts are counted too, so this is an upper bound)."""
+        return self._sent_tokens[pod] / self.scenario.prefill_cache_tokens
 
     # What the approximate index cannot see: restarts, other traffic.
 
@@ -373,6 +394,7 @@ class Simulation:
         request.endpoint = key
         request.prefill_tokens = shape.prompt_tokens
         request.sent = self.loop.now
+        self._sent_tokens[key] += shape.prompt_tokens
         self.prefill[key].submit(Job(request, shape.prompt_tokens))
 
     def _anchor_decode(self, segments: Sequence[Segment], chars: int, hashes: list[int]) -> int:
@@ -400,14 +422,30 @@ class Simulation:
         llmd = self._llmd
         decode_pod = f"decode-{request.engine}"
         if llmd.disaggregates(decode_pod, hashes, shape.prompt_chars):
-            key = llmd.choose(hashes, self.loop.now)
-            llmd.record(key, hashes)
+            if self._precise is not None:
+                key = self._precise_pick(shape)
+            else:
+                key = llmd.choose(hashes, self.loop.now)
+                llmd.record(key, hashes)
             request.reason = "scheduled"
             self._remote(request, key)
         else:
             request.reason = "prefix_cached"
             self._local(request, tokens)
         llmd.record(decode_pod, hashes)
+
+    def _precise_pick(self, shape: Shape) -> str:
+        """llm-d_precise's prefill profile, on the prompt's token ids and the engines' indexes
+        as their KV events have reached them."""
+        assert self._precise is not None
+        assert self.exact is not None
+        leading: dict[str, int] = {}
+        if shape.segments:
+            keys = PromptKeys(prompt_ids(shape.segments))
+            for key in self._precise.keys:
+                leading[key] = self.exact.leading_blocks(key, keys, LLMD_PRECISE_BLOCK_TOKENS)
+        total = shape.prompt_tokens // LLMD_PRECISE_BLOCK_TOKENS
+        return self._precise.choose(leading, total, self.loop.now)
 
     def _estimate(self, sidecar: Sidecar, shape: Shape) -> tuple[int, Sequence[Hashable]]:
         """What the sidecar knows of a prompt: its token estimate, and its block hashes — of
@@ -443,6 +481,7 @@ class Simulation:
         assert request.endpoint is not None
         sidecar = self.sidecars[request.engine]
         shape = request.shape
+        self._sent_tokens[request.endpoint] -= shape.prompt_tokens
         if shape.segments and request.measured:
             self._remote_tokens += shape.prompt_tokens
             self._remote_cached += request.engine_cached

@@ -283,6 +283,10 @@ QOE_BLIND = Variant("qoe", blind=True)
 QOE_EXACT = Variant("qoe", exact=True)
 SGLANG = Variant("sglang_cache_aware", "anchor")
 LLMD = Variant("llm-d_pd_scorer", "anchor")
+LLMD_PRECISE = Variant("llm-d_precise", "anchor", exact=True)
+"""llm-d with its precise prefix-cache scorer for the prefill pick, fed by the prefill engines'
+KV events (``bench.sim.anchors.LlmdPrecise``)."""
+ANCHOR_VARIANTS = {variant.policy: variant for variant in (SGLANG, LLMD, LLMD_PRECISE)}
 ROUND_ROBIN = Variant("round_robin")
 LEAST_LOADED = Variant("least_loaded")
 QOE_ALWAYS = Variant("qoe", "always")
