@@ -152,13 +152,17 @@ class Qoe:
             return _lowest(sample, cost, self._rng)
         scored = [(cost(c), c) for c in sample]
         best = min(score for score, _ in scored)
+        home_cost = next(score for score, c in scored if c is home)
         if home.cached_tokens == 0:
             # Nobody holds the prefix: its home is credited with what computing it elsewhere
             # costs (later requests of the prefix find it at home), at the sample's fastest
             # speed: a slow home is not credited with its own slowness.
-            best += min(c.speed.s_per_token for c in sample) * tokens
-        tied = [c for score, c in scored if score <= best]
-        return home if home in tied else self._rng.choice(tied)
+            home_cost -= min(c.speed.s_per_token for c in sample) * tokens
+        if home_cost <= best:
+            return home
+        # The home lost: the lowest predicted time to first token of the others, the credit
+        # playing no part among them.
+        return self._rng.choice([c for score, c in scored if score <= best])
 
 
 def affinity_target(candidates: Sequence[Candidate]) -> Candidate | None:

@@ -189,3 +189,15 @@ def test_qoe_compares_the_home_whatever_the_sample():
     candidates = [Candidate(str(i), affinity=i + 1) for i in range(8)]
     policy = Qoe(rng(), choices=2)
     assert {key(policy.choose(candidates, 3000)) for _ in range(40)} == {"7"}
+
+
+def test_qoe_without_its_home_takes_the_best_of_the_others_not_any_within_the_credit():
+    """A cold prompt whose home is busy goes to the fastest of the others: the home's credit
+    decides whether the home wins, not which of the others does."""
+    policy = Qoe(rng())
+    cold = [
+        Candidate("home", reserved_tokens=5000, affinity=9),
+        Candidate("a", affinity=5),
+        Candidate("b", reserved_tokens=900, affinity=3),
+    ]
+    assert {key(policy.choose(cold, 1000)) for _ in range(50)} == {"a"}
