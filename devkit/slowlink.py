@@ -10,8 +10,10 @@ engine makes a few milliseconds wide.
         ...  # connect to link.url instead of the engine's own URL
 
 Bytes keep their order; each chunk is delivered ``delay_s`` after it arrived (later only behind an
-earlier chunk). A side that closes closes the other once what it sent has been delivered. What a
-connection may hold in flight is bounded (``max_pending_chunks``): past it, reading pauses.
+earlier chunk). A connection whose first bytes ``undelayed`` accepts is relayed at once instead: a
+client's health polls, on connections of their own, then see the target as it is. A side that closes
+closes the other once what it sent has been delivered. What a connection may hold in flight is
+bounded (``max_pending_chunks``): past it, reading pauses.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Self
 
@@ -27,10 +30,17 @@ CHUNK = 64 * 1024
 
 class SlowLink:
     def __init__(
-        self, host: str, port: int, delay_s: float, *, max_pending_chunks: int = 256
+        self,
+        host: str,
+        port: int,
+        delay_s: float,
+        *,
+        max_pending_chunks: int = 256,
+        undelayed: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._target = (host, port)
         self.delay_s = delay_s
+        self._undelayed = undelayed
         self._max_pending = max_pending_chunks
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -92,7 +102,9 @@ class SlowLink:
             self._connections.discard(task)
 
     async def _delayed(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        """Towards the target: every chunk held until ``delay_s`` after it arrived."""
+        """Towards the target: every chunk held until ``delay_s`` after it arrived (none, on a
+        connection whose first chunk ``undelayed`` accepts)."""
+        delay_s: float | None = None
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(self._max_pending)
 
         async def deliver() -> None:
@@ -111,7 +123,10 @@ class SlowLink:
         try:
             while True:
                 chunk = await source.read(CHUNK)
-                await queue.put((time.monotonic() + self.delay_s, chunk))
+                if delay_s is None:
+                    spared = self._undelayed is not None and self._undelayed(chunk)
+                    delay_s = 0.0 if spared else self.delay_s
+                await queue.put((time.monotonic() + delay_s, chunk))
                 if not chunk:
                     break
             await delivering

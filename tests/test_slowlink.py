@@ -80,3 +80,28 @@ async def test_a_target_refusing_connections_closes_the_client() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
         assert await reader.read() == b""
         writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_connection_whose_first_bytes_are_spared_is_relayed_at_once() -> None:
+    arrivals: list[float] = []
+    server = await _echo_server(arrivals)
+    port = server.sockets[0].getsockname()[1]
+    # A delay no test waits out: a spared connection that were held would time the test out.
+    spare = SlowLink("127.0.0.1", port, 60.0, undelayed=lambda head: head.startswith(b"GET "))
+    async with server, spare as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(b"GET /health\n")
+        assert await asyncio.wait_for(reader.readline(), 5) == b"GET /health\n"
+        # The whole connection is spared, whatever follows on it.
+        writer.write(b"POST later\n")
+        assert await asyncio.wait_for(reader.readline(), 5) == b"POST later\n"
+        writer.close()
+
+        held_reader, held_writer = await asyncio.open_connection("127.0.0.1", link.port)
+        held_writer.write(b"POST /v1/completions\n")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(held_reader.readline(), 0.3)
+        held_writer.close()
+
+    assert len(arrivals) == 2

@@ -75,11 +75,17 @@ CLIENT_TIMEOUT_S = 60
 DECODE_LINK_DELAY_S = 0.5
 """The scenario's sidecar reaches the decode engine over a slow link (devkit/slowlink.py): every
 decode leg waits this long before the engine sees it, so the window between the legs is at least
-this wide on any machine (below the sidecar's 1 s health probe timeout, which goes
-over the same link). Without it the window is the decode engine's time to a first token after
-a KV pull, a few milliseconds for the tiny model: a client leaving "between the legs" (its clock
-started when the record shows ``prefill_done``, read over HTTP) found its answer already complete
-(CI, 12 of 12)."""
+this wide on any machine. Only the legs wait: the sidecar's ``/health`` polls (GETs, on a pool of
+their own) cross the link at once, and it judges the engine at its production defaults (``HEALTH``).
+Delayed too, with e2e's 1 s poll timeout, three polls in a row timed out on a loaded CI machine: the
+engine counted as down, and every later request got 503 before any leg. Without the link the window
+is the decode engine's time to a first token after a KV pull, a few milliseconds for the tiny model:
+a client leaving "between the legs" (its clock started when the record shows ``prefill_done``, read
+over HTTP) found its answer already complete (CI, 12 of 12)."""
+HEALTH = {"SIDECAR_READY_INTERVAL_S": "2"}
+"""The scenario's sidecar polls the decode engine's ``/health`` at the default interval (its
+timeout the same 2 s; 3 failed polls in a row, 6 s, before it counts as down), not e2e's 0.5 s:
+48 concurrent requests on two CPU engines leave their API servers slow to answer."""
 MAX_RECONNECTS = 2
 CONNECTIONS_CLOSED = "pd_sidecar_client_connections_closed_total"
 CONNECTIONS_REFUSED = "pd_sidecar_client_connections_refused_total"
@@ -309,8 +315,14 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
 @pytest_asyncio.fixture(loop_scope="session")
 async def slow_decode(cluster: Cluster) -> AsyncIterator[Cluster]:
     """The pair, with a sidecar of its own that reaches the decode engine over a slow link."""
-    async with SlowLink("127.0.0.1", cluster.decode.port, DECODE_LINK_DELAY_S) as link:
-        sidecar = SidecarProcess(link.url, cluster.log_dir)
+    link = SlowLink(
+        "127.0.0.1",
+        cluster.decode.port,
+        DECODE_LINK_DELAY_S,
+        undelayed=lambda head: head.startswith(b"GET "),
+    )
+    async with link:
+        sidecar = SidecarProcess(link.url, cluster.log_dir, extra_env=dict(HEALTH))
         sidecar.start()
         try:
             await sidecar.wait_ready()
