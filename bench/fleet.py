@@ -36,9 +36,10 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from bench.cluster import run
+from bench.readings import own_cpu_s
 from bench.suite import add_quick, apply_quick
 from devkit.processes import Launcher, free_port, tcp_open
 from devkit.rediscluster import RedisCluster
@@ -63,6 +65,16 @@ SLOW_US = 1000
 """Commands over this many µs are kept in the slow log and reported."""
 PROMPT_TOKENS = 8192
 """Tokens each reservation counts (an 8k-token prompt)."""
+BLOCK_TOKENS = 64
+"""The prefill prefix index's block (``SIDECAR_PREFIX_BLOCK_TOKENS``' default): a placement
+shares one 8-byte digest per block of its prompt."""
+OBSERVERS = 16
+"""Sidecars whose learning is followed (following all 4,096 would cost this process more than
+the fleet does)."""
+SETTLED_S = 1.0
+"""A placement counts as one the fleet should know once it is this old."""
+RESUM_LINES = 4
+"""Reservations each sidecar holds when the re-sum is timed (prefills in flight on 4 endpoints)."""
 STARTS_AT_ONCE = 64
 """Sidecars started (or stopped) together: each registers with a sync of its own at once."""
 
@@ -77,6 +89,9 @@ class ServerCost:
     cpu_s: float
     slowest_ms: float | None
     """The longest command over ``SLOW_US``, or None: none was."""
+    net_in: int = 0
+    net_out: int = 0
+    """Bytes the server read and wrote (``INFO stats``)."""
 
 
 @dataclass(slots=True)
@@ -86,8 +101,16 @@ class Window:
     decisions: int
     servers: list[ServerCost]
     waits_ms: list[float] = field(default_factory=list, repr=False)
+    learnt_share: float | None = None
+    """Of the others' placements published at least ``SETTLED_S`` before the window ended, the
+    share the observing sidecars had learnt by its end (None: the prefix share was off)."""
+    learnt_age_ms: list[float] = field(default_factory=list, repr=False)
+    """How old each placement was when an observer learnt it."""
     offered_s: float = 0.0
     """From its start until its last decision began (the rate's span)."""
+    driver_cpu_s: float = 0.0
+    """This process's CPU over the window: near ``seconds``, it could not play the fleet on
+    time (heartbeats and syncs late, waits inflated)."""
     over_budget: int = 0
     """Decisions whose refresh had no answer within ``TIMEOUT_S`` (they decide on the local
     view)."""
@@ -99,6 +122,10 @@ class Window:
     @property
     def cpu_s(self) -> float:
         return sum(server.cpu_s for server in self.servers)
+
+    @property
+    def net_bytes(self) -> int:
+        return sum(server.net_in + server.net_out for server in self.servers)
 
     @property
     def usec_per_call(self) -> float:
@@ -154,6 +181,14 @@ class Cell:
             "wait_p50_ms": _quantile(waits, 0.5),
             "wait_p99_ms": _quantile(waits, 0.99),
             "over_budget": load.over_budget / load.decisions if load.decisions else None,
+            "net_bytes_per_decision": (
+                (load.net_bytes - idle.net_bytes / idle.seconds * load.seconds) / load.decisions
+                if load.decisions
+                else None
+            ),
+            "learnt_share": load.learnt_share,
+            "learnt_age_p50_ms": _quantile(sorted(load.learnt_age_ms), 0.5),
+            "driver_busy": load.driver_cpu_s / load.seconds,
             "slowest_command_ms": load.slowest_ms,
             "resum_ms": self.resum_ms,
         }
@@ -234,20 +269,31 @@ async def _cpu_s(port: int) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-async def _reset(store: Store) -> dict[int, float]:
-    """Zero every master's command stats and slow log; their CPU readings now."""
+async def _net(port: int) -> tuple[int, int]:
+    stats = await _info(port, "stats")
+    return int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])
+
+
+Readings = dict[int, tuple[float, int, int]]
+"""Per master: its CPU seconds, bytes read and bytes written so far."""
+
+
+async def _reset(store: Store) -> Readings:
+    """Zero every master's command stats and slow log; their CPU and network readings now."""
     readings = {}
     for port in store.masters:
-        await _command(port, "CONFIG", "RESETSTAT")
         await _command(port, "CONFIG", "SET", "slowlog-log-slower-than", str(SLOW_US))
         await _command(port, "SLOWLOG", "RESET")
-        readings[port] = await _cpu_s(port)
+        readings[port] = (await _cpu_s(port), 0, 0)
+        await _command(port, "CONFIG", "RESETSTAT")  # the network totals too
     return readings
 
 
-async def _costs(store: Store, cpu_before: dict[int, float]) -> list[ServerCost]:
+async def _costs(store: Store, before: Readings) -> list[ServerCost]:
     costs = []
     for port in store.masters:
+        cpu_before, _, _ = before[port]
+        net_in, net_out = await _net(port)
         stats = (await _info(port, "commandstats")).get("cmdstat_evalsha", {})
         slow = await _command(port, "SLOWLOG", "GET", "128")
         slowest = max((int(entry[2]) for entry in slow), default=None)
@@ -256,8 +302,10 @@ async def _costs(store: Store, cpu_before: dict[int, float]) -> list[ServerCost]
                 port,
                 int(stats.get("calls", 0)),
                 float(stats.get("usec_per_call", 0.0)),
-                await _cpu_s(port) - cpu_before[port],
+                await _cpu_s(port) - cpu_before,
                 None if slowest is None else slowest / 1000,
+                net_in,
+                net_out,
             )
         )
     return costs
@@ -269,8 +317,13 @@ async def _costs(store: Store, cpu_before: dict[int, float]) -> list[ServerCost]
 class Fleet:
     """N production Redis backends in one pool (``prefix``), as N sidecars would run them."""
 
-    def __init__(self, store: Store, sidecars: int, prefix: str, endpoints: int) -> None:
+    def __init__(
+        self, store: Store, sidecars: int, prefix: str, endpoints: int, *, share: bool
+    ) -> None:
+        """``share``: the prefix share on (``SIDECAR_PREFIX_SHARE``): every decision publishes
+        its placement, every sidecar learns the others'."""
         self.store = store
+        self.share = share
         self.prefix = prefix
         self.endpoints = [f"127.0.1.{i}:8000" for i in range(endpoints)]
         """Names only: nothing connects to them."""
@@ -287,19 +340,60 @@ class Fleet:
             )
             for _ in range(sidecars)
         ]
+        self.published: dict[bytes, tuple[int, float]] = {}
+        """Each placement (by its first digest): who published it, and when."""
+        self.learnt: list[dict[bytes, float]] = [{} for _ in range(min(OBSERVERS, sidecars))]
+        """What each observer (the first sidecars) learnt of the others', and when."""
+        if share:
+            for index, member in enumerate(self.members):
+                member.share_prefixes(self._learner(index))
+
+    def _learner(self, index: int) -> Callable[[str, Sequence[bytes]], None]:
+        if index >= len(self.learnt):
+            return lambda endpoint, hashes: None
+        learnt = self.learnt[index]
+
+        def learn(endpoint: str, hashes: Sequence[bytes]) -> None:
+            if hashes:
+                learnt.setdefault(hashes[0], time.monotonic())
+
+        return learn
+
+    async def synced(self, members: Sequence[RedisState] | None = None) -> None:
+        """Return once each of ``members`` (all) has had a sync answered since the call."""
+        since = time.time()
+        waiting = list(self.members if members is None else members)
+        async with asyncio.timeout(60):
+            # The syncs run in each backend's worker task: there is no event to await.
+            while waiting := [m for m in waiting if (m.last_sync_unix or 0.0) <= since]:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+
+    def learnt_share(self, since: float, until: float) -> tuple[float, list[float]]:
+        """Of the placements published between ``since`` and ``until`` by others, the share the
+        observers had learnt; and how old each was when learnt."""
+        shares, ages = [], []
+        for observer, learnt in enumerate(self.learnt):
+            theirs = [
+                (key, at)
+                for key, (owner, at) in self.published.items()
+                if owner != observer and since <= at <= until
+            ]
+            known = [(learnt[key] - at) * 1000 for key, at in theirs if key in learnt]
+            shares.append(len(known) / len(theirs) if theirs else 1.0)
+            ages.extend(known)
+        return statistics.fmean(shares), ages
 
     def _count(self, kind: str) -> None:
         if kind == "timeout":
             self.timeouts += 1
 
-    async def start(self, within_s: float = 60.0) -> None:
-        """Start every sidecar, and return once each has registered (its first sync answered)."""
+    async def start(self) -> None:
+        """Start the sidecars a batch at a time, each batch once the last has registered (its
+        first syncs answered): a thousand cluster clients reading the slots at once are
+        refused."""
         for batch in _batches(self.members):
             await asyncio.gather(*(member.start() for member in batch))
-        async with asyncio.timeout(within_s):
-            # Each registers from a worker task of its own: there is no event to await.
-            while any(member.last_sync_unix is None for member in self.members):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+            await self.synced(batch)
 
     async def close(self) -> None:
         for batch in _batches(self.members):
@@ -307,7 +401,8 @@ class Fleet:
 
     async def decide(self, rng: random.Random, hold_s: float, window: Window) -> None:
         """One decision through a sidecar chosen at random, as the scheduler makes it."""
-        member = rng.choice(self.members)
+        index = rng.randrange(len(self.members))
+        member = self.members[index]
         began = time.perf_counter()
         await member.refresh()
         window.waits_ms.append((time.perf_counter() - began) * 1000)
@@ -315,6 +410,10 @@ class Fleet:
         least = min(loads.get(e, Load()).tokens for e in self.endpoints)
         chosen = rng.choice([e for e in self.endpoints if loads.get(e, Load()).tokens == least])
         held: Reservation = member.reserve(chosen, PROMPT_TOKENS)
+        if self.share:
+            hashes = [rng.randbytes(8) for _ in range(PROMPT_TOKENS // BLOCK_TOKENS)]
+            self.published[hashes[0]] = (index, time.monotonic())
+            member.publish_prefix(chosen, hashes)
         await asyncio.sleep(hold_s)
         member.release(held)
 
@@ -336,9 +435,10 @@ async def load_window(
 ) -> Window:
     before = await _reset(fleet.store)
     timeouts = fleet.timeouts
+    cpu = own_cpu_s()
     window = Window(0.0, 0, [])
     loop = asyncio.get_running_loop()
-    began = loop.time()
+    began = loop.time()  # the monotonic clock, as time.monotonic()
     decisions: set[asyncio.Task[None]] = set()
     for i in range(int(rate * seconds)):
         due = began + i / rate
@@ -349,15 +449,28 @@ async def load_window(
         task.add_done_callback(decisions.discard)
     window.offered_s = loop.time() - began + 1 / rate
     await asyncio.gather(*decisions)
+    if fleet.share:
+        # What the observers learn of placements at least SETTLED_S old, as the window ends.
+        window.learnt_share, window.learnt_age_ms = fleet.learnt_share(
+            began, loop.time() - SETTLED_S
+        )
     window.seconds = loop.time() - began
     window.decisions = len(window.waits_ms)
     window.over_budget = fleet.timeouts - timeouts
+    window.driver_cpu_s = own_cpu_s() - cpu
     window.servers = await _costs(fleet.store, before)
     return window
 
 
 async def resum(fleet: Fleet) -> float | None:
-    """Force the next sync to re-sum every table (as once per lease), and time it."""
+    """Force a sync to re-sum every table (the script does once per lease), with every sidecar
+    holding ``RESUM_LINES`` reservations as a busy fleet does, and time it."""
+    held = [
+        member.reserve(endpoint, PROMPT_TOKENS)
+        for member in fleet.members
+        for endpoint in fleet.endpoints[:RESUM_LINES]
+    ]
+    await fleet.synced()
     await _reset(fleet.store)
     totals = keys(fleet.prefix)[4]
     client: Any = (
@@ -370,18 +483,24 @@ async def resum(fleet: Fleet) -> float | None:
     finally:
         await client.aclose()
     member = fleet.members[0]
-    member.reserve(fleet.endpoints[0], 1)  # wakes its worker: a sync, which re-sums
-    await member.refresh()
-    costs = await _costs(fleet.store, {port: 0.0 for port in fleet.store.masters})
+    member.publish_ejection(fleet.endpoints[-1], 0.0)  # wakes its worker: a sync, which re-sums
+    await fleet.synced([member])
+    costs = await _costs(fleet.store, {port: (0.0, 0, 0) for port in fleet.store.masters})
+    for reservation, owner in zip(held, _owners(fleet, len(held)), strict=True):
+        owner.release(reservation)
     slow = [c.slowest_ms for c in costs if c.slowest_ms is not None]
     return max(slow) if slow else None
+
+
+def _owners(fleet: Fleet, count: int) -> list[RedisState]:
+    return [member for member in fleet.members for _ in range(RESUM_LINES)][:count]
 
 
 async def measure_cell(
     store: Store, sidecars: int, rate: float, args: argparse.Namespace, rng: random.Random
 ) -> Cell:
     prefix = f"fleet-{store.name}-{sidecars}-{rate:g}"
-    fleet = Fleet(store, sidecars, prefix, args.endpoints)
+    fleet = Fleet(store, sidecars, prefix, args.endpoints, share=args.prefix_share)
     await fleet.start()
     try:
         idle = await idle_window(fleet, args.idle_s)
@@ -409,6 +528,10 @@ COLUMNS = (
     ("wait_p50_ms", "wait p50", "{:.2f}"),
     ("wait_p99_ms", "wait p99", "{:.2f}"),
     ("over_budget", ">5 ms", "{:.1%}"),
+    ("net_bytes_per_decision", "bytes/dec", "{:.0f}"),
+    ("learnt_share", "learnt", "{:.1%}"),
+    ("learnt_age_p50_ms", "age p50", "{:.0f}"),
+    ("driver_busy", "driver", "{:.0%}"),
     ("slowest_command_ms", "slowest ms", "{:.1f}"),
     ("resum_ms", "re-sum ms", "{:.1f}"),
 )
@@ -492,6 +615,11 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-s", type=float, default=10.0)
     parser.add_argument("--load-s", type=float, default=10.0)
     parser.add_argument("--hold-ms", type=float, default=300.0)
+    parser.add_argument(
+        "--prefix-share",
+        action="store_true",
+        help="every decision also shares its placement (8k-token prompt), every sidecar learns",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     add_quick(parser, "N = 8 and 32 at 50 decisions/s, 1 s windows")

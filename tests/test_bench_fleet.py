@@ -76,3 +76,24 @@ async def test_a_fleet_on_a_real_redis_reports_every_decision_and_its_costs(
         assert await client.zcard(keys("fleet-redis-6-40")[0]) == 0
     finally:
         await client.aclose()
+
+
+@pytest.mark.system
+async def test_with_the_prefix_share_on_observers_learn_the_others_placements(
+    redis_server: RedisServer,
+) -> None:
+    store = fleet.Store("redis", redis_server.url, (redis_server.port,), cluster=False)
+    args = fleet.main_parser().parse_args(
+        ["--idle-s", "0.2", "--load-s", "2.5", "--hold-ms", "50", "--prefix-share"]
+    )
+    cell = await fleet.measure_cell(store, 4, 20.0, args, random.Random(2))
+    figures = cell.figures()
+    assert cell.load.decisions == 50
+    # Placements of the first 1.5 s are a second old at the end: the observers learnt some
+    # (the share syncs every 0.25 s, polls every 1 s), each after it was published.
+    assert cell.load.learnt_share is not None
+    assert cell.load.learnt_share > 0
+    assert cell.load.learnt_age_ms
+    assert min(cell.load.learnt_age_ms) > 0
+    # Each placement's 128 digests go to Redis and back to the three others.
+    assert figures["net_bytes_per_decision"] > 128 * 8
