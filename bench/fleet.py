@@ -53,6 +53,7 @@ from bench.readings import own_cpu_s
 from bench.suite import add_quick, apply_quick
 from devkit.processes import Launcher, free_port, tcp_open
 from devkit.rediscluster import RedisCluster
+from devkit.stats import percentile
 from sidecar.scheduling.state import Load, Reservation
 from sidecar.scheduling.state.protocol import keys
 from sidecar.scheduling.state.redis import RedisState
@@ -159,7 +160,6 @@ class Cell:
         idle_cpu_per_s = idle.cpu_s / idle.seconds
         decision_cpu_s = max(0.0, load.cpu_s - idle_cpu_per_s * load.seconds)
         per_decision_us = 1e6 * decision_cpu_s / load.decisions if load.decisions else None
-        waits = sorted(load.waits_ms)
         return {
             "store": self.store,
             "sidecars": self.sidecars,
@@ -178,8 +178,8 @@ class Cell:
             "idle_redis_cpu_per_s": idle_cpu_per_s,
             "busiest_master_share": load.busiest_cpu_s / load.cpu_s if load.cpu_s else None,
             "busiest_master_cpu_per_s": load.busiest_cpu_s / load.seconds,
-            "wait_p50_ms": _quantile(waits, 0.5),
-            "wait_p99_ms": _quantile(waits, 0.99),
+            "wait_p50_ms": _percentile(load.waits_ms, 50),
+            "wait_p99_ms": _percentile(load.waits_ms, 99),
             "over_budget": load.over_budget / load.decisions if load.decisions else None,
             "net_bytes_per_decision": (
                 (load.net_bytes - idle.net_bytes / idle.seconds * load.seconds) / load.decisions
@@ -187,17 +187,15 @@ class Cell:
                 else None
             ),
             "learnt_share": load.learnt_share,
-            "learnt_age_p50_ms": _quantile(sorted(load.learnt_age_ms), 0.5),
+            "learnt_age_p50_ms": _percentile(load.learnt_age_ms, 50),
             "driver_busy": load.driver_cpu_s / load.seconds,
             "slowest_command_ms": load.slowest_ms,
             "resum_ms": self.resum_ms,
         }
 
 
-def _quantile(ordered: Sequence[float], q: float) -> float | None:
-    if not ordered:
-        return None
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
 
 
 # --- the stores ----------------------------------------------------------------------------------
