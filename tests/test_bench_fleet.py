@@ -4,7 +4,6 @@ redis-server (the quick run, across both stores, is ``make bench-smoke``'s)."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -12,15 +11,7 @@ import redis.asyncio as aioredis
 from bench import fleet
 from bench.fleet import Cell, ServerCost, Window
 from sidecar.scheduling.state.protocol import keys
-from tests.processes import RedisServer, free_port
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = RedisServer(free_port())
-    await server.start()
-    yield server
-    await server.stop()
+from tests.processes import RedisServer
 
 
 def _server(port: int, calls: int, usec: float, cpu_s: float, slowest: float | None = None):
