@@ -318,8 +318,8 @@ class Fleet:
     def __init__(
         self, store: Store, sidecars: int, prefix: str, endpoints: int, *, share: bool
     ) -> None:
-        """``share``: the prefix share on (``SIDECAR_PREFIX_SHARE``): every decision publishes
-        its placement, every sidecar learns the others'."""
+        """``share``: the prefix share on (as with ``SIDECAR_PREFIX_HASH_KEY`` set): every
+        decision publishes its placement, every sidecar learns the others'."""
         self.store = store
         self.share = share
         self.prefix = prefix
