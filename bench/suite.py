@@ -29,6 +29,7 @@ BENCHMARKS = (
     "calibrate",
     "connections",
     "decision_cost",
+    "fleet",
     "instructions",
     "kv_events",
     "kv_events_flood",

@@ -15,6 +15,7 @@ from sidecar.observability.tracing import Tracing
 from sidecar.observability.tracking import REQUEST_TASK_PREFIX
 from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.otlp import Receiver
+from tests.processes import RedisServer, free_port
 
 StartSidecar = Callable[..., Awaitable[RunningSidecar]]
 StartEmulator = Callable[..., Awaitable[RunningEmulator]]
@@ -173,3 +174,12 @@ async def metric(http: aiohttp.ClientSession, url: str, sample: str) -> float:
         for line in text.splitlines()
         if line.startswith(sample) and not line.startswith("#")
     )
+
+
+@pytest.fixture
+async def redis_server() -> AsyncIterator[RedisServer]:
+    """A real redis-server of the test's own, on a free loopback port."""
+    server = RedisServer(free_port())
+    await server.start()
+    yield server
+    await server.stop()

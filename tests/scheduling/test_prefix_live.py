@@ -4,7 +4,6 @@ the engines' cached_tokens as feedback, and the index shared through a real redi
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -14,7 +13,7 @@ from sidecar.config import Settings
 from sidecar.scheduling.state.prefix_share import stream_key
 from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, StartSidecar, completion, eventually, get_json, metric
-from tests.processes import RedisServer, free_port
+from tests.processes import RedisServer
 
 KEY = "a-test-key-of-32-characters-long"
 SYSTEM = "".join(
@@ -118,14 +117,6 @@ async def test_without_prompt_tokens_details_the_index_runs_open_loop_and_says_s
     assert index["endpoints"][prefill.endpoint]["answers_without"] == 2
     warnings = [r for r in caplog.records if "runs open-loop (start vLLM prefill" in r.getMessage()]
     assert len(warnings) == 1  # said once, not per request
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = RedisServer(free_port())
-    await server.start()
-    yield server
-    await server.stop()
 
 
 @pytest.mark.timeout(60)

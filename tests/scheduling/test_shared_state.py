@@ -21,20 +21,12 @@ from sidecar.scheduling.state.protocol import MAX_ENTRIES, SCRIPT, keys
 from sidecar.scheduling.state.redis import RedisState
 from sidecar.server.runner import start_sidecar
 from tests.conftest import StartEmulator, completion, eventually, get_json, inject
-from tests.processes import RedisServer, free_port, sidecar_process
+from tests.processes import RedisServer, sidecar_process
 from tests.scheduling.test_state_resp import documented_acl
 
 LONG_PROMPT = "Retrieved passage about KV caches and their transfer. " * 45  # ~600 tokens
 PAUSE_MS = 3000
 """How long Redis plays dead in the slow-Redis test: far longer than one request takes."""
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = RedisServer(free_port())
-    await server.start()
-    yield server
-    await server.stop()
 
 
 def _shared(redis: RedisServer, decode_url: str, **extra: str) -> dict[str, str]:

@@ -23,7 +23,6 @@ from sidecar.scheduling.state.protocol import (
     keys,
 )
 from sidecar.scheduling.state.redis import RedisState
-from tests.processes import RedisServer, free_port
 
 A, B, C = "127.0.0.11:8000", "127.0.0.12:8000", "127.0.0.13:8000"
 SPEED = Speed(0.0001, 0.02)
@@ -211,14 +210,6 @@ def test_an_answer_is_checked_entry_by_entry() -> None:
 def test_an_answer_not_the_scripts_fails_the_sync(raw: object) -> None:
     with pytest.raises((ValueError, TypeError)):
         decode_reply(raw, now=0.0, max_ejection_s=60)
-
-
-@pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = RedisServer(free_port())
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def test_the_simulators_script_answers_as_the_real_one(redis_server) -> None:

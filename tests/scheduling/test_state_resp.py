@@ -37,14 +37,6 @@ class Clock:
 
 
 @pytest.fixture
-async def redis_server() -> AsyncIterator[RedisServer]:
-    server = RedisServer(free_port())
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def locked_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
     """A password for the default user, a user of its own, and a Unix socket beside the port."""
     server = RedisServer(
