@@ -325,16 +325,16 @@ class Simulation:
         # The prompt's prefix blocks, hashed once from its text (production's PrefixHasher);
         # a prompt of unique text (no segments) matches nothing, so it is not hashed.
         hashes: tuple[bytes, ...] = ()
-        exact = sidecar.exact
-        if exact is not None and shape.segments:
+        if sidecar.prefixes is not None and shape.segments:
+            hashes = self._hasher.hashes(prompt_text(shape.segments))
+        exact = sidecar.exact if shape.segments else None
+        if exact is not None:
             # The engines' exact indexes, on the prompt's token ids (production asks the decode
-            # engine's /tokenize); the planner consults its index only when given hashes.
+            # engine's /tokenize), answer for every engine; the hashes still give the prompt's
+            # affinity anchor and what the approximate index learns, as in production.
             exact.begin(
                 ExactPrompt(PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens)
             )
-            hashes = (b"exact",)
-        elif sidecar.prefixes is not None and shape.segments:
-            hashes = self._hasher.hashes(prompt_text(shape.segments))
         decision = planner.decide(
             sidecar.rank,
             sidecar.ranks.waiting(sidecar.rank),
@@ -344,6 +344,7 @@ class Simulation:
             now=now,
             wall=now,
             hashes=hashes,
+            exact=exact,
         )
         request.reason = decision.reason
         if decision.endpoint is None:
@@ -353,11 +354,7 @@ class Simulation:
         reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
         request.reservation = sidecar.state.reserve(key, reserve)
         prefixes = sidecar.prefixes
-        if exact is not None and hashes:
-            request.predicted_cached = round(
-                exact.matched_blocks(key, hashes) * shape.prompt_tokens / tokens
-            )
-        elif prefixes is not None and hashes:
+        if prefixes is not None and hashes:
             # Scheduler._reserve: the guess to compare with the answer, the endpoint holds the
             # prompt next, and the other sidecars learn it through the prefix share.
             matched = prefixes.matched_blocks(key, hashes)
@@ -365,6 +362,9 @@ class Simulation:
             width = prefixes.block_tokens * CHARS_PER_TOKEN
             held = min(1.0, matched * width / shape.prompt_chars) if shape.prompt_chars else 0.0
             request.predicted_cached = round(held * shape.prompt_tokens)
+            if exact is not None:
+                # The decision's figure: what the engine's exact index holds.
+                request.predicted_cached = round((exact(key) or 0) * shape.prompt_tokens / tokens)
             prefixes.placed(key, hashes)
             self._share.publish(sidecar.index, key, hashes)
         self._remote(request, key)
