@@ -29,6 +29,7 @@ BENCHMARKS = (
     "calibrate",
     "connections",
     "decision_cost",
+    "exact_sweep",
     "instructions",
     "kv_events",
     "kv_events_flood",

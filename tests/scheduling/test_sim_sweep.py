@@ -8,9 +8,15 @@ import json
 from collections import Counter, defaultdict
 from dataclasses import replace
 
+import orjson
+import pytest
+
+from bench.exact_sweep import main_cli
+from bench.sim.protocol import Interval
 from bench.sim.run import Simulation
 from bench.sim.scenario import QOE_EXACT
 from bench.sim.scenarios import MOONCAKE_EVICT
+from bench.sim.sweep import APPROXIMATE, EXACT, Sweep, lead_of
 
 
 def write_trace(path, conversations: int, turns: int, gap_ms: int = 1000) -> str:
@@ -50,3 +56,67 @@ def test_the_exact_variant_keeps_each_prompt_s_own_home(tmp_path):
     first = Counter(next(iter(used)) for used in engines.values())
     assert len(first) == scenario.prefill_engines  # every engine is some conversation's home
     assert all(len(used) == 1 for used in engines.values())
+
+
+def test_the_approximate_variant_runs_once_per_cell_and_pairs_with_every_lag():
+    sweep = Sweep(
+        base=MOONCAKE_EVICT,
+        caches=(1000, 2000),
+        restart_s=100.0,
+        foreign_tokens_per_s=500.0,
+        lags=(0.05, 1.0),
+        grid=(0.5, 0.8),
+        seeds=(1, 2, 3),
+        measured=10,
+        warmup=0,
+    )
+    cells = sweep.cells()
+    assert len(cells) == 16
+    assert sum(cell.disturbed for cell in cells) == 12
+    keys = sweep.runs()
+    assert len(keys) == len(set(keys))
+    assert sum(variant == EXACT for variant, *_ in keys) == 16 * 3 * 2
+    assert sum(variant == APPROXIMATE for variant, *_ in keys) == 8 * 3 * 2
+    for cell in cells:  # what the outcomes pair: every seed and rate of both sides
+        for seed in sweep.seeds:
+            for fraction in sweep.grid:
+                assert (EXACT, cell, seed, fraction) in keys
+                assert (APPROXIMATE, cell.approximate(), seed, fraction) in keys
+    assert [key[2] for key in keys] == sorted(key[2] for key in keys)  # seed by seed
+    scenario = sweep.scenario(cells[-1])
+    assert (scenario.prefill_cache_tokens, scenario.prefill_restart_s) == (2000, 100.0)
+    assert (scenario.foreign_tokens_per_s, scenario.kv_event_lag_s) == (500.0, 1.0)
+    assert scenario.trace_windows
+
+
+@pytest.mark.parametrize(
+    ("interval", "expected"),
+    [
+        (Interval(1.12, 1.06, 1.19, 5), "shown"),
+        (Interval(1.04, 0.97, 1.11, 5), "open"),
+        (Interval(1.00, 0.97, 1.03, 5), "missed"),
+        (None, "unread"),
+    ],
+)
+def test_the_lead_where_the_caches_are_disturbed_is_read_from_the_interval(interval, expected):
+    assert lead_of(interval) == expected
+
+
+@pytest.mark.system  # 48 short runs: a few seconds
+def test_the_sweep_prints_a_row_per_cell_and_writes_its_json(tmp_path, capsys):
+    trace = write_trace(tmp_path / "trace.jsonl", conversations=6, turns=8)
+    out = tmp_path / "sweep.json"
+    argv = ["--trace", trace, "--seeds", "1,2", "--grid", "0.5", "--requests", "15"]
+    assert main_cli([*argv, "--warmup", "5", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith(("786k,", "1,536k,"))]
+    document = orjson.loads(out.read_bytes())
+    assert len(document["cells"]) == 16
+    assert len(document["runs"]) == (16 + 8) * 2
+    for cell in document["cells"]:
+        for side in ("exact", "approximate"):
+            assert 0.0 <= cell[side]["wrong"][0] <= 1.0
+            assert 0.0 <= cell[side]["hit"][0] <= 1.0
+        assert cell["verdict"] in text
+    assert len(rows) == 16
+    assert "48 runs in" in text
