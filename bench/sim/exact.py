@@ -63,7 +63,7 @@ def segment_ids(segment: Segment) -> array[int]:
     return _ids(segment.key, segment.tokens)
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=16384)
 def _ids(key: int, tokens: int) -> array[int]:
     """Made once per segment (a trace's prompts repeat their conversations' segments); the
     callers only read it."""

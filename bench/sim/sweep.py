@@ -29,6 +29,7 @@ The verdicts are read from the intervals, by rules fixed before any sweep ran:
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -136,7 +137,7 @@ Runs = dict[Key, RunStats]
 
 def run_one(sweep: Sweep, key: Key, rate: float) -> RunStats:
     variant, cell, seed, _ = key
-    return simulate(
+    stats = simulate(
         sweep.scenario(cell),
         variant,
         rate,
@@ -144,6 +145,11 @@ def run_one(sweep: Sweep, key: Key, rate: float) -> RunStats:
         warmup=sweep.warmup,
         seed=seed,
     )
+    # A run leaves cycles (the engines' caches and the loop's pending events refer to each
+    # other) that the collector's thresholds leave for long: hundreds of runs in one process
+    # grew it by gigabytes.
+    gc.collect()
+    return stats
 
 
 def run(sweep: Sweep, jobs: int = 1, progress: Callable[[int, int], None] | None = None) -> Runs:
