@@ -67,6 +67,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--requests", type=int, help=f"measured requests per run ({MEASURED})")
     parser.add_argument("--warmup", type=int, help=f"warm-up requests per run ({WARMUP})")
+    parser.add_argument(
+        "--kv-in-flight",
+        action="store_true",
+        help="what-if: the exact index also counts the prompts placed and not reported yet",
+    )
     parser.add_argument("--json", type=Path, help="write the sweep's JSON there")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     add_quick(parser, "the generated workload (no trace), 4 cells, 2 seeds, one rate, 30 requests")
@@ -80,6 +85,8 @@ def sweep_of(args: argparse.Namespace) -> Sweep:
     base = SHARED_PROMPTS
     if args.trace:
         base, caches = replace(MOONCAKE_EVICT, trace_path=args.trace), TRACE_CACHES
+    if args.kv_in_flight:
+        base = replace(base, kv_in_flight=True)
     if quick:
         caches, lags = caches[:1], lags[:1]
     return Sweep(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -186,6 +187,32 @@ class ExactSource:
         self.observer: Callable[[str, EventBatch], None] | None = None
         """Called with every batch as it is published (``bench.sim.kvshare`` measures them)."""
         self._seq: dict[str, int] = {}
+        self.in_flight: dict[str, Counter[int]] = {}
+        """What-if (``Scenario.kv_in_flight``): per engine, the chained segment keys of the
+        prompts placed there whose events have not arrived yet."""
+
+    def placed(self, key: str, chained: Sequence[int]) -> None:
+        """A prompt (its segments' chained keys) was sent to engine ``key``."""
+        self.in_flight.setdefault(key, Counter()).update(chained)
+
+    def arrived(self, key: str, chained: Sequence[int]) -> None:
+        """Its prefill's events have reached the indexes: the index answers for it now."""
+        flight = self.in_flight[key]
+        flight.subtract(chained)
+        for chained_key in chained:
+            if flight[chained_key] <= 0:
+                del flight[chained_key]
+
+    def in_flight_tokens(self, key: str, chained: Sequence[int], tokens: Sequence[int]) -> int:
+        """The prompt's leading segments in flight to engine ``key``, in true tokens."""
+        flight = self.in_flight.get(key)
+        held = 0
+        if flight:
+            for chained_key, count in zip(chained, tokens, strict=True):
+                if chained_key not in flight:
+                    break
+                held += count
+        return held
 
     def subscribe(self, key: str, cache: EventedCache) -> None:
         self.indexes[key] = KVIndex(max_blocks=MAX_BLOCKS_LIMIT)
@@ -229,6 +256,9 @@ class ExactPrompt:
 
     keys: PromptKeys
     scale: float
+    chained: Sequence[int] = ()
+    """Its segments' chained keys and their tokens (``Scenario.kv_in_flight``)."""
+    tokens: Sequence[int] = ()
 
 
 class ExactLookup:
@@ -246,6 +276,12 @@ class ExactLookup:
 
     def __call__(self, key: str) -> int | None:
         index = self.source.indexes.get(key)
-        if index is None or self.prompt is None:
+        prompt = self.prompt
+        if index is None or prompt is None:
             return None
-        return int(index.lookup(self.prompt.keys).gpu * self.prompt.scale)
+        held = index.lookup(prompt.keys).gpu
+        if prompt.chained:
+            # What-if: the prompts placed on the engine and not reported yet count as held.
+            flight = self.source.in_flight_tokens(key, prompt.chained, prompt.tokens)
+            held = max(held, flight - flight % 16)
+        return int(held * prompt.scale)

@@ -15,6 +15,7 @@ from bench.sim.anchors import (
     LlmdScorer,
     SglangCacheAware,
 )
+from bench.sim.caches import chain
 from bench.sim.engines import (
     DecodeEngine,
     Job,
@@ -199,6 +200,9 @@ class Simulation:
         self._wrong = 0
         self._over = 0
         self._foreign = 0
+        self._in_flight: dict[int, Sequence[int]] = {}
+        """``Scenario.kv_in_flight``: a remote request's chained segment keys, until its
+        prefill's events arrive."""
         self.requests: list[Request] = []
         self._arrived = 0
         self._done = 0
@@ -332,9 +336,13 @@ class Simulation:
             # The engines' exact indexes, on the prompt's token ids (production asks the decode
             # engine's /tokenize), answer for every engine; the hashes still give the prompt's
             # affinity anchor and what the approximate index learns, as in production.
-            exact.begin(
-                ExactPrompt(PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens)
+            prompt = ExactPrompt(
+                PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens
             )
+            if self.scenario.kv_in_flight:
+                prompt.chained = chain(shape.segments)
+                prompt.tokens = [segment.tokens for segment in shape.segments]
+            exact.begin(prompt)
         decision = planner.decide(
             sidecar.rank,
             sidecar.ranks.waiting(sidecar.rank),
@@ -367,6 +375,10 @@ class Simulation:
                 request.predicted_cached = round((exact(key) or 0) * shape.prompt_tokens / tokens)
             prefixes.placed(key, hashes)
             self._share.publish(sidecar.index, key, hashes)
+        if exact is not None and exact.prompt is not None and exact.prompt.chained:
+            assert self.exact is not None
+            self.exact.placed(key, exact.prompt.chained)
+            self._in_flight[request.id] = exact.prompt.chained
         self._remote(request, key)
 
     def _local(self, request: Request, uncached_estimate: int) -> None:
@@ -482,6 +494,11 @@ class Simulation:
         sidecar = self.sidecars[request.engine]
         shape = request.shape
         self._sent_tokens[request.endpoint] -= shape.prompt_tokens
+        chained = self._in_flight.pop(request.id, None)
+        if chained is not None:
+            assert self.exact is not None
+            # The engine stores the prompt now; its events reach the indexes a lag later.
+            loop.at(loop.now + self.exact.lag_s, self._events_arrived, (request.endpoint, chained))
         if shape.segments and request.measured:
             self._remote_tokens += shape.prompt_tokens
             self._remote_cached += request.engine_cached
@@ -510,6 +527,10 @@ class Simulation:
         else:
             transfer = self._transfer.seconds(request.prefill_tokens)
             loop.at(loop.now + transfer, decode.arrive_remote, request)
+
+    def _events_arrived(self, placed: tuple[str, Sequence[int]]) -> None:
+        assert self.exact is not None
+        self.exact.arrived(*placed)
 
     def _first_token(self, request: Request) -> None:
         if request.endpoint is None and request.local_tokens:

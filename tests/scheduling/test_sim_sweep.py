@@ -12,11 +12,20 @@ import orjson
 import pytest
 
 from bench.exact_sweep import main_cli
+from bench.sim.caches import chain
+from bench.sim.engines import Loop
+from bench.sim.exact import EventedCache, ExactLookup, ExactPrompt, ExactSource, prompt_ids
 from bench.sim.protocol import Interval
-from bench.sim.run import Simulation
+from bench.sim.run import Simulation, simulate
 from bench.sim.scenario import QOE_EXACT
 from bench.sim.scenarios import MOONCAKE_EVICT
 from bench.sim.sweep import APPROXIMATE, EXACT, Sweep, lead_of
+from bench.sim.texts import Segment
+from sidecar.kvevents.index import PromptKeys
+
+
+def seg(key: int, tokens: int) -> Segment:
+    return Segment(key, tokens, tokens * 4)
 
 
 def write_trace(path, conversations: int, turns: int, gap_ms: int = 1000) -> str:
@@ -120,3 +129,48 @@ def test_the_sweep_prints_a_row_per_cell_and_writes_its_json(tmp_path, capsys):
         assert cell["verdict"] in text
     assert len(rows) == 16
     assert "48 runs in" in text
+
+
+def test_in_flight_placements_count_as_held_until_their_events_arrive():
+    """The what-if ``kv_in_flight``: a prompt sent to an engine counts as held there from the
+    placement until its prefill's events reach the indexes, which a lag hides otherwise."""
+    loop = Loop()
+    source = ExactSource(loop, lag_s=1.0)
+    cache = EventedCache(100_000, 16)
+    source.subscribe("e", cache)
+    first = [seg(1, 512), seg(2, 512), seg(3, 40)]
+    follow_up = [*first[:2], seg(4, 300)]
+    lookup = ExactLookup(source)
+    chained = chain(first)
+    lookup.begin(
+        ExactPrompt(PromptKeys(prompt_ids(follow_up)), 1.0, chain(follow_up), [512] * 2 + [300])
+    )
+    assert lookup("e") == 0
+    source.placed("e", chained)
+    assert lookup("e") == 1024  # the shared segments, in flight
+    cache.store(first)  # the prefill ends; its events are a second away
+    source.arrived("e", chained)
+    assert source.in_flight["e"] == Counter()
+    assert lookup("e") == 0
+    loop.run()
+    assert lookup("e") == 1024  # the index holds them now
+
+
+def test_with_a_lag_the_in_flight_what_if_predicts_the_follow_ups(tmp_path):
+    # A conversation's turns one second apart; events 3 s behind: without the what-if the
+    # exact index does not see the turn before, still in flight or lagging.
+    trace = write_trace(tmp_path / "trace.jsonl", conversations=2, turns=20, gap_ms=500)
+    scenario = replace(
+        MOONCAKE_EVICT,
+        trace_path=trace,
+        prefill_restart_s=0.0,
+        foreign_tokens_per_s=0.0,
+        kv_event_lag_s=3.0,
+    )
+    runs = {
+        flight: simulate(
+            replace(scenario, kv_in_flight=flight), QOE_EXACT, 1.0, measured=30, warmup=5, seed=1
+        )
+        for flight in (False, True)
+    }
+    assert runs[True].prefix_wrong_share < runs[False].prefix_wrong_share
