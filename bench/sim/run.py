@@ -235,15 +235,18 @@ class Simulation:
         cache = self.prefill[key].cache
         if not isinstance(cache, EventedCache):
             return
+        # Each disturbance's closure has names of its own: a closure reads its variables when
+        # it runs, so a name both shared would make the restarts follow the foreign traffic's
+        # draws and mean gap (4 s instead of minutes).
         if scenario.prefill_restart_s > 0:
-            rng = random.Random(f"restarts-{seed}-{number}")
-            mean = scenario.prefill_restart_s
+            restarts = random.Random(f"restarts-{seed}-{number}")
+            between = scenario.prefill_restart_s
 
             def restart(_: object) -> None:
                 cache.clear()
-                self.loop.at(self.loop.now + rng.expovariate(1.0 / mean), restart)
+                self.loop.at(self.loop.now + restarts.expovariate(1.0 / between), restart)
 
-            self.loop.at(rng.expovariate(1.0 / mean), restart)
+            self.loop.at(restarts.expovariate(1.0 / between), restart)
         if scenario.foreign_tokens_per_s > 0:
             rng = random.Random(f"foreign-{seed}-{number}")
             tokens = scenario.foreign_prompt_tokens

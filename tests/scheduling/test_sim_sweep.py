@@ -21,6 +21,7 @@ from bench.sim.scenario import QOE_EXACT
 from bench.sim.scenarios import MOONCAKE_EVICT
 from bench.sim.sweep import APPROXIMATE, EXACT, Sweep, lead_of
 from bench.sim.texts import Segment
+from sidecar.kvevents.events import AllBlocksCleared, EventBatch
 from sidecar.kvevents.index import PromptKeys
 
 
@@ -174,3 +175,23 @@ def test_with_a_lag_the_in_flight_what_if_predicts_the_follow_ups(tmp_path):
         for flight in (False, True)
     }
     assert runs[True].prefix_wrong_share < runs[False].prefix_wrong_share
+
+
+def test_restarts_keep_their_own_rate_beside_foreign_traffic(tmp_path):
+    """Engines restarted every 20 s on average and foreign prompts cached every ~4 s: over
+    ~200 virtual seconds, four engines restart about 40 times in all, not every 4 s."""
+    trace = write_trace(tmp_path / "trace.jsonl", conversations=8, turns=25)
+    scenario = replace(
+        MOONCAKE_EVICT, trace_path=trace, prefill_restart_s=20.0, foreign_tokens_per_s=1000.0
+    )
+    simulation = Simulation(scenario, QOE_EXACT, 1.0, measured=190, warmup=10, seed=1)
+    assert simulation.exact is not None
+    clears = Counter()
+
+    def observe(key: str, batch: EventBatch) -> None:
+        clears[key] += sum(isinstance(event, AllBlocksCleared) for event in batch.events)
+
+    simulation.exact.observer = observe
+    stats = simulation.run()
+    expected = stats.sim_s / 20.0 * scenario.prefill_engines
+    assert expected / 2 < clears.total() < expected * 2
