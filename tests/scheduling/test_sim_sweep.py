@@ -186,7 +186,7 @@ def test_restarts_keep_their_own_rate_beside_foreign_traffic(tmp_path):
     )
     simulation = Simulation(scenario, QOE_EXACT, 1.0, measured=190, warmup=10, seed=1)
     assert simulation.exact is not None
-    clears = Counter()
+    clears: Counter[str] = Counter()
 
     def observe(key: str, batch: EventBatch) -> None:
         clears[key] += sum(isinstance(event, AllBlocksCleared) for event in batch.events)
