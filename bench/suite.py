@@ -29,6 +29,7 @@ BENCHMARKS = (
     "calibrate",
     "connections",
     "decision_cost",
+    "exact_sweep",
     "fleet",
     "instructions",
     "kv_events",

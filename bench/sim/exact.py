@@ -16,15 +16,20 @@ per candidate from production's ``KVIndex`` fed with them, a configurable lag be
 - ``ExactSource``: one ``KVIndex`` per prefill engine; a published batch is applied ``lag_s``
   later. Every sidecar reads the same index: each subscribes to every engine itself and sees the
   same events after the same lag (docs/kv-events.md, "Several sidecars").
-- ``ExactPrefixes``: the prefill prefix index as the planner reads it, answering from the exact
-  indexes: ``begin(prompt)`` before a decision names the prompt, and ``matched_blocks`` returns
-  the engine's hit in the decision's token units (``prompt.scale``: estimated tokens per true
-  token, so the exact variant differs from the approximate one by the index alone).
+- ``ExactLookup``: what the planner's ``exact`` argument is in production
+  (``placement.ExactCache``: an engine's key → the prompt's tokens its KV events say it holds):
+  ``begin(prompt)`` before a decision names the prompt, and a call returns the engine's hit in
+  the decision's token units (``prompt.scale``: estimated tokens per true token, so the exact
+  variant differs from the approximate one by the index alone). The approximate index stays on
+  beside it, as in production: it gives the prompt's prefix hashes (its affinity anchor), learns
+  the placements and the answers, and answers for an engine whose events are not in sync.
 """
 
 from __future__ import annotations
 
+import functools
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -40,7 +45,6 @@ from sidecar.kvevents.events import (
     KVEvent,
 )
 from sidecar.kvevents.index import MAX_BLOCKS_LIMIT, KVIndex, PromptKeys
-from sidecar.scheduling.prefixes import PrefillPrefixes
 
 if TYPE_CHECKING:
     from bench.sim.engines import Loop
@@ -57,10 +61,17 @@ def segment_ids(segment: Segment) -> array[int]:
     """The token ids of a segment: a run of ``segment.tokens`` consecutive ids from a start its
     key and length pick among 2¹⁹ (two different segments rarely share one; when they do, only
     the blocks after the same parent would collide)."""
-    if segment.tokens > _SEGMENT_SPAN:
-        raise ValueError(f"a segment of {segment.tokens} tokens (at most {_SEGMENT_SPAN})")
-    start = (hash((segment.key, segment.tokens)) % _SPANS) * _SEGMENT_SPAN
-    return array("I", range(start, start + segment.tokens))
+    return _ids(segment.key, segment.tokens)
+
+
+@functools.lru_cache(maxsize=16384)
+def _ids(key: int, tokens: int) -> array[int]:
+    """Made once per segment (a trace's prompts repeat their conversations' segments); the
+    callers only read it."""
+    if tokens > _SEGMENT_SPAN:
+        raise ValueError(f"a segment of {tokens} tokens (at most {_SEGMENT_SPAN})")
+    start = (hash((key, tokens)) % _SPANS) * _SEGMENT_SPAN
+    return array("I", range(start, start + tokens))
 
 
 def prompt_ids(segments: Sequence[Segment]) -> array[int]:
@@ -176,6 +187,32 @@ class ExactSource:
         self.observer: Callable[[str, EventBatch], None] | None = None
         """Called with every batch as it is published (``bench.sim.kvshare`` measures them)."""
         self._seq: dict[str, int] = {}
+        self.in_flight: dict[str, Counter[int]] = {}
+        """What-if (``Scenario.kv_in_flight``): per engine, the chained segment keys of the
+        prompts placed there whose events have not arrived yet."""
+
+    def placed(self, key: str, chained: Sequence[int]) -> None:
+        """A prompt (its segments' chained keys) was sent to engine ``key``."""
+        self.in_flight.setdefault(key, Counter()).update(chained)
+
+    def arrived(self, key: str, chained: Sequence[int]) -> None:
+        """Its prefill's events have reached the indexes: the index answers for it now."""
+        flight = self.in_flight[key]
+        flight.subtract(chained)
+        for chained_key in chained:
+            if flight[chained_key] <= 0:
+                del flight[chained_key]
+
+    def in_flight_tokens(self, key: str, chained: Sequence[int], tokens: Sequence[int]) -> int:
+        """The prompt's leading segments in flight to engine ``key``, in true tokens."""
+        flight = self.in_flight.get(key)
+        held = 0
+        if flight:
+            for chained_key, count in zip(chained, tokens, strict=True):
+                if chained_key not in flight:
+                    break
+                held += count
+        return held
 
     def subscribe(self, key: str, cache: EventedCache) -> None:
         self.indexes[key] = KVIndex(max_blocks=MAX_BLOCKS_LIMIT)
@@ -219,15 +256,17 @@ class ExactPrompt:
 
     keys: PromptKeys
     scale: float
+    chained: Sequence[int] = ()
+    """Its segments' chained keys and their tokens (``Scenario.kv_in_flight``)."""
+    tokens: Sequence[int] = ()
 
 
-class ExactPrefixes(PrefillPrefixes):
-    """The planner's prefix index answering from the engines' exact indexes: ``matched_blocks``
-    is the engine's hit, in the decision's tokens (so ``predicted_tokens`` is the identity: a
-    "block" here is one token, and an exact hit needs no trust factor)."""
+class ExactLookup:
+    """Each prefill engine's cached tokens of the prompt being decided, from its exact index
+    (production's ``PromptLookup`` as ``Planner.decide``'s ``exact``): in the decision's tokens.
+    The simulated subscriptions never drop, so every engine's index is in sync."""
 
     def __init__(self, source: ExactSource) -> None:
-        super().__init__(block_tokens=1, capacity_blocks=1, max_blocks=1)
         self.source = source
         self.prompt: ExactPrompt | None = None
 
@@ -235,11 +274,14 @@ class ExactPrefixes(PrefillPrefixes):
         """The next decision is for ``prompt`` (the simulator decides one request at a time)."""
         self.prompt = prompt
 
-    def matched_blocks(self, key: str, hashes: Sequence[bytes]) -> int:
+    def __call__(self, key: str) -> int | None:
         index = self.source.indexes.get(key)
-        if index is None or self.prompt is None:
-            return 0
-        return int(index.lookup(self.prompt.keys).gpu * self.prompt.scale)
-
-    def predicted_tokens(self, matched_blocks: int) -> int:
-        return matched_blocks
+        prompt = self.prompt
+        if index is None or prompt is None:
+            return None
+        held = index.lookup(prompt.keys).gpu
+        if prompt.chained:
+            # What-if: the prompts placed on the engine and not reported yet count as held.
+            flight = self.source.in_flight_tokens(key, prompt.chained, prompt.tokens)
+            held = max(held, flight - flight % 16)
+        return int(held * prompt.scale)

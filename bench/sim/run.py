@@ -15,6 +15,7 @@ from bench.sim.anchors import (
     LlmdScorer,
     SglangCacheAware,
 )
+from bench.sim.caches import chain
 from bench.sim.engines import (
     DecodeEngine,
     Job,
@@ -199,6 +200,9 @@ class Simulation:
         self._wrong = 0
         self._over = 0
         self._foreign = 0
+        self._in_flight: dict[int, Sequence[int]] = {}
+        """``Scenario.kv_in_flight``: a remote request's chained segment keys, until its
+        prefill's events arrive."""
         self.requests: list[Request] = []
         self._arrived = 0
         self._done = 0
@@ -231,15 +235,18 @@ class Simulation:
         cache = self.prefill[key].cache
         if not isinstance(cache, EventedCache):
             return
+        # Each disturbance's closure has names of its own: a closure reads its variables when
+        # it runs, so a name both shared would make the restarts follow the foreign traffic's
+        # draws and mean gap (4 s instead of minutes).
         if scenario.prefill_restart_s > 0:
-            rng = random.Random(f"restarts-{seed}-{number}")
-            mean = scenario.prefill_restart_s
+            restarts = random.Random(f"restarts-{seed}-{number}")
+            between = scenario.prefill_restart_s
 
             def restart(_: object) -> None:
                 cache.clear()
-                self.loop.at(self.loop.now + rng.expovariate(1.0 / mean), restart)
+                self.loop.at(self.loop.now + restarts.expovariate(1.0 / between), restart)
 
-            self.loop.at(rng.expovariate(1.0 / mean), restart)
+            self.loop.at(restarts.expovariate(1.0 / between), restart)
         if scenario.foreign_tokens_per_s > 0:
             rng = random.Random(f"foreign-{seed}-{number}")
             tokens = scenario.foreign_prompt_tokens
@@ -325,16 +332,20 @@ class Simulation:
         # The prompt's prefix blocks, hashed once from its text (production's PrefixHasher);
         # a prompt of unique text (no segments) matches nothing, so it is not hashed.
         hashes: tuple[bytes, ...] = ()
-        exact = sidecar.exact
-        if exact is not None and shape.segments:
-            # The engines' exact indexes, on the prompt's token ids (production asks the decode
-            # engine's /tokenize); the planner consults its index only when given hashes.
-            exact.begin(
-                ExactPrompt(PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens)
-            )
-            hashes = (b"exact",)
-        elif sidecar.prefixes is not None and shape.segments:
+        if sidecar.prefixes is not None and shape.segments:
             hashes = self._hasher.hashes(prompt_text(shape.segments))
+        exact = sidecar.exact if shape.segments else None
+        if exact is not None:
+            # The engines' exact indexes, on the prompt's token ids (production asks the decode
+            # engine's /tokenize), answer for every engine; the hashes still give the prompt's
+            # affinity anchor and what the approximate index learns, as in production.
+            prompt = ExactPrompt(
+                PromptKeys(prompt_ids(shape.segments)), tokens / shape.prompt_tokens
+            )
+            if self.scenario.kv_in_flight:
+                prompt.chained = chain(shape.segments)
+                prompt.tokens = [segment.tokens for segment in shape.segments]
+            exact.begin(prompt)
         decision = planner.decide(
             sidecar.rank,
             sidecar.ranks.waiting(sidecar.rank),
@@ -344,6 +355,7 @@ class Simulation:
             now=now,
             wall=now,
             hashes=hashes,
+            exact=exact,
         )
         request.reason = decision.reason
         if decision.endpoint is None:
@@ -353,11 +365,7 @@ class Simulation:
         reserve = reserved_tokens(decision) if self.scenario.reserve == "production" else tokens
         request.reservation = sidecar.state.reserve(key, reserve)
         prefixes = sidecar.prefixes
-        if exact is not None and hashes:
-            request.predicted_cached = round(
-                exact.matched_blocks(key, hashes) * shape.prompt_tokens / tokens
-            )
-        elif prefixes is not None and hashes:
+        if prefixes is not None and hashes:
             # Scheduler._reserve: the guess to compare with the answer, the endpoint holds the
             # prompt next, and the other sidecars learn it through the prefix share.
             matched = prefixes.matched_blocks(key, hashes)
@@ -365,8 +373,15 @@ class Simulation:
             width = prefixes.block_tokens * CHARS_PER_TOKEN
             held = min(1.0, matched * width / shape.prompt_chars) if shape.prompt_chars else 0.0
             request.predicted_cached = round(held * shape.prompt_tokens)
+            if exact is not None:
+                # The decision's figure: what the engine's exact index holds.
+                request.predicted_cached = round((exact(key) or 0) * shape.prompt_tokens / tokens)
             prefixes.placed(key, hashes)
             self._share.publish(sidecar.index, key, hashes)
+        if exact is not None and exact.prompt is not None and exact.prompt.chained:
+            assert self.exact is not None
+            self.exact.placed(key, exact.prompt.chained)
+            self._in_flight[request.id] = exact.prompt.chained
         self._remote(request, key)
 
     def _local(self, request: Request, uncached_estimate: int) -> None:
@@ -482,6 +497,11 @@ class Simulation:
         sidecar = self.sidecars[request.engine]
         shape = request.shape
         self._sent_tokens[request.endpoint] -= shape.prompt_tokens
+        chained = self._in_flight.pop(request.id, None)
+        if chained is not None:
+            assert self.exact is not None
+            # The engine stores the prompt now; its events reach the indexes a lag later.
+            loop.at(loop.now + self.exact.lag_s, self._events_arrived, (request.endpoint, chained))
         if shape.segments and request.measured:
             self._remote_tokens += shape.prompt_tokens
             self._remote_cached += request.engine_cached
@@ -510,6 +530,10 @@ class Simulation:
         else:
             transfer = self._transfer.seconds(request.prefill_tokens)
             loop.at(loop.now + transfer, decode.arrive_remote, request)
+
+    def _events_arrived(self, placed: tuple[str, Sequence[int]]) -> None:
+        assert self.exact is not None
+        self.exact.arrived(*placed)
 
     def _first_token(self, request: Request) -> None:
         if request.endpoint is None and request.local_tokens:

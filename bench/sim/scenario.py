@@ -73,6 +73,10 @@ class Scenario:
     gaps, evicting what this fleet placed. Their compute is not modelled (the scraped load would
     show it to every variant alike). 0: none."""
     foreign_prompt_tokens: int = 4096
+    kv_in_flight: bool = False
+    """What-if, not production: an ``exact`` variant also counts each prompt placed on a
+    prefill engine as held there until the events of its prefill reach the indexes (the pool's
+    placements seen at once; llm-d's speculative indexing is the like, with a TTL)."""
     kv_event_lag_s: float = 0.05
     """``exact`` variants: how long after a prefill engine's cache changes its KV events reach
     the sidecars' indexes (vLLM publishes once per engine step; then the network)."""
@@ -237,6 +241,7 @@ class Scenario:
                 if any(variant.exact for variant in self.variants)
                 else ""
             )
+            + (", what-if: prompts in flight count as held" if self.kv_in_flight else "")
         )
 
     def plain(self) -> Scenario:

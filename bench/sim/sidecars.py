@@ -19,7 +19,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from bench.sim.exact import ExactPrefixes, ExactSource
+from bench.sim.exact import ExactLookup, ExactSource
 from bench.sim.scenario import Scenario, Variant
 from bench.sim.state import ModelledState
 from sidecar.config import Settings
@@ -97,11 +97,13 @@ class Sidecar:
         # variant runs without it, as production did before it had one.
         aware = not variant.blind and variant.mode in ("conditional", "always")
         self.prefixes: PrefillPrefixes | None = prefill_prefixes() if aware else None
-        self.exact: ExactPrefixes | None = None
+        self.exact: ExactLookup | None = None
         if aware and variant.exact:
+            # Beside the approximate index, as in production (Scheduler: ``exact`` in sync
+            # answers for an engine; the prefix hashes and their affinity stay the index's).
             if exact is None:
                 raise ValueError("an exact variant needs the engines' exact indexes")
-            self.prefixes = self.exact = ExactPrefixes(exact)
+            self.exact = ExactLookup(exact)
         self.planner = Planner(
             decider,
             stale_after_s=STALE_AFTER_SCRAPES * scenario.staleness_s,
@@ -111,7 +113,7 @@ class Sidecar:
         for key in keys:
             host, _, port = key.rpartition(":")
             self.planner.join(Endpoint(host, int(port)), Health())
-            if self.prefixes is not None and self.exact is None:
+            if self.prefixes is not None:
                 # What the engine monitor's scrape of vllm:cache_config_info tells the index.
                 self.prefixes.set_capacity(key, scenario.prefill_cache_tokens)
         self.state = state

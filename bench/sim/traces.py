@@ -106,13 +106,16 @@ def _shapes(path: str, seed: int, median: float, sigma: float, windows: bool) ->
     scale = (len(records) - 1) / span if span > 0 else 1.0
     shapes = []
     previous = arrivals[0] - 1 / scale  # the first request's gap: the mean (when wrapped to)
+    ratios: dict[int, float] = {}  # a block's characters per token, drawn once per id
     for at, (_, tokens, output, ids) in zip(arrivals, records, strict=True):
         segments = []
         left = tokens
         for i, key in enumerate(ids):
             block = BLOCK_TOKENS if i < len(ids) - 1 else max(1, left)
             left -= block
-            ratio = chars_per_token(key, seed, median, sigma)
+            ratio = ratios.get(key)
+            if ratio is None:
+                ratio = ratios[key] = chars_per_token(key, seed, median, sigma)
             # A partial block is a prefix of the full block's text (same key, fewer characters).
             segments.append(Segment(key, block, max(1, round(block * ratio))))
         true_tokens = sum(segment.tokens for segment in segments)
