@@ -32,6 +32,17 @@ def toward(fitted: Speed, prior: Speed, weight: float) -> Speed:
     )
 
 
+VIRTUAL_HIGH_TOKENS = 2000.0
+"""Where a prior's second virtual point lies (the first is at 0 tokens): a long prompt's work;
+fits are compared at it (``SpeedEstimate.best``)."""
+BEST_FROM_SAMPLES = 3
+"""Observations before a fit can be an estimate's best (``SpeedEstimate.best``): fewer are
+mostly the prior's."""
+BEST_KEPT_FOR = 20
+"""Observations a best fit is kept for without a better one; then the current fit replaces it
+(an endpoint that became slower for good is not remembered as it was)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Moments:
     """Weighted sums of 1, x, y, x², xy: what a least-squares line is fitted from."""
@@ -41,6 +52,19 @@ class Moments:
     y: float
     xx: float
     xy: float
+
+    @classmethod
+    def of(cls, speed: Speed, weight: float) -> Moments:
+        """Two virtual points on ``speed``'s line, at 0 and ``VIRTUAL_HIGH_TOKENS``, weighing
+        ``weight`` observations together: how a prior (or a target of ageing) enters a fit."""
+        low, high = 0.0, VIRTUAL_HIGH_TOKENS
+        return cls(
+            weight,
+            weight * (low + high) / 2,
+            weight * (speed.seconds(low) + speed.seconds(high)) / 2,
+            weight * (low * low + high * high) / 2,
+            weight * (low * speed.seconds(low) + high * speed.seconds(high)) / 2,
+        )
 
     def toward(self, prior: Moments, weight: float) -> Moments:
         """Every sum ``prior + weight × (self − prior)``: the evidence in ``self`` beyond the
@@ -98,21 +122,23 @@ class SpeedEstimate:
         self._alpha = alpha
         self._half_life_s = half_life_s
         self.samples = 0
+        self._prior_weight = prior_weight
         # Seeded with two virtual points on the prior line, at 0 and 2000 tokens.
-        low, high = 0.0, 2000.0
-        self._prior_moments = Moments(
-            prior_weight,
-            prior_weight * (low + high) / 2,
-            prior_weight * (prior.seconds(low) + prior.seconds(high)) / 2,
-            prior_weight * (low * low + high * high) / 2,
-            prior_weight * (low * prior.seconds(low) + high * prior.seconds(high)) / 2,
-        )
+        self._prior_moments = Moments.of(prior, prior_weight)
         self._m = self._prior_moments
         self._prior = prior
         self.value = prior
         """The fit as of the last observation (``value_at`` ages it)."""
         self.observed_at: float | None = None
         """The ``now`` of the last observation that passed one (monotonic seconds)."""
+        self._aged_at: float | None = None
+        """The time the sums are aged to: the last observation's, or a later ``relax``'s."""
+        self.best: Speed | None = None
+        """Its measured speed at its best: the fastest fit (at ``VIRTUAL_HIGH_TOKENS``) right
+        after an observation, from the ``BEST_FROM_SAMPLES``-th on, within the last
+        ``BEST_KEPT_FOR`` observations. A stall of a few calls does not replace it; what the
+        endpoint did before the stall is what its idle ageing returns to (``relax``)."""
+        self._since_best = 0
 
     def value_at(self, now: float) -> Speed:
         """The estimate at ``now``: the fit of the evidence aged to ``now``."""
@@ -135,14 +161,37 @@ class SpeedEstimate:
         )
         self.samples += 1
         if now is not None:
-            self.observed_at = now
-        self.value = m.fit(self._prior.s_per_token)
+            self.observed_at = self._aged_at = now
+        self.value = fitted = m.fit(self._prior.s_per_token)
+        if self.samples >= BEST_FROM_SAMPLES:
+            best = self.best
+            self._since_best += 1
+            if (
+                best is None
+                or self._since_best >= BEST_KEPT_FOR
+                or fitted.seconds(VIRTUAL_HIGH_TOKENS) <= best.seconds(VIRTUAL_HIGH_TOKENS)
+            ):
+                self.best, self._since_best = fitted, 0
+        return fitted
+
+    def relax(self, target: Speed, weight: float, now: float) -> Speed:
+        """Age the evidence to ``now``, then further toward ``target``: every weighted sum
+        blended toward those of ``target``'s line worth the prior's weight, the evidence keeping
+        ``weight`` of its own (``decay_weight``'s). For evidence that something other than time
+        says is stale: the endpoint's scrapes show it idle, and its ``best`` says what it is
+        likely to do (``placement.Planner``). Returns the new fit."""
+        if weight >= 1.0:
+            return self.value
+        aged = self._m.toward(self._prior_moments, self._weight(now))
+        self._m = aged.toward(Moments.of(target, self._prior_weight), weight)
+        self._aged_at = now if self._aged_at is None else max(self._aged_at, now)
+        self.value = self._m.fit(self._prior.s_per_token)
         return self.value
 
     def _weight(self, now: float | None) -> float:
-        if now is None or self.observed_at is None:
+        if now is None or self._aged_at is None:
             return 1.0
-        return decay_weight(now - self.observed_at, self._half_life_s)
+        return decay_weight(now - self._aged_at, self._half_life_s)
 
 
 class Availability(StrEnum):

@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
+from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S, SPEED_IDLE_HALF_LIFE_S
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad, describe_load
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import (
+    VIRTUAL_HIGH_TOKENS,
     Availability,
     Health,
     SpeedEstimate,
@@ -54,7 +55,16 @@ class EndpointState:
     endpoint: Endpoint
     health: Health
     speed: SpeedEstimate = field(default_factory=lambda: SpeedEstimate(PREFILL_PRIOR))
-    load: EngineLoad | None = None
+    scraped: EngineLoad | None = None
+    """The last scrape (set through ``load``, which follows the idle spells)."""
+    idle_since: float | None = None
+    """The scrape time from which its scrapes have shown it idle — nothing waiting, nothing
+    running — without a break (moved on as the idle ageing is applied); None while the last
+    scrape did not (``Planner._age_idle``)."""
+    unanswered: bool = False
+    """A scrape went without gauges (no answer in time, refused, no metrics) since its speed
+    was last back within a stall's margin of its best: what a stall looks like from outside,
+    and what lets the idle ageing run."""
     draining: bool = False
     inflight: int = 0
     last_sent: float | None = None
@@ -72,6 +82,21 @@ class EndpointState:
     @property
     def key(self) -> str:
         return str(self.endpoint)
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """Its last scrape, or None (unknown, or the scrape failed)."""
+        return self.scraped
+
+    @load.setter
+    def load(self, load: EngineLoad | None) -> None:
+        if load is None:
+            self.unanswered = True
+        if load is None or load.waiting != 0 or load.running != 0:
+            self.idle_since = None  # busy, unknown, or not answering: the idle spell ends
+        elif self.idle_since is None:
+            self.idle_since = load.at
+        self.scraped = load
 
 
 AFFINITY_BLOCK = 4
@@ -159,14 +184,18 @@ class Planner:
         *,
         stale_after_s: float,
         half_life_s: float | None = SPEED_HALF_LIFE_S,
+        idle_half_life_s: float | None = SPEED_IDLE_HALF_LIFE_S,
         retest_s: float = RETEST_S,
         prefixes: PrefillPrefixes | None = None,
     ) -> None:
         """``stale_after_s``: a scrape older than this is ignored (three scrape intervals).
         ``half_life_s``: prefill speed estimates decay toward the prior with this half-life
-        (None: never). ``retest_s``: an endpoint sent nothing for this long is re-tested (0:
-        never). ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate
-        computes the whole prompt)."""
+        (None: never). ``idle_half_life_s``: while an endpoint's scrapes show it idle, its
+        estimate decays toward its best measured speed with this one (None: never;
+        ``_age_idle``).
+        ``retest_s``: an endpoint sent nothing for this long is re-tested (0: never).
+        ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate computes
+        the whole prompt)."""
         self.decider = decider
         self.prefixes = prefixes
         self.pool: dict[str, EndpointState] = {}
@@ -175,6 +204,7 @@ class Planner:
         self.local_speed = SpeedEstimate(LOCAL_PRIOR)
         self._stale_after_s = stale_after_s
         self._half_life_s = half_life_s
+        self._idle_half_life_s = idle_half_life_s
         self._retest_s = retest_s
 
     def join(self, endpoint: Endpoint, health: Health) -> EndpointState:
@@ -241,9 +271,18 @@ class Planner:
             if view.ejected_until.get(key, 0.0) > wall:
                 continue
             load = view.loads.get(key)
-            scraped = state.load  # its gauges, while fresh (``fresh``, read once)
+            scraped = state.scraped  # its gauges, while fresh (``fresh``, read once)
             if scraped is not None and now - scraped.at > self._stale_after_s:
                 scraped = None
+            if (
+                scraped is not None
+                and state.unanswered
+                and state.idle_since is not None
+                and scraped.at > state.idle_since
+                and not state.inflight
+                and not (load and load.requests)
+            ):
+                self._age_idle(state, scraped.at)
             cached = None if exact is None else exact(key)
             if cached is None:
                 cached = (
@@ -266,6 +305,42 @@ class Planner:
                 )
             )
         return candidates
+
+    def _age_idle(self, state: EndpointState, scraped_at: float) -> None:
+        """Age ``state``'s speed evidence for the time its fresh scrapes have shown it idle —
+        since the later of its idle spell's start, its last prefill sent and its last answer,
+        up to its last scrape — with the idle half-life, toward its best measured speed
+        (``SpeedEstimate.best``).
+
+        An endpoint the policy avoids for its speed gets no new evidence, and re-tests are rare
+        (``_due_retest``): after a stall its fit keeps the stall's seconds for many minutes of
+        ageing toward the prior, whose three virtual points weigh little against ten
+        observations. Its scrapes, answering and showing nothing waiting and nothing running,
+        say that whatever held it no longer does; what it did before is then the better guess.
+        Its best, not the pool's: an endpoint slower by its hardware was never faster, and
+        stays as slow as it measured. Busy (queued or running work, a reservation, a prefill of
+        this sidecar's in flight), unscraped or frozen (no fresh scrape), it ages as before."""
+        start = state.idle_since
+        assert start is not None
+        for moment in (state.last_sent, state.speed.observed_at):
+            if moment is not None and moment > start:
+                start = moment
+        if scraped_at <= start:
+            return
+        weight = decay_weight(scraped_at - start, self._idle_half_life_s)
+        state.idle_since = scraped_at  # aged up to here
+        best = state.speed.best
+        if weight >= 1.0 or best is None:
+            return
+        # Only after a scrape went unanswered (``unanswered``), and only a stall's margin (as a
+        # re-test's): fits slowed by mispredicted cache hits or by the spread under traffic
+        # are not stalls, and ageing every idle endpoint toward its best fit made them all look
+        # as fast as their luckiest (the simulator's Mooncake replay lost its goodput).
+        current = state.speed.value_at(scraped_at).seconds(VIRTUAL_HIGH_TOKENS)
+        if current >= RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
+            state.speed.relax(best, weight, scraped_at)
+        else:
+            state.unanswered = False  # back within the margin: the stall is forgotten
 
     def candidate(
         self,

@@ -70,6 +70,7 @@ class SchedulerOptions:
     remote_only: bool
     """The connector's decode server cannot prefill: every request goes remote."""
     speed_half_life_s: float
+    speed_idle_half_life_s: float
     scheduler_retest_s: float
     prefix_block_tokens: int
     prefix_cache_blocks: int
@@ -94,6 +95,7 @@ class SchedulerOptions:
             disagg_stall_weight=settings.disagg_stall_weight,
             remote_only=CONNECTORS[settings.connector].remote_only,
             speed_half_life_s=settings.speed_half_life_s,
+            speed_idle_half_life_s=settings.speed_idle_half_life_s,
             scheduler_retest_s=settings.scheduler_retest_s,
             prefix_block_tokens=settings.prefix_block_tokens,
             prefix_cache_blocks=settings.prefix_cache_blocks,
@@ -151,6 +153,7 @@ class Scheduler:
             ),
             stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
             half_life_s=options.speed_half_life_s,
+            idle_half_life_s=options.speed_idle_half_life_s,
             retest_s=options.scheduler_retest_s,
             prefixes=prefixes,
         )

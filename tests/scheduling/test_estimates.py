@@ -188,3 +188,40 @@ def test_an_estimate_without_a_half_life_learns_as_before():
         assert with_clock.observe(work, 0.05 + 2e-4 * work, now=1000.0 * t) == without.observe(
             work, 0.05 + 2e-4 * work
         )
+
+
+def test_relaxing_ages_to_now_then_toward_the_target():
+    """``relax``: the evidence aged to ``now`` as ``value_at`` would, then blended toward the
+    target's line (worth the prior's weight); the next ageing counts from ``now``."""
+    target = Speed(2e-5, 0.005)
+    estimate = stalled(half_life_s=30.0)
+    assert estimate.relax(target, 1.0, now=39.0) == estimate.value  # weight 1: nothing
+    relaxed = estimate.relax(target, decay_weight(120.0, 10.0), now=39.0)  # 1/4096 left
+    assert relaxed.seconds(2000) == pytest.approx(target.seconds(2000), rel=0.03)
+    assert estimate.value_at(39.0) == relaxed
+    # Aged toward the prior again from then on, not from the last observation.
+    assert estimate.value_at(69.0).overhead_s == pytest.approx(
+        (relaxed.overhead_s + PRIOR.overhead_s) / 2, rel=0.05
+    )
+    assert estimate.samples == 10  # relaxing is not an observation
+
+
+def test_the_best_fit_survives_a_stall_and_gives_way_to_a_lasting_slowdown():
+    estimate = SpeedEstimate(PRIOR, half_life_s=60.0)
+    assert estimate.best is None
+    for i in range(2):
+        estimate.observe(1000 + 500 * i, PRIOR.seconds(1000 + 500 * i), now=float(i))
+    assert estimate.best is None  # two observations: mostly the prior's
+    for i in range(2, 10):
+        estimate.observe(1000 + 500 * (i % 3), PRIOR.seconds(1000 + 500 * (i % 3)), now=float(i))
+    before = estimate.best
+    assert before is not None
+    assert before.seconds(2000) == pytest.approx(PRIOR.seconds(2000), rel=0.01)
+    for i in range(5):  # a stall: five calls 5 s late
+        estimate.observe(1000 + 500 * i, 5.0, now=10.0)
+    assert estimate.best == before
+    slower = Speed(5 * PRIOR.s_per_token, PRIOR.overhead_s)
+    for i in range(40):  # slower for good: after 20 more without a better fit, the current one
+        estimate.observe(1000 + 500 * (i % 3), slower.seconds(1000 + 500 * (i % 3)), now=11.0 + i)
+    assert estimate.best is not None
+    assert estimate.best.seconds(2000) > 3 * PRIOR.seconds(2000)

@@ -276,3 +276,134 @@ def test_every_sidecar_gives_a_prefix_the_same_home_and_prefixes_spread_over_hom
     homes = Counter(home(first, f"prefix {i} " * 40) for i in range(64))
     assert set(homes) == {f"127.0.0.1:{port}" for port in (1, 2, 3, 4)}
     assert all(c.affinity == 0 for c in first.candidates(EMPTY, 0.0, 0.0))  # no prompt known
+
+
+# --- idle ageing toward the best measured speed ------------------------------------------------
+
+HEALTHY = Speed(2e-5, 0.005)  # 50,000 tokens/s: five times the prior
+PROMPT = 600
+
+
+def thawed_pool(idle_half_life_s: float | None) -> tuple[Planner, str, str]:
+    """Two equal endpoints, both measured at ``HEALTHY``; then one froze for 5 s under load:
+    its scrapes went unanswered, three of its prefills answered 5 s late, at 100 s."""
+    plan = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        half_life_s=60.0,
+        idle_half_life_s=idle_half_life_s,
+        retest_s=0.0,  # the ageing alone
+    )
+    thawed, other = "127.0.0.1:1", "127.0.0.1:2"
+    for port in (1, 2):
+        plan.join(Endpoint("127.0.0.1", port), Health())
+    for i in range(20):
+        for key in (thawed, other):
+            work = PROMPT * (1 + i % 4)
+            reservation = Reservation(key, PROMPT, work - PROMPT)
+            plan.prefill_observed(reservation, HEALTHY.seconds(work), now=90.0)
+    plan.pool[thawed].load = None  # frozen: its scrapes went unanswered
+    for ahead in range(3):
+        plan.prefill_observed(Reservation(thawed, PROMPT, ahead * PROMPT), 5.0, now=100.0)
+    return plan, thawed, other
+
+
+def scraped_idle(plan: Planner, key: str, start: float, end: float) -> None:
+    """Scrapes of ``key`` every second from ``start`` to ``end``: nothing waiting or running."""
+    for second in range(int(start), int(end) + 1):
+        plan.pool[key].load = EngineLoad(waiting=0, running=0, kv_usage=0.0, at=float(second))
+
+
+def predicted(plan: Planner, key: str, now: float, view: SharedView = EMPTY) -> float:
+    [candidate] = [c for c in plan.candidates(view, now, now) if c.key == key]
+    return candidate.speed.seconds(PROMPT)
+
+
+def test_an_idle_thawed_endpoint_ages_toward_its_best_speed_and_is_chosen_again():
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    assert predicted(plan, thawed, 100.0) > 1.0  # the freeze, in its fit
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    # 60 s of idle scrapes, twelve idle half-lives: within 10 % of what it measured before the
+    # freeze (as the other does), not the prior's (five times slower).
+    assert predicted(plan, thawed, 160.0) == pytest.approx(HEALTHY.seconds(PROMPT), rel=0.2)
+    assert predicted(plan, thawed, 160.0) < PREFILL_PRIOR.seconds(PROMPT) / 2
+    # With another prompt queued on the other endpoint, the thawed one is chosen.
+    queued = SharedView({other: Load(PROMPT, 1)}, {}, {})
+    assert decide_at(plan, 160.0, queued).endpoint == thawed
+    assert decide_at(plan, 160.0, queued).reason == "scheduled"
+
+
+def test_a_slower_endpoint_left_idle_stays_as_slow_as_it_measured():
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    slow = "127.0.0.1:3"
+    plan.join(Endpoint("127.0.0.1", 3), Health())
+    for i in range(20):  # five times slower than the others, every time
+        work = PROMPT * (1 + i % 4)
+        reservation = Reservation(slow, PROMPT, work - PROMPT)
+        plan.prefill_observed(reservation, Speed(1e-4, 0.005).seconds(work), now=90.0)
+    measured = plan.pool[slow].speed.value.seconds(PROMPT)
+    for key in (thawed, other, slow):
+        scraped_idle(plan, key, 101.0, 160.0)
+    assert predicted(plan, slow, 160.0) == pytest.approx(measured, rel=0.1)
+    assert predicted(plan, slow, 160.0) > 3 * predicted(plan, thawed, 160.0)
+
+
+def test_without_idle_ageing_the_freeze_keeps_it_away():
+    plan, thawed, other = thawed_pool(idle_half_life_s=None)
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    # One half-life toward the prior: still seconds slower than the other with three queued.
+    assert predicted(plan, thawed, 160.0) > 10 * predicted(plan, other, 160.0)
+    queued = SharedView({other: Load(3 * PROMPT, 3)}, {}, {})
+    assert decide_at(plan, 160.0, queued).endpoint == other
+
+
+@pytest.mark.parametrize(
+    "scrapes",
+    [
+        "busy",  # something running there: its own work explains nothing about the freeze
+        "unanswered",  # frozen again: no fresh scrape
+        "reserved",  # a prefill in flight that the scrape may not show yet
+    ],
+)
+def test_only_fresh_idle_scrapes_age_it(scrapes: str) -> None:
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    before = predicted(plan, thawed, 100.0)
+    view = EMPTY
+    if scrapes == "busy":
+        plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=160.0)
+    elif scrapes == "unanswered":
+        scraped_idle(plan, thawed, 101.0, 110.0)
+        plan.pool[thawed].load = None  # the scrape timed out
+    else:
+        scraped_idle(plan, thawed, 101.0, 160.0)
+        view = SharedView({thawed: Load(PROMPT, 1)}, {}, {})
+    # Aged toward the prior only (one half-life at most): still about as slow.
+    assert predicted(plan, thawed, 160.0, view) > 0.4 * before
+
+
+def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    aged = predicted(plan, thawed, 160.0)
+    plan.sent(thawed, 160.5)
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=161.0)
+    assert predicted(plan, thawed, 161.0) == pytest.approx(aged, rel=0.05)
+    # Its answer, at its healthy speed, is learnt from the aged state: it stays fast.
+    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.1)
+    assert predicted(plan, thawed, 161.1) < 2 * predicted(plan, other, 161.1)
+
+
+def test_a_fit_within_a_stalls_margin_of_its_best_is_not_aged_toward_it():
+    """Only a stall's margin (1.5 x its best) is aged away: the spread of an endpoint's fits
+    under traffic is not, or every idle endpoint would look as fast as its luckiest fit."""
+    aged, ageless = thawed_pool(idle_half_life_s=5.0), thawed_pool(idle_half_life_s=None)
+    for plan, _, other in (aged, ageless):
+        # A little slower than its best (1.3 x at 2,000 tokens): noise, not a stall.
+        for _ in range(3):
+            plan.prefill_observed(Reservation(other, 2000, 0), 1.3 * HEALTHY.seconds(2000), 95.0)
+        scraped_idle(plan, other, 96.0, 101.0)  # five seconds: one idle half-life
+    [(plan, _, other), (reference, _, _)] = aged, ageless
+    assert predicted(plan, other, 101.0) == predicted(reference, other, 101.0)
