@@ -39,8 +39,9 @@ BEST_FROM_SAMPLES = 3
 """Observations before a fit can be an estimate's best (``SpeedEstimate.best``): fewer are
 mostly the prior's."""
 BEST_KEPT_FOR = 20
-"""Observations a best fit is kept for without a better one; then the current fit replaces it
-(an endpoint that became slower for good is not remembered as it was)."""
+"""Observations a best fit is kept for: ``SpeedEstimate.best`` is the fastest fit of the last
+20 to 40 (an endpoint that became slower for good is not remembered as it was, and a stall of
+fewer answers than that does not replace its best)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +137,13 @@ class SpeedEstimate:
         self.best: Speed | None = None
         """Its measured speed at its best: the fastest fit (at ``VIRTUAL_HIGH_TOKENS``) right
         after an observation, from the ``BEST_FROM_SAMPLES``-th on, within the last
-        ``BEST_KEPT_FOR`` observations. A stall of a few calls does not replace it; what the
-        endpoint did before the stall is what its idle ageing returns to (``relax``)."""
-        self._since_best = 0
+        ``BEST_KEPT_FOR`` to twice as many observations (two windows: this one's and the last
+        one's). A stall of a few calls does not replace it; what the endpoint did before the
+        stall is what its idle ageing returns to (``relax``)."""
+        self._window: Speed | None = None
+        """The fastest fit of this window of ``BEST_KEPT_FOR`` observations."""
+        self._last_window: Speed | None = None
+        self._in_window = 0
 
     def value_at(self, now: float) -> Speed:
         """The estimate at ``now``: the fit of the evidence aged to ``now``."""
@@ -164,14 +169,11 @@ class SpeedEstimate:
             self.observed_at = self._aged_at = now
         self.value = fitted = m.fit(self._prior.s_per_token)
         if self.samples >= BEST_FROM_SAMPLES:
-            best = self.best
-            self._since_best += 1
-            if (
-                best is None
-                or self._since_best >= BEST_KEPT_FOR
-                or fitted.seconds(VIRTUAL_HIGH_TOKENS) <= best.seconds(VIRTUAL_HIGH_TOKENS)
-            ):
-                self.best, self._since_best = fitted, 0
+            if self._in_window == BEST_KEPT_FOR:
+                self._last_window, self._window, self._in_window = self._window, None, 0
+            self._in_window += 1
+            self._window = _faster(self._window, fitted)
+            self.best = _faster(self._last_window, self._window)
         return fitted
 
     def relax(self, target: Speed, weight: float, now: float) -> Speed:
@@ -192,6 +194,13 @@ class SpeedEstimate:
         if now is None or self._aged_at is None:
             return 1.0
         return decay_weight(now - self._aged_at, self._half_life_s)
+
+
+def _faster(one: Speed | None, other: Speed) -> Speed:
+    """The faster of two fits at ``VIRTUAL_HIGH_TOKENS`` (``other`` on a tie, or alone)."""
+    if one is None or other.seconds(VIRTUAL_HIGH_TOKENS) <= one.seconds(VIRTUAL_HIGH_TOKENS):
+        return other
+    return one
 
 
 class Availability(StrEnum):

@@ -8,6 +8,8 @@ import random
 import pytest
 
 from sidecar.scheduling.estimates import (
+    BEST_FROM_SAMPLES,
+    BEST_KEPT_FOR,
     Availability,
     Health,
     Moments,
@@ -225,3 +227,18 @@ def test_the_best_fit_survives_a_stall_and_gives_way_to_a_lasting_slowdown():
         estimate.observe(1000 + 500 * (i % 3), slower.seconds(1000 + 500 * (i % 3)), now=11.0 + i)
     assert estimate.best is not None
     assert estimate.best.seconds(2000) > 3 * PRIOR.seconds(2000)
+
+
+def test_a_stall_at_the_end_of_its_best_fits_window_does_not_become_its_best():
+    """An endpoint slower than the prior fits slower with each answer (the prior's weight
+    goes), so its best is an early fit, kept for ``BEST_KEPT_FOR`` observations; a stall whose
+    answers fall when that runs out is still not its best: the best is the fastest of the last
+    20 to 40 fits."""
+    slower = Speed(2e-4, 0.02)
+    estimate = SpeedEstimate(PRIOR, half_life_s=60.0)
+    for i in range(BEST_FROM_SAMPLES - 1 + BEST_KEPT_FOR - 2):
+        estimate.observe(600 * (1 + i % 4), slower.seconds(600 * (1 + i % 4)), now=float(i))
+    for ahead in range(3):  # the stall: 5 s answers
+        estimate.observe(600 * (1 + ahead), 5.0, now=30.0)
+    assert estimate.best is not None
+    assert estimate.best.seconds(2000) < 1.5 * slower.seconds(2000)
