@@ -179,10 +179,10 @@ class Settings(BaseSettings):
     speed_idle_half_life_s: float = Field(
         defaults.SPEED_IDLE_HALF_LIFE_S,
         gt=0,
-        description="Half-life, in seconds, of the evidence behind a prefill endpoint's own "
-        "speed estimate once a scrape of it went unanswered and while its fresh scrapes show it "
-        "idle (nothing waiting, nothing running, nothing reserved): it ages toward the "
-        "endpoint's best measured speed, so that a stall it recovered from is forgotten.",
+        description="Half-life, in seconds, of a stall's evidence in a prefill endpoint's own "
+        "speed estimate while its scrapes show it idle (nothing waiting, nothing running) soon "
+        "after a scrape of it went unanswered: that evidence gives way to the endpoint's best "
+        "measured speed, so that a stall it recovered from is forgotten.",
     )
     scheduler_retest_s: float = Field(
         defaults.RETEST_S,

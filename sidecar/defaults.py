@@ -43,11 +43,11 @@ endpoint's speed estimate weighs half as much after this long, the prior regaini
 (a published speed: half-way back to the prior; docs/scheduling.md)."""
 
 SPEED_IDLE_HALF_LIFE_S = 5.0
-"""``SIDECAR_SPEED_IDLE_HALF_LIFE_S``' default: while an endpoint's fresh scrapes show it idle
-(nothing waiting, nothing running, nothing reserved), the evidence behind its speed estimate
-weighs half as much after this long, its best measured speed regaining the rest. Twelve
-half-lives in a minute: a 5 s stall's evidence then weighs 1/4096 (at 10 s, 1/64 of it still
-predicts twice the true time; docs/scheduling.md)."""
+"""``SIDECAR_SPEED_IDLE_HALF_LIFE_S``' default: while an endpoint that stalled shows idle in its
+scrapes (nothing waiting, nothing running), the evidence behind its speed estimate weighs half
+as much after this long, its best measured speed's line regaining the rest. Twelve half-lives
+in a minute: a 5 s stall's evidence then weighs 1/4096 (at 10 s, 1/64 of it still predicts 20 %
+slower than the endpoint that did not stall; docs/scheduling.md)."""
 
 RETEST_S = 15.0
 """``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint unmeasured for this long (no

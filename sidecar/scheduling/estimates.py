@@ -176,19 +176,41 @@ class SpeedEstimate:
             self.best = _faster(self._last_window, self._window)
         return fitted
 
-    def relax(self, target: Speed, weight: float, now: float) -> Speed:
-        """Age the evidence to ``now``, then further toward ``target``: every weighted sum
-        blended toward those of ``target``'s line worth the prior's weight, the evidence keeping
-        ``weight`` of its own (``decay_weight``'s). For evidence that something other than time
-        says is stale: the endpoint's scrapes show it idle, and its ``best`` says what it is
-        likely to do (``placement.Planner``). Returns the new fit."""
+    def relax(self, target: Speed, weight: float, since: float, at: float) -> Speed:
+        """Replace part of the evidence as of ``since`` by ``target``'s line, for good: every
+        weighted sum blended toward those of two virtual points on that line worth as much as
+        the evidence, which keeps ``weight`` of its own (``decay_weight``'s); from ``since`` to
+        ``at`` the result ages toward the prior as any evidence does, and the next ageing
+        counts from ``at``. For evidence that something other than time says is stale: the
+        endpoint's scrapes showed it idle after a stall, and its ``best`` says what it did
+        before (``placement.EndpointState.idle_spell``). Returns the new fit."""
         if weight >= 1.0:
             return self.value
-        aged = self._m.toward(self._prior_moments, self._weight(now))
-        self._m = aged.toward(Moments.of(target, self._prior_weight), weight)
-        self._aged_at = now if self._aged_at is None else max(self._aged_at, now)
+        since = self._since(since)
+        self._m = self._relaxed(target, weight, since).toward(
+            self._prior_moments, decay_weight(at - since, self._half_life_s)
+        )
+        self._aged_at = max(since, at)
         self.value = self._m.fit(self._prior.s_per_token)
         return self.value
+
+    def relaxed_at(self, target: Speed, weight: float, since: float, now: float) -> Speed:
+        """The estimate at ``now`` had it been relaxed (``relax(target, weight, since, at)``,
+        any ``at`` up to ``now``), without relaxing it: what a decision reads while an idle
+        spell runs, the same as once the spell is applied for good."""
+        if weight >= 1.0:
+            return self.value_at(now)
+        since = self._since(since)
+        relaxed = self._relaxed(target, weight, since)
+        aged = relaxed.toward(self._prior_moments, decay_weight(now - since, self._half_life_s))
+        return aged.fit(self._prior.s_per_token)
+
+    def _since(self, since: float) -> float:
+        return since if self._aged_at is None else max(self._aged_at, since)
+
+    def _relaxed(self, target: Speed, weight: float, since: float) -> Moments:
+        aged = self._m.toward(self._prior_moments, self._weight(since))
+        return aged.toward(Moments.of(target, aged.w), weight)
 
     def _weight(self, now: float | None) -> float:
         if now is None or self._aged_at is None:

@@ -58,13 +58,19 @@ class EndpointState:
     scraped: EngineLoad | None = None
     """The last scrape (set through ``load``, which follows the idle spells)."""
     idle_since: float | None = None
-    """The scrape time from which its scrapes have shown it idle — nothing waiting, nothing
-    running — without a break (moved on as the idle ageing is applied); None while the last
-    scrape did not (``Planner._age_idle``)."""
+    """The time of the first scrape of the unbroken run, up to the last, that showed it idle —
+    nothing waiting, nothing running; None while the last scrape did not (``idle_spell``)."""
     unanswered: bool = False
-    """A scrape went without gauges (no answer in time, refused, no metrics) since its speed
-    was last back within a stall's margin of its best: what a stall looks like from outside,
-    and what lets the idle ageing run."""
+    """Its last scrape went without gauges (no answer in time, refused, no metrics)."""
+    thawed_at: float | None = None
+    """The stall it is remembered to have had: the time of its first answered scrape after
+    one that went unanswered (what a frozen engine looks like from outside); None once the
+    stall is over (``answered``, ``idle_spell``)."""
+    idle_cut: float | None = None
+    """Where the last idle spell was applied for good (``settle_idle``): the next one starts
+    after it."""
+    idle_half_life_s: float | None = None
+    """The idle ageing's half-life (``Planner``'s; None: no idle ageing)."""
     draining: bool = False
     inflight: int = 0
     last_sent: float | None = None
@@ -90,13 +96,79 @@ class EndpointState:
 
     @load.setter
     def load(self, load: EngineLoad | None) -> None:
-        if load is None:
-            self.unanswered = True
         if load is None or load.waiting != 0 or load.running != 0:
-            self.idle_since = None  # busy, unknown, or not answering: the idle spell ends
+            # Busy, unknown or not answering: the idle spell ends, applied up to its last scrape.
+            self.settle_idle()
+            self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = load.at
+        if load is None:
+            self.unanswered = True
+        elif self.unanswered:
+            self.unanswered, self.thawed_at = False, load.at
         self.scraped = load
+
+    def idle_spell(self) -> tuple[Speed, float, float, float] | None:
+        """The idle spell that ages its speed estimate toward its best, if one runs: ``(best,
+        weight, start, end)``: the evidence as of ``start`` keeps ``weight`` of its own for the
+        spell's length up to ``end``, its last scrape, the rest going to its best's line, and
+        the whole ages toward the prior from ``start`` as any evidence does
+        (``SpeedEstimate.relax``). A function of the spell as a whole — its start, its length,
+        the evidence as of its start, the best — so that how often it is read changes nothing;
+        applied for good when the spell ends (``settle_idle``).
+
+        The spell: its scrapes since the latest of its idle run's first, its last answer and
+        the last spell applied (a prefill sent cuts one), while no prefill of this sidecar's is
+        in flight. It runs only after a stall (``thawed_at``): an unanswered scrape, the first
+        answered one at most ``STALL_KEPT_S`` before the spell's start, and at that start a fit
+        a stall's margin (``RETEST_SLOWER``) slower than its best, at a long prompt.
+
+        Why: an endpoint the policy avoids for its speed gets no new evidence, and re-tests are
+        rare (``Planner._due_retest``): after a stall its fit keeps the stall's seconds for
+        minutes of ageing toward the prior, whose three virtual points weigh little against ten
+        observations. Its scrapes, answering and showing nothing waiting and nothing running,
+        say that whatever held it no longer does; what it did before is then the better guess,
+        ageing as the evidence of an endpoint that did not stall. Its own best, not the pool's:
+        an endpoint slower by its hardware was never faster. Only after a stall and past its
+        margin: fits slowed by mispredicted cache hits or by the spread under traffic are not
+        stalls, and ageing every idle endpoint toward its best made each look as fast as its
+        luckiest fit (the simulator's Mooncake replay lost its goodput)."""
+        thawed = self.thawed_at
+        if thawed is None or self.inflight or self.idle_half_life_s is None:
+            return None
+        start, scraped, best = self.idle_since, self.scraped, self.speed.best
+        if start is None or scraped is None or best is None:
+            return None
+        for moment in (self.idle_cut, self.speed.observed_at):
+            if moment is not None and moment > start:
+                start = moment
+        end = scraped.at
+        if end <= start or start - thawed > STALL_KEPT_S:
+            return None
+        slowed = self.speed.value_at(start).seconds(VIRTUAL_HIGH_TOKENS)
+        if slowed < RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
+            return None
+        return best, decay_weight(end - start, self.idle_half_life_s), start, end
+
+    def settle_idle(self, cut: float | None = None) -> None:
+        """Apply the idle spell that runs, if any, to the speed estimate for good (it ends: a
+        busy or unanswered scrape, a prefill sent at ``cut``); the next starts after it."""
+        spell = self.idle_spell()
+        if spell is not None:
+            best, weight, start, end = spell
+            self.speed.relax(best, weight, start, end)
+            cut = end if cut is None else max(cut, end)
+        if cut is not None and (self.idle_cut is None or cut > self.idle_cut):
+            self.idle_cut = cut
+
+    def answered(self, work_tokens: float, seconds: float) -> None:
+        """It answered a prefill of ``work_tokens`` after ``seconds``: a stall it is remembered
+        to have had is over if that took less than a stall's margin (``RETEST_SLOWER``) longer
+        than its best speed predicts. The answer alone, not the fit, which still holds the
+        stall's evidence, or an idle spell's drift toward the prior."""
+        best = self.speed.best
+        if best is not None and seconds < RETEST_SLOWER * best.seconds(work_tokens):
+            self.thawed_at = None
 
 
 AFFINITY_BLOCK = 4
@@ -170,6 +242,13 @@ between healthy engines' fits is not, and re-testing that spread sent a large sh
 requests at low rates to endpoints no slower than the chosen one; this bound halves them (the
 simulator's ``mooncake-evict`` scenario: docs/benchmarks.md)."""
 
+STALL_KEPT_S = 60.0
+"""How long after a stall's end (its first answered scrape) an idle spell may begin and still
+be aged toward the endpoint's best speed (``EndpointState.idle_spell``). An engine that thawed
+is idle within seconds once the policy avoids it, and a re-test cuts its spell every 15 s; an
+endpoint that missed a scrape long ago and is slow in the books since is slow for another
+reason (mispredicted cache hits, a lasting slowdown), and ages toward the prior as any."""
+
 
 def _first(item: tuple[float, Candidate]) -> float:
     return item[0]
@@ -190,9 +269,9 @@ class Planner:
     ) -> None:
         """``stale_after_s``: a scrape older than this is ignored (three scrape intervals).
         ``half_life_s``: prefill speed estimates decay toward the prior with this half-life
-        (None: never). ``idle_half_life_s``: while an endpoint's scrapes show it idle, its
-        estimate decays toward its best measured speed with this one (None: never;
-        ``_age_idle``).
+        (None: never). ``idle_half_life_s``: while an endpoint's scrapes show it idle after a
+        stall, its estimate decays toward its best measured speed with this one (None: never;
+        ``EndpointState.idle_spell``).
         ``retest_s``: an endpoint sent nothing for this long is re-tested (0: never).
         ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate computes
         the whole prompt)."""
@@ -213,6 +292,7 @@ class Planner:
         state = EndpointState(
             endpoint, health, SpeedEstimate(PREFILL_PRIOR, half_life_s=self._half_life_s)
         )
+        state.idle_half_life_s = self._idle_half_life_s
         self.pool[state.key] = state
         return state
 
@@ -232,12 +312,18 @@ class Planner:
         if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
             age = now - state.shared_since
             return toward(shared, PREFILL_PRIOR, decay_weight(age, self._half_life_s))
+        spell = state.idle_spell()
+        if spell is not None:
+            best, weight, start, _ = spell
+            return state.speed.relaxed_at(best, weight, start, now)
         return state.speed.value_at(now)
 
     def sent(self, key: str, now: float) -> None:
-        """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry)."""
+        """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry): an
+        idle spell's ageing is kept, and its answer is learnt from there."""
         state = self.pool.get(key)
         if state is not None:
+            state.settle_idle(cut=now)
             state.last_sent = now
 
     def leave(self, key: str) -> None:
@@ -274,15 +360,6 @@ class Planner:
             scraped = state.scraped  # its gauges, while fresh (``fresh``, read once)
             if scraped is not None and now - scraped.at > self._stale_after_s:
                 scraped = None
-            if (
-                scraped is not None
-                and state.unanswered
-                and state.idle_since is not None
-                and scraped.at > state.idle_since
-                and not state.inflight
-                and not (load and load.requests)
-            ):
-                self._age_idle(state, scraped.at)
             cached = None if exact is None else exact(key)
             if cached is None:
                 cached = (
@@ -305,42 +382,6 @@ class Planner:
                 )
             )
         return candidates
-
-    def _age_idle(self, state: EndpointState, scraped_at: float) -> None:
-        """Age ``state``'s speed evidence for the time its fresh scrapes have shown it idle —
-        since the later of its idle spell's start, its last prefill sent and its last answer,
-        up to its last scrape — with the idle half-life, toward its best measured speed
-        (``SpeedEstimate.best``).
-
-        An endpoint the policy avoids for its speed gets no new evidence, and re-tests are rare
-        (``_due_retest``): after a stall its fit keeps the stall's seconds for many minutes of
-        ageing toward the prior, whose three virtual points weigh little against ten
-        observations. Its scrapes, answering and showing nothing waiting and nothing running,
-        say that whatever held it no longer does; what it did before is then the better guess.
-        Its best, not the pool's: an endpoint slower by its hardware was never faster, and
-        stays as slow as it measured. Busy (queued or running work, a reservation, a prefill of
-        this sidecar's in flight), unscraped or frozen (no fresh scrape), it ages as before."""
-        start = state.idle_since
-        assert start is not None
-        for moment in (state.last_sent, state.speed.observed_at):
-            if moment is not None and moment > start:
-                start = moment
-        if scraped_at <= start:
-            return
-        weight = decay_weight(scraped_at - start, self._idle_half_life_s)
-        state.idle_since = scraped_at  # aged up to here
-        best = state.speed.best
-        if weight >= 1.0 or best is None:
-            return
-        # Only after a scrape went unanswered (``unanswered``), and only a stall's margin (as a
-        # re-test's): fits slowed by mispredicted cache hits or by the spread under traffic
-        # are not stalls, and ageing every idle endpoint toward its best fit made them all look
-        # as fast as their luckiest (the simulator's Mooncake replay lost its goodput).
-        current = state.speed.value_at(scraped_at).seconds(VIRTUAL_HIGH_TOKENS)
-        if current >= RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
-            state.speed.relax(best, weight, scraped_at)
-        else:
-            state.unanswered = False  # back within the margin: the stall is forgotten
 
     def candidate(
         self,
@@ -469,7 +510,10 @@ class Planner:
         state = self.pool.get(reservation.endpoint)
         if state is None:
             return None
-        return state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds, now)
+        work = reservation.ahead_tokens + reservation.tokens
+        speed = state.speed.observe(work, seconds, now)
+        state.answered(work, seconds)
+        return speed
 
     def local_observed(self, ahead_tokens: int, local_tokens: int, seconds: float) -> None:
         """A local prefill of ``local_tokens`` produced its first byte ``seconds`` after the

@@ -386,8 +386,8 @@ class Scheduler:
         state = self._endpoints.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
+        self._planner.sent(state.key, time.monotonic())  # before it counts as in flight
         state.inflight += 1
-        self._planner.sent(state.key, time.monotonic())
         reservation = self.backend.reserve(state.key, reserved_tokens(decision))
         guess = None
         if self._prefixes is not None and hashes:

@@ -192,20 +192,35 @@ def test_an_estimate_without_a_half_life_learns_as_before():
         )
 
 
-def test_relaxing_ages_to_now_then_toward_the_target():
-    """``relax``: the evidence aged to ``now`` as ``value_at`` would, then blended toward the
-    target's line (worth the prior's weight); the next ageing counts from ``now``."""
+def test_relaxing_replaces_the_evidence_by_the_target_then_ages_it():
+    """``relax``: the evidence as of ``since`` keeps ``weight`` of its own, the rest on the
+    target's line; then, from ``since`` on, it ages toward the prior as any evidence does."""
     target = Speed(2e-5, 0.005)
     estimate = stalled(half_life_s=30.0)
-    assert estimate.relax(target, 1.0, now=39.0) == estimate.value  # weight 1: nothing
-    relaxed = estimate.relax(target, decay_weight(120.0, 10.0), now=39.0)  # 1/4096 left
+    assert estimate.relax(target, 1.0, 39.0, 39.0) == estimate.value  # weight 1: nothing
+    relaxed = estimate.relax(target, decay_weight(120.0, 10.0), 39.0, 39.0)  # 1/4096 left
     assert relaxed.seconds(2000) == pytest.approx(target.seconds(2000), rel=0.03)
     assert estimate.value_at(39.0) == relaxed
-    # Aged toward the prior again from then on, not from the last observation.
-    assert estimate.value_at(69.0).overhead_s == pytest.approx(
-        (relaxed.overhead_s + PRIOR.overhead_s) / 2, rel=0.05
-    )
+    # Aged toward the prior again from then on, not from the last observation: worth as much
+    # as the evidence it replaced (ten observations), it keeps most of the target's line.
+    later = estimate.value_at(69.0).seconds(2000)
+    assert target.seconds(2000) < later < (target.seconds(2000) + PRIOR.seconds(2000)) / 2
     assert estimate.samples == 10  # relaxing is not an observation
+    # Relaxed as of 39 s and aged to 69 s: the same as relaxed at 39 s, read at 69 s.
+    twin = stalled(half_life_s=30.0)
+    assert twin.relax(target, decay_weight(120.0, 10.0), 39.0, 69.0) == estimate.value_at(69.0)
+
+
+def test_reading_a_relaxation_ahead_changes_nothing_and_reads_what_relaxing_gives():
+    """``relaxed_at``: what ``relax`` would leave, read at any later time, without relaxing."""
+    target = Speed(2e-5, 0.005)
+    estimate, twin = stalled(half_life_s=30.0), stalled(half_life_s=30.0)
+    weight = decay_weight(40.0, 5.0)
+    ahead = [estimate.relaxed_at(target, weight, 39.0, now) for now in (39.0, 50.0, 99.0)]
+    assert estimate.value_at(99.0) == twin.value_at(99.0)  # unchanged
+    twin.relax(target, weight, 39.0, 39.0)
+    assert ahead == [twin.value_at(now) for now in (39.0, 50.0, 99.0)]
+    assert estimate.relaxed_at(target, 1.0, 39.0, 50.0) == estimate.value_at(50.0)
 
 
 def test_the_best_fit_survives_a_stall_and_gives_way_to_a_lasting_slowdown():

@@ -10,10 +10,11 @@ import pytest
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.estimates import Health
+from sidecar.scheduling.estimates import BEST_KEPT_FOR, Health
 from sidecar.scheduling.model import Decision, Speed
 from sidecar.scheduling.placement import (
     PREFILL_PRIOR,
+    STALL_KEPT_S,
     EndpointState,
     Planner,
     reserved_tokens,
@@ -296,16 +297,25 @@ def thawed_pool(idle_half_life_s: float | None) -> tuple[Planner, str, str]:
     )
     thawed, other = "127.0.0.1:1", "127.0.0.1:2"
     for port in (1, 2):
-        plan.join(Endpoint("127.0.0.1", port), Health())
-    for i in range(20):
-        for key in (thawed, other):
-            work = PROMPT * (1 + i % 4)
-            reservation = Reservation(key, PROMPT, work - PROMPT)
-            plan.prefill_observed(reservation, HEALTHY.seconds(work), now=90.0)
-    plan.pool[thawed].load = None  # frozen: its scrapes went unanswered
-    for ahead in range(3):
-        plan.prefill_observed(Reservation(thawed, PROMPT, ahead * PROMPT), 5.0, now=100.0)
+        measured(plan, port, HEALTHY)
+    froze(plan, thawed)
     return plan, thawed, other
+
+
+def measured(plan: Planner, port: int, speed: Speed) -> str:
+    """A new endpoint on ``port``, measured 20 times at ``speed`` at 90 s."""
+    key = str(plan.join(Endpoint("127.0.0.1", port), Health()).endpoint)
+    for i in range(20):
+        work = PROMPT * (1 + i % 4)
+        plan.prefill_observed(Reservation(key, PROMPT, work - PROMPT), speed.seconds(work), 90.0)
+    return key
+
+
+def froze(plan: Planner, key: str) -> None:
+    """``key`` froze for 5 s: a scrape went unanswered, three prefills answered 5 s late."""
+    plan.pool[key].load = None
+    for ahead in range(3):
+        plan.prefill_observed(Reservation(key, PROMPT, ahead * PROMPT), 5.0, now=100.0)
 
 
 def scraped_idle(plan: Planner, key: str, start: float, end: float) -> None:
@@ -324,9 +334,9 @@ def test_an_idle_thawed_endpoint_ages_toward_its_best_speed_and_is_chosen_again(
     assert predicted(plan, thawed, 100.0) > 1.0  # the freeze, in its fit
     for key in (thawed, other):
         scraped_idle(plan, key, 101.0, 160.0)
-    # 60 s of idle scrapes, twelve idle half-lives: within 10 % of what it measured before the
-    # freeze (as the other does), not the prior's (five times slower).
-    assert predicted(plan, thawed, 160.0) == pytest.approx(HEALTHY.seconds(PROMPT), rel=0.2)
+    # 60 s of idle scrapes, twelve idle half-lives: predicted as the endpoint that did not
+    # freeze (both aged toward the prior for a minute), not seconds slower.
+    assert predicted(plan, thawed, 160.0) == pytest.approx(predicted(plan, other, 160.0), rel=0.2)
     assert predicted(plan, thawed, 160.0) < PREFILL_PRIOR.seconds(PROMPT) / 2
     # With another prompt queued on the other endpoint, the thawed one is chosen.
     queued = SharedView({other: Load(PROMPT, 1)}, {}, {})
@@ -334,19 +344,17 @@ def test_an_idle_thawed_endpoint_ages_toward_its_best_speed_and_is_chosen_again(
     assert decide_at(plan, 160.0, queued).reason == "scheduled"
 
 
-def test_a_slower_endpoint_left_idle_stays_as_slow_as_it_measured():
+def test_a_slower_endpoint_that_froze_stays_as_slow_as_it_measured():
+    """Toward its own best, not the pool's: an endpoint slower by its hardware was never
+    faster."""
     plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
-    slow = "127.0.0.1:3"
-    plan.join(Endpoint("127.0.0.1", 3), Health())
-    for i in range(20):  # five times slower than the others, every time
-        work = PROMPT * (1 + i % 4)
-        reservation = Reservation(slow, PROMPT, work - PROMPT)
-        plan.prefill_observed(reservation, Speed(1e-4, 0.005).seconds(work), now=90.0)
-    measured = plan.pool[slow].speed.value.seconds(PROMPT)
-    for key in (thawed, other, slow):
+    slower = Speed(2e-4, 0.02)  # ten times slower than the others, twice the prior
+    slow, frozen = measured(plan, 3, slower), measured(plan, 4, slower)
+    froze(plan, frozen)
+    for key in (thawed, other, slow, frozen):
         scraped_idle(plan, key, 101.0, 160.0)
-    assert predicted(plan, slow, 160.0) == pytest.approx(measured, rel=0.1)
-    assert predicted(plan, slow, 160.0) > 3 * predicted(plan, thawed, 160.0)
+    assert predicted(plan, frozen, 160.0) == pytest.approx(predicted(plan, slow, 160.0), rel=0.2)
+    assert predicted(plan, frozen, 160.0) > 3 * predicted(plan, thawed, 160.0)
 
 
 def test_without_idle_ageing_the_freeze_keeps_it_away():
@@ -363,24 +371,26 @@ def test_without_idle_ageing_the_freeze_keeps_it_away():
     "scrapes",
     [
         "busy",  # something running there: its own work explains nothing about the freeze
-        "unanswered",  # frozen again: no fresh scrape
-        "reserved",  # a prefill in flight that the scrape may not show yet
+        "unanswered",  # frozen again: no scrape answers
+        "in flight",  # a prefill of this sidecar's in flight, which the scrapes may not show
     ],
 )
-def test_only_fresh_idle_scrapes_age_it(scrapes: str) -> None:
+def test_only_idle_scrapes_age_it(scrapes: str) -> None:
     plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
     before = predicted(plan, thawed, 100.0)
-    view = EMPTY
+    state = plan.pool[thawed]
     if scrapes == "busy":
-        plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=160.0)
+        for second in range(101, 161):
+            state.load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=float(second))
     elif scrapes == "unanswered":
-        scraped_idle(plan, thawed, 101.0, 110.0)
-        plan.pool[thawed].load = None  # the scrape timed out
+        for _ in range(101, 161):
+            state.load = None
     else:
+        plan.sent(thawed, 100.5)
+        state.inflight = 1
         scraped_idle(plan, thawed, 101.0, 160.0)
-        view = SharedView({thawed: Load(PROMPT, 1)}, {}, {})
     # Aged toward the prior only (one half-life at most): still about as slow.
-    assert predicted(plan, thawed, 160.0, view) > 0.4 * before
+    assert predicted(plan, thawed, 160.0) > 0.4 * before
 
 
 def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
@@ -388,7 +398,8 @@ def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
     for key in (thawed, other):
         scraped_idle(plan, key, 101.0, 160.0)
     aged = predicted(plan, thawed, 160.0)
-    plan.sent(thawed, 160.5)
+    plan.sent(thawed, 160.0)
+    assert predicted(plan, thawed, 160.0) == aged  # applied for good, as it was read
     plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=161.0)
     assert predicted(plan, thawed, 161.0) == pytest.approx(aged, rel=0.05)
     # Its answer, at its healthy speed, is learnt from the aged state: it stays fast.
@@ -396,14 +407,120 @@ def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
     assert predicted(plan, thawed, 161.1) < 2 * predicted(plan, other, 161.1)
 
 
+@pytest.mark.parametrize("every_s", [None, 5.0, 1.0, 0.1, "irregular"])
+def test_the_idle_ageing_does_not_depend_on_how_often_decisions_read_it(every_s) -> None:
+    """A function of the idle spell as a whole: one decision at the end of 60 s of idle
+    scrapes, one every 5 s, one a second, 600 (every 0.1 s) or at random times read the same
+    estimate at the end, and the same as each other at every scrape."""
+    reference, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(reference, thawed, 101.0, 160.0)
+    expected = predicted(reference, thawed, 160.0)
+    plan, _, _ = thawed_pool(idle_half_life_s=5.0)
+    if every_s is None:
+        moments: list[float] = []
+    elif every_s == "irregular":
+        moments = sorted(random.Random(7).uniform(101.0, 160.0) for _ in range(300))
+    else:
+        moments = [101.0 + every_s * i for i in range(int(59.0 / every_s))]
+    readings = iter(moments)
+    moment = next(readings, None)
+    for second in range(101, 161):
+        plan.pool[thawed].load = EngineLoad(0, 0, 0.0, at=float(second))
+        while moment is not None and moment < second + 1:
+            predicted(plan, thawed, moment)
+            moment = next(readings, None)
+    assert predicted(plan, thawed, 160.0) == expected
+    assert expected < 1.2 * predicted(reference, "127.0.0.1:2", 160.0)  # not held at 1.5 x
+
+
 def test_a_fit_within_a_stalls_margin_of_its_best_is_not_aged_toward_it():
-    """Only a stall's margin (1.5 x its best) is aged away: the spread of an endpoint's fits
-    under traffic is not, or every idle endpoint would look as fast as its luckiest fit."""
+    """Only a stall's margin (1.5 x its best, at the idle spell's start) is aged away: the
+    spread of an endpoint's fits under traffic is not, or every idle endpoint would look as
+    fast as its luckiest fit."""
     aged, ageless = thawed_pool(idle_half_life_s=5.0), thawed_pool(idle_half_life_s=None)
     for plan, _, other in (aged, ageless):
+        plan.pool[other].load = None  # a scrape went unanswered
         # A little slower than its best (1.3 x at 2,000 tokens): noise, not a stall.
         for _ in range(3):
             plan.prefill_observed(Reservation(other, 2000, 0), 1.3 * HEALTHY.seconds(2000), 95.0)
         scraped_idle(plan, other, 96.0, 101.0)  # five seconds: one idle half-life
     [(plan, _, other), (reference, _, _)] = aged, ageless
     assert predicted(plan, other, 101.0) == predicted(reference, other, 101.0)
+
+
+def slowed(plan: Planner, key: str, now: float, answers: int = 3) -> None:
+    """``answers`` prefills of ``key`` twenty times slower than it measured, at ``now``, its
+    scrapes answered and busy meanwhile: prompts predicted 95 % cached and computed whole (a
+    stall's margin slower, but no stall)."""
+    for _ in range(answers):
+        plan.pool[key].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=now)
+        plan.prefill_observed(Reservation(key, PROMPT, 0), 20 * HEALTHY.seconds(PROMPT), now)
+
+
+def unaged(plan: Planner, key: str, now: float) -> float:
+    """What ``key``'s estimate, aged toward the prior alone, predicts at ``now``."""
+    return plan.pool[key].speed.value_at(now).seconds(PROMPT)
+
+
+def not_idle_aged(plan: Planner, key: str, now: float) -> bool:
+    """Whether ``key`` is predicted as its estimate's ageing toward the prior alone would."""
+    return predicted(plan, key, now) == unaged(plan, key, now)
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_the_stall_is_over_once_an_answer_is_back_near_its_best(answered: bool) -> None:
+    """An endpoint that missed a scrape, then answered at its best again: the stall is over.
+    Slowed soon after for another reason (mispredicted cache hits) and idle, it ages toward the
+    prior alone, as an endpoint that never missed a scrape; without that answer, toward its
+    best."""
+    plan, _, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[other].load = None  # missed a scrape at 100
+    plan.pool[other].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)
+    if answered:
+        plan.sent(other, 101.0)
+        plan.prefill_observed(Reservation(other, PROMPT, 0), HEALTHY.seconds(PROMPT), now=102.0)
+    slowed(plan, other, 110.0)
+    scraped_idle(plan, other, 111.0, 171.0)
+    assert not_idle_aged(plan, other, 171.0) is answered
+    assert (predicted(plan, other, 171.0) < 0.5 * unaged(plan, other, 171.0)) is not answered
+
+
+def test_a_thawed_endpoint_is_stalled_until_it_answers_at_its_best_and_again_after_a_new_stall():
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(plan, thawed, 101.0, 160.0)
+    assert plan.pool[thawed].thawed_at == 101.0  # aged, not answered yet
+    plan.sent(thawed, 160.5)
+    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.0)
+    assert plan.pool[thawed].thawed_at is None
+    plan.pool[thawed].load = None  # a new stall
+    slowed(plan, thawed, 170.0)
+    scraped_idle(plan, thawed, 171.0, 230.0)
+    assert predicted(plan, thawed, 230.0) < 0.5 * unaged(plan, thawed, 230.0)
+
+
+@pytest.mark.parametrize(("later_s", "aged"), [(-30.0, True), (1.0, False)])
+def test_a_stall_is_remembered_for_a_minute(later_s: float, aged: bool) -> None:
+    """A thawed endpoint busy with the work of others, then idle: its idle spell ages it
+    toward its best if it begins within ``STALL_KEPT_S`` (60 s) of the stall's end (its first
+    answered scrape), and toward the prior alone if it begins later."""
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    start = 101.0 + STALL_KEPT_S + later_s
+    for second in range(101, int(start)):
+        plan.pool[thawed].load = EngineLoad(waiting=1, running=1, kv_usage=0.2, at=float(second))
+    scraped_idle(plan, thawed, start, start + 60.0)
+    assert not_idle_aged(plan, thawed, start + 60.0) is not aged
+    assert (
+        predicted(plan, thawed, start + 60.0) < 0.2 * unaged(plan, thawed, start + 60.0)
+    ) is aged
+
+
+def test_a_stall_is_over_within_its_best_fits_lifetime_of_answers():
+    """Answers alone end a stall within ``BEST_KEPT_FOR`` of them: by then its best is renewed
+    from them, and its fit is within a stall's margin of it, however slow it is."""
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(0, 1, 0.1, at=101.0)  # thawed, busy
+    slowed(plan, thawed, 102.0, answers=1)
+    assert plan.pool[thawed].thawed_at == 101.0  # still a stall's margin slower than its best
+    for i in range(1, BEST_KEPT_FOR):
+        slowed(plan, thawed, 102.0 + i, answers=1)
+    assert plan.pool[thawed].thawed_at is None
