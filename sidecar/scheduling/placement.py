@@ -161,14 +161,16 @@ class EndpointState:
         if cut is not None and (self.idle_cut is None or cut > self.idle_cut):
             self.idle_cut = cut
 
-    def answered(self, work_tokens: float, seconds: float) -> None:
-        """It answered a prefill of ``work_tokens`` after ``seconds``: a stall it is remembered
-        to have had is over if that took less than a stall's margin (``RETEST_SLOWER``) longer
-        than its best speed predicts. The answer alone, not the fit, which still holds the
-        stall's evidence, or an idle spell's drift toward the prior."""
+    def answered(self) -> None:
+        """After an answer was learnt: the stall is over once its fit is back within a stall's
+        margin (``RETEST_SLOWER``) of its best. Not an answer alone: a fresh prefill answered
+        at its best does not take the stall's evidence out of the fit, and prefills the stall
+        held can answer after it (``idle_spell``'s window bounds the rest)."""
         best = self.speed.best
-        if best is not None and seconds < RETEST_SLOWER * best.seconds(work_tokens):
-            self.thawed_at = None
+        if best is not None and self.thawed_at is not None:
+            fitted = self.speed.value.seconds(VIRTUAL_HIGH_TOKENS)
+            if fitted < RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
+                self.thawed_at = None
 
 
 AFFINITY_BLOCK = 4
@@ -510,9 +512,8 @@ class Planner:
         state = self.pool.get(reservation.endpoint)
         if state is None:
             return None
-        work = reservation.ahead_tokens + reservation.tokens
-        speed = state.speed.observe(work, seconds, now)
-        state.answered(work, seconds)
+        speed = state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds, now)
+        state.answered()
         return speed
 
     def local_observed(self, ahead_tokens: int, local_tokens: int, seconds: float) -> None:

@@ -485,17 +485,54 @@ def test_the_stall_is_over_once_an_answer_is_back_near_its_best(answered: bool) 
     assert (predicted(plan, other, 171.0) < 0.5 * unaged(plan, other, 171.0)) is not answered
 
 
-def test_a_thawed_endpoint_is_stalled_until_it_answers_at_its_best_and_again_after_a_new_stall():
+def test_a_prefill_the_stall_held_does_not_end_it_however_fast_it_looks():
+    """Sent just before the thaw with a queue reserved ahead of it, a held prefill answers
+    soon after and in less than its best predicts for that work: it was sent before the stall
+    ended, and says nothing of how the endpoint does now."""
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)  # thawed
+    held = Reservation(thawed, PROMPT, 5 * PROMPT)
+    plan.prefill_observed(held, 0.9 * HEALTHY.seconds(6 * PROMPT), now=101.05)
+    assert plan.pool[thawed].thawed_at == 101.0
+    for key in (thawed, other):
+        scraped_idle(plan, key, 102.0, 161.0)
+    assert predicted(plan, thawed, 161.0) == pytest.approx(predicted(plan, other, 161.0), rel=0.2)
+
+
+def test_a_fresh_answer_at_its_best_does_not_end_a_stall_its_fit_still_holds():
+    """Thawed, the endpoint answers the prefills the stall held, seconds late, then a prefill
+    sent after the thaw at its best: the stall's evidence is still in its fit, so the stall is
+    remembered, and its idle spell ages that evidence away."""
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    state = plan.pool[thawed]
+    state.load = EngineLoad(waiting=1, running=1, kv_usage=0.1, at=100.5)  # thawed
+    plan.sent(thawed, 100.6)
+    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=100.7)
+    assert state.thawed_at == 100.5
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    assert predicted(plan, thawed, 160.0) == pytest.approx(predicted(plan, other, 160.0), rel=0.2)
+
+
+def test_a_thawed_endpoint_is_stalled_until_its_answers_bring_its_fit_back():
+    """After its idle spell, the thawed endpoint's fit has drifted toward the prior as the
+    other's has; a few answers at its best bring it within a stall's margin of its best: the
+    stall is over. A new stall is remembered again, and aged away again."""
     plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
     scraped_idle(plan, thawed, 101.0, 160.0)
     assert plan.pool[thawed].thawed_at == 101.0  # aged, not answered yet
-    plan.sent(thawed, 160.5)
-    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.0)
+    answers = 0
+    while plan.pool[thawed].thawed_at is not None and answers < 10:
+        work = PROMPT * (1 + answers % 3)
+        plan.sent(thawed, 160.5 + answers)
+        plan.prefill_observed(Reservation(thawed, work, 0), HEALTHY.seconds(work), 160.6 + answers)
+        answers += 1
     assert plan.pool[thawed].thawed_at is None
+    assert answers <= 6
     plan.pool[thawed].load = None  # a new stall
-    slowed(plan, thawed, 170.0)
-    scraped_idle(plan, thawed, 171.0, 230.0)
-    assert predicted(plan, thawed, 230.0) < 0.5 * unaged(plan, thawed, 230.0)
+    slowed(plan, thawed, 180.0)
+    scraped_idle(plan, thawed, 181.0, 240.0)
+    assert predicted(plan, thawed, 240.0) < 0.5 * unaged(plan, thawed, 240.0)
 
 
 @pytest.mark.parametrize(("later_s", "aged"), [(-30.0, True), (1.0, False)])
