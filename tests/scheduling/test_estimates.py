@@ -8,7 +8,6 @@ import random
 import pytest
 
 from sidecar.scheduling.estimates import (
-    BEST_FROM_SAMPLES,
     BEST_KEPT_FOR,
     Availability,
     Health,
@@ -251,8 +250,12 @@ def test_a_stall_at_the_end_of_its_best_fits_window_does_not_become_its_best():
     20 to 40 fits."""
     slower = Speed(2e-4, 0.02)
     estimate = SpeedEstimate(PRIOR, half_life_s=60.0)
-    for i in range(BEST_FROM_SAMPLES - 1 + BEST_KEPT_FOR - 2):
-        estimate.observe(600 * (1 + i % 4), slower.seconds(600 * (1 + i % 4)), now=float(i))
+    observed, in_window = 0, 0
+    while in_window < BEST_KEPT_FOR - 2:  # the window's first is the first with a best
+        work = 600 * (1 + observed % 4)
+        estimate.observe(work, slower.seconds(work), now=float(observed))
+        observed += 1
+        in_window += estimate.best is not None
     for ahead in range(3):  # the stall: 5 s answers
         estimate.observe(600 * (1 + ahead), 5.0, now=30.0)
     assert estimate.best is not None

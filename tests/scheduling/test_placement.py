@@ -552,12 +552,50 @@ def test_a_stall_is_remembered_for_a_minute(later_s: float, aged: bool) -> None:
 
 
 def test_a_stall_is_over_within_its_best_fits_lifetime_of_answers():
-    """Answers alone end a stall within ``BEST_KEPT_FOR`` of them: by then its best is renewed
-    from them, and its fit is within a stall's margin of it, however slow it is."""
+    """Answers alone end a stall within twice ``BEST_KEPT_FOR`` of them (a best is the fastest
+    of the last 20 to 40 fits, as its windows fall): by then its best is renewed from them, and
+    its fit is within a stall's margin of it, however slow it is."""
     plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
     plan.pool[thawed].load = EngineLoad(0, 1, 0.1, at=101.0)  # thawed, busy
     slowed(plan, thawed, 102.0, answers=1)
     assert plan.pool[thawed].thawed_at == 101.0  # still a stall's margin slower than its best
-    for i in range(1, BEST_KEPT_FOR):
+    for i in range(1, 2 * BEST_KEPT_FOR):
         slowed(plan, thawed, 102.0 + i, answers=1)
     assert plan.pool[thawed].thawed_at is None
+
+
+FIVE_TIMES_SLOWER = Speed(5e-4, 0.02)  # 1.02 s per 2,000 tokens, the prior 0.22 s
+
+
+@pytest.mark.parametrize("stall", ["missed a scrape", "froze"])
+@pytest.mark.parametrize("half_life_s", [None, 60.0])
+def test_an_endpoint_slower_than_the_prior_is_never_aged_faster_than_it_answered(
+    stall: str, half_life_s: float | None
+) -> None:
+    """Five times slower than the prior, measured 30 times a second apart, then a scrape went
+    unanswered (and, frozen, three prefills answered 5 s late), then 30 s of idle scrapes: its
+    idle ageing returns it to what it answered, not to a fit its first observations shared with
+    the prior (0.61 s for 2,000 tokens, against 1.02 s). Without ageing toward the prior, as slow
+    as it truly is; with it, as slow as a twin that neither missed a scrape nor froze."""
+    plan = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        half_life_s=half_life_s,
+        idle_half_life_s=5.0,
+        retest_s=0.0,
+    )
+    slow, twin = (str(plan.join(Endpoint("127.0.0.1", port), Health()).endpoint) for port in (1, 2))
+    for key in (slow, twin):
+        for second in range(30):
+            work = PROMPT * (1 + second % 4)
+            reservation = Reservation(key, PROMPT, work - PROMPT)
+            plan.prefill_observed(reservation, FIVE_TIMES_SLOWER.seconds(work), float(second))
+    plan.pool[slow].load = None
+    if stall == "froze":
+        for ahead in range(3):
+            plan.prefill_observed(Reservation(slow, PROMPT, ahead * PROMPT), 5.0, now=30.0)
+    for key in (slow, twin):
+        scraped_idle(plan, key, 31.0, 60.0)
+    speeds = {c.key: c.speed for c in plan.candidates(EMPTY, 60.0, 60.0)}
+    truth = FIVE_TIMES_SLOWER if half_life_s is None else speeds[twin]
+    assert speeds[slow].seconds(2000) >= 0.95 * truth.seconds(2000)
