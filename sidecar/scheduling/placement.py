@@ -73,6 +73,7 @@ class EndpointState:
     """The idle ageing's half-life (``Planner``'s; None: no idle ageing)."""
     draining: bool = False
     inflight: int = 0
+    """This sidecar's prefills to it not ended yet (``Planner.sent``, ``Planner.ended``)."""
     last_sent: float | None = None
     """When this sidecar last sent it a prefill (monotonic), or first considered it."""
     rendezvous: int = 0
@@ -322,11 +323,24 @@ class Planner:
 
     def sent(self, key: str, now: float) -> None:
         """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry): an
-        idle spell's ageing is kept, and its answer is learnt from there."""
+        idle spell's ageing is kept, its answer is learnt from there, and it counts in flight
+        (``EndpointState.inflight``) until ``ended``. Counted here, after the spell is applied:
+        counted first, it would stop the spell (``idle_spell``) and drop its ageing."""
         state = self.pool.get(key)
         if state is not None:
-            state.settle_idle(cut=now)
-            state.last_sent = now
+            self._chosen(state, now)
+            state.inflight += 1
+
+    def ended(self, key: str) -> None:
+        """A prefill ``sent`` to ``key`` ended: answered (learn it with ``prefill_observed``),
+        failed or cancelled."""
+        state = self.pool.get(key)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1
+
+    def _chosen(self, state: EndpointState, now: float) -> None:
+        state.settle_idle(cut=now)
+        state.last_sent = now
 
     def leave(self, key: str) -> None:
         """``key`` left the pool."""
@@ -459,7 +473,8 @@ class Planner:
                 predicted_s=predicted,
                 remote_cached_tokens=due.cached_tokens,
             )
-        self.sent(key, now)
+        # Counted in flight by whoever sends it (``sent``: the live scheduler), not here.
+        self._chosen(self.pool[key], now)
         return decision
 
     def _due_retest(

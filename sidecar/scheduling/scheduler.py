@@ -386,8 +386,7 @@ class Scheduler:
         state = self._endpoints.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
-        self._planner.sent(state.key, time.monotonic())  # before it counts as in flight
-        state.inflight += 1
+        self._planner.sent(state.key, time.monotonic())  # counts it in flight
         reservation = self.backend.reserve(state.key, reserved_tokens(decision))
         guess = None
         if self._prefixes is not None and hashes:
@@ -454,7 +453,7 @@ class Scheduler:
         state = self._endpoints.get(reservation.endpoint)
         if state is None:
             return
-        state.inflight -= 1
+        self._planner.ended(state.key)
         if ok is True:
             if placement.prefix is not None:
                 self._record()  # the answer is weighed against the index as it stands

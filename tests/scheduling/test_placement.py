@@ -386,8 +386,7 @@ def test_only_idle_scrapes_age_it(scrapes: str) -> None:
         for _ in range(101, 161):
             state.load = None
     else:
-        plan.sent(thawed, 100.5)
-        state.inflight = 1
+        plan.sent(thawed, 100.5)  # in flight from then on
         scraped_idle(plan, thawed, 101.0, 160.0)
     # Aged toward the prior only (one half-life at most): still about as slow.
     assert predicted(plan, thawed, 160.0) > 0.4 * before
@@ -403,6 +402,7 @@ def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
     plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=161.0)
     assert predicted(plan, thawed, 161.0) == pytest.approx(aged, rel=0.05)
     # Its answer, at its healthy speed, is learnt from the aged state: it stays fast.
+    plan.ended(thawed)
     plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.1)
     assert predicted(plan, thawed, 161.1) < 2 * predicted(plan, other, 161.1)
 
@@ -478,6 +478,7 @@ def test_the_stall_is_over_once_an_answer_is_back_near_its_best(answered: bool) 
     plan.pool[other].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)
     if answered:
         plan.sent(other, 101.0)
+        plan.ended(other)
         plan.prefill_observed(Reservation(other, PROMPT, 0), HEALTHY.seconds(PROMPT), now=102.0)
     slowed(plan, other, 110.0)
     scraped_idle(plan, other, 111.0, 171.0)
@@ -507,6 +508,7 @@ def test_a_fresh_answer_at_its_best_does_not_end_a_stall_its_fit_still_holds():
     state = plan.pool[thawed]
     state.load = EngineLoad(waiting=1, running=1, kv_usage=0.1, at=100.5)  # thawed
     plan.sent(thawed, 100.6)
+    plan.ended(thawed)
     plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=100.7)
     assert state.thawed_at == 100.5
     for key in (thawed, other):
@@ -525,6 +527,7 @@ def test_a_thawed_endpoint_is_stalled_until_its_answers_bring_its_fit_back():
     while plan.pool[thawed].thawed_at is not None and answers < 10:
         work = PROMPT * (1 + answers % 3)
         plan.sent(thawed, 160.5 + answers)
+        plan.ended(thawed)
         plan.prefill_observed(Reservation(thawed, work, 0), HEALTHY.seconds(work), 160.6 + answers)
         answers += 1
     assert plan.pool[thawed].thawed_at is None
