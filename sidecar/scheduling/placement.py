@@ -276,8 +276,13 @@ class Planner:
         stall, its estimate decays toward its best measured speed with this one (None: never;
         ``EndpointState.idle_spell``).
         ``retest_s``: an endpoint sent nothing for this long is re-tested (0: never).
+        A half-life that is neither None nor positive is a ValueError.
         ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate computes
         the whole prompt)."""
+        halves = {"half_life_s": half_life_s, "idle_half_life_s": idle_half_life_s}
+        for name, half_life in halves.items():
+            if half_life is not None and not half_life > 0.0:  # a NaN too: not > 0
+                raise ValueError(f"{name} must be > 0 or None, not {half_life!r}")
         self.decider = decider
         self.prefixes = prefixes
         self.pool: dict[str, EndpointState] = {}

@@ -602,3 +602,20 @@ def test_an_endpoint_slower_than_the_prior_is_never_aged_faster_than_it_answered
     speeds = {c.key: c.speed for c in plan.candidates(EMPTY, 60.0, 60.0)}
     truth = FIVE_TIMES_SLOWER if half_life_s is None else speeds[twin]
     assert speeds[slow].seconds(2000) >= 0.95 * truth.seconds(2000)
+
+
+@pytest.mark.parametrize("name", ["half_life_s", "idle_half_life_s"])
+@pytest.mark.parametrize("value", [0.0, -5.0, float("nan")])
+def test_a_half_life_is_positive_or_none(name: str, value: float) -> None:
+    """Checked where the planner is made, not on the request path (a division by zero when an
+    estimate is read)."""
+    decider = Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000)
+
+    def made(half_life: float | None) -> Planner:
+        if name == "half_life_s":
+            return Planner(decider, stale_after_s=3.0, half_life_s=half_life)
+        return Planner(decider, stale_after_s=3.0, idle_half_life_s=half_life)
+
+    with pytest.raises(ValueError, match=name):
+        made(value)
+    made(None)
