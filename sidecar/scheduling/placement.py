@@ -65,7 +65,9 @@ class EndpointState:
     thawed_at: float | None = None
     """The stall it is remembered to have had: the time of its first answered scrape after
     one that went unanswered (what a frozen engine looks like from outside); None once the
-    stall is over (``answered``, ``idle_spell``)."""
+    stall is over (``answered``), or at the first scrape more than ``STALL_KEPT_S`` after it
+    with no idle spell running and no prefill in flight: no spell can use it any more
+    (``idle_spell``)."""
     idle_cut: float | None = None
     """Where the last idle spell was applied for good (``settle_idle``): the next one starts
     after it."""
@@ -108,6 +110,16 @@ class EndpointState:
         elif self.unanswered:
             self.unanswered, self.thawed_at = False, load.at
         self.scraped = load
+        thawed = self.thawed_at
+        if (
+            thawed is not None
+            and load is not None
+            and load.at - thawed > STALL_KEPT_S
+            and not self.inflight
+            and self.idle_spell() is None
+        ):
+            # No spell runs, and the next would begin too late to use the stall: forgotten.
+            self.thawed_at = None
 
     def idle_spell(self) -> tuple[Speed, float, float, float] | None:
         """The idle spell that ages its speed estimate toward its best, if one runs: ``(best,
@@ -581,6 +593,7 @@ class Planner:
             load = view.loads.get(key)
             availability = state.health.refresh(now)
             shared_until = view.ejected_until.get(key, 0.0)
+            best = state.speed.best
             endpoints.append(
                 {
                     "endpoint": key,
@@ -598,6 +611,10 @@ class Planner:
                     "scraped": describe_load(state.load, now),
                     "speed": speed_dict(self.speed(state, view.speeds.get(key), now)),
                     "speed_samples": state.speed.samples,
+                    "best_speed": None if best is None else speed_dict(best),
+                    "stall_thawed_s_ago": None
+                    if state.thawed_at is None
+                    else round(now - state.thawed_at, 3),
                     "last_sent_s_ago": None
                     if state.last_sent is None
                     else round(now - state.last_sent, 3),

@@ -619,3 +619,38 @@ def test_a_half_life_is_positive_or_none(name: str, value: float) -> None:
     with pytest.raises(ValueError, match=name):
         made(value)
     made(None)
+
+
+def described(plan: Planner, key: str, now: float) -> dict:
+    [entry] = [e for e in plan.describe(EMPTY, now, now) if e["endpoint"] == key]
+    return entry
+
+
+def test_the_debug_view_shows_the_best_speed_and_the_stall_it_remembers() -> None:
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)  # thawed
+    entry = described(plan, thawed, 102.0)
+    assert entry["stall_thawed_s_ago"] == 1.0
+    best = Speed(**entry["best_speed"])
+    assert best.seconds(PROMPT) == pytest.approx(HEALTHY.seconds(PROMPT), rel=0.2)
+    assert described(plan, other, 102.0)["stall_thawed_s_ago"] is None
+    fresh = plan.join(Endpoint("127.0.0.1", 9), Health())
+    assert described(plan, fresh.key, 102.0)["best_speed"] is None  # nothing measured yet
+
+
+def test_a_stall_is_forgotten_once_no_idle_spell_can_use_it() -> None:
+    """Busy for a minute after the thaw: forgotten at the first scrape past ``STALL_KEPT_S``.
+    Idle from the thaw on: remembered while that spell runs, past the minute, then forgotten
+    when it ends, its ageing kept."""
+    busy, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    for second in range(101, 163):
+        busy.pool[thawed].load = EngineLoad(0, 1, 0.1, at=float(second))
+        assert (busy.pool[thawed].thawed_at is None) is (second - 101.0 > STALL_KEPT_S)
+    idle, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(idle, thawed, 101.0, 200.0)
+    assert described(idle, thawed, 200.0)["stall_thawed_s_ago"] == 99.0
+    aged = predicted(idle, thawed, 200.0)
+    assert aged < 0.2 * unaged(idle, thawed, 200.0)
+    idle.pool[thawed].load = EngineLoad(0, 1, 0.1, at=201.0)  # the spell ends
+    assert described(idle, thawed, 201.0)["stall_thawed_s_ago"] is None
+    assert predicted(idle, thawed, 201.0) == pytest.approx(aged, rel=0.05)

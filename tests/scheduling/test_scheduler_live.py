@@ -399,6 +399,9 @@ async def test_a_prefill_the_gateway_names_keeps_the_idle_ageing_of_a_stall(
             scheduler.pool.prefill_polled(poll, EngineSnapshot(load=idle))
         aged = speed()
         assert aged < 2 * measured
+        [state] = scheduler.snapshot()["endpoints"]  # what /debug/scheduler shows
+        assert state["stall_thawed_s_ago"] is not None
+        assert state["best_speed"]["s_per_token"] > 0
         placement, _ = await scheduler.place_request(completion(f"named {LONG}"), header)
         assert placement.decision.reason == "header"
         [state] = scheduler.snapshot()["endpoints"]
