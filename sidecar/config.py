@@ -176,6 +176,14 @@ class Settings(BaseSettings):
         "estimate (its own fit, or a speed another sidecar published): without new "
         "observations it ages back toward the prior.",
     )
+    speed_idle_half_life_s: float = Field(
+        defaults.SPEED_IDLE_HALF_LIFE_S,
+        gt=0,
+        description="Half-life, in seconds, of a stall's evidence in a prefill endpoint's own "
+        "speed estimate while its scrapes show it idle (nothing waiting, nothing running) soon "
+        "after a scrape of it went unanswered: that evidence gives way to the endpoint's best "
+        "measured speed, so that a stall it recovered from is forgotten.",
+    )
     scheduler_retest_s: float = Field(
         defaults.RETEST_S,
         ge=0,

@@ -42,6 +42,13 @@ SPEED_HALF_LIFE_S = 60.0
 endpoint's speed estimate weighs half as much after this long, the prior regaining the rest
 (a published speed: half-way back to the prior; docs/scheduling.md)."""
 
+SPEED_IDLE_HALF_LIFE_S = 5.0
+"""``SIDECAR_SPEED_IDLE_HALF_LIFE_S``' default: while an endpoint that stalled shows idle in its
+scrapes (nothing waiting, nothing running), the evidence behind its speed estimate weighs half
+as much after this long, its best measured speed's line regaining the rest. Twelve half-lives
+in a minute: a 5 s stall's evidence then weighs 1/4096 (at 10 s, 1/64 of it still predicts 20 %
+slower than the endpoint that did not stall; docs/scheduling.md)."""
+
 RETEST_S = 15.0
 """``SIDECAR_SCHEDULER_RETEST_S``' default: an available endpoint unmeasured for this long (no
 prefill from this sidecar, no new speed published by another) takes its next remote prefill

@@ -32,6 +32,21 @@ def toward(fitted: Speed, prior: Speed, weight: float) -> Speed:
     )
 
 
+VIRTUAL_HIGH_TOKENS = 2000.0
+"""Where a prior's second virtual point lies (the first is at 0 tokens): a long prompt's work;
+fits are compared at it (``SpeedEstimate.best``)."""
+BEST_FROM_EVIDENCE = 3.0
+"""How many times the prior's weight the observations must weigh, both aged as they are, for
+a fit to be an estimate's best (``SpeedEstimate.best``): seven observations in a row (the
+prior's three virtual ones keep 0.9 of their weight at each, 1.4 after seven, against 5.2),
+more after a long gap (the prior regains what the evidence loses). At the third the fit is
+still about 45 % the prior's."""
+BEST_KEPT_FOR = 20
+"""Observations a best fit is kept for: ``SpeedEstimate.best`` is the fastest fit of the last
+20 to 40 (an endpoint that became slower for good is not remembered as it was, and a stall of
+fewer answers than that does not replace its best)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Moments:
     """Weighted sums of 1, x, y, x², xy: what a least-squares line is fitted from."""
@@ -41,6 +56,19 @@ class Moments:
     y: float
     xx: float
     xy: float
+
+    @classmethod
+    def of(cls, speed: Speed, weight: float) -> Moments:
+        """Two virtual points on ``speed``'s line, at 0 and ``VIRTUAL_HIGH_TOKENS``, weighing
+        ``weight`` observations together: how a prior (or a target of ageing) enters a fit."""
+        low, high = 0.0, VIRTUAL_HIGH_TOKENS
+        return cls(
+            weight,
+            weight * (low + high) / 2,
+            weight * (speed.seconds(low) + speed.seconds(high)) / 2,
+            weight * (low * low + high * high) / 2,
+            weight * (low * speed.seconds(low) + high * speed.seconds(high)) / 2,
+        )
 
     def toward(self, prior: Moments, weight: float) -> Moments:
         """Every sum ``prior + weight × (self − prior)``: the evidence in ``self`` beyond the
@@ -53,6 +81,17 @@ class Moments:
             prior.y + weight * (self.y - prior.y),
             prior.xx + weight * (self.xx - prior.xx),
             prior.xy + weight * (self.xy - prior.xy),
+        )
+
+    def without(self, prior: Moments, part: float) -> Moments:
+        """The sums less ``part`` of ``prior``'s: the observations' own, in a fit that started
+        from ``prior`` and kept ``part`` of it."""
+        return Moments(
+            self.w - part * prior.w,
+            self.x - part * prior.x,
+            self.y - part * prior.y,
+            self.xx - part * prior.xx,
+            self.xy - part * prior.xy,
         )
 
     def fit(self, fallback_slope: float) -> Speed:
@@ -98,21 +137,33 @@ class SpeedEstimate:
         self._alpha = alpha
         self._half_life_s = half_life_s
         self.samples = 0
+        self._prior_weight = prior_weight
         # Seeded with two virtual points on the prior line, at 0 and 2000 tokens.
-        low, high = 0.0, 2000.0
-        self._prior_moments = Moments(
-            prior_weight,
-            prior_weight * (low + high) / 2,
-            prior_weight * (prior.seconds(low) + prior.seconds(high)) / 2,
-            prior_weight * (low * low + high * high) / 2,
-            prior_weight * (low * prior.seconds(low) + high * prior.seconds(high)) / 2,
-        )
+        self._prior_moments = Moments.of(prior, prior_weight)
         self._m = self._prior_moments
+        self._prior_part = 1.0
+        """The part of the prior's sums in ``_m`` (the rest is the observations')."""
         self._prior = prior
         self.value = prior
         """The fit as of the last observation (``value_at`` ages it)."""
         self.observed_at: float | None = None
         """The ``now`` of the last observation that passed one (monotonic seconds)."""
+        self._aged_at: float | None = None
+        """The time the sums are aged to: the last observation's, or a later ``relax``'s."""
+        self.best: Speed | None = None
+        """Its measured speed at its best: the fastest (at ``VIRTUAL_HIGH_TOKENS``) of what it
+        measured right after an observation, within the last ``BEST_KEPT_FOR`` to twice as many
+        observations (two windows: this one's and the last one's). What it measured: the
+        slower of the fit and the fit of the observations' own sums without the prior's, once
+        they outweigh the prior ``BEST_FROM_EVIDENCE`` times — never a speed the prior pulled
+        faster than the endpoint ever answered (an endpoint slower than the prior), nor one a
+        few noisy observations extrapolate to (the fit's line holds the prior's two points
+        apart). A stall of a few calls does not replace it; what the endpoint did before the
+        stall is what its idle ageing returns to (``relax``)."""
+        self._window: Speed | None = None
+        """The fastest fit of this window of ``BEST_KEPT_FOR`` observations."""
+        self._last_window: Speed | None = None
+        self._in_window = 0
 
     def value_at(self, now: float) -> Speed:
         """The estimate at ``now``: the fit of the evidence aged to ``now``."""
@@ -124,8 +175,10 @@ class SpeedEstimate:
     def observe(self, work_tokens: float, seconds: float, now: float | None = None) -> Speed:
         """Learn one call; ``now`` (monotonic seconds) ages the evidence before it (None: no
         time passed, as for an estimate without a half-life)."""
-        m = self._m.toward(self._prior_moments, self._weight(now))
+        weight = self._weight(now)
+        m = self._m.toward(self._prior_moments, weight)
         keep = 1.0 - self._alpha
+        self._prior_part = keep * _toward_one(self._prior_part, weight)
         self._m = m = Moments(
             keep * m.w + 1.0,
             keep * m.x + work_tokens,
@@ -135,14 +188,81 @@ class SpeedEstimate:
         )
         self.samples += 1
         if now is not None:
-            self.observed_at = now
-        self.value = m.fit(self._prior.s_per_token)
+            self.observed_at = self._aged_at = now
+        self.value = fitted = m.fit(self._prior.s_per_token)
+        prior = self._prior_moments
+        own = m.without(prior, self._prior_part)
+        if own.w >= BEST_FROM_EVIDENCE * self._prior_part * prior.w:
+            measured = _slower(fitted, own.fit(fitted.s_per_token))
+            if self._in_window == BEST_KEPT_FOR:
+                self._last_window, self._window, self._in_window = self._window, None, 0
+            self._in_window += 1
+            self._window = _faster(self._window, measured)
+            self.best = _faster(self._last_window, self._window)
+        return fitted
+
+    def relax(self, target: Speed, weight: float, since: float, at: float) -> Speed:
+        """Replace part of the evidence as of ``since`` by ``target``'s line, for good: every
+        weighted sum blended toward those of two virtual points on that line worth as much as
+        the evidence, which keeps ``weight`` of its own (``decay_weight``'s); from ``since`` to
+        ``at`` the result ages toward the prior as any evidence does, and the next ageing
+        counts from ``at``. For evidence that something other than time says is stale: the
+        endpoint's scrapes showed it idle after a stall, and its ``best`` says what it did
+        before (``placement.EndpointState.idle_spell``). Returns the new fit."""
+        if weight >= 1.0:
+            return self.value
+        since = self._since(since)
+        aged = decay_weight(at - since, self._half_life_s)
+        self._m = self._relaxed(target, weight, since).toward(self._prior_moments, aged)
+        # The prior's part as of ``since``, of which the target's line takes its share too.
+        kept = weight * _toward_one(self._prior_part, self._weight(since))
+        self._prior_part = _toward_one(kept, aged)
+        self._aged_at = max(since, at)
+        self.value = self._m.fit(self._prior.s_per_token)
         return self.value
 
+    def relaxed_at(self, target: Speed, weight: float, since: float, now: float) -> Speed:
+        """The estimate at ``now`` had it been relaxed (``relax(target, weight, since, at)``,
+        any ``at`` up to ``now``), without relaxing it: what a decision reads while an idle
+        spell runs, the same as once the spell is applied for good."""
+        if weight >= 1.0:
+            return self.value_at(now)
+        since = self._since(since)
+        relaxed = self._relaxed(target, weight, since)
+        aged = relaxed.toward(self._prior_moments, decay_weight(now - since, self._half_life_s))
+        return aged.fit(self._prior.s_per_token)
+
+    def _since(self, since: float) -> float:
+        return since if self._aged_at is None else max(self._aged_at, since)
+
+    def _relaxed(self, target: Speed, weight: float, since: float) -> Moments:
+        aged = self._m.toward(self._prior_moments, self._weight(since))
+        return aged.toward(Moments.of(target, aged.w), weight)
+
     def _weight(self, now: float | None) -> float:
-        if now is None or self.observed_at is None:
+        if now is None or self._aged_at is None:
             return 1.0
-        return decay_weight(now - self.observed_at, self._half_life_s)
+        return decay_weight(now - self._aged_at, self._half_life_s)
+
+
+def _toward_one(part: float, weight: float) -> float:
+    """The prior's part of a fit's sums after they are blended toward the prior's with
+    ``weight`` (``Moments.toward``)."""
+    return part if weight >= 1.0 else 1.0 + weight * (part - 1.0)
+
+
+def _slower(one: Speed, other: Speed) -> Speed:
+    """The slower of two fits at ``VIRTUAL_HIGH_TOKENS`` (``one`` on a tie)."""
+    if other.seconds(VIRTUAL_HIGH_TOKENS) > one.seconds(VIRTUAL_HIGH_TOKENS):
+        return other
+    return one
+
+
+def _faster(one: Speed | None, other: Speed) -> Speed:
+    """The faster of two fits at ``VIRTUAL_HIGH_TOKENS`` (``other`` on a tie, or alone)."""
+    if one is None or other.seconds(VIRTUAL_HIGH_TOKENS) <= one.seconds(VIRTUAL_HIGH_TOKENS):
+        return other
+    return one
 
 
 class Availability(StrEnum):

@@ -20,11 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
+from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S, SPEED_IDLE_HALF_LIFE_S
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad, describe_load
 from sidecar.scheduling.decider import Decider
 from sidecar.scheduling.estimates import (
+    VIRTUAL_HIGH_TOKENS,
     Availability,
     Health,
     SpeedEstimate,
@@ -54,9 +55,27 @@ class EndpointState:
     endpoint: Endpoint
     health: Health
     speed: SpeedEstimate = field(default_factory=lambda: SpeedEstimate(PREFILL_PRIOR))
-    load: EngineLoad | None = None
+    scraped: EngineLoad | None = None
+    """The last scrape (set through ``load``, which follows the idle spells)."""
+    idle_since: float | None = None
+    """The time of the first scrape of the unbroken run, up to the last, that showed it idle —
+    nothing waiting, nothing running; None while the last scrape did not (``idle_spell``)."""
+    unanswered: bool = False
+    """Its last scrape went without gauges (no answer in time, refused, no metrics)."""
+    thawed_at: float | None = None
+    """The stall it is remembered to have had: the time of its first answered scrape after
+    one that went unanswered (what a frozen engine looks like from outside); None once the
+    stall is over (``answered``), or at the first scrape more than ``STALL_KEPT_S`` after it
+    with no idle spell running and no prefill in flight: no spell can use it any more
+    (``idle_spell``)."""
+    idle_cut: float | None = None
+    """Where the last idle spell was applied for good (``settle_idle``): the next one starts
+    after it."""
+    idle_half_life_s: float | None = None
+    """The idle ageing's half-life (``Planner``'s; None: no idle ageing)."""
     draining: bool = False
     inflight: int = 0
+    """This sidecar's prefills to it not ended yet (``Planner.sent``, ``Planner.ended``)."""
     last_sent: float | None = None
     """When this sidecar last sent it a prefill (monotonic), or first considered it."""
     rendezvous: int = 0
@@ -72,6 +91,99 @@ class EndpointState:
     @property
     def key(self) -> str:
         return str(self.endpoint)
+
+    @property
+    def load(self) -> EngineLoad | None:
+        """Its last scrape, or None (unknown, or the scrape failed)."""
+        return self.scraped
+
+    @load.setter
+    def load(self, load: EngineLoad | None) -> None:
+        if load is None or load.waiting != 0 or load.running != 0:
+            # Busy, unknown or not answering: the idle spell ends, applied up to its last scrape.
+            self.settle_idle()
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = load.at
+        if load is None:
+            self.unanswered = True
+        elif self.unanswered:
+            self.unanswered, self.thawed_at = False, load.at
+        self.scraped = load
+        thawed = self.thawed_at
+        if (
+            thawed is not None
+            and load is not None
+            and load.at - thawed > STALL_KEPT_S
+            and not self.inflight
+            and self.idle_spell() is None
+        ):
+            # No spell runs, and the next would begin too late to use the stall: forgotten.
+            self.thawed_at = None
+
+    def idle_spell(self) -> tuple[Speed, float, float, float] | None:
+        """The idle spell that ages its speed estimate toward its best, if one runs: ``(best,
+        weight, start, end)``: the evidence as of ``start`` keeps ``weight`` of its own for the
+        spell's length up to ``end``, its last scrape, the rest going to its best's line, and
+        the whole ages toward the prior from ``start`` as any evidence does
+        (``SpeedEstimate.relax``). A function of the spell as a whole — its start, its length,
+        the evidence as of its start, the best — so that how often it is read changes nothing;
+        applied for good when the spell ends (``settle_idle``).
+
+        The spell: its scrapes since the latest of its idle run's first, its last answer and
+        the last spell applied (a prefill sent cuts one), while no prefill of this sidecar's is
+        in flight. It runs only after a stall (``thawed_at``): an unanswered scrape, the first
+        answered one at most ``STALL_KEPT_S`` before the spell's start, and at that start a fit
+        a stall's margin (``RETEST_SLOWER``) slower than its best, at a long prompt.
+
+        Why: an endpoint the policy avoids for its speed gets no new evidence, and re-tests are
+        rare (``Planner._due_retest``): after a stall its fit keeps the stall's seconds for
+        minutes of ageing toward the prior, whose three virtual points weigh little against ten
+        observations. Its scrapes, answering and showing nothing waiting and nothing running,
+        say that whatever held it no longer does; what it did before is then the better guess,
+        ageing as the evidence of an endpoint that did not stall. Its own best, not the pool's:
+        an endpoint slower by its hardware was never faster. Only after a stall and past its
+        margin: fits slowed by mispredicted cache hits or by the spread under traffic are not
+        stalls, and ageing every idle endpoint toward its best made each look as fast as its
+        luckiest fit (the simulator's Mooncake replay lost its goodput)."""
+        thawed = self.thawed_at
+        if thawed is None or self.inflight or self.idle_half_life_s is None:
+            return None
+        start, scraped, best = self.idle_since, self.scraped, self.speed.best
+        if start is None or scraped is None or best is None:
+            return None
+        for moment in (self.idle_cut, self.speed.observed_at):
+            if moment is not None and moment > start:
+                start = moment
+        end = scraped.at
+        if end <= start or start - thawed > STALL_KEPT_S:
+            return None
+        slowed = self.speed.value_at(start).seconds(VIRTUAL_HIGH_TOKENS)
+        if slowed < RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
+            return None
+        return best, decay_weight(end - start, self.idle_half_life_s), start, end
+
+    def settle_idle(self, cut: float | None = None) -> None:
+        """Apply the idle spell that runs, if any, to the speed estimate for good (it ends: a
+        busy or unanswered scrape, a prefill sent at ``cut``); the next starts after it."""
+        spell = self.idle_spell()
+        if spell is not None:
+            best, weight, start, end = spell
+            self.speed.relax(best, weight, start, end)
+            cut = end if cut is None else max(cut, end)
+        if cut is not None and (self.idle_cut is None or cut > self.idle_cut):
+            self.idle_cut = cut
+
+    def answered(self) -> None:
+        """After an answer was learnt: the stall is over once its fit is back within a stall's
+        margin (``RETEST_SLOWER``) of its best. Not an answer alone: a fresh prefill answered
+        at its best does not take the stall's evidence out of the fit, and prefills the stall
+        held can answer after it (``idle_spell``'s window bounds the rest)."""
+        best = self.speed.best
+        if best is not None and self.thawed_at is not None:
+            fitted = self.speed.value.seconds(VIRTUAL_HIGH_TOKENS)
+            if fitted < RETEST_SLOWER * best.seconds(VIRTUAL_HIGH_TOKENS):
+                self.thawed_at = None
 
 
 AFFINITY_BLOCK = 4
@@ -145,6 +257,13 @@ between healthy engines' fits is not, and re-testing that spread sent a large sh
 requests at low rates to endpoints no slower than the chosen one; this bound halves them (the
 simulator's ``mooncake-evict`` scenario: docs/benchmarks.md)."""
 
+STALL_KEPT_S = 60.0
+"""How long after a stall's end (its first answered scrape) an idle spell may begin and still
+be aged toward the endpoint's best speed (``EndpointState.idle_spell``). An engine that thawed
+is idle within seconds once the policy avoids it, and a re-test cuts its spell every 15 s; an
+endpoint that missed a scrape long ago and is slow in the books since is slow for another
+reason (mispredicted cache hits, a lasting slowdown), and ages toward the prior as any."""
+
 
 def _first(item: tuple[float, Candidate]) -> float:
     return item[0]
@@ -159,14 +278,23 @@ class Planner:
         *,
         stale_after_s: float,
         half_life_s: float | None = SPEED_HALF_LIFE_S,
+        idle_half_life_s: float | None = SPEED_IDLE_HALF_LIFE_S,
         retest_s: float = RETEST_S,
         prefixes: PrefillPrefixes | None = None,
     ) -> None:
         """``stale_after_s``: a scrape older than this is ignored (three scrape intervals).
         ``half_life_s``: prefill speed estimates decay toward the prior with this half-life
-        (None: never). ``retest_s``: an endpoint sent nothing for this long is re-tested (0:
-        never). ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate
-        computes the whole prompt)."""
+        (None: never). ``idle_half_life_s``: while an endpoint's scrapes show it idle after a
+        stall, its estimate decays toward its best measured speed with this one (None: never;
+        ``EndpointState.idle_spell``).
+        ``retest_s``: an endpoint sent nothing for this long is re-tested (0: never).
+        A half-life that is neither None nor positive is a ValueError.
+        ``prefixes``: what each endpoint holds (None: prefix-blind, every candidate computes
+        the whole prompt)."""
+        halves = {"half_life_s": half_life_s, "idle_half_life_s": idle_half_life_s}
+        for name, half_life in halves.items():
+            if half_life is not None and not half_life > 0.0:  # a NaN too: not > 0
+                raise ValueError(f"{name} must be > 0 or None, not {half_life!r}")
         self.decider = decider
         self.prefixes = prefixes
         self.pool: dict[str, EndpointState] = {}
@@ -175,6 +303,7 @@ class Planner:
         self.local_speed = SpeedEstimate(LOCAL_PRIOR)
         self._stale_after_s = stale_after_s
         self._half_life_s = half_life_s
+        self._idle_half_life_s = idle_half_life_s
         self._retest_s = retest_s
 
     def join(self, endpoint: Endpoint, health: Health) -> EndpointState:
@@ -183,6 +312,7 @@ class Planner:
         state = EndpointState(
             endpoint, health, SpeedEstimate(PREFILL_PRIOR, half_life_s=self._half_life_s)
         )
+        state.idle_half_life_s = self._idle_half_life_s
         self.pool[state.key] = state
         return state
 
@@ -202,13 +332,32 @@ class Planner:
         if shared is not None and state.speed.samples < SPEED_SAMPLES_TRUSTED:
             age = now - state.shared_since
             return toward(shared, PREFILL_PRIOR, decay_weight(age, self._half_life_s))
+        spell = state.idle_spell()
+        if spell is not None:
+            best, weight, start, _ = spell
+            return state.speed.relaxed_at(best, weight, start, now)
         return state.speed.value_at(now)
 
     def sent(self, key: str, now: float) -> None:
-        """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry)."""
+        """A prefill was just sent to ``key`` (chosen, named by the gateway, or a retry): an
+        idle spell's ageing is kept, its answer is learnt from there, and it counts in flight
+        (``EndpointState.inflight``) until ``ended``. Counted here, after the spell is applied:
+        counted first, it would stop the spell (``idle_spell``) and drop its ageing."""
         state = self.pool.get(key)
         if state is not None:
-            state.last_sent = now
+            self._chosen(state, now)
+            state.inflight += 1
+
+    def ended(self, key: str) -> None:
+        """A prefill ``sent`` to ``key`` ended: answered (learn it with ``prefill_observed``),
+        failed or cancelled."""
+        state = self.pool.get(key)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1
+
+    def _chosen(self, state: EndpointState, now: float) -> None:
+        state.settle_idle(cut=now)
+        state.last_sent = now
 
     def leave(self, key: str) -> None:
         """``key`` left the pool."""
@@ -241,7 +390,7 @@ class Planner:
             if view.ejected_until.get(key, 0.0) > wall:
                 continue
             load = view.loads.get(key)
-            scraped = state.load  # its gauges, while fresh (``fresh``, read once)
+            scraped = state.scraped  # its gauges, while fresh (``fresh``, read once)
             if scraped is not None and now - scraped.at > self._stale_after_s:
                 scraped = None
             cached = None if exact is None else exact(key)
@@ -341,7 +490,8 @@ class Planner:
                 predicted_s=predicted,
                 remote_cached_tokens=due.cached_tokens,
             )
-        self.sent(key, now)
+        # Counted in flight by whoever sends it (``sent``: the live scheduler), not here.
+        self._chosen(self.pool[key], now)
         return decision
 
     def _due_retest(
@@ -394,7 +544,9 @@ class Planner:
         state = self.pool.get(reservation.endpoint)
         if state is None:
             return None
-        return state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds, now)
+        speed = state.speed.observe(reservation.ahead_tokens + reservation.tokens, seconds, now)
+        state.answered()
+        return speed
 
     def local_observed(self, ahead_tokens: int, local_tokens: int, seconds: float) -> None:
         """A local prefill of ``local_tokens`` produced its first byte ``seconds`` after the
@@ -441,6 +593,7 @@ class Planner:
             load = view.loads.get(key)
             availability = state.health.refresh(now)
             shared_until = view.ejected_until.get(key, 0.0)
+            best = state.speed.best
             endpoints.append(
                 {
                     "endpoint": key,
@@ -458,6 +611,10 @@ class Planner:
                     "scraped": describe_load(state.load, now),
                     "speed": speed_dict(self.speed(state, view.speeds.get(key), now)),
                     "speed_samples": state.speed.samples,
+                    "best_speed": None if best is None else speed_dict(best),
+                    "stall_thawed_s_ago": None
+                    if state.thawed_at is None
+                    else round(now - state.thawed_at, 3),
                     "last_sent_s_ago": None
                     if state.last_sent is None
                     else round(now - state.last_sent, 3),

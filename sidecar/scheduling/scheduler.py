@@ -70,6 +70,7 @@ class SchedulerOptions:
     remote_only: bool
     """The connector's decode server cannot prefill: every request goes remote."""
     speed_half_life_s: float
+    speed_idle_half_life_s: float
     scheduler_retest_s: float
     prefix_block_tokens: int
     prefix_cache_blocks: int
@@ -94,6 +95,7 @@ class SchedulerOptions:
             disagg_stall_weight=settings.disagg_stall_weight,
             remote_only=CONNECTORS[settings.connector].remote_only,
             speed_half_life_s=settings.speed_half_life_s,
+            speed_idle_half_life_s=settings.speed_idle_half_life_s,
             scheduler_retest_s=settings.scheduler_retest_s,
             prefix_block_tokens=settings.prefix_block_tokens,
             prefix_cache_blocks=settings.prefix_cache_blocks,
@@ -151,6 +153,7 @@ class Scheduler:
             ),
             stale_after_s=STALE_AFTER_SCRAPES * options.scrape_interval_s,
             half_life_s=options.speed_half_life_s,
+            idle_half_life_s=options.speed_idle_half_life_s,
             retest_s=options.scheduler_retest_s,
             prefixes=prefixes,
         )
@@ -383,8 +386,7 @@ class Scheduler:
         state = self._endpoints.get(str(endpoint))
         if state is None:  # a header target outside the pool: nothing to account for
             return Placement(decision, endpoint, rank)
-        state.inflight += 1
-        self._planner.sent(state.key, time.monotonic())
+        self._planner.sent(state.key, time.monotonic())  # counts it in flight
         reservation = self.backend.reserve(state.key, reserved_tokens(decision))
         guess = None
         if self._prefixes is not None and hashes:
@@ -451,7 +453,7 @@ class Scheduler:
         state = self._endpoints.get(reservation.endpoint)
         if state is None:
             return
-        state.inflight -= 1
+        self._planner.ended(state.key)
         if ok is True:
             if placement.prefix is not None:
                 self._record()  # the answer is weighed against the index as it stands

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from sidecar.scheduling.estimates import (
+    BEST_KEPT_FOR,
     Availability,
     Health,
     Moments,
@@ -188,3 +189,74 @@ def test_an_estimate_without_a_half_life_learns_as_before():
         assert with_clock.observe(work, 0.05 + 2e-4 * work, now=1000.0 * t) == without.observe(
             work, 0.05 + 2e-4 * work
         )
+
+
+def test_relaxing_replaces_the_evidence_by_the_target_then_ages_it():
+    """``relax``: the evidence as of ``since`` keeps ``weight`` of its own, the rest on the
+    target's line; then, from ``since`` on, it ages toward the prior as any evidence does."""
+    target = Speed(2e-5, 0.005)
+    estimate = stalled(half_life_s=30.0)
+    assert estimate.relax(target, 1.0, 39.0, 39.0) == estimate.value  # weight 1: nothing
+    relaxed = estimate.relax(target, decay_weight(120.0, 10.0), 39.0, 39.0)  # 1/4096 left
+    assert relaxed.seconds(2000) == pytest.approx(target.seconds(2000), rel=0.03)
+    assert estimate.value_at(39.0) == relaxed
+    # Aged toward the prior again from then on, not from the last observation: worth as much
+    # as the evidence it replaced (ten observations), it keeps most of the target's line.
+    later = estimate.value_at(69.0).seconds(2000)
+    assert target.seconds(2000) < later < (target.seconds(2000) + PRIOR.seconds(2000)) / 2
+    assert estimate.samples == 10  # relaxing is not an observation
+    # Relaxed as of 39 s and aged to 69 s: the same as relaxed at 39 s, read at 69 s.
+    twin = stalled(half_life_s=30.0)
+    assert twin.relax(target, decay_weight(120.0, 10.0), 39.0, 69.0) == estimate.value_at(69.0)
+
+
+def test_reading_a_relaxation_ahead_changes_nothing_and_reads_what_relaxing_gives():
+    """``relaxed_at``: what ``relax`` would leave, read at any later time, without relaxing."""
+    target = Speed(2e-5, 0.005)
+    estimate, twin = stalled(half_life_s=30.0), stalled(half_life_s=30.0)
+    weight = decay_weight(40.0, 5.0)
+    ahead = [estimate.relaxed_at(target, weight, 39.0, now) for now in (39.0, 50.0, 99.0)]
+    assert estimate.value_at(99.0) == twin.value_at(99.0)  # unchanged
+    twin.relax(target, weight, 39.0, 39.0)
+    assert ahead == [twin.value_at(now) for now in (39.0, 50.0, 99.0)]
+    assert estimate.relaxed_at(target, 1.0, 39.0, 50.0) == estimate.value_at(50.0)
+
+
+def test_the_best_fit_survives_a_stall_and_gives_way_to_a_lasting_slowdown():
+    estimate = SpeedEstimate(PRIOR, half_life_s=60.0)
+    assert estimate.best is None
+    for i in range(2):
+        estimate.observe(1000 + 500 * i, PRIOR.seconds(1000 + 500 * i), now=float(i))
+    assert estimate.best is None  # two observations: mostly the prior's
+    for i in range(2, 10):
+        estimate.observe(1000 + 500 * (i % 3), PRIOR.seconds(1000 + 500 * (i % 3)), now=float(i))
+    before = estimate.best
+    assert before is not None
+    assert before.seconds(2000) == pytest.approx(PRIOR.seconds(2000), rel=0.01)
+    for i in range(5):  # a stall: five calls 5 s late
+        estimate.observe(1000 + 500 * i, 5.0, now=10.0)
+    assert estimate.best == before
+    slower = Speed(5 * PRIOR.s_per_token, PRIOR.overhead_s)
+    for i in range(40):  # slower for good: after 20 more without a better fit, the current one
+        estimate.observe(1000 + 500 * (i % 3), slower.seconds(1000 + 500 * (i % 3)), now=11.0 + i)
+    assert estimate.best is not None
+    assert estimate.best.seconds(2000) > 3 * PRIOR.seconds(2000)
+
+
+def test_a_stall_at_the_end_of_its_best_fits_window_does_not_become_its_best():
+    """An endpoint slower than the prior fits slower with each answer (the prior's weight
+    goes), so its best is an early fit, kept for ``BEST_KEPT_FOR`` observations; a stall whose
+    answers fall when that runs out is still not its best: the best is the fastest of the last
+    20 to 40 fits."""
+    slower = Speed(2e-4, 0.02)
+    estimate = SpeedEstimate(PRIOR, half_life_s=60.0)
+    observed, in_window = 0, 0
+    while in_window < BEST_KEPT_FOR - 2:  # the window's first is the first with a best
+        work = 600 * (1 + observed % 4)
+        estimate.observe(work, slower.seconds(work), now=float(observed))
+        observed += 1
+        in_window += estimate.best is not None
+    for ahead in range(3):  # the stall: 5 s answers
+        estimate.observe(600 * (1 + ahead), 5.0, now=30.0)
+    assert estimate.best is not None
+    assert estimate.best.seconds(2000) < 1.5 * slower.seconds(2000)

@@ -10,10 +10,11 @@ import pytest
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad
 from sidecar.scheduling.decider import Decider
-from sidecar.scheduling.estimates import Health
+from sidecar.scheduling.estimates import BEST_KEPT_FOR, Health
 from sidecar.scheduling.model import Decision, Speed
 from sidecar.scheduling.placement import (
     PREFILL_PRIOR,
+    STALL_KEPT_S,
     EndpointState,
     Planner,
     reserved_tokens,
@@ -276,3 +277,380 @@ def test_every_sidecar_gives_a_prefix_the_same_home_and_prefixes_spread_over_hom
     homes = Counter(home(first, f"prefix {i} " * 40) for i in range(64))
     assert set(homes) == {f"127.0.0.1:{port}" for port in (1, 2, 3, 4)}
     assert all(c.affinity == 0 for c in first.candidates(EMPTY, 0.0, 0.0))  # no prompt known
+
+
+# --- idle ageing toward the best measured speed ------------------------------------------------
+
+HEALTHY = Speed(2e-5, 0.005)  # 50,000 tokens/s: five times the prior
+PROMPT = 600
+
+
+def thawed_pool(idle_half_life_s: float | None) -> tuple[Planner, str, str]:
+    """Two equal endpoints, both measured at ``HEALTHY``; then one froze for 5 s under load:
+    its scrapes went unanswered, three of its prefills answered 5 s late, at 100 s."""
+    plan = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        half_life_s=60.0,
+        idle_half_life_s=idle_half_life_s,
+        retest_s=0.0,  # the ageing alone
+    )
+    thawed, other = "127.0.0.1:1", "127.0.0.1:2"
+    for port in (1, 2):
+        measured(plan, port, HEALTHY)
+    froze(plan, thawed)
+    return plan, thawed, other
+
+
+def measured(plan: Planner, port: int, speed: Speed) -> str:
+    """A new endpoint on ``port``, measured 20 times at ``speed`` at 90 s."""
+    key = str(plan.join(Endpoint("127.0.0.1", port), Health()).endpoint)
+    for i in range(20):
+        work = PROMPT * (1 + i % 4)
+        plan.prefill_observed(Reservation(key, PROMPT, work - PROMPT), speed.seconds(work), 90.0)
+    return key
+
+
+def froze(plan: Planner, key: str) -> None:
+    """``key`` froze for 5 s: a scrape went unanswered, three prefills answered 5 s late."""
+    plan.pool[key].load = None
+    for ahead in range(3):
+        plan.prefill_observed(Reservation(key, PROMPT, ahead * PROMPT), 5.0, now=100.0)
+
+
+def scraped_idle(plan: Planner, key: str, start: float, end: float) -> None:
+    """Scrapes of ``key`` every second from ``start`` to ``end``: nothing waiting or running."""
+    for second in range(int(start), int(end) + 1):
+        plan.pool[key].load = EngineLoad(waiting=0, running=0, kv_usage=0.0, at=float(second))
+
+
+def predicted(plan: Planner, key: str, now: float, view: SharedView = EMPTY) -> float:
+    [candidate] = [c for c in plan.candidates(view, now, now) if c.key == key]
+    return candidate.speed.seconds(PROMPT)
+
+
+def test_an_idle_thawed_endpoint_ages_toward_its_best_speed_and_is_chosen_again():
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    assert predicted(plan, thawed, 100.0) > 1.0  # the freeze, in its fit
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    # 60 s of idle scrapes, twelve idle half-lives: predicted as the endpoint that did not
+    # freeze (both aged toward the prior for a minute), not seconds slower.
+    assert predicted(plan, thawed, 160.0) == pytest.approx(predicted(plan, other, 160.0), rel=0.2)
+    assert predicted(plan, thawed, 160.0) < PREFILL_PRIOR.seconds(PROMPT) / 2
+    # With another prompt queued on the other endpoint, the thawed one is chosen.
+    queued = SharedView({other: Load(PROMPT, 1)}, {}, {})
+    assert decide_at(plan, 160.0, queued).endpoint == thawed
+    assert decide_at(plan, 160.0, queued).reason == "scheduled"
+
+
+def test_a_slower_endpoint_that_froze_stays_as_slow_as_it_measured():
+    """Toward its own best, not the pool's: an endpoint slower by its hardware was never
+    faster."""
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    slower = Speed(2e-4, 0.02)  # ten times slower than the others, twice the prior
+    slow, frozen = measured(plan, 3, slower), measured(plan, 4, slower)
+    froze(plan, frozen)
+    for key in (thawed, other, slow, frozen):
+        scraped_idle(plan, key, 101.0, 160.0)
+    assert predicted(plan, frozen, 160.0) == pytest.approx(predicted(plan, slow, 160.0), rel=0.2)
+    assert predicted(plan, frozen, 160.0) > 3 * predicted(plan, thawed, 160.0)
+
+
+def test_without_idle_ageing_the_freeze_keeps_it_away():
+    plan, thawed, other = thawed_pool(idle_half_life_s=None)
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    # One half-life toward the prior: still seconds slower than the other with three queued.
+    assert predicted(plan, thawed, 160.0) > 10 * predicted(plan, other, 160.0)
+    queued = SharedView({other: Load(3 * PROMPT, 3)}, {}, {})
+    assert decide_at(plan, 160.0, queued).endpoint == other
+
+
+@pytest.mark.parametrize(
+    "scrapes",
+    [
+        "busy",  # something running there: its own work explains nothing about the freeze
+        "unanswered",  # frozen again: no scrape answers
+        "in flight",  # a prefill of this sidecar's in flight, which the scrapes may not show
+    ],
+)
+def test_only_idle_scrapes_age_it(scrapes: str) -> None:
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    before = predicted(plan, thawed, 100.0)
+    state = plan.pool[thawed]
+    if scrapes == "busy":
+        for second in range(101, 161):
+            state.load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=float(second))
+    elif scrapes == "unanswered":
+        for _ in range(101, 161):
+            state.load = None
+    else:
+        plan.sent(thawed, 100.5)  # in flight from then on
+        scraped_idle(plan, thawed, 101.0, 160.0)
+    # Aged toward the prior only (one half-life at most): still about as slow.
+    assert predicted(plan, thawed, 160.0) > 0.4 * before
+
+
+def test_the_idle_ageing_is_kept_once_the_endpoint_is_sent_a_prefill():
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    aged = predicted(plan, thawed, 160.0)
+    plan.sent(thawed, 160.0)
+    assert predicted(plan, thawed, 160.0) == aged  # applied for good, as it was read
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=161.0)
+    assert predicted(plan, thawed, 161.0) == pytest.approx(aged, rel=0.05)
+    # Its answer, at its healthy speed, is learnt from the aged state: it stays fast.
+    plan.ended(thawed)
+    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=161.1)
+    assert predicted(plan, thawed, 161.1) < 2 * predicted(plan, other, 161.1)
+
+
+@pytest.mark.parametrize("every_s", [None, 5.0, 1.0, 0.1, "irregular"])
+def test_the_idle_ageing_does_not_depend_on_how_often_decisions_read_it(every_s) -> None:
+    """A function of the idle spell as a whole: one decision at the end of 60 s of idle
+    scrapes, one every 5 s, one a second, 600 (every 0.1 s) or at random times read the same
+    estimate at the end, and the same as each other at every scrape."""
+    reference, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(reference, thawed, 101.0, 160.0)
+    expected = predicted(reference, thawed, 160.0)
+    plan, _, _ = thawed_pool(idle_half_life_s=5.0)
+    if every_s is None:
+        moments: list[float] = []
+    elif every_s == "irregular":
+        moments = sorted(random.Random(7).uniform(101.0, 160.0) for _ in range(300))
+    else:
+        moments = [101.0 + every_s * i for i in range(int(59.0 / every_s))]
+    readings = iter(moments)
+    moment = next(readings, None)
+    for second in range(101, 161):
+        plan.pool[thawed].load = EngineLoad(0, 0, 0.0, at=float(second))
+        while moment is not None and moment < second + 1:
+            predicted(plan, thawed, moment)
+            moment = next(readings, None)
+    assert predicted(plan, thawed, 160.0) == expected
+    assert expected < 1.2 * predicted(reference, "127.0.0.1:2", 160.0)  # not held at 1.5 x
+
+
+def test_a_fit_within_a_stalls_margin_of_its_best_is_not_aged_toward_it():
+    """Only a stall's margin (1.5 x its best, at the idle spell's start) is aged away: the
+    spread of an endpoint's fits under traffic is not, or every idle endpoint would look as
+    fast as its luckiest fit."""
+    aged, ageless = thawed_pool(idle_half_life_s=5.0), thawed_pool(idle_half_life_s=None)
+    for plan, _, other in (aged, ageless):
+        plan.pool[other].load = None  # a scrape went unanswered
+        # A little slower than its best (1.3 x at 2,000 tokens): noise, not a stall.
+        for _ in range(3):
+            plan.prefill_observed(Reservation(other, 2000, 0), 1.3 * HEALTHY.seconds(2000), 95.0)
+        scraped_idle(plan, other, 96.0, 101.0)  # five seconds: one idle half-life
+    [(plan, _, other), (reference, _, _)] = aged, ageless
+    assert predicted(plan, other, 101.0) == predicted(reference, other, 101.0)
+
+
+def slowed(plan: Planner, key: str, now: float, answers: int = 3) -> None:
+    """``answers`` prefills of ``key`` twenty times slower than it measured, at ``now``, its
+    scrapes answered and busy meanwhile: prompts predicted 95 % cached and computed whole (a
+    stall's margin slower, but no stall)."""
+    for _ in range(answers):
+        plan.pool[key].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=now)
+        plan.prefill_observed(Reservation(key, PROMPT, 0), 20 * HEALTHY.seconds(PROMPT), now)
+
+
+def unaged(plan: Planner, key: str, now: float) -> float:
+    """What ``key``'s estimate, aged toward the prior alone, predicts at ``now``."""
+    return plan.pool[key].speed.value_at(now).seconds(PROMPT)
+
+
+def not_idle_aged(plan: Planner, key: str, now: float) -> bool:
+    """Whether ``key`` is predicted as its estimate's ageing toward the prior alone would."""
+    return predicted(plan, key, now) == unaged(plan, key, now)
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_the_stall_is_over_once_an_answer_is_back_near_its_best(answered: bool) -> None:
+    """An endpoint that missed a scrape, then answered at its best again: the stall is over.
+    Slowed soon after for another reason (mispredicted cache hits) and idle, it ages toward the
+    prior alone, as an endpoint that never missed a scrape; without that answer, toward its
+    best."""
+    plan, _, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[other].load = None  # missed a scrape at 100
+    plan.pool[other].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)
+    if answered:
+        plan.sent(other, 101.0)
+        plan.ended(other)
+        plan.prefill_observed(Reservation(other, PROMPT, 0), HEALTHY.seconds(PROMPT), now=102.0)
+    slowed(plan, other, 110.0)
+    scraped_idle(plan, other, 111.0, 171.0)
+    assert not_idle_aged(plan, other, 171.0) is answered
+    assert (predicted(plan, other, 171.0) < 0.5 * unaged(plan, other, 171.0)) is not answered
+
+
+def test_a_prefill_the_stall_held_does_not_end_it_however_fast_it_looks():
+    """Sent just before the thaw with a queue reserved ahead of it, a held prefill answers
+    soon after and in less than its best predicts for that work: it was sent before the stall
+    ended, and says nothing of how the endpoint does now."""
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)  # thawed
+    held = Reservation(thawed, PROMPT, 5 * PROMPT)
+    plan.prefill_observed(held, 0.9 * HEALTHY.seconds(6 * PROMPT), now=101.05)
+    assert plan.pool[thawed].thawed_at == 101.0
+    for key in (thawed, other):
+        scraped_idle(plan, key, 102.0, 161.0)
+    assert predicted(plan, thawed, 161.0) == pytest.approx(predicted(plan, other, 161.0), rel=0.2)
+
+
+def test_a_fresh_answer_at_its_best_does_not_end_a_stall_its_fit_still_holds():
+    """Thawed, the endpoint answers the prefills the stall held, seconds late, then a prefill
+    sent after the thaw at its best: the stall's evidence is still in its fit, so the stall is
+    remembered, and its idle spell ages that evidence away."""
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    state = plan.pool[thawed]
+    state.load = EngineLoad(waiting=1, running=1, kv_usage=0.1, at=100.5)  # thawed
+    plan.sent(thawed, 100.6)
+    plan.ended(thawed)
+    plan.prefill_observed(Reservation(thawed, PROMPT, 0), HEALTHY.seconds(PROMPT), now=100.7)
+    assert state.thawed_at == 100.5
+    for key in (thawed, other):
+        scraped_idle(plan, key, 101.0, 160.0)
+    assert predicted(plan, thawed, 160.0) == pytest.approx(predicted(plan, other, 160.0), rel=0.2)
+
+
+def test_a_thawed_endpoint_is_stalled_until_its_answers_bring_its_fit_back():
+    """After its idle spell, the thawed endpoint's fit has drifted toward the prior as the
+    other's has; a few answers at its best bring it within a stall's margin of its best: the
+    stall is over. A new stall is remembered again, and aged away again."""
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(plan, thawed, 101.0, 160.0)
+    assert plan.pool[thawed].thawed_at == 101.0  # aged, not answered yet
+    answers = 0
+    while plan.pool[thawed].thawed_at is not None and answers < 10:
+        work = PROMPT * (1 + answers % 3)
+        plan.sent(thawed, 160.5 + answers)
+        plan.ended(thawed)
+        plan.prefill_observed(Reservation(thawed, work, 0), HEALTHY.seconds(work), 160.6 + answers)
+        answers += 1
+    assert plan.pool[thawed].thawed_at is None
+    assert answers <= 6
+    plan.pool[thawed].load = None  # a new stall
+    slowed(plan, thawed, 180.0)
+    scraped_idle(plan, thawed, 181.0, 240.0)
+    assert predicted(plan, thawed, 240.0) < 0.5 * unaged(plan, thawed, 240.0)
+
+
+@pytest.mark.parametrize(("later_s", "aged"), [(-30.0, True), (1.0, False)])
+def test_a_stall_is_remembered_for_a_minute(later_s: float, aged: bool) -> None:
+    """A thawed endpoint busy with the work of others, then idle: its idle spell ages it
+    toward its best if it begins within ``STALL_KEPT_S`` (60 s) of the stall's end (its first
+    answered scrape), and toward the prior alone if it begins later."""
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    start = 101.0 + STALL_KEPT_S + later_s
+    for second in range(101, int(start)):
+        plan.pool[thawed].load = EngineLoad(waiting=1, running=1, kv_usage=0.2, at=float(second))
+    scraped_idle(plan, thawed, start, start + 60.0)
+    assert not_idle_aged(plan, thawed, start + 60.0) is not aged
+    assert (
+        predicted(plan, thawed, start + 60.0) < 0.2 * unaged(plan, thawed, start + 60.0)
+    ) is aged
+
+
+def test_a_stall_is_over_within_its_best_fits_lifetime_of_answers():
+    """Answers alone end a stall within twice ``BEST_KEPT_FOR`` of them (a best is the fastest
+    of the last 20 to 40 fits, as its windows fall): by then its best is renewed from them, and
+    its fit is within a stall's margin of it, however slow it is."""
+    plan, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(0, 1, 0.1, at=101.0)  # thawed, busy
+    slowed(plan, thawed, 102.0, answers=1)
+    assert plan.pool[thawed].thawed_at == 101.0  # still a stall's margin slower than its best
+    for i in range(1, 2 * BEST_KEPT_FOR):
+        slowed(plan, thawed, 102.0 + i, answers=1)
+    assert plan.pool[thawed].thawed_at is None
+
+
+FIVE_TIMES_SLOWER = Speed(5e-4, 0.02)  # 1.02 s per 2,000 tokens, the prior 0.22 s
+
+
+@pytest.mark.parametrize("stall", ["missed a scrape", "froze"])
+@pytest.mark.parametrize("half_life_s", [None, 60.0])
+def test_an_endpoint_slower_than_the_prior_is_never_aged_faster_than_it_answered(
+    stall: str, half_life_s: float | None
+) -> None:
+    """Five times slower than the prior, measured 30 times a second apart, then a scrape went
+    unanswered (and, frozen, three prefills answered 5 s late), then 30 s of idle scrapes: its
+    idle ageing returns it to what it answered, not to a fit its first observations shared with
+    the prior (0.61 s for 2,000 tokens, against 1.02 s). Without ageing toward the prior, as slow
+    as it truly is; with it, as slow as a twin that neither missed a scrape nor froze."""
+    plan = Planner(
+        Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000),
+        stale_after_s=3.0,
+        half_life_s=half_life_s,
+        idle_half_life_s=5.0,
+        retest_s=0.0,
+    )
+    slow, twin = (str(plan.join(Endpoint("127.0.0.1", port), Health()).endpoint) for port in (1, 2))
+    for key in (slow, twin):
+        for second in range(30):
+            work = PROMPT * (1 + second % 4)
+            reservation = Reservation(key, PROMPT, work - PROMPT)
+            plan.prefill_observed(reservation, FIVE_TIMES_SLOWER.seconds(work), float(second))
+    plan.pool[slow].load = None
+    if stall == "froze":
+        for ahead in range(3):
+            plan.prefill_observed(Reservation(slow, PROMPT, ahead * PROMPT), 5.0, now=30.0)
+    for key in (slow, twin):
+        scraped_idle(plan, key, 31.0, 60.0)
+    speeds = {c.key: c.speed for c in plan.candidates(EMPTY, 60.0, 60.0)}
+    truth = FIVE_TIMES_SLOWER if half_life_s is None else speeds[twin]
+    assert speeds[slow].seconds(2000) >= 0.95 * truth.seconds(2000)
+
+
+@pytest.mark.parametrize("name", ["half_life_s", "idle_half_life_s"])
+@pytest.mark.parametrize("value", [0.0, -5.0, float("nan")])
+def test_a_half_life_is_positive_or_none(name: str, value: float) -> None:
+    """Checked where the planner is made, not on the request path (a division by zero when an
+    estimate is read)."""
+    decider = Decider(make_policy("qoe", random.Random(1)), ttft_ratio=1000)
+
+    def made(half_life: float | None) -> Planner:
+        if name == "half_life_s":
+            return Planner(decider, stale_after_s=3.0, half_life_s=half_life)
+        return Planner(decider, stale_after_s=3.0, idle_half_life_s=half_life)
+
+    with pytest.raises(ValueError, match=name):
+        made(value)
+    made(None)
+
+
+def described(plan: Planner, key: str, now: float) -> dict:
+    [entry] = [e for e in plan.describe(EMPTY, now, now) if e["endpoint"] == key]
+    return entry
+
+
+def test_the_debug_view_shows_the_best_speed_and_the_stall_it_remembers() -> None:
+    plan, thawed, other = thawed_pool(idle_half_life_s=5.0)
+    plan.pool[thawed].load = EngineLoad(waiting=0, running=1, kv_usage=0.1, at=101.0)  # thawed
+    entry = described(plan, thawed, 102.0)
+    assert entry["stall_thawed_s_ago"] == 1.0
+    best = Speed(**entry["best_speed"])
+    assert best.seconds(PROMPT) == pytest.approx(HEALTHY.seconds(PROMPT), rel=0.2)
+    assert described(plan, other, 102.0)["stall_thawed_s_ago"] is None
+    fresh = plan.join(Endpoint("127.0.0.1", 9), Health())
+    assert described(plan, fresh.key, 102.0)["best_speed"] is None  # nothing measured yet
+
+
+def test_a_stall_is_forgotten_once_no_idle_spell_can_use_it() -> None:
+    """Busy for a minute after the thaw: forgotten at the first scrape past ``STALL_KEPT_S``.
+    Idle from the thaw on: remembered while that spell runs, past the minute, then forgotten
+    when it ends, its ageing kept."""
+    busy, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    for second in range(101, 163):
+        busy.pool[thawed].load = EngineLoad(0, 1, 0.1, at=float(second))
+        assert (busy.pool[thawed].thawed_at is None) is (second - 101.0 > STALL_KEPT_S)
+    idle, thawed, _ = thawed_pool(idle_half_life_s=5.0)
+    scraped_idle(idle, thawed, 101.0, 200.0)
+    assert described(idle, thawed, 200.0)["stall_thawed_s_ago"] == 99.0
+    aged = predicted(idle, thawed, 200.0)
+    assert aged < 0.2 * unaged(idle, thawed, 200.0)
+    idle.pool[thawed].load = EngineLoad(0, 1, 0.1, at=201.0)  # the spell ends
+    assert described(idle, thawed, 201.0)["stall_thawed_s_ago"] is None
+    assert predicted(idle, thawed, 201.0) == pytest.approx(aged, rel=0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -10,6 +11,9 @@ from sidecar.app import SCHEDULER
 from sidecar.config import Settings
 from sidecar.discovery import Discovery
 from sidecar.fleet.endpoints import Endpoint
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.polls import PrefillPoll
+from sidecar.fleet.snapshot import EngineSnapshot
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.scheduler import Scheduler, SchedulerOptions
 from sidecar.scheduling.state import MemoryState
@@ -341,3 +345,69 @@ async def test_a_stalled_endpoint_is_chosen_again_as_its_estimate_ages(
     record = await _until_chosen(http, sidecar, frozen.endpoint, within_s=10 * half_life_s)
     assert record is not None, "the thawed endpoint was never chosen again"
     assert record["reason"] == "scheduled"
+
+
+async def test_a_prefill_the_gateway_names_keeps_the_idle_ageing_of_a_stall(
+    prefill, decode
+) -> None:
+    """The scheduler sends a prefill to a thawed endpoint its scrapes showed idle (named by the
+    gateway's header): the idle spell's ageing is applied, not dropped because the prefill
+    already counts in flight. Its scrapes are handed to the pool as the engine monitor does,
+    each with the time it was taken."""
+    scheduler = Scheduler(
+        SchedulerOptions.from_settings(
+            Settings(
+                decode_url=decode.url,
+                prefill_endpoints=prefill.endpoint,
+                scrape_interval_s=60,  # the monitor's own scrapes stay out of the way
+                disagg_min_tokens=0,
+                disagg_ttft_ratio=1000,
+                scheduler_retest_s=0,
+                speed_half_life_s=3600,  # no ageing toward the prior within the test
+                speed_idle_half_life_s=0.01,
+            )
+        ),
+        discovery=Discovery((Endpoint("127.0.0.1", prefill.port),), None),
+        backend=MemoryState(),
+        metrics=Metrics(),
+    )
+    await scheduler.start()
+    try:
+        key = f"127.0.0.1:{prefill.port}"
+        header = Endpoint("127.0.0.1", prefill.port)
+        poll = PrefillPoll(key, header, probe=False)
+
+        async def prefill_taking(seconds: float, i: int) -> None:
+            placement, _ = await scheduler.place_request(completion(f"{i} {LONG}"), header)
+            scheduler.prefill_finished(placement, ok=True, seconds=seconds)
+
+        def speed() -> float:
+            [state] = scheduler.snapshot()["endpoints"]
+            return float(state["speed"]["overhead_s"] + 600 * state["speed"]["s_per_token"])
+
+        for i in range(10):
+            await prefill_taking(0.03, i)
+        measured = speed()
+        scheduler.pool.prefill_polled(poll, EngineSnapshot(load=None))  # unanswered: frozen
+        for i in range(3):
+            await prefill_taking(5.0, 10 + i)  # held by the freeze
+        stalled = speed()
+        assert stalled > 20 * measured
+        idle_from = time.monotonic()
+        for at in (idle_from, idle_from + 1.0):  # a second of idle scrapes: 100 half-lives
+            idle = EngineLoad(waiting=0, running=0, kv_usage=0.0, at=at)
+            scheduler.pool.prefill_polled(poll, EngineSnapshot(load=idle))
+        aged = speed()
+        assert aged < 2 * measured
+        [state] = scheduler.snapshot()["endpoints"]  # what /debug/scheduler shows
+        assert state["stall_thawed_s_ago"] is not None
+        assert state["best_speed"]["s_per_token"] > 0
+        placement, _ = await scheduler.place_request(completion(f"named {LONG}"), header)
+        assert placement.decision.reason == "header"
+        [state] = scheduler.snapshot()["endpoints"]
+        assert state["inflight_here"] == 1
+        assert speed() == pytest.approx(aged, rel=0.01)  # applied as read, in flight or not
+        scheduler.prefill_finished(placement, ok=True, seconds=0.03)
+        assert speed() < 2 * measured
+    finally:
+        await scheduler.close()
