@@ -55,3 +55,16 @@ prefill server with nothing queued). A tenth: a request's time-to-first-token bu
 is about a tenth of its decode's (some 200 tokens at 50 ms). In the simulator it raises goodput
 on mixed and shared-system-prompt workloads and leaves the standard one unchanged
 (docs/benchmarks.md)."""
+
+STALL_SHARE = 0.05
+"""``SIDECAR_DISAGG_STALL_SHARE``' default: the share of their time the decodes running on a
+decode engine may spend stalled by local prefills (the rate at which a rank's stall budget
+refills). A decode stalled a share ``f`` of its time has a TPOT of ``step / (1 - f)``: with a
+full batch's step of some 40 ms, 5 % keeps it at 42 ms, under a 50 ms TPOT; spread evenly, it
+adds half a step to the mean of a decode's longest 10 % of gaps (the tail TBT)."""
+
+STALL_BURST_S = 1.0
+"""``SIDECAR_DISAGG_STALL_BURST_S``' default: the most stall a rank's budget holds, and so the
+longest local prefill (in its compute seconds) allowed while decodes run there. A decode of 200
+tokens has 20 gaps in its longest 10 %; at a 50 ms step under a 100 ms tail-TBT bound they
+absorb 20 × 50 ms = 1 s of stall once."""

@@ -23,7 +23,7 @@ from typing import Any
 from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad, describe_load
-from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.decider import Decider, StallBudget
 from sidecar.scheduling.estimates import (
     Availability,
     Health,
@@ -176,6 +176,8 @@ class Planner:
         self._stale_after_s = stale_after_s
         self._half_life_s = half_life_s
         self._retest_s = retest_s
+        # Each decode rank's stall budget (the decider's docstring), by rank URL: one per rank.
+        self._budgets: dict[str, StallBudget] = {}
 
     def join(self, endpoint: Endpoint, health: Health) -> EndpointState:
         """Add ``endpoint`` to the pool, its speed estimate decaying with the planner's
@@ -311,16 +313,21 @@ class Planner:
         A re-test never turns a local decision into a remote one, nor takes a request whose
         chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
+        budget = self._budgets.get(rank.url)
+        if budget is None:
+            budget = self._budgets[rank.url] = self.decider.budget(now)
+        # The request itself is claimed on the rank already: the others run there.
+        running = max(0, rank.inflight - 1)
+        speed = self.local_speed.value
         decision = self.decider.decide(
             candidates,
-            # The request itself is claimed on the rank already: the others run there.
-            LocalView(
-                rank.ahead_tokens, waiting, self.local_speed.value, max(0, rank.inflight - 1)
-            ),
+            LocalView(rank.ahead_tokens, waiting, speed, running, budget.credit(now)),
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
         )
         if decision.endpoint is None:
+            if running > 0:
+                budget.spend(speed.s_per_token * decision.uncached_tokens, now)
             return decision
         key = decision.endpoint
         # A re-test never takes a request that the chosen endpoint is predicted to hold part of:

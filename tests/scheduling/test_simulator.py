@@ -39,12 +39,14 @@ def test_always_disaggregating_prefills_everything_remotely():
 def test_conditional_disaggregation_splits_by_prompt():
     stats = run(Variant("qoe"))
     assert 0 < stats.remote_share < 1
-    # (retest: an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S)
+    # (retest: an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S; decode_budget:
+    # a local prefill the decodes running on the engine could not absorb)
     assert set(stats.reasons) <= {
         "scheduled",
         "short_prompt",
         "prefix_cached",
         "pool_saturated",
+        "decode_budget",
         "retest",
     }
     assert stats.reasons["short_prompt"] > 0
