@@ -356,6 +356,7 @@ def _protocol(
                 if stored(variant, seed, rate) not in kept
             }
             results = {key: future.result() for key, future in futures.items()}
+            runs += len(results)
             if args.runs_file:
                 kept.update({stored(*key): run for key, run in results.items()})
                 with open(args.runs_file, "wb") as file:
@@ -369,12 +370,14 @@ def _protocol(
                     if (variant, seed, rate) not in results
                 }
             )
-            runs += len(results)
             print()
             print(f"== {scenario.describe()}")
             print(protocol.report(scenario, variants, seeds, grid, nominal, results))
     print()
-    print(f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))")
+    print(
+        f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))"
+        + (f"; the others read from {args.runs_file}" if args.runs_file else "")
+    )
     return 0
 
 

@@ -167,19 +167,19 @@ class Settings(BaseSettings):
         "prefill server with nothing queued (0: the stall is not weighed, and short prompts "
         "always prefill locally).",
     )
-    disagg_stall_share: float = Field(
-        defaults.STALL_SHARE,
+    disagg_tpot_slo_ms: float = Field(
+        defaults.TPOT_SLO_S * 1000,
         ge=0,
-        le=1,
-        description="Share of their time the decodes running on a decode engine may spend "
-        "stalled by local prefills: the rate, in seconds per second, at which each decode rank's "
-        "stall budget refills (docs/scheduling.md).",
+        description="The decodes' TPOT SLO, in milliseconds, that local prefills may not push "
+        "them past: each decode rank's stall budget refills at the share of time its decodes can "
+        "spare, from the engine's measured step time (docs/scheduling.md; 0: no budget).",
     )
     disagg_stall_burst_s: float = Field(
         defaults.STALL_BURST_S,
         ge=0,
         description="Seconds of stall a decode rank's budget holds at most: the longest local "
-        "prefill (its predicted compute seconds) allowed while decodes run on the engine.",
+        "prefill (its predicted compute seconds) allowed while decodes run on the engine "
+        "(docs/scheduling.md).",
     )
     # Ageing and re-tests: an endpoint that was slow once must not be starved for good
     # (docs/scheduling.md).

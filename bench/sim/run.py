@@ -318,6 +318,7 @@ class Simulation:
                 seen,
                 {key: prefill.gauge.at(seen) for key, prefill in self.prefill.items()},
                 self.decode[engine].gauge.at(seen),
+                self.decode[engine].inter_token(seen),
             )
         claim = request.claim
         assert claim is not None

@@ -19,13 +19,17 @@ The ratio trades goodput against prefill-queue length; docs/scheduling.md has th
 numbers for 2, 3, 4 and 6.
 
 The decodes' budget, a bound over all of the above: a local prefill of C compute seconds
-(``s_per_token`` × uncached tokens) stalls each decode running on the engine by about C, and
-each decode's TPOT and tail inter-token time can absorb only so much. Each decode rank keeps a
-stall budget (``StallBudget``, held by the planner): it refills at ``stall_share`` seconds per
-second (``SIDECAR_DISAGG_STALL_SHARE``: the share of their time the decodes may spend stalled)
-up to ``stall_burst_s`` (``SIDECAR_DISAGG_STALL_BURST_S``: the longest stall their tail gaps
-absorb), and a local prefill spends its C from it while decodes run there. While decodes run
-(``running`` > 0), a prefill stays local only if
+(``s_per_token`` × uncached tokens) stalls each decode running on the engine by about C. A decode
+whose engine steps every ``s`` seconds and that is stalled a share f of its time has a TPOT of
+s ÷ (1 − f): it meets a TPOT SLO T while f ≤ 1 − s ÷ T. Each decode rank keeps a stall budget
+(``StallBudget``, held by the planner), a token bucket that refills at the share the decodes can
+spare, 1 − s ÷ (``TPOT_AIM`` × T) seconds per second (T: ``SIDECAR_DISAGG_TPOT_SLO_MS``; s: the
+engine's step time, measured from its inter-token latency histogram between two scrapes, less the
+share of that time this sidecar's local prefills took), up to ``stall_burst_s``
+(``SIDECAR_DISAGG_STALL_BURST_S``: the longest single stall the decodes' tail gaps absorb); a
+local prefill spends its C from it while decodes run there. Where the decode tier is the
+bottleneck (s near T) the share is 0; where the decodes have slack, local prefills stay. While
+decodes run (``running`` > 0), a prefill stays local only if
 
 - the engine queues nothing (scraped ``waiting`` is 0 or unknown): requests waiting for a seat
   mean the decode tier is the bottleneck, and a local prefill takes its time from the decodes
@@ -34,14 +38,15 @@ absorb), and a local prefill spends its C from it while decodes run there. While
 
 Otherwise it goes to the policy's choice (reason ``decode_budget``), whatever the prefill pool's
 queue: the anchors' choice where decodes are the bottleneck. With no decode running nothing is
-stalled and nothing is spent; with no candidate the prefill stays local (``pool_empty``).
+stalled and nothing is spent; with no candidate the prefill stays local (``pool_empty``). A TPOT
+SLO of 0 turns the budget off.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar.defaults import STALL_BURST_S, STALL_SHARE, STALL_WEIGHT
+from sidecar.defaults import STALL_BURST_S, STALL_WEIGHT, TPOT_AIM, TPOT_SLO_S
 from sidecar.scheduling.model import Candidate, Decision, LocalView, Transfer
 from sidecar.scheduling.policies import TOKENS_PER_WAITING, Policy, predicted_ttft
 
@@ -56,17 +61,17 @@ class Decider:
         transfer: Transfer = Transfer(),
         always: bool = False,
         stall_weight: float = STALL_WEIGHT,
-        stall_share: float = STALL_SHARE,
         stall_burst_s: float = STALL_BURST_S,
+        tpot_slo_s: float = TPOT_SLO_S,
     ) -> None:
         """``always`` disaggregates every request a candidate exists for (the simulator's
         "always disaggregate" baseline; also what a pure round-robin proxy does).
         ``stall_weight``: seconds of time to first token one second of stall on one running
-        request is worth (0: the stall is not weighed). ``stall_share``, ``stall_burst_s``: the
-        decode ranks' stall budgets (``budget``)."""
+        request is worth (0: the stall is not weighed). ``stall_burst_s``, ``tpot_slo_s``: the
+        decode ranks' stall budgets (``budget``; a TPOT SLO of 0: none)."""
         self.policy = policy
-        self.stall_share = stall_share
         self.stall_burst_s = stall_burst_s
+        self.tpot_slo_s = tpot_slo_s
         self._min_tokens = min_tokens
         self._ttft_ratio = ttft_ratio
         self._stall_weight = stall_weight
@@ -94,8 +99,10 @@ class Decider:
         compute_s = local.speed.s_per_token * uncached
         stall_s = self._stall_weight * local.running * compute_s
         # The decodes' budget: a hard bound, over anything the weighing below prefers.
-        over_budget = local.running > 0 and (
-            (local.waiting or 0.0) > 0 or compute_s > local.stall_credit_s
+        over_budget = (
+            self.tpot_slo_s > 0
+            and local.running > 0
+            and ((local.waiting or 0.0) > 0 or compute_s > local.stall_credit_s)
         )
         short = uncached < self._min_tokens
         if not self._always and not over_budget and short and stall_s <= 0:
@@ -126,22 +133,32 @@ class Decider:
         return predicted_ttft(candidate, prompt_tokens, self._transfer)
 
     def budget(self, now: float) -> StallBudget:
-        """A full stall budget for a decode rank, with this decider's share and burst."""
-        return StallBudget(self.stall_share, self.stall_burst_s, now)
+        """A full stall budget for a decode rank, with this decider's SLO and burst."""
+        return StallBudget(self.tpot_slo_s, self.stall_burst_s, now)
 
 
 class StallBudget:
     """The stall a decode rank's running decodes can still absorb, in seconds: refills at
     ``share`` seconds per second up to ``burst_s``; a local prefill spends its compute seconds
-    while decodes run there. Times are the caller's monotonic seconds."""
+    while decodes run there. ``share`` follows the decodes' slack against the TPOT SLO,
+    1 − step ÷ (``TPOT_AIM`` × ``slo_s``), from the engine's step time as ``scraped`` measures
+    it; 1 (the burst alone bounds) until a step time is known. Times are the caller's monotonic
+    seconds."""
 
-    __slots__ = ("_at", "_credit", "burst_s", "share")
+    __slots__ = ("_at", "_credit", "_seen", "_spent", "burst_s", "share", "slo_s", "step_s")
 
-    def __init__(self, share: float, burst_s: float, now: float) -> None:
-        self.share = share
+    def __init__(self, slo_s: float, burst_s: float, now: float) -> None:
+        self.slo_s = slo_s
         self.burst_s = burst_s
+        self.share = 1.0
+        self.step_s: float | None = None
+        """The engine's step time without this sidecar's local prefills (None: not known)."""
         self._credit = burst_s
         self._at = now
+        self._spent = 0.0
+        """Seconds spent since the budget began (for the share of a scrape interval)."""
+        self._seen: tuple[float, float, float, float] | None = None
+        """The last scrape: its time, inter-token seconds and tokens, and ``_spent`` then."""
 
     def credit(self, now: float) -> float:
         """The budget at ``now`` (refilled since the last look)."""
@@ -154,6 +171,38 @@ class StallBudget:
         """A local prefill of ``seconds`` of compute stalls the running decodes. The budget may
         go below zero (a prefill that stays local without a candidate): it is paid back first."""
         self._credit = self.credit(now) - seconds
+        self._spent += seconds
+
+    def scraped(self, at: float, itl_sum_s: float, itl_count: float, now: float) -> None:
+        """The engine's inter-token latency histogram (its running sum of seconds and count of
+        tokens) as a scrape at ``at`` found it. Between two scrapes the decodes took
+        ``observed`` = Δsum ÷ Δcount per token, stalled for a share ``stalled`` of the interval
+        by what this sidecar spent; their step is ``observed`` × (1 − ``stalled``), and the
+        share refills from ``now`` on. An interval without tokens (nothing decoded), or with
+        counters that went back (the engine restarted), leaves the share as it was. Without a
+        TPOT SLO (0) there is no budget to keep."""
+        previous = self._seen
+        if self.slo_s <= 0:
+            return
+        if previous is not None and at <= previous[0]:
+            return
+        self._seen = (at, itl_sum_s, itl_count, self._spent)
+        if previous is None:
+            return
+        then, sum_then, count_then, spent_then = previous
+        tokens = itl_count - count_then
+        seconds = itl_sum_s - sum_then
+        if tokens <= 0 or seconds < 0:
+            return
+        stalled = min(MAX_STALLED, (self._spent - spent_then) / (at - then))
+        self.step_s = seconds / tokens * (1.0 - stalled)
+        self.credit(now)
+        self.share = max(0.0, 1.0 - self.step_s / (TPOT_AIM * self.slo_s))
+
+
+MAX_STALLED = 0.9
+"""The share of an interval a sidecar's spending is taken to have stalled its decodes at most
+(a budget overdrawn by a prefill without a candidate can spend more than the interval)."""
 
 
 def predict_local(local: LocalView, uncached_tokens: int) -> float:

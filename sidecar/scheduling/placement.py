@@ -286,6 +286,13 @@ class Planner:
                     return found
         return Candidate(key=key, speed=PREFILL_PRIOR)
 
+    def budget_of(self, rank: DecodeRank, now: float = 0.0) -> StallBudget:
+        """``rank``'s stall budget (a full one from ``now`` on, the first time it is asked)."""
+        budget = self._budgets.get(rank.url)
+        if budget is None:
+            budget = self._budgets[rank.url] = self.decider.budget(now)
+        return budget
+
     def decide(
         self,
         rank: DecodeRank,
@@ -313,9 +320,11 @@ class Planner:
         A re-test never turns a local decision into a remote one, nor takes a request whose
         chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
-        budget = self._budgets.get(rank.url)
-        if budget is None:
-            budget = self._budgets[rank.url] = self.decider.budget(now)
+        budget = self.budget_of(rank, now)
+        load = rank.load
+        if load is not None and load.itl_sum_s is not None and load.itl_count is not None:
+            # The decodes' step time since the last scrape sets the budget's share.
+            budget.scraped(load.at, load.itl_sum_s, load.itl_count, now)
         # The request itself is claimed on the rank already: the others run there.
         running = max(0, rank.inflight - 1)
         speed = self.local_speed.value

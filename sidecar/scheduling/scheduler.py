@@ -67,8 +67,8 @@ class SchedulerOptions:
     disagg_min_tokens: int
     disagg_ttft_ratio: float
     disagg_stall_weight: float
-    disagg_stall_share: float
     disagg_stall_burst_s: float
+    disagg_tpot_slo_s: float
     remote_only: bool
     """The connector's decode server cannot prefill: every request goes remote."""
     speed_half_life_s: float
@@ -94,8 +94,8 @@ class SchedulerOptions:
             disagg_min_tokens=settings.disagg_min_tokens,
             disagg_ttft_ratio=settings.disagg_ttft_ratio,
             disagg_stall_weight=settings.disagg_stall_weight,
-            disagg_stall_share=settings.disagg_stall_share,
             disagg_stall_burst_s=settings.disagg_stall_burst_s,
+            disagg_tpot_slo_s=settings.disagg_tpot_slo_ms / 1000,
             remote_only=CONNECTORS[settings.connector].remote_only,
             speed_half_life_s=settings.speed_half_life_s,
             scheduler_retest_s=settings.scheduler_retest_s,
@@ -150,8 +150,8 @@ class Scheduler:
                 min_tokens=options.disagg_min_tokens,
                 ttft_ratio=options.disagg_ttft_ratio,
                 stall_weight=options.disagg_stall_weight,
-                stall_share=options.disagg_stall_share,
                 stall_burst_s=options.disagg_stall_burst_s,
+                tpot_slo_s=options.disagg_tpot_slo_s,
                 # A decode server that cannot prefill: nothing to weigh, every request goes remote.
                 always=options.remote_only,
             ),
@@ -557,8 +557,8 @@ class Scheduler:
             "disagg_min_tokens": self._options.disagg_min_tokens,
             "disagg_ttft_ratio": self._options.disagg_ttft_ratio,
             "disagg_stall_weight": self._options.disagg_stall_weight,
-            "disagg_stall_share": self._options.disagg_stall_share,
             "disagg_stall_burst_s": self._options.disagg_stall_burst_s,
+            "disagg_tpot_slo_s": self._options.disagg_tpot_slo_s,
             "discovery": self.pool.describe_discovery(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),
