@@ -170,7 +170,9 @@ def test_decode_engines_serve_their_time_between_tokens_to_the_sidecars():
     simulation = Simulation(TINY, QOE, 4.0, measured=300, warmup=50, seed=3)
     simulation.run()
     for engine in simulation.decode:
-        total, tokens = engine.inter_token(math.inf)
+        served = engine.inter_token(math.inf)
+        assert served is not None
+        total, tokens = served
         assert tokens > 0
         # Each token's gap: at least a step at batch 1, at most a step plus the local prefills.
         assert TINY.decode_step_s(1) <= total / tokens <= TINY.decode_step_s(64) * 2
