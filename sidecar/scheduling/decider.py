@@ -105,28 +105,35 @@ class Decider:
             and ((local.waiting or 0.0) > 0 or compute_s > local.stall_credit_s)
         )
         short = uncached < self._min_tokens
-        if not self._always and not over_budget and short and stall_s <= 0:
-            return stay("prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt")
+        short_reason = "prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt"
+        unweighed = short and stall_s <= 0  # short, and no stall weighed: local
+        if not self._always and not over_budget and unweighed:
+            return stay(short_reason)
         chosen = self.policy.choose(candidates, prompt_tokens)
         if chosen is None:
             return stay("pool_empty")
         remote_s = self.remote_seconds(chosen, prompt_tokens)
-        if not self._always and over_budget:
+
+        def send(reason: str) -> Decision:
             return Decision(
-                chosen.key, "decode_budget", prompt_tokens, uncached, remote_s, chosen.cached_tokens
+                chosen.key, reason, prompt_tokens, uncached, remote_s, chosen.cached_tokens
             )
+
+        if self._always:
+            return send("scheduled")
         if chosen.queued_tokens(TOKENS_PER_WAITING) > 0:
             # The stall counts only against a prefill server with room: one with a queue is the
             # pool's bottleneck, and work sent there to spare the decodes delays others' prefills.
             stall_s = 0.0
-        if not self._always and short and remote_s > local_s + stall_s:
+        if unweighed or (short and remote_s > local_s + stall_s):
             # Short: local, unless the stall it would impose outweighs a remote prefill.
-            return stay("prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt")
-        if not self._always and not short and remote_s > self._ttft_ratio * local_s + stall_s:
-            return stay("pool_saturated")
-        return Decision(
-            chosen.key, "scheduled", prompt_tokens, uncached, remote_s, chosen.cached_tokens
-        )
+            local_reason = short_reason
+        elif not short and remote_s > self._ttft_ratio * local_s + stall_s:
+            local_reason = "pool_saturated"
+        else:
+            return send("scheduled")
+        # Local by the steps above; the decodes' budget, a hard bound, may send it remote.
+        return send("decode_budget") if over_budget else stay(local_reason)
 
     def remote_seconds(self, candidate: Candidate, prompt_tokens: int) -> float:
         """Predicted time to first token of a prefill on ``candidate``."""

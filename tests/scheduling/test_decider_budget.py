@@ -43,6 +43,17 @@ def test_a_saturated_pool_keeps_a_prefill_local_only_within_the_decodes_budget()
     assert decider().decide([], over, prompt_tokens=3000).reason == "pool_empty"
 
 
+def test_the_budget_is_the_reason_only_for_a_prefill_it_sends_remote():
+    # An idle pool takes a long prompt anyway: the budget changed nothing, the reason says so
+    # (the reasons are counted in /debug/scheduler and the records).
+    idle = Candidate("p0", speed=SPEED)
+    over = LocalView(speed=SPEED, running=10, waiting=2, stall_credit_s=0.0)
+    decision = decider().decide([idle], over, prompt_tokens=3000)
+    assert (decision.endpoint, decision.reason) == ("p0", "scheduled")
+    decision = decider().decide([BUSY], over, prompt_tokens=3000)
+    assert (decision.endpoint, decision.reason) == ("p0", "decode_budget")
+
+
 def test_short_and_locally_cached_prompts_respect_the_budget_without_a_stall_weight():
     unweighed = decider(stall_weight=0.0)
     over = LocalView(speed=SPEED, running=4, stall_credit_s=0.01)
