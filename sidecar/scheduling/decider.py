@@ -29,17 +29,14 @@ share of that time this sidecar's local prefills took), up to ``stall_burst_s``
 (``SIDECAR_DISAGG_STALL_BURST_S``: the longest single stall the decodes' tail gaps absorb); a
 local prefill spends its C from it while decodes run there. Where the decode tier is the
 bottleneck (s near T) the share is 0; where the decodes have slack, local prefills stay. While
-decodes run (``running`` > 0), a prefill stays local only if
-
-- the engine queues nothing (scraped ``waiting`` is 0 or unknown): requests waiting for a seat
-  mean the decode tier is the bottleneck, and a local prefill takes its time from the decodes
-  that bound the fleet; and
-- C fits in the rank's budget (``LocalView.stall_credit_s``).
-
+decodes run (``running`` > 0), a prefill stays local only if C fits in the rank's budget
+(``LocalView.stall_credit_s``).
 Otherwise it goes to the policy's choice (reason ``decode_budget``), whatever the prefill pool's
 queue: the anchors' choice where decodes are the bottleneck. With no decode running nothing is
 stalled and nothing is spent; with no candidate the prefill stays local (``pool_empty``). A TPOT
-SLO of 0 turns the budget off.
+SLO of 0 turns the budget off. The engine's scraped ``waiting`` is no sign of a decode
+bottleneck: vLLM's ``vllm:num_requests_waiting`` also counts the requests pulling their KV from a
+prefill server (``WAITING_FOR_REMOTE_KVS``), which most scrapes of a disaggregated engine find.
 """
 
 from __future__ import annotations
@@ -99,11 +96,7 @@ class Decider:
         compute_s = local.speed.s_per_token * uncached
         stall_s = self._stall_weight * local.running * compute_s
         # The decodes' budget: a hard bound, over anything the weighing below prefers.
-        over_budget = (
-            self.tpot_slo_s > 0
-            and local.running > 0
-            and ((local.waiting or 0.0) > 0 or compute_s > local.stall_credit_s)
-        )
+        over_budget = self.tpot_slo_s > 0 and local.running > 0 and compute_s > local.stall_credit_s
         short = uncached < self._min_tokens
         short_reason = "prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt"
         unweighed = short and stall_s <= 0  # short, and no stall weighed: local

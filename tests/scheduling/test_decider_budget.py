@@ -66,16 +66,19 @@ def test_short_and_locally_cached_prompts_respect_the_budget_without_a_stall_wei
     assert unweighed.decide([BUSY], within, prompt_tokens=400).reason == "short_prompt"
 
 
-def test_a_queueing_decode_engine_sends_every_prefill_remote():
-    # Requests wait for a seat: the decode tier is the bottleneck, a local prefill would take its
-    # time from the decodes that bound the fleet, however much budget is left.
-    queueing = LocalView(speed=SPEED, running=64, waiting=3, stall_credit_s=1.0)
-    for tokens in (100, 3000):
-        decision = decider(stall_weight=0.0).decide([BUSY], queueing, prompt_tokens=tokens)
-        assert (decision.endpoint, decision.reason) == ("p0", "decode_budget")
-    # Queued but nothing running (the engine's own prefills): nothing to protect.
-    alone = LocalView(speed=SPEED, running=0, waiting=3, stall_credit_s=1.0)
-    assert decider().decide([BUSY], alone, prompt_tokens=3000).endpoint is None
+def test_requests_waiting_on_the_decode_engine_do_not_send_prefills_remote():
+    # vLLM's waiting gauge also counts the requests pulling their KV from a prefill server: on a
+    # disaggregated engine it is rarely 0, and it says nothing about the decodes' slack. Within
+    # the budget, a short prompt and a long one the saturated pool would delay both stay local.
+    pulling = LocalView(speed=SPEED, running=64, waiting=3, stall_credit_s=1.0)
+    short = decider(stall_weight=0.0).decide([BUSY], pulling, prompt_tokens=20)
+    assert (short.endpoint, short.reason) == (None, "short_prompt")
+    long = decider(stall_weight=0.0).decide([BUSY], pulling, prompt_tokens=3000)
+    assert (long.endpoint, long.reason) == (None, "pool_saturated")
+    # Past the budget, the budget alone sends it remote.
+    spent = dataclasses.replace(pulling, stall_credit_s=0.01)
+    decision = decider(stall_weight=0.0).decide([BUSY], spent, prompt_tokens=3000)
+    assert (decision.endpoint, decision.reason) == ("p0", "decode_budget")
 
 
 def test_always_is_unchanged_by_the_budget():
