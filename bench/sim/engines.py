@@ -288,6 +288,8 @@ class DecodeEngine:
         self._seated = 0
         self._queue: deque[tuple[Request, Job | None]] = deque()
         """Requests waiting for a seat: a local prefill's job, or None for a remote one."""
+        self._pulling = 0
+        """Requests pulling their KV from a prefill server (``pull`` to ``arrive_remote``)."""
         self._itl: list[tuple[float, float, int]] = [(-math.inf, 0.0, 0)]
         """After each decode step: its end, and vLLM's inter-token latency histogram's sum and
         count so far (each token of the step observes the time since its request's previous
@@ -301,6 +303,17 @@ class DecodeEngine:
 
     def submit_local(self, job: Job) -> None:
         self._admit(job.request, job)
+
+    def pull(self) -> None:
+        """A remote prefill answered: its request pulls the KV (``pulled`` when it is here).
+        vLLM counts it as waiting meanwhile (``WAITING_FOR_REMOTE_KVS``)."""
+        self._pulling += 1
+        self._record()
+
+    def pulled(self, request: Request) -> None:
+        """The KV a ``pull`` began arrived."""
+        self._pulling -= 1
+        self.arrive_remote(request)
 
     def arrive_remote(self, request: Request) -> None:
         """The KV cache arrived: the request joins the batch at the next step boundary (once it
@@ -410,7 +423,7 @@ class DecodeEngine:
             self._record()
 
     def _record(self) -> None:
-        waiting = self._local.waiting + len(self._queue)
+        waiting = self._local.waiting + len(self._queue) + self._pulling
         self.gauge.record(self._loop.now, waiting, self._local.running + self._batch)
 
 

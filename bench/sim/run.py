@@ -510,7 +510,9 @@ class Simulation:
             decode.arrive_remote(request)
         else:
             transfer = self._transfer.seconds(request.prefill_tokens)
-            loop.at(loop.now + transfer, decode.arrive_remote, request)
+            assert isinstance(decode, DecodeEngine)  # slots: no transfer, the engine pulls
+            decode.pull()
+            loop.at(loop.now + transfer, decode.pulled, request)
 
     def _first_token(self, request: Request) -> None:
         if request.endpoint is None and request.local_tokens:
