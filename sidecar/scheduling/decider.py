@@ -41,6 +41,7 @@ prefill server (``WAITING_FOR_REMOTE_KVS``), which most scrapes of a disaggregat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from sidecar.defaults import STALL_BURST_S, STALL_WEIGHT, TPOT_AIM, TPOT_SLO_S
@@ -132,9 +133,10 @@ class Decider:
         """Predicted time to first token of a prefill on ``candidate``."""
         return predicted_ttft(candidate, prompt_tokens, self._transfer)
 
-    def budget(self, now: float) -> StallBudget:
-        """A full stall budget for a decode rank, with this decider's SLO and burst."""
-        return StallBudget(self.tpot_slo_s, self.stall_burst_s, now)
+    def budget(self, now: float, stale_after_s: float = math.inf) -> StallBudget:
+        """A full stall budget for a decode rank, with this decider's SLO and burst; its step time
+        is forgotten ``stale_after_s`` after the scrape that measured it."""
+        return StallBudget(self.tpot_slo_s, self.stall_burst_s, now, stale_after_s)
 
 
 class StallBudget:
@@ -142,17 +144,35 @@ class StallBudget:
     ``share`` seconds per second up to ``burst_s``; a local prefill spends its compute seconds
     while decodes run there. ``share`` follows the decodes' slack against the TPOT SLO,
     1 − step ÷ (``TPOT_AIM`` × ``slo_s``), from the engine's step time as ``scraped`` measures
-    it; 1 (the burst alone bounds) until a step time is known. Times are the caller's monotonic
-    seconds."""
+    it; 1 (the burst alone bounds) until a step time is known, and again once the last one was
+    measured more than ``stale_after_s`` ago (the engine's scrapes failed or found nothing
+    new). Times are the caller's monotonic seconds."""
 
-    __slots__ = ("_at", "_credit", "_seen", "_spent", "burst_s", "share", "slo_s", "step_s")
+    __slots__ = (
+        "_at",
+        "_credit",
+        "_seen",
+        "_spent",
+        "burst_s",
+        "measured_at",
+        "share",
+        "slo_s",
+        "stale_after_s",
+        "step_s",
+    )
 
-    def __init__(self, slo_s: float, burst_s: float, now: float) -> None:
+    def __init__(
+        self, slo_s: float, burst_s: float, now: float, stale_after_s: float = math.inf
+    ) -> None:
         self.slo_s = slo_s
         self.burst_s = burst_s
+        self.stale_after_s = stale_after_s
         self.share = 1.0
+        """The share as last measured (``rate``: the one in force)."""
         self.step_s: float | None = None
         """The engine's step time without this sidecar's local prefills (None: not known)."""
+        self.measured_at = -math.inf
+        """The scrape that measured ``step_s`` and ``share``."""
         self._credit = burst_s
         self._at = now
         self._spent = 0.0
@@ -160,10 +180,23 @@ class StallBudget:
         self._seen: tuple[float, float, float, float] | None = None
         """The last scrape: its time, inter-token seconds and tokens, and ``_spent`` then."""
 
+    def rate(self, now: float) -> float:
+        """The refill rate in force at ``now``, seconds per second: the measured share, or 1 once
+        it is more than ``stale_after_s`` old."""
+        return self.share if now <= self._fresh_until(now) else 1.0
+
+    def _fresh_until(self, now: float) -> float:
+        if self.stale_after_s == math.inf:
+            return now
+        return self.measured_at + self.stale_after_s
+
     def credit(self, now: float) -> float:
-        """The budget at ``now`` (refilled since the last look)."""
+        """The budget at ``now`` (refilled since the last look: at the measured share until it
+        went stale, at 1 after)."""
         if now > self._at:
-            self._credit = min(self.burst_s, self._credit + self.share * (now - self._at))
+            fresh = max(0.0, min(now, self._fresh_until(now)) - self._at)
+            refill = self.share * fresh + (now - self._at - fresh)
+            self._credit = min(self.burst_s, self._credit + refill)
             self._at = now
         return self._credit
 
@@ -179,8 +212,8 @@ class StallBudget:
         ``observed`` = Δsum ÷ Δcount per token, stalled for a share ``stalled`` of the interval
         by what this sidecar spent; their step is ``observed`` × (1 − ``stalled``), and the
         share refills from ``now`` on. An interval without tokens (nothing decoded), or with
-        counters that went back (the engine restarted), leaves the share as it was. Without a
-        TPOT SLO (0) there is no budget to keep."""
+        counters that went back (the engine restarted), leaves the share as it was, until it is
+        ``stale_after_s`` old. Without a TPOT SLO (0) there is no budget to keep."""
         previous = self._seen
         if self.slo_s <= 0:
             return
@@ -195,9 +228,10 @@ class StallBudget:
         if tokens <= 0 or seconds < 0:
             return
         stalled = min(MAX_STALLED, (self._spent - spent_then) / (at - then))
-        self.step_s = seconds / tokens * (1.0 - stalled)
         self.credit(now)
+        self.step_s = seconds / tokens * (1.0 - stalled)
         self.share = max(0.0, 1.0 - self.step_s / (TPOT_AIM * self.slo_s))
+        self.measured_at = at
 
 
 MAX_STALLED = 0.9

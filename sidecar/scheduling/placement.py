@@ -290,7 +290,7 @@ class Planner:
         """``rank``'s stall budget (a full one from ``now`` on, the first time it is asked)."""
         budget = self._budgets.get(rank.url)
         if budget is None:
-            budget = self._budgets[rank.url] = self.decider.budget(now)
+            budget = self._budgets[rank.url] = self.decider.budget(now, self._stale_after_s)
         return budget
 
     def decide(

@@ -202,4 +202,25 @@ def test_decodes_with_slack_keep_their_local_prefills_and_a_bottleneck_loses_the
     # the share the decodes had till now holds two more prefills, and then none fits.
     scrape(ranks, rank, 6.0, 2.0 + 100 * 0.045 / (1 - 39 * 0.04 / 5), 200)
     assert [place_on(plan, rank, 6.0) for _ in range(3)] == [None, None, "127.0.0.1:1"]
-    assert [place_on(plan, rank, 6.0 + tick) for tick in range(1, 6)] == ["127.0.0.1:1"] * 5
+    assert [place_on(plan, rank, 6.0 + tick / 2) for tick in range(1, 6)] == ["127.0.0.1:1"] * 5
+
+
+def test_a_step_time_older_than_the_staleness_bound_no_longer_sets_the_refill():
+    # The engine's decodes step every 45 ms (past 0.8 x 50 ms): nothing refills. Then its
+    # scrapes fail (an overloaded engine whose /metrics times out): three scrape intervals after
+    # the measurement the step is unknown again, and the burst alone bounds.
+    plan, ranks = planner(stall_burst_s=0.1)
+    rank = ranks[0]
+    rank.inflight = 5
+    scrape(ranks, rank, 0.0, 0.0, 0)
+    assert place_on(plan, rank, 0.0) is None
+    scrape(ranks, rank, 1.0, 4.5, 100)
+    assert [place_on(plan, rank, 1.0) for _ in range(3)] == [None, None, "127.0.0.1:1"]
+    ranks.publish(rank, dataclasses.replace(rank.engine, load=None))
+    budget = plan.budget_of(rank)
+    assert place_on(plan, rank, 3.9) == "127.0.0.1:1"
+    assert budget.rate(3.9) == 0.0
+    # Past 1.0 + 3 s: refilled at 1 s per second from 4.0 on, 0.1 s by 4.1.
+    assert budget.rate(4.1) == 1.0
+    assert place_on(plan, rank, 4.1) is None
+    assert budget.credit(4.1) == pytest.approx(0.1 - 0.04, abs=0.01)
