@@ -20,6 +20,7 @@ engine profiled its memory, a malformed line) makes the size unknown.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -136,9 +137,12 @@ def parse_engine_load(text: str, at: float) -> EngineLoad:
 
 def _inter_token(text: str) -> dict[str, float]:
     """``itl_sum_s`` and ``itl_count`` of the first name of ``INTER_TOKEN`` the text serves
-    (summed over its label sets); nothing when it serves neither."""
+    (summed over its label sets); nothing when it serves neither, or when any of the served
+    ``_sum`` and ``_count`` values is infinite or negative (no counter is)."""
     for name in INTER_TOKEN:
         sums, counts = _values(text, name + "_sum"), _values(text, name + "_count")
         if sums and counts:
+            if not all(0.0 <= value < math.inf for value in (*sums, *counts)):
+                return {}
             return {"itl_sum_s": sum(sums), "itl_count": sum(counts)}
     return {}

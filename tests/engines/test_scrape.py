@@ -157,6 +157,11 @@ def test_the_inter_token_histogram_is_read_under_either_of_vllms_names() -> None
     assert (old.itl_sum_s, old.itl_count) == (99.0, 99.0)
     half = parse_engine_load(f"{itl}_sum 3.5\n", at=0.0)  # a sum without its count: unknown
     assert (half.itl_sum_s, half.itl_count) == (None, None)
+    # A counter is finite and never negative: a histogram with any other value is unknown.
+    for bad in ("+Inf", "inf", "-1.0"):
+        for part in ("_sum", "_count"):
+            wrong = parse_engine_load(text + f'{itl}{part}{{engine="9"}} {bad}\n', at=0.0)
+            assert (wrong.itl_sum_s, wrong.itl_count) == (None, None), (bad, part)
     # Data-parallel ranks: summed, unknown while any rank's is.
     first = EngineLoad(0.0, 1.0, None, at=1.0, itl_sum_s=2.0, itl_count=40.0)
     second = EngineLoad(0.0, 1.0, None, at=1.0, itl_sum_s=1.0, itl_count=10.0)
