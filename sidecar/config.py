@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -172,14 +173,16 @@ class Settings(BaseSettings):
         ge=0,
         description="The decodes' TPOT SLO, in milliseconds, that local prefills may not push "
         "them past: each decode rank's stall budget refills at the share of time its decodes can "
-        "spare, from the engine's measured step time (docs/scheduling.md; 0: no budget).",
+        "spare, from the engine's measured step time (docs/scheduling.md; 0: no budget; "
+        "otherwise at least 1).",
     )
     disagg_stall_burst_s: float = Field(
         defaults.STALL_BURST_S,
         ge=0,
         description="Seconds of stall a decode rank's budget holds at most: the longest local "
         "prefill (its predicted compute seconds) allowed while decodes run on the engine "
-        "(docs/scheduling.md).",
+        "(docs/scheduling.md; 0: none, every prompt with uncached tokens goes to a prefill "
+        "server while decodes run).",
     )
     # Ageing and re-tests: an endpoint that was slow once must not be starved for good
     # (docs/scheduling.md).
@@ -684,6 +687,16 @@ class Settings(BaseSettings):
             return "local" if cannot is None else "fail"
         if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":
             raise ValueError(f"local is impossible with SIDECAR_CONNECTOR={name}: {cannot}")
+        return value
+
+    @field_validator("disagg_tpot_slo_ms")
+    @classmethod
+    def _tpot_slo_in_milliseconds(cls, value: float) -> float:
+        if value != 0 and not 1 <= value < math.inf:
+            raise ValueError(
+                f"{value:g} ms: set 0 (no budget) or the TPOT SLO in milliseconds, at least 1 "
+                "(e.g. 50 for 50 ms, not 0.05)"
+            )
         return value
 
     @field_validator("eject_max_s")
