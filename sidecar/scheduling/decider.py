@@ -185,6 +185,11 @@ class StallBudget:
         it is more than ``stale_after_s`` old."""
         return self.share if now <= self._fresh_until(now) else 1.0
 
+    def step_at(self, now: float) -> float | None:
+        """``step_s`` while it sets the rate (None: not known, or more than ``stale_after_s``
+        old)."""
+        return self.step_s if now <= self._fresh_until(now) else None
+
     def _fresh_until(self, now: float) -> float:
         if self.stale_after_s == math.inf:
             return now

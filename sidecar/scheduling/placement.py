@@ -293,6 +293,29 @@ class Planner:
             budget = self._budgets[rank.url] = self.decider.budget(now, self._stale_after_s)
         return budget
 
+    def observed_budget(self, rank: DecodeRank, now: float) -> StallBudget:
+        """``rank``'s stall budget, its share set by the decodes' step time since the last
+        scrape (the rank's latest one)."""
+        budget = self.budget_of(rank, now)
+        load = rank.load
+        if load is not None and load.itl_sum_s is not None and load.itl_count is not None:
+            budget.scraped(load.at, load.itl_sum_s, load.itl_count, now)
+        return budget
+
+    def describe_budget(self, rank: DecodeRank, now: float) -> dict[str, Any] | None:
+        """``rank``'s stall budget for /debug/scheduler (None: no budget, a TPOT SLO of 0): the
+        refill rate in force, the step time it follows (ms; None: not known, or stale), the
+        credit left (s)."""
+        if self.decider.tpot_slo_s <= 0:
+            return None
+        budget = self.observed_budget(rank, now)
+        step_s = budget.step_at(now)
+        return {
+            "share": round(budget.rate(now), 4),
+            "step_ms": None if step_s is None else round(step_s * 1000, 3),
+            "credit_s": round(budget.credit(now), 4),
+        }
+
     def decide(
         self,
         rank: DecodeRank,
@@ -320,11 +343,7 @@ class Planner:
         A re-test never turns a local decision into a remote one, nor takes a request whose
         chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
-        budget = self.budget_of(rank, now)
-        load = rank.load
-        if load is not None and load.itl_sum_s is not None and load.itl_count is not None:
-            # The decodes' step time since the last scrape sets the budget's share.
-            budget.scraped(load.at, load.itl_sum_s, load.itl_count, now)
+        budget = self.observed_budget(rank, now)
         # The request itself is claimed on the rank already: the others run there.
         running = max(0, rank.inflight - 1)
         speed = self.local_speed.value

@@ -568,7 +568,10 @@ class Scheduler:
                 "speed": speed_dict(self._planner.local_speed.value),
                 "prefix_index_blocks": sum(len(rank.prefix) for rank in self.ranks),
             },
-            "decode_ranks": self.ranks.describe(now),
+            "decode_ranks": [
+                {**described, "stall_budget": self._planner.describe_budget(rank, now)}
+                for rank, described in zip(self.ranks, self.ranks.describe(now), strict=True)
+            ],
             "prefill_prefixes": {"enabled": False}
             if self._prefixes is None
             else {"enabled": True, **self._prefixes.describe()},
