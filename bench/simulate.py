@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import sys
 import time
 from collections.abc import Sequence
@@ -115,6 +116,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="with --protocol: rates as fractions of the scenario's capacity "
         "(default 0.2,0.4,0.6,0.8,1,1.2; --quick 0.4,0.8,1.2)",
     )
+    parser.add_argument(
+        "--runs-file",
+        help="with --protocol: a file of runs kept between invocations; a run already in it (same "
+        "scenario, variant, seed, rate and effort) is read instead of simulated. Runs of a "
+        "variant whose code changed since are stale: use a new file",
+    )
     parser.add_argument("--no-checks", action="store_true", help="judge no check (exit 0)")
     parser.add_argument(
         "--trace",
@@ -123,6 +130,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     model = parser.add_argument_group("the model (defaults: what production does)")
     model.add_argument("--plain", action="store_true", help="the first, idealised model: all below")
+    model.add_argument(
+        "--prefill-engines", type=int, help="prefill engines (default: the scenario's)"
+    )
+    model.add_argument(
+        "--decode-engines",
+        type=int,
+        help="decode engines, one sidecar each (default: the scenario's)",
+    )
     model.add_argument("--state", choices=["redis", "shared", "local"])
     model.add_argument("--stale-mode", choices=["scrape", "delay"])
     model.add_argument("--staleness", type=float, help="scrape interval, seconds (default 1)")
@@ -172,6 +187,18 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["redis_refresh_s"] = args.redis_refresh
     if args.retest_s is not None:
         changes["retest_s"] = args.retest_s
+    for name in ("prefill_engines", "decode_engines"):
+        count = getattr(args, name)
+        if count is not None:
+            if count < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+            changes[name] = count
+    if args.prefill_engines is not None:
+        uneven = [scenario.name for scenario in chosen if scenario.prefill_speeds]
+        if uneven:
+            raise SystemExit(
+                f"--prefill-engines: {', '.join(uneven)} set each prefill engine's speed"
+            )
     plain: dict[str, Any] = {"state": "shared", "stale_mode": "delay"} if args.plain else {}
     for name, flag in (("state", args.state), ("stale_mode", args.stale_mode)):
         if flag:
@@ -305,6 +332,14 @@ def _protocol(
             variants = list(args.policies or protocol.VARIANTS)
             nominal = protocol.capacity(scenario)
             rates = [fraction * nominal.rate for fraction in grid]
+            kept = _kept_runs(args.runs_file)
+            where = repr(replace(scenario, variants=(), checks=()))
+
+            def stored(
+                variant: Variant, seed: int, rate: float, where: str = where
+            ) -> tuple[Any, ...]:
+                return (where, variant, seed, rate, effort.measured, effort.warmup)
+
             futures = {
                 (variant, seed, rate): pool.submit(
                     simulate,
@@ -318,15 +353,41 @@ def _protocol(
                 for variant in variants
                 for seed in seeds
                 for rate in rates
+                if stored(variant, seed, rate) not in kept
             }
             results = {key: future.result() for key, future in futures.items()}
             runs += len(results)
+            if args.runs_file:
+                kept.update({stored(*key): run for key, run in results.items()})
+                with open(args.runs_file, "wb") as file:
+                    pickle.dump(kept, file)
+            results.update(
+                {
+                    (variant, seed, rate): kept[stored(variant, seed, rate)]
+                    for variant in variants
+                    for seed in seeds
+                    for rate in rates
+                    if (variant, seed, rate) not in results
+                }
+            )
             print()
             print(f"== {scenario.describe()}")
             print(protocol.report(scenario, variants, seeds, grid, nominal, results))
     print()
-    print(f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))")
+    print(
+        f"{runs} runs in {time.perf_counter() - started:.0f} s ({args.jobs} worker(s))"
+        + (f"; the others read from {args.runs_file}" if args.runs_file else "")
+    )
     return 0
+
+
+def _kept_runs(path: str | None) -> dict[tuple[Any, ...], RunStats]:
+    """The runs a ``--runs-file`` holds (none: no file yet)."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path, "rb") as file:
+        kept: dict[tuple[Any, ...], RunStats] = pickle.load(file)
+    return kept
 
 
 def _executor(jobs: int) -> Executor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -166,6 +167,22 @@ class Settings(BaseSettings):
         "on one running decode counts for, when the decider weighs a local prefill against a "
         "prefill server with nothing queued (0: the stall is not weighed, and short prompts "
         "always prefill locally).",
+    )
+    disagg_tpot_slo_ms: float = Field(
+        defaults.TPOT_SLO_S * 1000,
+        ge=0,
+        description="The decodes' TPOT SLO, in milliseconds, that local prefills may not push "
+        "them past: each decode rank's stall budget refills at the share of time its decodes can "
+        "spare, from the engine's measured step time (docs/scheduling.md; 0: no budget; "
+        "otherwise at least 1).",
+    )
+    disagg_stall_burst_s: float = Field(
+        defaults.STALL_BURST_S,
+        ge=0,
+        description="Seconds of stall a decode rank's budget holds at most: the longest local "
+        "prefill (its predicted compute seconds) allowed while decodes run on the engine "
+        "(docs/scheduling.md; 0: none, every prompt with uncached tokens goes to a prefill "
+        "server while decodes run).",
     )
     # Ageing and re-tests: an endpoint that was slow once must not be starved for good
     # (docs/scheduling.md).
@@ -678,6 +695,16 @@ class Settings(BaseSettings):
             return "local" if cannot is None else "fail"
         if cannot is not None and isinstance(value, str) and value.strip().lower() == "local":
             raise ValueError(f"local is impossible with SIDECAR_CONNECTOR={name}: {cannot}")
+        return value
+
+    @field_validator("disagg_tpot_slo_ms")
+    @classmethod
+    def _tpot_slo_in_milliseconds(cls, value: float) -> float:
+        if value != 0 and not 1 <= value < math.inf:
+            raise ValueError(
+                f"{value:g} ms: set 0 (no budget) or the TPOT SLO in milliseconds, at least 1 "
+                "(e.g. 50 for 50 ms, not 0.05)"
+            )
         return value
 
     @field_validator("eject_max_s")

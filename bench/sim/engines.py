@@ -288,9 +288,32 @@ class DecodeEngine:
         self._seated = 0
         self._queue: deque[tuple[Request, Job | None]] = deque()
         """Requests waiting for a seat: a local prefill's job, or None for a remote one."""
+        self._pulling = 0
+        """Requests pulling their KV from a prefill server (``pull`` to ``arrive_remote``)."""
+        self._itl: list[tuple[float, float, int]] = [(-math.inf, 0.0, 0)]
+        """After each decode step: its end, and vLLM's inter-token latency histogram's sum and
+        count so far (each token of the step observes the time since its request's previous
+        one: the step and any prefill that stalled the batch before it)."""
+
+    def inter_token(self, when: float) -> tuple[float, int] | None:
+        """The inter-token latency histogram's sum (seconds) and count as a scrape at ``when``
+        reads it."""
+        at = bisect_right(self._itl, (when, math.inf, 0)) - 1
+        return self._itl[at][1], self._itl[at][2]
 
     def submit_local(self, job: Job) -> None:
         self._admit(job.request, job)
+
+    def pull(self) -> None:
+        """A remote prefill answered: its request pulls the KV (``pulled`` when it is here).
+        vLLM counts it as waiting meanwhile (``WAITING_FOR_REMOTE_KVS``)."""
+        self._pulling += 1
+        self._record()
+
+    def pulled(self, request: Request) -> None:
+        """The KV a ``pull`` began arrived."""
+        self._pulling -= 1
+        self.arrive_remote(request)
 
     def arrive_remote(self, request: Request) -> None:
         """The KV cache arrived: the request joins the batch at the next step boundary (once it
@@ -368,6 +391,14 @@ class DecodeEngine:
     def _end_step(self, _: object) -> None:
         now = self._loop.now
         self._step += 1
+        # Every request of the batch had a token at the previous step's end but those that
+        # joined for this step (a remote prefill's first token; a local one's came from its
+        # prefill, earlier): their gap is not an inter-token time of a step.
+        gap = now - self._ends[-1]
+        tokens = self._batch - len(self._first_pending)
+        if tokens > 0:
+            _, total, count = self._itl[-1]
+            self._itl.append((now, total + gap * tokens, count + tokens))
         self._ends.append(now)
         for request in self._first_pending:
             request.first_token = now
@@ -392,7 +423,7 @@ class DecodeEngine:
             self._record()
 
     def _record(self) -> None:
-        waiting = self._local.waiting + len(self._queue)
+        waiting = self._local.waiting + len(self._queue) + self._pulling
         self.gauge.record(self._loop.now, waiting, self._local.running + self._batch)
 
 
@@ -477,6 +508,10 @@ class SlotDecodeEngine:
         self._slots = scenario.decode_max_num_seqs
         self._waiting: deque[tuple[Request, Job | None]] = deque()
         self._running = 0
+
+    def inter_token(self, when: float) -> tuple[float, int] | None:
+        """The emulator's model serves no inter-token latency histogram here."""
+        return None
 
     def submit_local(self, job: Job) -> None:
         self._admit(job.request, job)

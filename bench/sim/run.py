@@ -325,6 +325,7 @@ class Simulation:
                 seen,
                 {key: prefill.gauge.at(seen) for key, prefill in self.prefill.items()},
                 self.decode[engine].gauge.at(seen),
+                self.decode[engine].inter_token(seen),
             )
         claim = request.claim
         assert claim is not None
@@ -529,7 +530,9 @@ class Simulation:
             decode.arrive_remote(request)
         else:
             transfer = self._transfer.seconds(request.prefill_tokens)
-            loop.at(loop.now + transfer, decode.arrive_remote, request)
+            assert isinstance(decode, DecodeEngine)  # slots: no transfer, the engine pulls
+            decode.pull()
+            loop.at(loop.now + transfer, decode.pulled, request)
 
     def _events_arrived(self, placed: tuple[str, Sequence[int]]) -> None:
         assert self.exact is not None

@@ -92,6 +92,8 @@ class Sidecar:
             options["ttft_ratio"] = scenario.ttft_ratio
         if scenario.stall_weight is not None:
             options["stall_weight"] = scenario.stall_weight
+        # SIDECAR_DISAGG_TPOT_SLO_MS as an operator sets it: the scenario's TPOT SLO.
+        options["tpot_slo_s"] = scenario.tpot_slo_s
         decider = Decider(policy, **options)
         # The prefill prefix index is on by default (SIDECAR_PREFILL_PREFIX_INDEX); a blind
         # variant runs without it, as production did before it had one.
@@ -144,12 +146,27 @@ class Sidecar:
         scrapes = math.floor((now - self._phase) / self._staleness)
         return self._phase + scrapes * self._staleness
 
-    def scraped(self, at: float, loads: dict[str, tuple[int, int]], local: tuple[int, int]) -> None:
-        """A scrape at ``at`` (monotonic, virtual): every engine's waiting and running."""
+    def scraped(
+        self,
+        at: float,
+        loads: dict[str, tuple[int, int]],
+        local: tuple[int, int],
+        inter_token: tuple[float, int] | None = None,
+    ) -> None:
+        """A scrape at ``at`` (monotonic, virtual): every engine's waiting and running, and the
+        decode engine's inter-token latency histogram (sum, count; None: not served)."""
         self.last_scrape = at
         pool = self.planner.pool
         for key, (waiting, running) in loads.items():
             if key in pool:
                 pool[key].load = EngineLoad(float(waiting), float(running), None, at)
-        load = EngineLoad(float(local[0]), float(local[1]), None, at)
+        itl_sum, itl_count = (None, None) if inter_token is None else inter_token
+        load = EngineLoad(
+            float(local[0]),
+            float(local[1]),
+            None,
+            at,
+            itl_sum_s=itl_sum,
+            itl_count=None if itl_count is None else float(itl_count),
+        )
         self.ranks.publish(self.rank, dataclasses.replace(self.rank.engine, load=load, at=at))

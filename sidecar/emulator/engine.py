@@ -373,7 +373,11 @@ class Engine:
         )
 
     async def decode_step(self) -> None:
-        await _sleep(self.latency.decode(self.running))
+        """One output token after the first: its delay is the time since the previous one
+        (vLLM's inter-token latency)."""
+        delay = self.latency.decode(self.running)
+        await _sleep(delay)
+        self.metrics.inter_token.observe(delay)
 
     def finish(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Stage a prefill's blocks; returns the kv_transfer_params for its response, if any.

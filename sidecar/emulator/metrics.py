@@ -13,6 +13,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from sidecar.emulator.kv import KvStore
 
 XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+INTER_TOKEN_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
+    *(0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+"""vLLM's buckets for ``vllm:inter_token_latency_seconds`` (``vllm/v1/metrics/loggers.py``)."""
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -73,6 +78,13 @@ class EmulatorMetrics:
             "Duration of a successful KV pull (decode side).",
             label,
             buckets=XFER_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self.inter_token = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between a request's consecutive output tokens.",
+            label,
+            buckets=INTER_TOKEN_BUCKETS,
             registry=reg,
         ).labels(model_name)
         self.failed_transfers = Counter(

@@ -1,5 +1,5 @@
-"""Engine load from vLLM's Prometheus text: the three gauges the scheduler reads, and the size
-of the engine's KV cache.
+"""Engine load from vLLM's Prometheus text: the three gauges the scheduler reads, the size of
+the engine's KV cache, and its inter-token latency histogram's sum and count (``INTER_TOKEN``).
 
 Only the lines of those metrics are looked at (vLLM's /metrics is large: histograms per model); a
 gauge reported per label set (several models, data-parallel ranks) is summed, kv usage averaged.
@@ -20,6 +20,7 @@ engine profiled its memory, a malformed line) makes the size unknown.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -30,6 +31,9 @@ RUNNING = "vllm:num_requests_running"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
 _NAMES = (WAITING, RUNNING, KV_USAGE)
+INTER_TOKEN = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+"""The histogram of the time between a request's tokens (its ``_sum`` and ``_count``): vLLM's
+name since 0.11, and the name it had before (``vllm/v1/metrics/loggers.py``)."""
 
 MAX_BLOCK_SIZE = 1 << 16
 """Tokens per block; vLLM's are 16 by default, hybrid models' some thousands."""
@@ -127,4 +131,18 @@ def parse_engine_load(text: str, at: float) -> EngineLoad:
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=at,
         cache_tokens=total_cache(caches),
+        **_inter_token(text),
     )
+
+
+def _inter_token(text: str) -> dict[str, float]:
+    """``itl_sum_s`` and ``itl_count`` of the first name of ``INTER_TOKEN`` the text serves
+    (summed over its label sets); nothing when it serves neither, or when any of the served
+    ``_sum`` and ``_count`` values is infinite or negative (no counter is)."""
+    for name in INTER_TOKEN:
+        sums, counts = _values(text, name + "_sum"), _values(text, name + "_count")
+        if sums and counts:
+            if not all(0.0 <= value < math.inf for value in (*sums, *counts)):
+                return {}
+            return {"itl_sum_s": sum(sums), "itl_count": sum(counts)}
+    return {}

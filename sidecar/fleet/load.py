@@ -21,6 +21,11 @@ class EngineLoad:
     cache_tokens: int | None = None
     """The engine's KV cache in tokens (``vllm:cache_config_info``; several engines' summed);
     None when the engine does not say, or says it malformed."""
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
+    """The engine's inter-token latency histogram so far (``vllm:inter_token_latency_seconds``'
+    ``_sum`` and ``_count``, several engines' summed): two scrapes give the mean time between
+    its tokens in between. None when the engine does not serve it."""
 
 
 def total_cache(caches: list[int | None]) -> int | None:
@@ -45,6 +50,9 @@ def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
         present = [value for value in values if value is not None]
         return sum(present) if present else None
 
+    def all_known(field: str) -> bool:
+        return all(getattr(load, field) is not None for load in known)
+
     usage = [load.kv_usage for load in known if load.kv_usage is not None]
     caches = [load.cache_tokens for load in known]
     return EngineLoad(
@@ -53,6 +61,8 @@ def merge_loads(loads: list[EngineLoad | None]) -> EngineLoad | None:
         kv_usage=sum(usage) / len(usage) if usage else None,
         at=min(load.at for load in known),
         cache_tokens=total_cache(caches),
+        itl_sum_s=total([load.itl_sum_s for load in known]) if all_known("itl_sum_s") else None,
+        itl_count=total([load.itl_count for load in known]) if all_known("itl_count") else None,
     )
 
 

@@ -7,6 +7,7 @@ and policy code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -80,12 +81,15 @@ class LocalView:
     first byte yet. ``waiting``: the engine's scraped ``vllm:num_requests_waiting``.
     ``speed``: observed local time to first token per prompt token. ``running``: other requests
     of this sidecar on the engine (placed, not finished): the decodes a local prefill stalls.
+    ``stall_credit_s``: the stall those decodes can still absorb (the rank's ``StallBudget``;
+    infinite: no budget kept).
     """
 
     ahead_tokens: int = 0
     waiting: float | None = None
     speed: Speed = Speed(1e-4, 0.01)
     running: int = 0
+    stall_credit_s: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +97,8 @@ class Decision:
     """Where to prefill. ``endpoint`` None means on the local decode engine.
 
     ``reason`` (recorded with the request, a metric label): ``header``, ``pool_empty``,
-    ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``retest`` (sent to
+    ``short_prompt``, ``prefix_cached``, ``pool_saturated``, ``scheduled``, ``decode_budget`` (a
+    local prefill would overrun the running decodes' stall budget), ``retest`` (sent to
     an endpoint unmeasured for ``SIDECAR_SCHEDULER_RETEST_S``), ``round_robin``.
     """
 

@@ -23,7 +23,7 @@ from typing import Any
 from sidecar.defaults import RETEST_S, SPEED_HALF_LIFE_S, SPEED_IDLE_HALF_LIFE_S
 from sidecar.fleet.endpoints import Endpoint
 from sidecar.fleet.load import EngineLoad, describe_load
-from sidecar.scheduling.decider import Decider
+from sidecar.scheduling.decider import Decider, StallBudget
 from sidecar.scheduling.estimates import (
     VIRTUAL_HIGH_TOKENS,
     Availability,
@@ -305,6 +305,8 @@ class Planner:
         self._half_life_s = half_life_s
         self._idle_half_life_s = idle_half_life_s
         self._retest_s = retest_s
+        # Each decode rank's stall budget (the decider's docstring), by rank URL: one per rank.
+        self._budgets: dict[str, StallBudget] = {}
 
     def join(self, endpoint: Endpoint, health: Health) -> EndpointState:
         """Add ``endpoint`` to the pool, its speed estimate decaying with the planner's
@@ -433,6 +435,36 @@ class Planner:
                     return found
         return Candidate(key=key, speed=PREFILL_PRIOR)
 
+    def budget_of(self, rank: DecodeRank, now: float = 0.0) -> StallBudget:
+        """``rank``'s stall budget (a full one from ``now`` on, the first time it is asked)."""
+        budget = self._budgets.get(rank.url)
+        if budget is None:
+            budget = self._budgets[rank.url] = self.decider.budget(now, self._stale_after_s)
+        return budget
+
+    def observed_budget(self, rank: DecodeRank, now: float) -> StallBudget:
+        """``rank``'s stall budget, its share set by the decodes' step time since the last
+        scrape (the rank's latest one)."""
+        budget = self.budget_of(rank, now)
+        load = rank.load
+        if load is not None and load.itl_sum_s is not None and load.itl_count is not None:
+            budget.scraped(load.at, load.itl_sum_s, load.itl_count, now)
+        return budget
+
+    def describe_budget(self, rank: DecodeRank, now: float) -> dict[str, Any] | None:
+        """``rank``'s stall budget for /debug/scheduler (None: no budget, a TPOT SLO of 0): the
+        refill rate in force, the step time it follows (ms; None: not known, or stale), the
+        credit left (s)."""
+        if self.decider.tpot_slo_s <= 0:
+            return None
+        budget = self.observed_budget(rank, now)
+        step_s = budget.step_at(now)
+        return {
+            "share": round(budget.rate(now), 4),
+            "step_ms": None if step_s is None else round(step_s * 1000, 3),
+            "credit_s": round(budget.credit(now), 4),
+        }
+
     def decide(
         self,
         rank: DecodeRank,
@@ -460,16 +492,19 @@ class Planner:
         A re-test never turns a local decision into a remote one, nor takes a request whose
         chosen endpoint is predicted to hold part of its prompt."""
         candidates = self.candidates(view, now, wall, hashes, exact)
+        budget = self.observed_budget(rank, now)
+        # The request itself is claimed on the rank already: the others run there.
+        running = max(0, rank.inflight - 1)
+        speed = self.local_speed.value
         decision = self.decider.decide(
             candidates,
-            # The request itself is claimed on the rank already: the others run there.
-            LocalView(
-                rank.ahead_tokens, waiting, self.local_speed.value, max(0, rank.inflight - 1)
-            ),
+            LocalView(rank.ahead_tokens, waiting, speed, running, budget.credit(now)),
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
         )
         if decision.endpoint is None:
+            if running > 0:
+                budget.spend(speed.s_per_token * decision.uncached_tokens, now)
             return decision
         key = decision.endpoint
         # A re-test never takes a request that the chosen endpoint is predicted to hold part of:

@@ -67,6 +67,8 @@ class SchedulerOptions:
     disagg_min_tokens: int
     disagg_ttft_ratio: float
     disagg_stall_weight: float
+    disagg_stall_burst_s: float
+    disagg_tpot_slo_s: float
     remote_only: bool
     """The connector's decode server cannot prefill: every request goes remote."""
     speed_half_life_s: float
@@ -93,6 +95,8 @@ class SchedulerOptions:
             disagg_min_tokens=settings.disagg_min_tokens,
             disagg_ttft_ratio=settings.disagg_ttft_ratio,
             disagg_stall_weight=settings.disagg_stall_weight,
+            disagg_stall_burst_s=settings.disagg_stall_burst_s,
+            disagg_tpot_slo_s=settings.disagg_tpot_slo_ms / 1000,
             remote_only=CONNECTORS[settings.connector].remote_only,
             speed_half_life_s=settings.speed_half_life_s,
             speed_idle_half_life_s=settings.speed_idle_half_life_s,
@@ -148,6 +152,8 @@ class Scheduler:
                 min_tokens=options.disagg_min_tokens,
                 ttft_ratio=options.disagg_ttft_ratio,
                 stall_weight=options.disagg_stall_weight,
+                stall_burst_s=options.disagg_stall_burst_s,
+                tpot_slo_s=options.disagg_tpot_slo_s,
                 # A decode server that cannot prefill: nothing to weigh, every request goes remote.
                 always=options.remote_only,
             ),
@@ -553,6 +559,8 @@ class Scheduler:
             "disagg_min_tokens": self._options.disagg_min_tokens,
             "disagg_ttft_ratio": self._options.disagg_ttft_ratio,
             "disagg_stall_weight": self._options.disagg_stall_weight,
+            "disagg_stall_burst_s": self._options.disagg_stall_burst_s,
+            "disagg_tpot_slo_s": self._options.disagg_tpot_slo_s,
             "discovery": self.pool.describe_discovery(),
             "state_backend": self.backend.status(),
             "decisions": dict(self._reasons),
@@ -562,7 +570,10 @@ class Scheduler:
                 "speed": speed_dict(self._planner.local_speed.value),
                 "prefix_index_blocks": sum(len(rank.prefix) for rank in self.ranks),
             },
-            "decode_ranks": self.ranks.describe(now),
+            "decode_ranks": [
+                {**described, "stall_budget": self._planner.describe_budget(rank, now)}
+                for rank, described in zip(self.ranks, self.ranks.describe(now), strict=True)
+            ],
             "prefill_prefixes": {"enabled": False}
             if self._prefixes is None
             else {"enabled": True, **self._prefixes.describe()},

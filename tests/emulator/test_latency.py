@@ -11,6 +11,7 @@ from sidecar.emulator.engine import LatencyModel, prefill_seconds
 from sidecar.emulator.text import prompt_from_completion, prompt_from_messages
 
 from .conftest import MakeEmulator
+from .helpers import metric_value, metrics_text
 
 
 def test_prefill_is_linear_plus_attention() -> None:
@@ -78,3 +79,20 @@ async def test_a_words_emulator_reports_word_counts_and_caches_by_word_blocks(
                 usage = (await response.json())["usage"]
             assert usage["prompt_tokens"] == 40
             assert usage["prompt_tokens_details"] == {"cached_tokens": expected_cached}
+
+
+async def test_the_time_between_tokens_is_served_as_vllms_histogram(
+    make_emulator: MakeEmulator,
+) -> None:
+    # vLLM's vllm:inter_token_latency_seconds: one observation per output token after the first,
+    # its delay since the previous one; what the sidecar reads its decodes' step time from.
+    emulator: RunningEmulator = await make_emulator(decode_s_per_token=0.002)
+    async with aiohttp.ClientSession() as session:
+        for stream in (False, True):
+            body = {"prompt": "hello", "max_tokens": 5, "stream": stream}
+            async with session.post(emulator.url + "/v1/completions", json=body) as response:
+                await response.read()
+        text = await metrics_text(session, emulator)
+    assert metric_value(text, "vllm:inter_token_latency_seconds_count") == 8  # 4 each
+    assert metric_value(text, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.016)
+    assert 'vllm:inter_token_latency_seconds_bucket{le="0.01",model_name=' in text

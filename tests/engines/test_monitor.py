@@ -60,11 +60,13 @@ def _project_path(path: str) -> str:
 
 class FakeEngine:
     """``/health`` answers ``health_status``; ``/metrics`` serves vLLM's waiting and running
-    gauges (``waiting``, 1)."""
+    gauges (``waiting``, 1) and, when ``itl`` is set, the inter-token latency histogram's sum
+    and count."""
 
     def __init__(self) -> None:
         self.health_status = 200
         self.waiting = 7.0
+        self.itl: tuple[float, float] | None = None
         self.polls: Counter[str] = Counter()
         self.pollers: set[str] = set()
         """Every sidecar module that had a poll in flight when this engine got one."""
@@ -99,6 +101,9 @@ class FakeEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         self._polled("/metrics")
         text = f"vllm:num_requests_waiting {self.waiting}\nvllm:num_requests_running 1.0\n"
+        if self.itl is not None:
+            itl = "vllm:inter_token_latency_seconds"
+            text += f"{itl}_sum {self.itl[0]}\n{itl}_count {self.itl[1]}\n"
         return web.Response(text=text, content_type="text/plain")
 
 
@@ -253,3 +258,26 @@ async def test_each_poll_keeps_its_interval(
 
 async def _at_least(engine: FakeEngine, path: str, count: int) -> bool:
     return engine.polls[path] >= count
+
+
+async def test_debug_scheduler_shows_each_decode_ranks_stall_budget(
+    http: aiohttp.ClientSession, fakes: list[FakeEngine], start: Start
+) -> None:
+    """Each rank's stall budget, as decode_budget weighs it: the refill rate in force, the step
+    time it follows and the credit left. 100 tokens in 2 s between two scrapes: a 20 ms step,
+    half the time to spare under 0.8 x the 50 ms TPOT SLO."""
+    decode = await fake(fakes)
+    decode.itl = (0.0, 0.0)
+    sidecar = await start(decode, ready_interval_s=LONG_S, scrape_interval_s=0.05)
+    rank = sidecar.app[SCHEDULER].ranks[0]
+
+    async def scraped(count: float) -> bool:
+        return rank.load is not None and rank.load.itl_count == count
+
+    await eventually(functools.partial(scraped, 0.0))
+    [described] = (await scheduler_view(http, sidecar))["decode_ranks"]
+    assert described["stall_budget"] == {"share": 1.0, "step_ms": None, "credit_s": 3.0}
+    decode.itl = (2.0, 100.0)
+    await eventually(functools.partial(scraped, 100.0))
+    [described] = (await scheduler_view(http, sidecar))["decode_ranks"]
+    assert described["stall_budget"] == {"share": 0.5, "step_ms": 20.0, "credit_s": 3.0}

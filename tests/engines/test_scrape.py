@@ -138,3 +138,48 @@ def test_the_gauges_are_found_on_any_line_and_by_their_whole_name() -> None:
     load = parse_engine_load(text, at=0.0)
     assert (load.waiting, load.running, load.kv_usage) == (3.0, 4.0, None)
     assert parse_engine_load("", at=0.0) == EngineLoad(None, None, None, at=0.0)
+
+
+def test_the_inter_token_histogram_is_read_under_either_of_vllms_names() -> None:
+    itl = "vllm:inter_token_latency_seconds"
+    text = (
+        f'{itl}_bucket{{le="0.05",model_name="m",engine="0"}} 90.0\n'
+        f'{itl}_sum{{model_name="m",engine="0"}} 3.5\n'
+        f'{itl}_count{{model_name="m",engine="0"}} 100.0\n'
+        f'{itl}_sum{{model_name="m",engine="1"}} 1.5\n'
+        f'{itl}_count{{model_name="m",engine="1"}} 50.0\n'
+        "vllm:time_per_output_token_seconds_sum 99.0\n"  # the old name: the new one wins
+        "vllm:time_per_output_token_seconds_count 99.0\n"
+    )
+    load = parse_engine_load(text, at=0.0)
+    assert (load.itl_sum_s, load.itl_count) == (5.0, 150.0)
+    old = parse_engine_load(text.replace(itl, "vllm:other"), at=0.0)
+    assert (old.itl_sum_s, old.itl_count) == (99.0, 99.0)
+    half = parse_engine_load(f"{itl}_sum 3.5\n", at=0.0)  # a sum without its count: unknown
+    assert (half.itl_sum_s, half.itl_count) == (None, None)
+    # A counter is finite and never negative: a histogram with any other value is unknown.
+    for bad in ("+Inf", "inf", "-1.0"):
+        for part in ("_sum", "_count"):
+            wrong = parse_engine_load(text + f'{itl}{part}{{engine="9"}} {bad}\n', at=0.0)
+            assert (wrong.itl_sum_s, wrong.itl_count) == (None, None), (bad, part)
+    # Data-parallel ranks: summed, unknown while any rank's is.
+    first = EngineLoad(0.0, 1.0, None, at=1.0, itl_sum_s=2.0, itl_count=40.0)
+    second = EngineLoad(0.0, 1.0, None, at=1.0, itl_sum_s=1.0, itl_count=10.0)
+    merged = merge_loads([first, second])
+    assert merged is not None
+    assert (merged.itl_sum_s, merged.itl_count) == (3.0, 50.0)
+    unknown = merge_loads([first, EngineLoad(0.0, 1.0, None, at=1.0)])
+    assert unknown is not None
+    assert (unknown.itl_sum_s, unknown.itl_count) == (None, None)
+
+
+async def test_a_real_emulators_inter_token_histogram(http: aiohttp.ClientSession) -> None:
+    config = EmulatorConfig(port=0, decode_s_per_token=0.001)
+    async with await start_emulator(config) as emulator:
+        body = {"prompt": "hello", "max_tokens": 3}
+        async with http.post(emulator.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+        async with http.get(emulator.url + "/metrics") as response:
+            load = parse_engine_load(await response.text(), at=0.0)
+    assert load.itl_count == 2
+    assert load.itl_sum_s == pytest.approx(0.002)

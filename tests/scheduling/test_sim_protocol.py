@@ -16,11 +16,12 @@ from bench.sim.anchors import LlmdScorer
 from bench.sim.engines import DecodeEngine, Job, Loop, Request, tail_gap
 from bench.sim.protocol import capacity, crossing, paired_ratio
 from bench.sim.run import Simulation
-from bench.sim.scenario import LEAST_LOADED, LLMD, NEVER, QOE, SGLANG
+from bench.sim.scenario import LEAST_LOADED, LLMD, NEVER, QOE, QOE_ALWAYS, SGLANG
 from bench.sim.scenarios import MOONCAKE, SHARED_PROMPTS, STANDARD
 from bench.sim.traces import mooncake
 from bench.sim.workload import Shape
 from bench.simulate import main_cli
+from sidecar.scheduling.model import Transfer
 
 
 def write_trace(path, timestamps_ms):
@@ -226,3 +227,23 @@ def test_means_are_over_the_requests_that_got_there_and_the_rest_is_counted():
     assert math.isfinite(stats.ttft_mean)
     assert math.isfinite(stats.tpot_mean)
     assert math.isfinite(stats.tail_tbt_mean)
+
+
+def test_a_decode_engine_counts_the_requests_pulling_kv_as_waiting():
+    # vLLM's vllm:num_requests_waiting counts a request whose KV is still coming from the
+    # prefill server (WAITING_FOR_REMOTE_KVS); here a transfer takes 0.5 s, no seat is short.
+    scenario = replace(
+        STANDARD,
+        prefill_engines=1,
+        decode_engines=1,
+        decode_max_batch=0,
+        transfer=Transfer(fixed_s=0.5, s_per_token=0.0),
+    )
+    simulation = Simulation(scenario, QOE_ALWAYS, 2.0, measured=20, warmup=0, seed=1)
+    simulation.run()
+    gauge = simulation.decode[0].gauge
+    remote = [request for request in simulation.requests if request.endpoint is not None]
+    assert remote
+    # The KV arrives at most two steps before the first token, and left 0.5 s before that.
+    for request in remote:
+        assert gauge.at(request.first_token - 0.2)[0] >= 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 
 from bench.sim.checks import GoodputRatio, Outcome, QueueBalance
 from bench.sim.goodput import find_goodput
-from bench.sim.run import simulate
+from bench.sim.run import Simulation, simulate
 from bench.sim.scenario import LEAST_LOADED, QOE, ROUND_ROBIN, Scenario, Variant
 from bench.sim.scenarios import MIXED, STANDARD
 from bench.simulate import main_cli
@@ -39,12 +40,14 @@ def test_always_disaggregating_prefills_everything_remotely():
 def test_conditional_disaggregation_splits_by_prompt():
     stats = run(Variant("qoe"))
     assert 0 < stats.remote_share < 1
-    # (retest: an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S)
+    # (retest: an endpoint the policy left alone for SIDECAR_SCHEDULER_RETEST_S; decode_budget:
+    # a local prefill the decodes running on the engine could not absorb)
     assert set(stats.reasons) <= {
         "scheduled",
         "short_prompt",
         "prefix_cached",
         "pool_saturated",
+        "decode_budget",
         "retest",
     }
     assert stats.reasons["short_prompt"] > 0
@@ -139,3 +142,43 @@ def test_the_command_prints_goodput_and_latency_tables(capsys):
     assert "cannot run, not run: qoe, round_robin always" in out
     assert main_cli(["--scenario", "standard", "--policies", "never", "--no-checks", *quick]) == 0
     assert "checks not judged (--no-checks)" in capsys.readouterr().out
+
+
+def test_the_fleet_is_sized_on_the_command_line_and_runs_are_kept(capsys, tmp_path):
+    kept = str(tmp_path / "runs.pickle")
+    args = ["--protocol", "--scenario", "standard", "--requests", "100", "--jobs", "1"]
+    args += ["--seeds", "1", "--grid", "0.5", "--policies", "qoe,qoe:always"]
+    args += ["--prefill-engines", "2", "--decode-engines", "5", "--runs-file", kept]
+    assert main_cli(args) == 0
+    first = capsys.readouterr().out
+    assert "standard: 2 prefill + 5 decode engines, 5 sidecars" in first
+    assert "2 runs in" in first
+    assert main_cli(args) == 0  # the same runs again: read, not simulated
+    again = capsys.readouterr().out
+    assert "0 runs in" in again
+    assert (
+        again.split("\n== ")[1].split("\n\n0 runs")[0]
+        == first.split("\n== ")[1].split("\n\n2 runs")[0]
+    )
+    with pytest.raises(SystemExit, match="mixed set each prefill engine's speed"):
+        main_cli(["--protocol", "--scenario", "mixed", "--prefill-engines", "2"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        main_cli(["--protocol", "--scenario", "standard", "--decode-engines", "0"])
+
+
+def test_decode_engines_serve_their_time_between_tokens_to_the_sidecars():
+    simulation = Simulation(TINY, QOE, 4.0, measured=300, warmup=50, seed=3)
+    simulation.run()
+    for engine in simulation.decode:
+        served = engine.inter_token(math.inf)
+        assert served is not None
+        total, tokens = served
+        assert tokens > 0
+        # Each token's gap: at least a step at batch 1, at most a step plus the local prefills.
+        assert TINY.decode_step_s(1) <= total / tokens <= TINY.decode_step_s(64) * 2
+        assert engine.inter_token(-1.0) == (0.0, 0)
+    # The budgets learnt the engines' steps from them (production's StallBudget.scraped).
+    for sidecar in simulation.sidecars:
+        budget = sidecar.planner.budget_of(sidecar.rank)
+        assert budget.step_s is not None
+        assert TINY.decode_step_s(1) * 0.5 <= budget.step_s <= TINY.decode_step_s(64)
