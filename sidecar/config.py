@@ -707,6 +707,16 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("disagg_stall_burst_s")
+    @classmethod
+    def _stall_burst_finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{value:g}: set the longest stall in seconds (a finite number; "
+                "SIDECAR_DISAGG_TPOT_SLO_MS=0 turns the budget off)"
+            )
+        return value
+
     @field_validator("eject_max_s")
     @classmethod
     def _eject_max_above_base(cls, value: float, info: ValidationInfo) -> float:

@@ -97,7 +97,13 @@ class Decider:
         compute_s = local.speed.s_per_token * uncached
         stall_s = self._stall_weight * local.running * compute_s
         # The decodes' budget: a hard bound, over anything the weighing below prefers.
-        over_budget = self.tpot_slo_s > 0 and local.running > 0 and compute_s > local.stall_credit_s
+        # A prompt with nothing to compute stalls nothing: never over, even on a budget in debt.
+        over_budget = (
+            self.tpot_slo_s > 0
+            and local.running > 0
+            and compute_s > 0
+            and compute_s > local.stall_credit_s
+        )
         short = uncached < self._min_tokens
         short_reason = "prefix_cached" if prompt_tokens >= self._min_tokens else "short_prompt"
         unweighed = short and stall_s <= 0  # short, and no stall weighed: local
@@ -207,8 +213,10 @@ class StallBudget:
 
     def spend(self, seconds: float, now: float) -> None:
         """A local prefill of ``seconds`` of compute stalls the running decodes. The budget may
-        go below zero (a prefill that stays local without a candidate): it is paid back first."""
-        self._credit = self.credit(now) - seconds
+        go below zero (a prefill that stays local without a candidate), down to ``-burst_s``: it
+        is paid back first, and a long spell without a prefill pool leaves at most one burst of
+        debt (more would send every later prefill remote for as long again)."""
+        self._credit = max(-self.burst_s, self.credit(now) - seconds)
         self._spent += seconds
 
     def scraped(self, at: float, itl_sum_s: float, itl_count: float, now: float) -> None:

@@ -81,6 +81,25 @@ def test_requests_waiting_on_the_decode_engine_do_not_send_prefills_remote():
     assert (decision.endpoint, decision.reason) == ("p0", "decode_budget")
 
 
+def test_a_prompt_with_nothing_to_compute_stays_local_whatever_the_budget_owes():
+    # All 3,000 tokens cached locally: a local prefill computes nothing and stalls nothing, so
+    # even a budget in debt does not send it to a server that would compute the whole prompt.
+    in_debt = LocalView(speed=SPEED, running=4, stall_credit_s=-0.5)
+    decision = decider().decide([BUSY], in_debt, prompt_tokens=3000, cached_tokens=3000)
+    assert (decision.endpoint, decision.reason) == (None, "prefix_cached")
+
+
+def test_a_budget_owes_at_most_one_burst():
+    # Ten minutes without a prefill pool, every prefill local: the debt stops at one burst, so
+    # the pool's return sends prefills remote for about a burst's refill, not for ten minutes.
+    budget = StallBudget(0.05, 3.0, now=0.0)
+    budget.share = 0.125
+    for second in range(600):
+        budget.spend(0.3, now=float(second))
+    assert budget.credit(600.0) == pytest.approx(-3.0 + 0.125)
+    assert budget.credit(600.0 + 3.0 / 0.125) == pytest.approx(0.0, abs=0.2)
+
+
 def test_always_is_unchanged_by_the_budget():
     over = LocalView(speed=SPEED, running=10, stall_credit_s=0.0)
     decision = decider(always=True).decide([BUSY], over, prompt_tokens=3000)
