@@ -438,7 +438,8 @@ async def load_window(
     cpu = own_cpu_s()
     window = Window(0.0, 0, [])
     loop = asyncio.get_running_loop()
-    began = loop.time()  # the monotonic clock, as time.monotonic()
+    began = loop.time()
+    began_at = time.monotonic()  # the clock the placements are stamped with
     decisions: set[asyncio.Task[None]] = set()
     for i in range(int(rate * seconds)):
         due = began + i / rate
@@ -452,7 +453,7 @@ async def load_window(
     if fleet.share:
         # What the observers learn of placements at least SETTLED_S old, as the window ends.
         window.learnt_share, window.learnt_age_ms = fleet.learnt_share(
-            began, loop.time() - SETTLED_S
+            began_at, time.monotonic() - SETTLED_S
         )
     window.seconds = loop.time() - began
     window.decisions = len(window.waits_ms)
