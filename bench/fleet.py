@@ -23,14 +23,52 @@ is extrapolated from them: decisions a second per Redis core = 10⁶ ÷ (Redis C
 less what the idle heartbeats of N sidecars take. The decision's wait is measured in this busy
 process, so it is an upper bound of a sidecar's.
 
+With ``--scrapes`` it plays the shared prefill scrapes instead (``SIDECAR_SHARED_SCRAPES``):
+N production ``ScrapeShare``s on those backends, each running its scrape round once per
+scrape interval (``--scrape-interval``, 1 s) at its own phase, the scrapes themselves stood in
+for (nothing listens at the endpoints); it reports how many sidecars scraped each endpoint a
+second (the engines' fan-out),
+what the reads and publications cost Redis (``INFO commandstats``: ``MGET``, ``ZRANGEBYSCORE``,
+``SET``) and what one sidecar's part costs this process.
+
+With ``--reservations sharded`` it plays the sharded reservations instead
+(``sidecar.scheduling.state.sharded``): N production ``ShardedReservations`` on one production
+client per store (a sidecar has its own; the servers' cost per call is the same), each holding
+``SHARDED_LINES`` reservations over ``--endpoints``; per cell (store × N × rate) an idle window,
+then syncs alone at the offered rate (a sidecar chosen at random releases one reservation, makes
+another and syncs), reads alone at that rate (every shard's totals; with ``--read-groups`` g,
+each sidecar has read once before, and a read fetches one group), and a ``GET`` of one key at
+that rate (the floor: what any round trip costs the servers here). Redis's side per master as
+above (``EVALSHA`` and ``MGET`` in ``INFO commandstats``, ``INFO cpu`` less the idle window's,
+``SLOWLOG``). At the first rate, every sidecar's table grown to every endpoint, a shard started
+anew (its sums deleted by hand) and then every sidecar lapsed and dropped, a bounded number per
+sync, each timed. The extrapolation: 1,000 pods each syncing and reading every 100 ms, Redis
+cores = 10,000 × (CPU µs per sync + per read) ÷ 10⁶; per master, the busiest one's.
+
+With ``--reservations counters`` it plays the per-endpoint counters by epoch instead
+(``sidecar.scheduling.state.counters``): N production ``CounterReservations`` on one production
+client per store, each with its clock's offset learnt from Redis before the windows; per cell
+(store × N × rate) an idle window, then decisions at the offered rate, each through a sidecar
+chosen at random: its read of every endpoint's current and previous epoch (the decision's wait),
+a reservation on the least loaded endpoint, and its release after ``--hold-ms`` (off the
+decision's path); then a ``GET`` of one key at that rate (the floor). Redis's side per master
+(``MGET``, ``INCRBY``, ``PEXPIREAT``, ``TIME`` in ``INFO commandstats``, ``INFO cpu`` less the
+idle window's, ``SLOWLOG``). The extrapolation: Redis cores at 20,000 decisions a second =
+20,000 × (CPU µs per decision) ÷ 10⁶; per master, the busiest one's. ``--counter-groups 3``
+puts the keys under 3 hash tags (one per master) rather than one per endpoint.
+
     python -m bench fleet                       # N = 8 ... 4,096; 100 and 300 decisions/s
     python -m bench fleet --json fleet.json     # the figures as JSON too
+    python -m bench fleet --scrapes             # the shared scrapes, N = 8 ... 1,024
+    python -m bench fleet --reservations sharded --rates 300,1000   # syncs (and reads) a second
+    python -m bench fleet --reservations counters --rates 500,1000  # decisions a second
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import logging
 import os
 import random
@@ -39,7 +77,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +92,10 @@ from bench.suite import add_quick, apply_quick
 from devkit.processes import Launcher, free_port, tcp_open
 from devkit.rediscluster import RedisCluster
 from devkit.stats import percentile
-from sidecar.scheduling.state import Load, Reservation
+from sidecar.engines.shared_scrapes import ScrapeShare
+from sidecar.fleet.load import EngineLoad
+from sidecar.fleet.snapshot import EngineSnapshot
+from sidecar.scheduling.state import Load, Reservation, counters, sharded
 from sidecar.scheduling.state.protocol import keys
 from sidecar.scheduling.state.redis import RedisState
 
@@ -245,7 +286,16 @@ async def cluster() -> AsyncIterator[Store]:
         await nodes.stop()
 
 
-async def _info(port: int, section: str) -> dict[str, Any]:
+async def _stores(names: Sequence[str]) -> AsyncIterator[Store]:
+    """Each store named (``redis``, ``cluster``) started in turn, and stopped after its turn."""
+    async with Launcher(prefix="pd-sidecar-bench-fleet-") as launcher:
+        for name in names:
+            async with standalone(launcher) if name == "redis" else cluster() as store:
+                yield store
+
+
+async def server_info(port: int, section: str) -> dict[str, Any]:
+    """``INFO section`` of the Redis at ``port`` on loopback."""
     client = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
     try:
         info: dict[str, Any] = await client.info(section)
@@ -262,13 +312,14 @@ async def _command(port: int, *args: Any) -> Any:
         await client.aclose()
 
 
-async def _cpu_s(port: int) -> float:
-    cpu = await _info(port, "cpu")
+async def server_cpu_s(port: int) -> float:
+    """The CPU seconds the Redis at ``port`` has spent (user and system)."""
+    cpu = await server_info(port, "cpu")
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
 async def _net(port: int) -> tuple[int, int]:
-    stats = await _info(port, "stats")
+    stats = await server_info(port, "stats")
     return int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])
 
 
@@ -282,7 +333,7 @@ async def _reset(store: Store) -> Readings:
     for port in store.masters:
         await _command(port, "CONFIG", "SET", "slowlog-log-slower-than", str(SLOW_US))
         await _command(port, "SLOWLOG", "RESET")
-        readings[port] = (await _cpu_s(port), 0, 0)
+        readings[port] = (await server_cpu_s(port), 0, 0)
         await _command(port, "CONFIG", "RESETSTAT")  # the network totals too
     return readings
 
@@ -292,7 +343,7 @@ async def _costs(store: Store, before: Readings) -> list[ServerCost]:
     for port in store.masters:
         cpu_before, _, _ = before[port]
         net_in, net_out = await _net(port)
-        stats = (await _info(port, "commandstats")).get("cmdstat_evalsha", {})
+        stats = (await server_info(port, "commandstats")).get("cmdstat_evalsha", {})
         slow = await _command(port, "SLOWLOG", "GET", "128")
         slowest = max((int(entry[2]) for entry in slow), default=None)
         costs.append(
@@ -300,7 +351,7 @@ async def _costs(store: Store, before: Readings) -> list[ServerCost]:
                 port,
                 int(stats.get("calls", 0)),
                 float(stats.get("usec_per_call", 0.0)),
-                await _cpu_s(port) - cpu_before,
+                await server_cpu_s(port) - cpu_before,
                 None if slowest is None else slowest / 1000,
                 net_in,
                 net_out,
@@ -513,6 +564,878 @@ async def measure_cell(
     return Cell(store.name, sidecars, rate, idle, load, resum_ms)
 
 
+# --- the shared scrapes -------------------------------------------------------------------------
+
+SCRAPE_S = 1.0
+"""``SIDECAR_SCRAPE_INTERVAL_S``' default (``--scrape-interval``)."""
+SCRAPE_COMMANDS = ("mget", "zrangebyscore", "set")
+"""What the shared scrapes send: the round's read, the member list with it, the publications."""
+SETTLE_MAX_S = 180.0
+"""The longest the unmeasured rounds go on waiting for this process to keep time."""
+FOUND = EngineSnapshot(
+    load=EngineLoad(waiting=2.0, running=6.0, kv_usage=0.4, at=0.0, cache_tokens=1_048_576),
+    at=0.0,
+)
+"""What every stood-in scrape finds."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeCell:
+    store: str
+    sidecars: int
+    turns: int
+    """Rounds each sidecar ran."""
+    interval_s: float
+    """The scrape interval: each sidecar's round came once per interval."""
+    seconds: float
+    scrapes: dict[str, int]
+    """Scrapes of each endpoint over the window, every sidecar's."""
+    commands: dict[str, tuple[int, float]]
+    """The scrape commands' calls and Redis µs over the window, every master's."""
+    redis_cpu_s: float
+    """Every master's CPU over the window, the backends' heartbeats included."""
+    driver_cpu_s: float
+    """This process's CPU over the window (every backend's and share's)."""
+    first_round_ms: float
+    """CPU of one sidecar's first round: the member list read and every endpoint ranked."""
+
+    def figures(self) -> dict[str, Any]:
+        # Each sidecar ran ``turns`` rounds, one per interval: the fleet's steady state over
+        # ``turns`` intervals (the window itself ends with the last sidecar's round).
+        steady_s = self.turns * self.interval_s
+        per_endpoint = [count / steady_s for count in self.scrapes.values()]
+        calls = sum(calls for calls, _ in self.commands.values())
+        usec = sum(spent for _, spent in self.commands.values())
+        rounds = self.sidecars * self.turns
+        return {
+            "store": self.store,
+            "sidecars": self.sidecars,
+            "scrapes_per_endpoint_s": statistics.fmean(per_endpoint) if per_endpoint else 0.0,
+            "busiest_endpoint_s": max(per_endpoint, default=0.0),
+            "commands_per_round": calls / rounds,
+            "redis_usec_per_round": usec / rounds,
+            "redis_usec_per_s": usec / steady_s,
+            "redis_cpu_per_s": self.redis_cpu_s / self.seconds,
+            "sidecar_cpu_share": self.driver_cpu_s / steady_s / self.sidecars,
+            "first_round_ms": self.first_round_ms,
+        }
+
+
+SCRAPE_COLUMNS = (
+    ("store", "store", "{}"),
+    ("sidecars", "N", "{}"),
+    ("scrapes_per_endpoint_s", "scrapes/endpoint/s", "{:.2f}"),
+    ("busiest_endpoint_s", "busiest", "{:.2f}"),
+    ("commands_per_round", "cmds/round", "{:.2f}"),
+    ("redis_usec_per_round", "µs/round", "{:.1f}"),
+    ("redis_usec_per_s", "scrape µs/s", "{:.0f}"),
+    ("redis_cpu_per_s", "redis cpu", "{:.3f}"),
+    ("sidecar_cpu_share", "per sidecar", "{:.2%}"),
+    ("first_round_ms", "1st round ms", "{:.1f}"),
+)
+
+
+async def _scrape_round(
+    share: ScrapeShare, endpoints: Sequence[str], scraped: collections.Counter[str]
+) -> None:
+    """One sidecar's scrape round, as the engine monitor runs it, the scrapes stood in for."""
+    now, wall = time.monotonic(), time.time()
+    await share.read(endpoints, now=now, wall=wall)
+    for endpoint in endpoints:
+        if share.scrapes(endpoint, wall=wall):
+            share.found(endpoint, FOUND, wall=wall)
+            scraped[endpoint] += 1
+        else:
+            share.take(endpoint, now=now, wall=wall)
+    await share.publish(now=now)
+
+
+async def _phased_rounds(
+    shares: Sequence[ScrapeShare],
+    endpoints: Sequence[str],
+    turns: int,
+    scraped: collections.Counter[str],
+    interval_s: float,
+) -> float:
+    """``turns`` scrape rounds of every share, each at its own phase of the interval; the
+    seconds they took."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    rounds: set[asyncio.Task[None]] = set()
+    for turn in range(turns):
+        for index, share in enumerate(shares):
+            due = began + (turn + index / len(shares)) * interval_s
+            if (wait := due - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            task = asyncio.create_task(_scrape_round(share, endpoints, scraped))
+            rounds.add(task)
+            task.add_done_callback(rounds.discard)
+    await asyncio.gather(*rounds)
+    return loop.time() - began
+
+
+async def _command_stats(store: Store) -> dict[str, tuple[int, float]]:
+    totals: dict[str, tuple[int, float]] = {}
+    for port in store.masters:
+        stats = await server_info(port, "commandstats")
+        for name in SCRAPE_COMMANDS:
+            entry = stats.get(f"cmdstat_{name}", {})
+            calls, usec = totals.get(name, (0, 0.0))
+            totals[name] = (calls + int(entry.get("calls", 0)), usec + float(entry.get("usec", 0)))
+    return totals
+
+
+async def scrape_cell(store: Store, sidecars: int, args: argparse.Namespace) -> ScrapeCell:
+    fleet = Fleet(store, sidecars, f"scrapes-{store.name}-{sidecars}", args.endpoints, share=False)
+    await fleet.start()
+    try:
+        shares = [
+            ScrapeShare(
+                member,
+                per_endpoint=args.per_endpoint,
+                interval_s=args.scrape_interval,
+                members_every_s=LEASE_S,
+                timeout_s=1.0,
+            )
+            for member in fleet.members
+        ]
+        # The first rounds, one after another: each reads the members and ranks every
+        # endpoint; whoever finds an endpoint unpublished scrapes it.
+        cpu = own_cpu_s()
+        for share in shares:
+            await _scrape_round(share, fleet.endpoints, collections.Counter())
+        first_round_ms = (own_cpu_s() - cpu) * 1000 / sidecars
+        # Rounds of each at its own phase, unmeasured, until the first lease is over and this
+        # process keeps time: a share reads the member list every round in its first lease
+        # (the fleet registering, each new list ranked again), once a lease after; and the
+        # first rounds' publications, seconds old, are scraped again.
+        loop = asyncio.get_running_loop()
+        settled, give_up = loop.time() + LEASE_S, loop.time() + SETTLE_MAX_S
+        while True:
+            took = await _phased_rounds(
+                shares, fleet.endpoints, 1, collections.Counter(), args.scrape_interval
+            )
+            if loop.time() >= settled and took <= 1.5 * args.scrape_interval:
+                break
+            if loop.time() >= give_up:
+                print(f"N {sidecars}: this process did not keep time; measured anyway")
+                break
+        before = await _reset(store)
+        cpu = own_cpu_s()
+        scraped: collections.Counter[str] = collections.Counter()
+        seconds = await _phased_rounds(
+            shares, fleet.endpoints, args.rounds, scraped, args.scrape_interval
+        )
+        driver_cpu_s = own_cpu_s() - cpu
+        commands = await _command_stats(store)
+        redis_cpu_s = sum([await server_cpu_s(port) - before[port][0] for port in store.masters])
+    finally:
+        await fleet.close()
+    return ScrapeCell(
+        store.name,
+        sidecars,
+        args.rounds,
+        args.scrape_interval,
+        seconds,
+        {endpoint: scraped[endpoint] for endpoint in fleet.endpoints},
+        commands,
+        redis_cpu_s,
+        driver_cpu_s,
+        first_round_ms,
+    )
+
+
+async def scrapes_main(args: argparse.Namespace) -> int:
+    cells: list[ScrapeCell] = []
+    async for store in _stores(args.stores):
+        for sidecars in args.sidecars:
+            cell = await scrape_cell(store, sidecars, args)
+            cells.append(cell)
+            print(_table([cell.figures()], SCRAPE_COLUMNS).splitlines()[-1], flush=True)
+    print()
+    print(_table([cell.figures() for cell in cells], SCRAPE_COLUMNS))
+    if args.json is not None:
+        args.json.write_bytes(
+            orjson.dumps([cell.figures() for cell in cells], option=orjson.OPT_INDENT_2)
+        )
+    bound = args.per_endpoint + 1
+    over = [c for c in cells if c.figures()["busiest_endpoint_s"] > bound / c.interval_s]
+    for cell in over:
+        print(
+            f"error: {cell.store} N {cell.sidecars}: an endpoint was scraped more than "
+            f"{bound} times a second",
+            file=sys.stderr,
+        )
+    return 1 if over else 0
+
+
+# --- the sharded reservations --------------------------------------------------------------------
+
+SHARDED_LINES = 6
+"""Reservations each sidecar holds in the measured windows (20 requests a second, each held
+about 0.3 s); every sync replaces one of them."""
+SHARDED_LEASE_S = 600.0
+"""The sidecars' lease in the measured windows: each syncs about every N / rate seconds there,
+and none may lapse (the expiry is measured on its own)."""
+SHARDED_COMMANDS = ("evalsha", "mget", "get")
+SHARDED_BATCH = 64
+"""Sidecars registering (or refilling their tables) at once (within redis-py's 100 connections)."""
+TARGET_PODS = 1000
+TARGET_PERIOD_S = 0.1
+"""The extrapolation: 1,000 pods, each syncing and reading once per 100 ms."""
+
+
+@dataclass(frozen=True, slots=True)
+class MasterReading:
+    """One master over one window: its CPU, the commands' calls and µs, the slowest command."""
+
+    port: int
+    cpu_s: float
+    commands: dict[str, tuple[int, float]]
+    slowest_ms: float | None
+    slowest: str = ""
+    """The slowest command's name (``SLOWLOG``), if one was over ``SLOW_US``."""
+    preempted: int = 0
+    """Times the kernel took the CPU from the server during the window
+    (``nonvoluntary_ctxt_switches``): a command's wall time, which ``SLOWLOG`` reports,
+    includes them."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedWindow:
+    seconds: float
+    count: int
+    """Syncs or reads done (each a call of the production class)."""
+    masters: list[MasterReading]
+    failed: int = 0
+
+    def calls(self, command: str) -> int:
+        return sum(m.commands.get(command, (0, 0.0))[0] for m in self.masters)
+
+    def usec_per_call(self, command: str) -> float | None:
+        calls = self.calls(command)
+        usec = sum(m.commands.get(command, (0, 0.0))[1] for m in self.masters)
+        return usec / calls if calls else None
+
+    @property
+    def slowest_ms(self) -> float | None:
+        slow = [m.slowest_ms for m in self.masters if m.slowest_ms is not None]
+        return max(slow) if slow else None
+
+    def cpu_us(self, idle: ShardedWindow) -> dict[int, float]:
+        """Each master's CPU µs per operation of this window, less what it spends idle (as
+        ``idle``, a window without operations, measured)."""
+        rest = {m.port: m.cpu_s / idle.seconds for m in idle.masters}
+        return {
+            m.port: 1e6 * max(0.0, m.cpu_s - rest[m.port] * self.seconds) / self.count
+            for m in self.masters
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedCell:
+    store: str
+    sidecars: int
+    offered_per_s: float
+    idle: ShardedWindow
+    writes: ShardedWindow
+    """Syncs alone at the offered rate."""
+    reads: ShardedWindow
+    """Reads alone at the offered rate."""
+    floor: ShardedWindow
+    """A ``GET`` of one key at the offered rate: what a round trip costs the servers on this
+    machine now, whatever the command (the syncs' and reads' share of it is no design's)."""
+    expiry: ShardedWindow | None = None
+    """Every sidecar lapsed, its row 32 lines long, and dropped by syncs (``EXPIRE_PER_SYNC`` a
+    call): measured at the first rate only."""
+    reset_ms: float | None = None
+    """A shard started anew (its tables deleted), the call's µs in ms."""
+
+    def figures(self) -> dict[str, Any]:
+        writes, reads = self.writes.cpu_us(self.idle), self.reads.cpu_us(self.idle)
+        pair = {port: writes[port] + reads[port] for port in writes}
+        slow = [w.slowest_ms for w in (self.writes, self.reads) if w.slowest_ms is not None]
+        per_pod_s = TARGET_PODS / TARGET_PERIOD_S
+        expiry = self.expiry
+        return {
+            "store": self.store,
+            "sidecars": self.sidecars,
+            "offered_per_s": self.offered_per_s,
+            "syncs_per_s": self.writes.count / self.writes.seconds,
+            "reads_per_s": self.reads.count / self.reads.seconds,
+            "failed": self.writes.failed + self.reads.failed,
+            "script_usec_per_call": self.writes.usec_per_call("evalsha"),
+            "mget_calls_per_read": self.reads.calls("mget") / self.reads.count,
+            "mget_usec_per_call": self.reads.usec_per_call("mget"),
+            "cpu_us_per_sync": sum(writes.values()),
+            "cpu_us_per_read": sum(reads.values()),
+            "floor_cpu_us_per_call": sum(self.floor.cpu_us(self.idle).values()),
+            "busiest_cpu_us_per_pair": max(pair.values()),
+            "busiest_master_share": max(pair.values()) / sum(pair.values())
+            if sum(pair.values())
+            else None,
+            "target_cores": per_pod_s * sum(pair.values()) / 1e6,
+            "target_busiest_cores": per_pod_s * max(pair.values()) / 1e6,
+            "slowest_command_ms": max(slow) if slow else None,
+            "preempted": sum(m.preempted for w in (self.writes, self.reads) for m in w.masters),
+            "expire_calls": expiry.count if expiry else None,
+            "expire_usec_per_call": expiry.usec_per_call("evalsha") if expiry else None,
+            "expire_slowest_ms": expiry.slowest_ms if expiry else None,
+            "reset_ms": self.reset_ms,
+        }
+
+
+SHARDED_COLUMNS = (
+    ("store", "store", "{}"),
+    ("sidecars", "N", "{}"),
+    ("syncs_per_s", "syncs/s", "{:.0f}"),
+    ("reads_per_s", "reads/s", "{:.0f}"),
+    ("script_usec_per_call", "script µs", "{:.1f}"),
+    ("mget_calls_per_read", "mget/read", "{:.0f}"),
+    ("mget_usec_per_call", "mget µs", "{:.1f}"),
+    ("cpu_us_per_sync", "cpu µs/sync", "{:.0f}"),
+    ("cpu_us_per_read", "cpu µs/read", "{:.0f}"),
+    ("floor_cpu_us_per_call", "floor µs", "{:.0f}"),
+    ("busiest_master_share", "busiest", "{:.2f}"),
+    ("target_cores", "1k×10/s cores", "{:.2f}"),
+    ("target_busiest_cores", "busiest", "{:.2f}"),
+    ("slowest_command_ms", "slowest ms", "{:.1f}"),
+    ("preempted", "preempted", "{}"),
+    ("expire_usec_per_call", "expire µs", "{:.0f}"),
+    ("expire_slowest_ms", "expire max ms", "{:.1f}"),
+    ("reset_ms", "reset ms", "{:.2f}"),
+    ("failed", "failed", "{}"),
+)
+
+
+async def _sharded_reset(store: Store) -> dict[int, tuple[float, int]]:
+    """Zero every master's command stats and slow log; their CPU seconds and preemptions now."""
+    preempted = {port: await _preempted(port) for port in store.masters}
+    return {port: (cpu, preempted[port]) for port, (cpu, _, _) in (await _reset(store)).items()}
+
+
+async def _preempted(port: int) -> int:
+    """The server's involuntary context switches so far (0 when its /proc is not readable)."""
+    return _context_switches(int((await server_info(port, "server"))["process_id"]))
+
+
+def _context_switches(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+async def _sharded_readings(
+    store: Store, before: dict[int, tuple[float, int]], commands: Sequence[str] = SHARDED_COMMANDS
+) -> list[MasterReading]:
+    readings = []
+    for port in store.masters:
+        stats = await server_info(port, "commandstats")
+        slow = await _command(port, "SLOWLOG", "GET", "128")
+        top = max(slow, key=lambda entry: int(entry[2]), default=None)
+        slowest = None if top is None else int(top[2])
+        readings.append(
+            MasterReading(
+                port,
+                await server_cpu_s(port) - before[port][0],
+                {
+                    name: (int(entry.get("calls", 0)), float(entry.get("usec", 0.0)))
+                    for name in commands
+                    if (entry := stats.get(f"cmdstat_{name}"))
+                },
+                None if slowest is None else slowest / 1000,
+                "" if top is None else bytes(top[3][0]).decode(errors="replace").lower(),
+                await _preempted(port) - before[port][1],
+            )
+        )
+    return readings
+
+
+class ShardedFleet:
+    """N sidecars' ``ShardedReservations`` on one production client (a real sidecar has its
+    own: the servers' cost per call is the same), each with a table of its own."""
+
+    def __init__(
+        self, store: Store, sidecars: int, prefix: str, endpoints: int, read_groups: int = 1
+    ) -> None:
+        self.client = sharded.connect(store.url, cluster=store.cluster)
+        self.shards = sharded.Shards(self.client, prefix)
+        self.endpoints = [f"127.0.1.{i}:8000" for i in range(endpoints)]
+        self.members = [
+            sharded.ShardedReservations(
+                self.shards, f"{i:032x}", lease_s=SHARDED_LEASE_S, read_groups=read_groups
+            )
+            for i in range(sidecars)
+        ]
+        self.tables: list[dict[str, Load]] = [{} for _ in range(sidecars)]
+
+    async def fill(self, rng: random.Random, lines: int) -> None:
+        """Every sidecar syncs a table of ``lines`` reservations, a batch at a time."""
+        for table in self.tables:
+            table.clear()
+            for endpoint in rng.sample(self.endpoints, lines):
+                table[endpoint] = Load(PROMPT_TOKENS, 1)
+        for first in range(0, len(self.members), SHARDED_BATCH):
+            await asyncio.gather(
+                *(
+                    member.sync(self.tables[first + i], time.time())
+                    for i, member in enumerate(self.members[first : first + SHARDED_BATCH])
+                )
+            )
+
+    async def first_reads(self) -> None:
+        """Every sidecar's first read (of every shard), a batch at a time: the reads measured
+        are then those of a sidecar that has read before, one group each with ``read_groups``."""
+        for first in range(0, len(self.members), SHARDED_BATCH):
+            await asyncio.gather(
+                *(member.read() for member in self.members[first : first + SHARDED_BATCH])
+            )
+
+    async def sync_one(self, rng: random.Random) -> None:
+        """A sidecar chosen at random: one reservation released, another made, then synced."""
+        index = rng.randrange(len(self.members))
+        table = self.tables[index]
+        if table:
+            del table[rng.choice(list(table))]
+        table[rng.choice([e for e in self.endpoints if e not in table])] = Load(PROMPT_TOKENS, 1)
+        await self.members[index].sync(table, time.time())
+
+    async def read_one(self, rng: random.Random) -> None:
+        await self.members[rng.randrange(len(self.members))].read()
+
+    async def floor(self) -> None:
+        await self.client.get(self.shards.totals_keys[0])
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+async def _paced(
+    rate: float, seconds: float, action: Callable[[], Coroutine[Any, Any, None]]
+) -> tuple[int, int, float]:
+    """``action`` started ``rate`` times a second, evenly spaced, for ``seconds``: the calls
+    done and failed, and the seconds until the last ended."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    tasks: list[asyncio.Task[None]] = []
+    # A late driver queues its calls rather than open more connections than the pool holds.
+    gate = asyncio.Semaphore(SHARDED_BATCH)
+
+    async def gated() -> None:
+        async with gate:
+            await action()
+
+    for i in range(int(rate * seconds)):
+        if (wait := began + i / rate - loop.time()) > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(gated()))
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = sum(isinstance(outcome, BaseException) for outcome in outcomes)
+    return len(outcomes) - failed, failed, loop.time() - began
+
+
+async def _sharded_window(
+    store: Store, rate: float, seconds: float, action: Callable[[], Coroutine[Any, Any, None]]
+) -> ShardedWindow:
+    before = await _sharded_reset(store)
+    done, failed, elapsed = await _paced(rate, seconds, action)
+    return ShardedWindow(elapsed, done, await _sharded_readings(store, before), failed)
+
+
+def _member_of(shards: sharded.Shards, shard: int, name: str) -> sharded.ShardedReservations:
+    """A sidecar of ``shard`` (its id found by trying ``name-0``, ``name-1``, ...)."""
+    for attempt in range(10_000):
+        sidecar = f"{name}-{attempt}"
+        if sharded.shard_of(sidecar, len(shards.tags)) == shard:
+            return sharded.ShardedReservations(shards, sidecar, lease_s=LEASE_S)
+    raise RuntimeError(f"no id found for shard {shard}")
+
+
+async def _time_reset(fleet: ShardedFleet, store: Store) -> float | None:
+    """Shard 0's sums deleted by hand, then one sync of its: the shard starts anew (its every
+    table deleted). The call's µs, in ms."""
+    shards = fleet.shards
+    await fleet.client.delete(shards.keys[0][2])  # its sums
+    member = _member_of(shards, 0, "reset")
+    before = await _sharded_reset(store)
+    synced = await member.sync({}, time.time())
+    readings = await _sharded_readings(store, before)
+    await member.leave()
+    if not synced.fresh:
+        raise RuntimeError("the shard was not started anew")
+    # Its sidecars send their tables again (as their next read tells them to).
+    again = [(m, t) for m, t in zip(fleet.members, fleet.tables, strict=True) if m.shard == 0]
+    for first in range(0, len(again), SHARDED_BATCH):
+        batch = again[first : first + SHARDED_BATCH]
+        await asyncio.gather(*(m.sync(t, time.time()) for m, t in batch))
+    usec = ShardedWindow(0.0, 1, readings).usec_per_call("evalsha")
+    return None if usec is None else usec / 1000
+
+
+async def _time_expiry(fleet: ShardedFleet, store: Store) -> ShardedWindow:
+    """Every sidecar lapsed (its lease's end set to 0: the script judges leases by Redis's
+    clock), and dropped by a sync of its shard, ``EXPIRE_PER_SYNC`` a call, shard after shard."""
+    for leases, *_ in fleet.shards.keys:
+        # Every score times 0, in place (a shard of no sidecar has no such key).
+        if await fleet.client.exists(leases):
+            await fleet.client.zunionstore(leases, {leases: 0})
+    members = [_member_of(fleet.shards, s, "late") for s in range(len(fleet.shards.tags))]
+    before = await _sharded_reset(store)
+    began, calls, dropped = time.monotonic(), 0, 0
+    for member in members:
+        while True:
+            synced = await member.sync({}, time.time())
+            calls += 1
+            dropped += synced.expired
+            if synced.expired == 0:
+                break
+        await member.leave()
+    seconds = time.monotonic() - began
+    if dropped != len(fleet.members):
+        raise RuntimeError(f"{dropped} of {len(fleet.members)} lapsed sidecars were dropped")
+    return ShardedWindow(seconds, calls, await _sharded_readings(store, before))
+
+
+async def sharded_cell(
+    store: Store, sidecars: int, rate: float, args: argparse.Namespace, rng: random.Random
+) -> ShardedCell:
+    prefix = f"sharded-{store.name}-{sidecars}-{rate:g}"
+    fleet = ShardedFleet(store, sidecars, prefix, args.endpoints, args.read_groups)
+    try:
+        await fleet.fill(rng, min(SHARDED_LINES, args.endpoints))
+        if args.read_groups > 1:
+            await fleet.first_reads()
+        before = await _sharded_reset(store)
+        await asyncio.sleep(args.idle_s)
+        idle = ShardedWindow(args.idle_s, 1, await _sharded_readings(store, before))
+        writes = await _sharded_window(store, rate, args.load_s, lambda: fleet.sync_one(rng))
+        reads = await _sharded_window(store, rate, args.load_s, lambda: fleet.read_one(rng))
+        floor = await _sharded_window(store, rate, args.load_s, fleet.floor)
+        expiry, reset_ms = None, None
+        if rate == args.rates[0]:
+            # The worst rows: every sidecar holding a reservation on every endpoint.
+            await fleet.fill(rng, args.endpoints)
+            reset_ms = await _time_reset(fleet, store)
+            expiry = await _time_expiry(fleet, store)
+    finally:
+        await fleet.close()
+        for port in store.masters:
+            await _command(port, "FLUSHALL")
+    return ShardedCell(store.name, sidecars, rate, idle, writes, reads, floor, expiry, reset_ms)
+
+
+async def sharded_main(args: argparse.Namespace, rng: random.Random) -> int:
+    groups = args.read_groups
+    print(f"each read fetches {'every shard' if groups == 1 else f'every {groups}th shard'}")
+    cells: list[ShardedCell] = []
+    async for store in _stores(args.stores):
+        for sidecars in args.sidecars:
+            for rate in args.rates:
+                cell = await sharded_cell(store, sidecars, rate, args, rng)
+                cells.append(cell)
+                print(_table([cell.figures()], SHARDED_COLUMNS).splitlines()[-1], flush=True)
+    print()
+    print(_table([cell.figures() for cell in cells], SHARDED_COLUMNS))
+    single = {(c.sidecars, c.offered_per_s): c for c in cells if c.store == "redis"}
+    for cell in cells:
+        alone = single.get((cell.sidecars, cell.offered_per_s))
+        if cell.store == "cluster" and alone is not None:
+            mine, theirs = cell.figures(), alone.figures()
+            share = mine["busiest_cpu_us_per_pair"] / theirs["busiest_cpu_us_per_pair"]
+            print(
+                f"cluster, N {cell.sidecars}, {cell.offered_per_s:g}/s: the busiest master "
+                f"spends {share:.2f}x the CPU of the single server (a sync and a read)"
+            )
+    if args.json is not None:
+        payload = [
+            {
+                **cell.figures(),
+                "windows": {
+                    name: asdict(window)
+                    for name in ("idle", "writes", "reads", "floor", "expiry")
+                    if (window := getattr(cell, name)) is not None
+                },
+            }
+            for cell in cells
+        ]
+        args.json.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+    failed = [c for c in cells if c.figures()["failed"]]
+    for cell in failed:
+        print(f"error: {cell.store} N {cell.sidecars}: calls failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# --- the counter reservations --------------------------------------------------------------------
+
+COUNTER_COMMANDS = ("mget", "incrby", "pexpireat", "time", "get")
+TARGET_DECISIONS_S = 20_000
+"""The extrapolation: 1,000 pods × 20 decisions a second."""
+WAIT_TARGET_MS = 1.0
+"""A decision's read, p99, at 500 decisions a second."""
+SLOW_TARGET_MS = 5.0
+"""No command longer."""
+
+
+@dataclass(frozen=True, slots=True)
+class CounterCell:
+    store: str
+    sidecars: int
+    offered_per_s: float
+    idle: ShardedWindow
+    load: ShardedWindow
+    """Decisions at the offered rate: a read, a reservation, its release after ``--hold-ms``."""
+    floor: ShardedWindow
+    """A ``GET`` of one key at the offered rate: what a round trip costs the servers now."""
+    waits_ms: list[float] = field(default_factory=list, repr=False)
+    """Each decision's read, as this process waited for it."""
+    driver_cpu_s: float = 0.0
+    skipped: int = 0
+    """Keys the reads left out or clamped (none unless a hand wrote them)."""
+    left: int = 0
+    """Endpoints a read after the last release still counted, or could not read: none when
+    every reservation was taken back."""
+
+    def figures(self) -> dict[str, Any]:
+        load = self.load
+        per_master = load.cpu_us(self.idle) if load.count else {}
+        total = sum(per_master.values())
+        busiest = max(per_master.values(), default=0.0)
+        usec = sum(load.usec_per_call(c) or 0.0 for c in ("mget", "incrby", "pexpireat"))
+        slow = [m for m in load.masters if m.slowest_ms is not None]
+        top = max(slow, key=lambda m: m.slowest_ms or 0.0, default=None)
+        return {
+            "store": self.store,
+            "sidecars": self.sidecars,
+            "offered_per_s": self.offered_per_s,
+            "decisions_per_s": load.count / load.seconds if load.seconds else None,
+            "failed": load.failed,
+            "mget_calls_per_decision": load.calls("mget") / load.count if load.count else None,
+            "mget_usec_per_call": load.usec_per_call("mget"),
+            "incrby_calls_per_decision": load.calls("incrby") / load.count if load.count else None,
+            "command_usec_per_decision": (
+                sum(
+                    m.commands.get(c, (0, 0.0))[1]
+                    for m in load.masters
+                    for c in ("mget", "incrby", "pexpireat", "time")
+                )
+                / load.count
+                if load.count
+                else None
+            ),
+            "command_usec_per_call": usec,
+            "cpu_us_per_decision": total,
+            "busiest_cpu_us_per_decision": busiest,
+            "busiest_master_share": busiest / total if total else None,
+            "floor_cpu_us_per_call": sum(self.floor.cpu_us(self.idle).values())
+            if self.floor.count
+            else None,
+            "target_cores": TARGET_DECISIONS_S * total / 1e6,
+            "target_busiest_cores": TARGET_DECISIONS_S * busiest / 1e6,
+            "wait_p50_ms": _percentile(self.waits_ms, 50),
+            "wait_p99_ms": _percentile(self.waits_ms, 99),
+            "slowest_command_ms": None if top is None else top.slowest_ms,
+            "slowest_command": "" if top is None else top.slowest,
+            "preempted": sum(m.preempted for m in load.masters),
+            "driver_busy": self.driver_cpu_s / load.seconds if load.seconds else None,
+            "skipped": self.skipped,
+        }
+
+
+COUNTER_COLUMNS = (
+    ("store", "store", "{}"),
+    ("sidecars", "N", "{}"),
+    ("offered_per_s", "offered/s", "{:g}"),
+    ("decisions_per_s", "done/s", "{:.0f}"),
+    ("mget_calls_per_decision", "mget/dec", "{:.1f}"),
+    ("mget_usec_per_call", "mget µs", "{:.1f}"),
+    ("incrby_calls_per_decision", "incr/dec", "{:.2f}"),
+    ("command_usec_per_decision", "cmd µs/dec", "{:.1f}"),
+    ("cpu_us_per_decision", "cpu µs/dec", "{:.0f}"),
+    ("busiest_cpu_us_per_decision", "busiest µs", "{:.0f}"),
+    ("busiest_master_share", "busiest", "{:.2f}"),
+    ("floor_cpu_us_per_call", "floor µs", "{:.0f}"),
+    ("target_cores", "20k/s cores", "{:.2f}"),
+    ("target_busiest_cores", "busiest", "{:.2f}"),
+    ("wait_p50_ms", "read p50", "{:.2f}"),
+    ("wait_p99_ms", "read p99", "{:.2f}"),
+    ("slowest_command_ms", "slowest ms", "{:.1f}"),
+    ("preempted", "preempted", "{}"),
+    ("driver_busy", "driver", "{:.0%}"),
+    ("failed", "failed", "{}"),
+)
+
+
+class CounterFleet:
+    """N sidecars' ``CounterReservations`` on one production client (a real sidecar has its
+    own: the servers' cost per call is the same), each with its own clock offset."""
+
+    def __init__(
+        self, store: Store, sidecars: int, prefix: str, endpoints: int, groups: int | None
+    ) -> None:
+        self.client = sharded.connect(store.url, cluster=store.cluster)
+        self.pool = counters.Counters(self.client, prefix, groups=groups)
+        self.endpoints = [f"127.0.1.{i}:8000" for i in range(endpoints)]
+        self.members = [counters.CounterReservations(self.pool) for _ in range(sidecars)]
+        self.waits_ms: list[float] = []
+        self.releases: set[asyncio.Task[None]] = set()
+        self.failed_releases = 0
+        # The releases' own share of the client's connections (100; the decisions take up to
+        # SHARDED_BATCH): a late driver queues them rather than exhaust the pool.
+        self._releasing = asyncio.Semaphore(100 - SHARDED_BATCH - 4)
+
+    async def learn_clocks(self) -> None:
+        """Every sidecar's clock offset learnt (as each does once when it starts), a batch at a
+        time: the windows measure decisions, not starts."""
+        for first in range(0, len(self.members), SHARDED_BATCH):
+            batch = self.members[first : first + SHARDED_BATCH]
+            await asyncio.gather(*(member.learn_clock() for member in batch))
+
+    async def decide(self, rng: random.Random, hold_s: float) -> None:
+        """One decision through a sidecar chosen at random: its read (the wait), a reservation
+        on the least loaded endpoint, released after ``hold_s`` (off the decision's path)."""
+        member = self.members[rng.randrange(len(self.members))]
+        began = time.perf_counter()
+        counts = await member.read(self.endpoints)
+        self.waits_ms.append((time.perf_counter() - began) * 1000)
+        least = min(counts.loads.get(e, Load()).tokens for e in self.endpoints)
+        chosen = rng.choice(
+            [e for e in self.endpoints if counts.loads.get(e, Load()).tokens == least]
+        )
+        held = await member.reserve(chosen, PROMPT_TOKENS)
+        task = asyncio.create_task(self._release(member, held, hold_s))
+        self.releases.add(task)
+        task.add_done_callback(self.releases.discard)
+
+    async def _release(
+        self, member: counters.CounterReservations, held: counters.Held, hold_s: float
+    ) -> None:
+        await asyncio.sleep(hold_s)
+        try:
+            async with self._releasing:
+                await member.release(held)
+        except Exception:  # counted: the window reports its failures
+            self.failed_releases += 1
+
+    async def drain(self) -> None:
+        while self.releases:
+            await asyncio.gather(*list(self.releases))
+
+    async def floor(self) -> None:
+        await self.client.get(self.pool.key(self.endpoints[0], 0))
+
+    async def close(self) -> None:
+        await self.drain()
+        await self.client.aclose()
+
+
+async def counter_cell(
+    store: Store, sidecars: int, rate: float, args: argparse.Namespace, rng: random.Random
+) -> CounterCell:
+    prefix = f"counters-{store.name}-{sidecars}-{rate:g}"
+    fleet = CounterFleet(store, sidecars, prefix, args.endpoints, args.counter_groups)
+    try:
+        await fleet.learn_clocks()
+        before = await _sharded_reset(store)
+        await asyncio.sleep(args.idle_s)
+        idle = ShardedWindow(
+            args.idle_s, 1, await _sharded_readings(store, before, COUNTER_COMMANDS)
+        )
+        before = await _sharded_reset(store)
+        cpu = own_cpu_s()
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        hold_s = args.hold_ms / 1000
+        done, failed, _ = await _paced(rate, args.load_s, lambda: fleet.decide(rng, hold_s))
+        await fleet.drain()  # the window ends with its last release
+        seconds = loop.time() - began
+        driver_cpu_s = own_cpu_s() - cpu
+        load = ShardedWindow(
+            seconds,
+            done,
+            await _sharded_readings(store, before, COUNTER_COMMANDS),
+            failed + fleet.failed_releases,
+        )
+        floor = await _sharded_window(store, rate, args.load_s, fleet.floor)
+        final = await fleet.members[0].read(fleet.endpoints)  # every release taken back
+        left = len(final.loads) + len(final.missing)
+        skipped = sum(m.skipped + m.clamped for m in fleet.members)
+    finally:
+        await fleet.close()
+        for port in store.masters:
+            await _command(port, "FLUSHALL")
+    return CounterCell(
+        store.name, sidecars, rate, idle, load, floor, fleet.waits_ms, driver_cpu_s, skipped, left
+    )
+
+
+def counter_errors(cells: Sequence[CounterCell]) -> list[str]:
+    """What makes the run fail: calls that failed; a final read that still counts some
+    reservation, or left out or clamped a key."""
+    errors = []
+    for cell in cells:
+        where = f"{cell.store} N {cell.sidecars} at {cell.offered_per_s:g}/s"
+        if cell.figures()["failed"]:
+            errors.append(f"{where}: calls failed")
+        if cell.left:
+            errors.append(f"{where}: {cell.left} endpoints still counted after the last release")
+        if cell.skipped:
+            errors.append(f"{where}: {cell.skipped} keys skipped or clamped")
+    return errors
+
+
+async def counters_main(args: argparse.Namespace, rng: random.Random) -> int:
+    groups = args.counter_groups
+    print(f"keys under {'a hash tag per endpoint' if not groups else f'{groups} hash tags'}")
+    cells: list[CounterCell] = []
+    async for store in _stores(args.stores):
+        for sidecars in args.sidecars:
+            for rate in args.rates:
+                cell = await counter_cell(store, sidecars, rate, args, rng)
+                cells.append(cell)
+                print(_table([cell.figures()], COUNTER_COLUMNS).splitlines()[-1], flush=True)
+    print()
+    print(_table([cell.figures() for cell in cells], COUNTER_COLUMNS))
+    print()
+    single = {(c.sidecars, c.offered_per_s): c for c in cells if c.store == "redis"}
+    for cell in cells:
+        mine = cell.figures()
+        alone = single.get((cell.sidecars, cell.offered_per_s))
+        if cell.store == "cluster" and alone is not None and alone.figures()["cpu_us_per_decision"]:
+            share = mine["busiest_cpu_us_per_decision"] / alone.figures()["cpu_us_per_decision"]
+            print(
+                f"cluster, N {cell.sidecars}, {cell.offered_per_s:g}/s: the busiest master "
+                f"spends {share:.2f}x the CPU of the single server per decision"
+            )
+    slow = [c for c in cells if (c.figures()["slowest_command_ms"] or 0.0) > SLOW_TARGET_MS]
+    for cell in slow:
+        figures = cell.figures()
+        print(
+            f"{cell.store}, N {cell.sidecars}, {cell.offered_per_s:g}/s: a command over "
+            f"{SLOW_TARGET_MS:g} ms ({figures['slowest_command']}, "
+            f"{figures['slowest_command_ms']:.1f} ms)"
+        )
+    if args.json is not None:
+        payload = [
+            {
+                **cell.figures(),
+                "windows": {
+                    name: asdict(getattr(cell, name)) for name in ("idle", "load", "floor")
+                },
+            }
+            for cell in cells
+        ]
+        args.json.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+    errors = counter_errors(cells)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    return 1 if errors else 0
+
+
 # --- the report ----------------------------------------------------------------------------------
 
 COLUMNS = (
@@ -544,11 +1467,14 @@ def _cell_text(value: Any, form: str) -> str:
 
 
 def report(cells: Sequence[Cell]) -> str:
-    rows = [[title for _, title, _ in COLUMNS]]
-    for cell in cells:
-        figures = cell.figures()
-        rows.append([_cell_text(figures[key], form) for key, _, form in COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return _table([cell.figures() for cell in cells], COLUMNS)
+
+
+def _table(rows_figures: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    rows = [[title for _, title, _ in columns]]
+    for figures in rows_figures:
+        rows.append([_cell_text(figures[key], form) for key, _, form in columns])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join(
         "  ".join(text.rjust(w) for text, w in zip(row, widths, strict=True)) for row in rows
     )
@@ -574,16 +1500,19 @@ async def main(args: argparse.Namespace) -> int:
         f"idle {args.idle_s:g} s and load {args.load_s:g} s per cell",
         flush=True,
     )
+    if args.scrapes:
+        return await scrapes_main(args)
+    if args.reservations == "sharded":
+        return await sharded_main(args, rng)
+    if args.reservations == "counters":
+        return await counters_main(args, rng)
     cells: list[Cell] = []
-    async with Launcher(prefix="pd-sidecar-bench-fleet-") as launcher:
-        for name in args.stores:
-            opened = standalone(launcher) if name == "redis" else cluster()
-            async with opened as store:
-                for sidecars in args.sidecars:
-                    for rate in args.rates:
-                        cell = await measure_cell(store, sidecars, rate, args, rng)
-                        cells.append(cell)
-                        print(report([cell]).splitlines()[-1], flush=True)
+    async for store in _stores(args.stores):
+        for sidecars in args.sidecars:
+            for rate in args.rates:
+                cell = await measure_cell(store, sidecars, rate, args, rng)
+                cells.append(cell)
+                print(report([cell]).splitlines()[-1], flush=True)
     print()
     print(report(cells))
     single = {(c.sidecars, c.offered_per_s): c for c in cells if c.store == "redis"}
@@ -611,7 +1540,12 @@ def main_parser() -> argparse.ArgumentParser:
         prog="python -m bench fleet", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--stores", type=lambda t: t.split(","), default=["redis", "cluster"])
-    parser.add_argument("--sidecars", type=_int_list, default=[8, 64, 256, 1024, 4096])
+    parser.add_argument(
+        "--sidecars",
+        type=_int_list,
+        default=None,
+        help="N, comma-separated (default 8,64,256,1024,4096; with --scrapes 8,64,256,1024)",
+    )
     parser.add_argument("--rates", type=_float_list, default=[100.0, 300.0])
     parser.add_argument("--endpoints", type=int, default=32)
     parser.add_argument("--idle-s", type=float, default=10.0)
@@ -622,17 +1556,61 @@ def main_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every decision also shares its placement (8k-token prompt), every sidecar learns",
     )
+    parser.add_argument(
+        "--scrapes",
+        action="store_true",
+        help="the shared prefill scrapes instead of the reservations (default N 8,64,256,1024)",
+    )
+    parser.add_argument(
+        "--reservations",
+        choices=["script", "sharded", "counters"],
+        default="script",
+        help="script: today's backend (one script per decision on the pool's slot); sharded: "
+        "the sharded design (sidecar.scheduling.state.sharded), syncs and reads at --rates each; "
+        "counters: per-endpoint counters by epoch (sidecar.scheduling.state.counters), decisions "
+        "at --rates",
+    )
+    parser.add_argument(
+        "--counter-groups",
+        type=int,
+        default=None,
+        help="counters: the keys under this many hash tags (3: one per master) rather than one "
+        "per endpoint",
+    )
+    parser.add_argument(
+        "--read-groups",
+        type=int,
+        default=1,
+        help="sharded: a read fetches every g-th shard in turn (3: one master's), the rest as "
+        "last read",
+    )
+    parser.add_argument("--per-endpoint", type=int, default=2, help="owners per endpoint")
+    parser.add_argument("--rounds", type=int, default=5, help="scrape rounds measured")
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=SCRAPE_S,
+        help="seconds between a sidecar's scrape rounds (longer: fewer rounds a second to play)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
-    add_quick(parser, "N = 8 and 32 at 50 decisions/s, 1 s windows")
+    add_quick(parser, "N = 8 and 32 at 50 decisions/s, 1 s windows (--scrapes: 2 rounds)")
     return parser
 
 
 def main_cli(argv: list[str] | None = None) -> int:
     parser = main_parser()
     args = apply_quick(
-        parser, parser.parse_args(argv), sidecars=[8, 32], rates=[50.0], idle_s=1.0, load_s=1.0
+        parser,
+        parser.parse_args(argv),
+        sidecars=[8, 32],
+        rates=[50.0],
+        idle_s=1.0,
+        load_s=1.0,
+        rounds=2,
     )
+    if args.sidecars is None:
+        args.sidecars = [8, 64, 256, 1024] if args.scrapes else [8, 64, 256, 1024, 4096]
     if unknown := set(args.stores) - {"redis", "cluster"}:
         parser.error(f"--stores: unknown {sorted(unknown)}; known: redis, cluster")
     return run(lambda: main(args))

@@ -62,7 +62,11 @@ QUICK = Effort(measured=1500, warmup=300, precision=0.06)
 def parse_variant(text: str) -> Variant:
     """``policy``, ``policy:always``, ``policy:blind`` (no prefill prefix index),
     ``policy:exact`` (the exact index fed by KV events), ``never``, or an anchor's name
-    (``sglang_cache_aware``, ``llm-d_pd_scorer``, ``llm-d_precise``)."""
+    (``sglang_cache_aware``, ``llm-d_pd_scorer``, ``llm-d_precise``). What-ifs, added as modes:
+    ``sync=S`` (reservations shared by the coalesced design, a background sync every S
+    seconds; ``eager``: a change synced at once when the last sync is ``S`` old), ``sampleN``
+    (qoe compares N random candidates), ``topN`` (qoe draws its pick among
+    the N lowest predicted TTFTs); e.g. ``qoe:always:sync=0.1:top2``."""
     if text == "never":
         return Variant("qoe", "never")
     if text in ANCHOR_VARIANTS:
@@ -71,10 +75,25 @@ def parse_variant(text: str) -> Variant:
     if policy not in POLICIES:
         choices = (*POLICIES, *ANCHORS)
         raise argparse.ArgumentTypeError(f"unknown policy {policy!r}; one of {choices}")
+    what_ifs: dict[str, Any] = {}
+    for mode in list(modes):
+        for prefix, name, kind in (("sync=", "sync_s", float), ("sample", "choices", int)):
+            if mode.startswith(prefix):
+                what_ifs[name] = _positive(kind, mode.removeprefix(prefix), mode)
+                modes.remove(mode)
+        if mode.startswith("top"):
+            what_ifs["among"] = _positive(int, mode.removeprefix("top"), mode)
+            modes.remove(mode)
+    if "eager" in modes:
+        if "sync_s" not in what_ifs:
+            raise argparse.ArgumentTypeError("'eager' is a mode of 'sync=S'")
+        what_ifs["eager"] = True
+        modes.remove("eager")
     unknown = set(modes) - {"conditional", "always", "blind", "exact"}
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind', 'exact' or none"
+            f"unknown mode {', '.join(sorted(unknown))!r}; 'always', 'blind', 'exact', "
+            "'sync=S', 'eager', 'sampleN', 'topN' or none"
         )
     if {"blind", "exact"} <= set(modes):
         raise argparse.ArgumentTypeError("a variant is 'blind' or 'exact', not both")
@@ -84,7 +103,18 @@ def parse_variant(text: str) -> Variant:
         "always" if always else "conditional",
         blind="blind" in modes,
         exact="exact" in modes,
+        **what_ifs,
     )
+
+
+def _positive(kind: type[float] | type[int], text: str, mode: str) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{mode!r}: a positive number after the mode's name")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -96,7 +126,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--policies",
         type=lambda text: [parse_variant(part.strip()) for part in text.split(",") if part],
         help="comma-separated variants (qoe, round_robin:always, never, ...) instead of each "
-        "scenario's own",
+        "scenario's own; what-ifs: qoe:sync=0.1 (coalesced sharing), :eager, :top2, :sample2",
     )
     parser.add_argument("--quick", action="store_true", help="fewer requests, coarser search")
     parser.add_argument("--requests", type=int, help="measured requests per run")
@@ -138,7 +168,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="decode engines, one sidecar each (default: the scenario's)",
     )
-    model.add_argument("--state", choices=["redis", "shared", "local"])
+    model.add_argument("--state", choices=["redis", "coalesced", "shared", "local"])
+    model.add_argument(
+        "--sync-s",
+        type=float,
+        help="with --state coalesced: seconds between a sidecar's background syncs (default 0.1)",
+    )
     model.add_argument("--stale-mode", choices=["scrape", "delay"])
     model.add_argument("--staleness", type=float, help="scrape interval, seconds (default 1)")
     model.add_argument("--exact-tokens", action="store_true", help="sidecars see true counts")
@@ -187,6 +222,10 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         changes["redis_refresh_s"] = args.redis_refresh
     if args.retest_s is not None:
         changes["retest_s"] = args.retest_s
+    if args.sync_s is not None:
+        if args.sync_s <= 0:
+            raise SystemExit("--sync-s must be above 0")
+        changes["sync_s"] = args.sync_s
     for name in ("prefill_engines", "decode_engines"):
         count = getattr(args, name)
         if count is not None:

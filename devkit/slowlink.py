@@ -56,7 +56,7 @@ class SlowLink:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Self:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self.relay, "127.0.0.1", 0)
         return self
 
     async def stop(self) -> None:
@@ -76,7 +76,9 @@ class SlowLink:
     ) -> None:
         await self.stop()
 
-    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+    async def relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        """Relay one connection to the target until either side closes: the listener's
+        callback, and open to a caller that accepts connections itself (``devkit.gate``)."""
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
@@ -86,6 +88,10 @@ class SlowLink:
             client_w.close()
             self._connections.discard(task)
             return
+        except BaseException:  # stop() while connecting
+            client_w.close()
+            self._connections.discard(task)
+            raise
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._delayed(client_r, target_w))

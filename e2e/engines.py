@@ -262,6 +262,10 @@ class SidecarProcess:
             url=self.url,
         ).start()
 
+    @property
+    def log_path(self) -> Path | None:
+        return self.process.log_path if self.process else None
+
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
         assert self.process is not None, "start() first"
         await self.process.wait_ready("/ready", timeout_s)

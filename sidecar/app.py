@@ -32,6 +32,7 @@ from sidecar.discovery import Discovery, Resolver, system_resolver
 from sidecar.drain import Drain
 from sidecar.engines.monitor import EngineMonitor, MonitorOptions
 from sidecar.engines.readiness import Readiness
+from sidecar.engines.shared_scrapes import SHARED_SCRAPES_TIMEOUT_S, ScrapeShare
 from sidecar.engines.upstream import Engines
 from sidecar.errors import REQUEST_ID_HEADER
 from sidecar.framing import identity_bodies
@@ -164,6 +165,7 @@ def create_app(
         ranks=scheduler.ranks,
         readiness=readiness,
         pool=scheduler.pool,
+        share=_scrape_share(settings, scheduler, metrics),
     )
     app[SETTINGS], app[ENGINES], app[TRACKER] = settings, engines, tracker
     app[METRICS], app[READINESS], app[SCHEDULER] = metrics, readiness, scheduler
@@ -415,6 +417,26 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
             on_skipped=lambda kind, count: metrics.state_entries_skipped.labels(kind).inc(count),
         )
     return MemoryState()
+
+
+def _scrape_share(settings: Settings, scheduler: Scheduler, metrics: Metrics) -> ScrapeShare | None:
+    if not settings.shared_scrapes:
+        return None
+    from sidecar.scheduling.state.redis import RedisState
+
+    backend = scheduler.backend
+    assert isinstance(backend, RedisState)  # the settings refuse shared scrapes without Redis
+    share = ScrapeShare(
+        backend,
+        per_endpoint=settings.scrapes_per_endpoint,
+        interval_s=settings.scrape_interval_s,
+        members_every_s=max(settings.state_lease_s, settings.scrape_interval_s),
+        timeout_s=SHARED_SCRAPES_TIMEOUT_S,
+        on_skipped=lambda kind, count: metrics.state_entries_skipped.labels(kind).inc(count),
+        on_error=metrics.state_backend_errors.labels("scrapes").inc,
+    )
+    backend.describe_scrapes = share.describe
+    return share
 
 
 async def _scheduler_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -374,6 +374,20 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds after which a silent sidecar's reservations stop counting.",
     )
+    shared_scrapes: bool = Field(
+        False,
+        description="With SIDECAR_STATE_BACKEND=redis: each prefill endpoint's /metrics is "
+        "scraped by SIDECAR_SCRAPES_PER_ENDPOINT sidecars of the pool (chosen by rendezvous "
+        "hashing over the live ones) and read by the others from Redis, so that an engine gets "
+        "the same scrapes at 8 decode pods and at 1,000.",
+    )
+    scrapes_per_endpoint: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="With SIDECAR_SHARED_SCRAPES: the sidecars that scrape each prefill "
+        "endpoint (its owners); one more than one so that an owner's loss loses nothing.",
+    )
     state_timeout_ms: float = Field(
         5,
         gt=0,
@@ -1050,6 +1064,15 @@ class Settings(BaseSettings):
             ranks,
             f"{ranks} data-parallel ranks (SIDECAR_KV_EVENTS_PREFILL_DP_SIZE={ranks})",
         )
+        return self
+
+    @model_validator(mode="after")
+    def _shared_scrapes_share(self) -> Settings:
+        if self.shared_scrapes and self.state_backend != "redis":
+            raise ValueError(
+                "SIDECAR_SHARED_SCRAPES needs SIDECAR_STATE_BACKEND=redis: the scrapes are "
+                "shared through the shared state"
+            )
         return self
 
     @model_validator(mode="after")

@@ -128,6 +128,12 @@ class EngineNotConnected(EngineUnreachable):
     nothing of the request, so another engine may take it."""
 
 
+class EngineConnectTimeout(EngineNotConnected):
+    """The connection was not opened within ``SIDECAR_CONNECT_TIMEOUT_S``: the engine may be up
+    but slow to accept (its listen queue full, a lost SYN), and nothing was sent, so trying
+    again is safe."""
+
+
 class EngineRefused(EngineNotConnected):
     """The connection was refused: nothing listens at that address (the engine is not running,
     or not yet)."""

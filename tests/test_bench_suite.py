@@ -21,6 +21,7 @@ from bench.suite import (
     BENCHMARKS,
     PACKAGE,
     SMOKE_ARGS,
+    SMOKE_MORE,
     add_quick,
     apply_quick,
     smoke,
@@ -91,6 +92,11 @@ def test_the_smoke_runs_flags_are_the_benchmarks_own() -> None:
     assert set(SMOKE_ARGS) == {"simulate"}
     args = parse_args(["--quick", *SMOKE_ARGS["simulate"]])
     assert (args.quick, args.scenario, args.seeds, args.requests) == (True, "standard", [1], 300)
+    from bench.fleet import main_parser
+
+    assert set(SMOKE_MORE) == {"fleet"}
+    [counters] = SMOKE_MORE["fleet"]
+    assert main_parser().parse_args(["--quick", *counters]).reservations == "counters"
 
 
 def test_the_entry_runs_a_benchmark_by_its_module_name() -> None:

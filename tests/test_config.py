@@ -98,6 +98,8 @@ INVALID = [
     ("SIDECAR_DISAGG_TTFT_RATIO", "0"),
     ("SIDECAR_STATE_BACKEND", "etcd"),
     ("SIDECAR_STATE_LEASE_S", "0"),
+    ("SIDECAR_SHARED_SCRAPES", "sometimes"),
+    ("SIDECAR_SCRAPES_PER_ENDPOINT", "0"),
     ("SIDECAR_STATE_TIMEOUT_MS", "-1"),
     ("SIDECAR_EJECT_AFTER_FAILURES", "0"),
     ("SIDECAR_SCRAPE_INTERVAL_S", "0"),
@@ -651,3 +653,10 @@ def test_a_decode_engine_on_an_address_the_sidecar_does_not_listen_on_is_not_the
     Settings(host="127.0.0.5", port=8200, decode_url="http://127.0.0.1:8200")
     with pytest.raises(ValidationError, match="is on a port of the sidecar's own"):
         Settings(host="127.0.0.1", port=8200, decode_url="http://localhost:8200")
+
+
+def test_shared_scrapes_need_the_redis_backend() -> None:
+    with pytest.raises(ValidationError, match="SIDECAR_SHARED_SCRAPES needs"):
+        Settings(shared_scrapes=True)
+    settings = Settings(shared_scrapes=True, state_backend="redis")
+    assert (settings.shared_scrapes, settings.scrapes_per_endpoint) == (True, 2)

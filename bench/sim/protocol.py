@@ -194,10 +194,10 @@ def report(
     for metric, title, unit in _METRICS:
         lines.append("")
         lines.append(f"{title} (mean over seeds), by rate:")
-        lines.append(f"{'variant':<22}" + "".join(f"{r:>9.2f}" for r in rates))
+        lines.append(f"{'variant':<32}" + "".join(f"{r:>9.2f}" for r in rates))
         for variant in variants:
             cells = (_cell(mean_of(variant, rate, metric), unit) for rate in rates)
-            lines.append(f"{variant.label:<22}" + "".join(f"{c:>9}" for c in cells))
+            lines.append(f"{variant.label:<32}" + "".join(f"{c:>9}" for c in cells))
 
     lines.append("")
     lines.append(
@@ -206,7 +206,7 @@ def report(
     )
     crossings: dict[tuple[Variant, int], Crossing] = {}
     for variant in variants:
-        row = f"{variant.label:<22}"
+        row = f"{variant.label:<32}"
         for seed in seeds:
             curve = [(rate, runs[variant, seed, rate].attainment) for rate in rates]
             found = crossings[variant, seed] = crossing(curve, target, nominal.rate)
@@ -219,7 +219,7 @@ def report(
         "ratios, geometric mean over seeds [paired 95 % interval]; attainment (scaled SLO) at "
         "each rate, goodput where every seed of both crosses steeply:"
     )
-    header = f"{'factor':<17}{'ratio':<42}{'goodput':>24}"
+    header = f"{'factor':<17}{'ratio':<56}{'goodput':>24}"
     lines.append(header + "".join(f"{r:>24.2f}" for r in rates))
     for factor, variant, base in comparisons(variants):
         steep = all(crossings[v, seed].steep for v in (variant, base) for seed in seeds)
@@ -231,7 +231,7 @@ def report(
             if steep
             else None
         )
-        row = f"{factor:<17}{f'{variant.label} / {base.label}':<42}"
+        row = f"{factor:<17}{f'{variant.label} / {base.label}':<56}"
         row += f"{(str(goodput) if goodput else '-' if steep else 'flat'):>24}"
         for rate in rates:
             ratio = paired_ratio(
@@ -258,6 +258,8 @@ _METRICS = (
     ("tail_tbt_mean", "tail TBT mean (finished requests), ms", "ms"),
     ("remote_share", "remote prefills, %", "%"),
     ("local_prefill_share", "decode time on local prefills, %", "%"),
+    ("load_max_over_mean", "prefill load (tokens), busiest engine / mean, time-averaged", "x"),
+    ("load_ratio", "prefill load (tokens), instant busiest / instant mean, averaged", "x"),
 )
 
 
@@ -272,4 +274,6 @@ def _metric(run: RunStats, name: str) -> float:
 def _cell(value: float, unit: str) -> str:
     if math.isinf(value) or math.isnan(value):
         return str(value)
+    if unit == "x":
+        return f"{value:.2f}"
     return f"{value * 100:.1f}" if unit == "%" else f"{value * 1000:.0f}"

@@ -40,6 +40,8 @@ from sidecar.scheduling.prompts import CHARS_PER_TOKEN, tokens_of_text
 
 SAMPLE_S = 0.05
 """Virtual seconds between samples of the prefill queues."""
+LOAD_SAMPLE_S = 0.01
+"""Virtual seconds between samples of the prefill engines' loads in tokens."""
 DRAIN_S = 60.0
 """After the last measured arrival, give up on unfinished measured requests (SLO missed)."""
 
@@ -73,6 +75,13 @@ class RunStats:
     """Time average of the longest prefill queue / time average of the mean queue."""
     queue_ratio_busy: float
     """Average of the instantaneous max/mean ratio over samples where the mean is above 0."""
+    load_max_over_mean: float
+    """Prefill load = prompt tokens sent to an engine and not yet prefilled (queued or running),
+    sampled every ``LOAD_SAMPLE_S``: the busiest engine's time-averaged load / the mean of the
+    engines' time-averaged loads (herding on one engine for the whole run)."""
+    load_ratio: float
+    """The mean over the samples where the mean load is above 0 of the instant busiest load /
+    the instant mean (herding at any moment)."""
     local_prefill_share: float
     """Share of decode-engine time spent on local prefills (decode batch stalled)."""
     prefill_hit_share: float
@@ -147,9 +156,13 @@ class Simulation:
             decode_kind(self.loop, i, scenario, self._first_token, self._finished)
             for i in range(scenario.decode_engines)
         ]
+        coalesced = variant.sync_s > 0
         backend = state_factory(
-            scenario.state,
+            "coalesced" if coalesced else scenario.state,
             self.loop,
+            sync_s=variant.sync_s if coalesced else scenario.sync_s,
+            eager=variant.eager,
+            seed=seed,
             rtt_s=scenario.redis_rtt_s,
             timeout_s=scenario.state_timeout_s,
             lease_s=scenario.lease_s,
@@ -212,6 +225,9 @@ class Simulation:
         self._sum_mean = 0.0
         self._sum_ratio = 0.0
         self._busy_samples = 0
+        self._load_sums = dict.fromkeys(keys, 0)
+        self._load_ratio_sum = 0.0
+        self._load_busy_samples = 0
 
     def _clock(self) -> float:
         return self.loop.now
@@ -290,6 +306,7 @@ class Simulation:
             if index == self._warmup:
                 self._measuring = True
                 loop.at(now, self._sample)
+                loop.at(now, self._sample_load)
             if index == self._total - 1:
                 self._measuring = False
                 loop.at(now + DRAIN_S, self._give_up)
@@ -573,6 +590,20 @@ class Simulation:
         if self._measuring:
             self.loop.at(self.loop.now + SAMPLE_S, self._sample)
 
+    def _sample_load(self, _: object) -> None:
+        loads = self._sent_tokens
+        sums = self._load_sums
+        total = busiest = 0
+        for key, load in loads.items():
+            sums[key] += load
+            total += load
+            busiest = max(busiest, load)
+        if total > 0:
+            self._load_busy_samples += 1
+            self._load_ratio_sum += busiest * len(loads) / total
+        if self._measuring:
+            self.loop.at(self.loop.now + LOAD_SAMPLE_S, self._sample_load)
+
     # Statistics.
 
     def _stats(self, wall_s: float) -> RunStats:
@@ -616,6 +647,7 @@ class Simulation:
         n = len(self.requests)
         samples = max(1, self._samples)
         busy_decode = sum(engine.prefill_s for engine in self.decode)
+        load_total = sum(self._load_sums.values())
         return RunStats(
             scenario=scenario.name,
             variant=self.variant.label,
@@ -639,6 +671,16 @@ class Simulation:
             queue_max_over_mean=self._sum_max / self._sum_mean if self._sum_mean else math.nan,
             queue_ratio_busy=(
                 self._sum_ratio / self._busy_samples if self._busy_samples else math.nan
+            ),
+            load_max_over_mean=(
+                max(self._load_sums.values()) * len(self._load_sums) / load_total
+                if load_total
+                else math.nan
+            ),
+            load_ratio=(
+                self._load_ratio_sum / self._load_busy_samples
+                if self._load_busy_samples
+                else math.nan
             ),
             local_prefill_share=busy_decode / (len(self.decode) * self.loop.now),
             prefill_hit_share=self._remote_cached / self._remote_tokens

@@ -13,7 +13,7 @@ from sidecar.scheduling.model import Transfer
 if TYPE_CHECKING:
     from bench.sim.checks import Check
 
-StateMode = Literal["redis", "shared", "local"]
+StateMode = Literal["redis", "coalesced", "shared", "local"]
 StaleMode = Literal["delay", "scrape"]
 TokenMode = Literal["estimated", "exact"]
 ReserveMode = Literal["production", "prompt"]
@@ -96,8 +96,12 @@ class Scenario:
     """``redis``: the Redis backend as production runs it: before each decision a sidecar
     syncs (or joins the sync in flight) and decides on its answer, the others' reservations one
     round trip old; its reservations, releases and heartbeats are synced by the background
-    worker. ``shared``: every reservation seen instantly by every sidecar. ``local``: each
-    sidecar sees its own only (the memory backend)."""
+    worker. ``coalesced`` (a design, not production: ``bench.sim.state.CoalescedClient``): the
+    same script sent in the background every ``sync_s``, a decision never waits. ``shared``:
+    every reservation seen instantly by every sidecar. ``local``: each sidecar sees its own only
+    (the memory backend)."""
+    sync_s: float = 0.1
+    """``coalesced``: seconds between a sidecar's background syncs."""
     redis_rtt_s: float = 0.001
     state_timeout_s: float = 0.005
     lease_s: float = 10.0
@@ -208,7 +212,9 @@ class Scenario:
         }[self.workload]
         return (
             f"{self.name}: {fleet} + {self.decode_engines} decode engines, "
-            f"{self.decode_engines} sidecars, state {self.state}, metrics scraped every "
+            f"{self.decode_engines} sidecars, state {self.state}"
+            + (f" every {self.sync_s:g} s" if self.state == "coalesced" else "")
+            + f", metrics scraped every "
             f"{self.staleness_s:g} s ({self.stale_mode}), tokens {self.tokens}, reserve "
             f"{self.reserve}, prefill {prefill}, {arrivals} arrivals{workload}"
             + ("" if self.ttft_ratio is None else f", decider ttft_ratio {self.ttft_ratio:g}")
@@ -270,6 +276,18 @@ class Variant:
     exact: bool = False
     """The sidecars read each prefill candidate's cached tokens from the engine's exact index,
     fed by its KV events (``bench.sim.exact``), instead of the approximate one."""
+    sync_s: float = 0.0
+    """Above 0: the sidecars share reservations by the coalesced design
+    (``bench.sim.state.CoalescedClient``), syncing every ``sync_s``, whatever the scenario's
+    state; 0: the scenario's state."""
+    eager: bool = False
+    """With ``sync_s``: a change is synced at once when the last sync began at least ``sync_s``
+    ago (``CoalescedClient(eager=)``)."""
+    choices: int = 0
+    """``qoe``: the candidates compared (``Qoe(choices=)``); 0: the scenario's."""
+    among: int = 1
+    """``qoe``: the pick is drawn at random among the ``among`` candidates of lowest predicted
+    time to first token (``Qoe(among=)``); 1: the lowest, as production does."""
 
     @property
     def label(self) -> str:
@@ -279,8 +297,16 @@ class Variant:
             return self.policy
         label = self.policy if self.mode == "conditional" else f"{self.policy} always"
         if self.exact:
-            return f"{label} exact"
-        return f"{label} prefix-blind" if self.blind else label
+            label = f"{label} exact"
+        elif self.blind:
+            label = f"{label} prefix-blind"
+        if self.sync_s:
+            label += f" sync {self.sync_s:g}" + (" eager" if self.eager else "")
+        if self.choices:
+            label += f" sample{self.choices}"
+        if self.among > 1:
+            label += f" top{self.among}"
+        return label
 
 
 QOE = Variant("qoe")

@@ -86,7 +86,8 @@ class Sidecar:
         always = variant.mode == "always"
         # An anchor variant decides in its own router (bench.sim.anchors): the planner is idle.
         name = "qoe" if variant.mode == "anchor" else variant.policy
-        policy = make_policy(name, rng, choices=scenario.choices)
+        choices = variant.choices or scenario.choices
+        policy = make_policy(name, rng, choices=choices, among=variant.among)
         options: dict[str, Any] = {"always": always}
         if scenario.ttft_ratio is not None:
             options["ttft_ratio"] = scenario.ttft_ratio

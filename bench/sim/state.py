@@ -17,12 +17,18 @@ asyncio and redis-py. What is modelled here is only what production gets from th
 
 Not modelled: Redis failures (so neither the backoff), leases running out.
 
+``coalesced`` is a design, not production: the same script, sent by each sidecar in the
+background every ``sync_s`` (at its own phase) instead of before each decision. A decision never
+waits: it decides on the totals of the last answer, the others' reservations a round trip to
+``sync_s`` plus a round trip old, its own (``SyncProtocol.view``) as they are now.
+
 ``shared`` is the idealisation (one table, every change seen at once by everyone); ``local`` is
 the memory backend (each sidecar's own reservations only).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -106,7 +112,26 @@ class RedisServer:
         return Reply(held, dict(self.speeds), dict(self.ejections))
 
 
-class RedisClient:
+class _ProtocolClient:
+    """A modelled sidecar whose changes and view are its ``SyncProtocol``'s (a subclass sets
+    ``_protocol`` and says when it syncs)."""
+
+    _protocol: SyncProtocol
+
+    def view(self) -> SharedView:
+        return self._protocol.view()
+
+    def reserve(self, endpoint: str, tokens: int) -> Reservation:
+        return self._protocol.reserve(endpoint, tokens)
+
+    def release(self, reservation: Reservation) -> None:
+        self._protocol.release(reservation)
+
+    def publish_speed(self, endpoint: str, speed: Speed) -> None:
+        self._protocol.publish_speed(endpoint, speed)
+
+
+class RedisClient(_ProtocolClient):
     """One sidecar's ``RedisState``: its ``SyncProtocol`` over a modelled network (see the
     module's docstring)."""
 
@@ -143,24 +168,12 @@ class RedisClient:
         self._wake_worker()
         self._loop.at(self._loop.now + self._refresh_s, self._refresh)
 
-    def view(self) -> SharedView:
-        return self._protocol.view()
-
     def refresh(self, then: Callable[[], None]) -> None:
         if self._protocol.in_flight is None:
             self._send()
         waiter = _Waiter(then)
         self._decisions.append(waiter)
         self._loop.at(self._loop.now + self._timeout_s, waiter.run)
-
-    def reserve(self, endpoint: str, tokens: int) -> Reservation:
-        return self._protocol.reserve(endpoint, tokens)
-
-    def release(self, reservation: Reservation) -> None:
-        self._protocol.release(reservation)
-
-    def publish_speed(self, endpoint: str, speed: Speed) -> None:
-        self._protocol.publish_speed(endpoint, speed)
 
     # The network and the worker.
 
@@ -215,17 +228,104 @@ class RedisClient:
             self._run_worker()
 
 
+class CoalescedClient(_ProtocolClient):
+    """One sidecar of the coalesced design (see the module's docstring): its ``SyncProtocol``
+    synced by a background round every ``sync_s``, never by a decision or a change."""
+
+    def __init__(
+        self,
+        loop: Loop,
+        server: RedisServer,
+        sidecar: int,
+        *,
+        rtt_s: float,
+        lease_s: float,
+        sync_s: float,
+        phase_s: float,
+        eager: bool = False,
+    ) -> None:
+        """``phase_s``: when the first round is sent (then every ``sync_s``). ``eager``: a
+        change (a reservation, a release) sends the round at once when the last one began at
+        least ``sync_s`` ago, and the rounds go on ``sync_s`` after it: still at most one a
+        ``sync_s``, and a sidecar that decides less often than that publishes each change
+        without waiting for its phase. Otherwise a change waits for the next round."""
+        if sync_s <= 0:
+            raise ValueError("a coalesced sidecar syncs every sync_s > 0 seconds")
+        self._loop = loop
+        self._server = server
+        self._rtt_s = rtt_s
+        self._sync_s = sync_s
+        self._last = -math.inf
+        """When the last round was sent."""
+        self._timer = 0
+        """The round timer's version: an eager round cancels the one armed before it."""
+        wake = self._changed if eager else _nothing
+        self._protocol = SyncProtocol(f"sidecar-{sidecar}", lease_s=lease_s, wake=wake)
+        loop.at(loop.now + phase_s, self._round, self._timer)
+
+    def refresh(self, then: Callable[[], None]) -> None:
+        then()
+
+    def _changed(self) -> None:
+        loop = self._loop
+        if self._protocol.in_flight is None and loop.now - self._last >= self._sync_s:
+            self._timer += 1
+            self._round(self._timer)
+
+    def _round(self, timer: int) -> None:
+        if timer != self._timer:
+            return
+        loop = self._loop
+        if self._protocol.in_flight is None:  # a round trip longer than sync_s: skip a round
+            self._last = loop.now
+            sync = self._protocol.begin(loop.now)
+            loop.at(loop.now + self._rtt_s / 2, self._execute, sync)
+        loop.at(loop.now + self._sync_s, self._round, timer)
+
+    def _execute(self, sync: Sync) -> None:
+        reply = self._server.script(sync)
+        self._loop.at(self._loop.now + self._rtt_s / 2, self._answer, (sync, reply))
+
+    def _answer(self, answer: tuple[Sync, Reply]) -> None:
+        self._protocol.received(*answer)
+
+
+def _nothing() -> None:
+    pass
+
+
 StateFactory = Callable[[int], ModelledState]
 
 
-def state_factory(mode: str, loop: Loop, **redis: float) -> StateFactory:
-    """One modelled backend per sidecar index."""
+def state_factory(
+    mode: str,
+    loop: Loop,
+    *,
+    sync_s: float = 0.0,
+    eager: bool = False,
+    seed: int = 0,
+    **redis: float,
+) -> StateFactory:
+    """One modelled backend per sidecar index. ``coalesced``: every ``sync_s``, each sidecar
+    at a phase drawn from ``seed`` (``eager``: ``CoalescedClient``'s)."""
     if mode == "shared":
         table = SharedTable()
         return lambda _: table
     if mode == "local":
         return lambda _: LocalTable()
     server = RedisServer()
+    if mode == "coalesced":
+        phases = random.Random(f"coalesced-{seed}")
+        return lambda index: CoalescedClient(
+            loop,
+            server,
+            index,
+            rtt_s=redis["rtt_s"],
+            lease_s=redis["lease_s"],
+            sync_s=sync_s,
+            phase_s=phases.random() * sync_s,
+            eager=eager,
+        )
     return lambda index: RedisClient(
         loop,
         server,
@@ -264,7 +364,8 @@ class PrefixShare:
 
     def __init__(self, loop: Loop, scenario: Any, sidecars: list[Any], seed: int) -> None:
         self._loop = loop
-        self._mode = scenario.state
+        # The coalesced design changes the reservations' share, not the prefix share's.
+        self._mode = "redis" if scenario.state == "coalesced" else scenario.state
         self._rtt = scenario.redis_rtt_s
         self._sidecars = sidecars
         self._workers: dict[int, _ShareWorker] = {}

@@ -24,7 +24,7 @@ from typing import Any
 
 from sidecar.body import Wire
 from sidecar.engines.upstream import EngineAnswer, Engines
-from sidecar.errors import EngineNotConnected, SidecarError
+from sidecar.errors import EngineConnectTimeout, EngineNotConnected, EngineTimeout, SidecarError
 from sidecar.observability.metrics import Metrics
 from sidecar.observability.tracing import NO_TRACE, Leg, RequestTrace
 from sidecar.observability.tracking import task_name
@@ -136,20 +136,33 @@ class BackgroundWork:
     async def _post(
         self, urls: Sequence[str], headers: Mapping[str, str], data: Wire
     ) -> EngineAnswer:
+        """The release sent to the first URL that can be connected to; the last one, when its
+        connection timed out, once more (nothing was sent). All of it, the answer read
+        included, within ``timeout_s``."""
+        by = asyncio.get_running_loop().time() + self._timeout_s
         for url in urls[:-1]:
             try:
-                return await self._send_one(url, headers, data)
+                return await self._send_one(url, headers, data, by)
             except EngineNotConnected as exc:
                 logger.info("KV release: %s; trying another decode rank", exc.message)
-        return await self._send_one(urls[-1], headers, data)
+        try:
+            return await self._send_one(urls[-1], headers, data, by)
+        except EngineConnectTimeout as exc:  # nothing was sent: as a decode leg, once more
+            logger.info("KV release: %s; trying it once more", exc.message)
+            return await self._send_one(urls[-1], headers, data, by)
 
-    async def _send_one(self, url: str, headers: Mapping[str, str], data: Wire) -> EngineAnswer:
+    async def _send_one(
+        self, url: str, headers: Mapping[str, str], data: Wire, by: float
+    ) -> EngineAnswer:
+        left = by - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise EngineTimeout(f"the KV release took over {self._timeout_s:g} s")
         return await self._engines.requests.send(
             "POST",
             url,
             headers=headers,
             data=data,
-            total_s=self._timeout_s,
+            total_s=left,
             role="the engine taking a KV release",
         )
 

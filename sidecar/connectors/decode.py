@@ -22,7 +22,7 @@ from sidecar.body import Wire
 from sidecar.config import Settings
 from sidecar.connectors.exchange import Answer, Exchange, Patch
 from sidecar.engines.upstream import Body, EngineAnswer, Engines
-from sidecar.errors import EngineNotConnected, EngineTimeout
+from sidecar.errors import EngineConnectTimeout, EngineNotConnected, EngineRefused, EngineTimeout
 from sidecar.observability.metrics import Metrics
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks, RankClaim
 from sidecar.tasks import OnFailure
@@ -112,9 +112,11 @@ async def on_a_rank(
 ) -> tuple[EngineAnswer, bytes]:
     """``started`` on the claimed rank; on another ready one (the claim moves there) when the
     claimed rank turned unready since the request was placed (a remote prefill takes a while), or
-    cannot be connected to, unless the request named its rank (``RankClaim.pinned``).
-    ``sending`` is called before each attempt."""
+    cannot be connected to, unless the request named its rank (``RankClaim.pinned``). With no
+    other rank to go to, a rank whose connection timed out is tried once more: nothing was sent,
+    and a lost SYN or a full listen queue passes. ``sending`` is called before each attempt."""
     tried: list[DecodeRank] = []
+    again = True
     while True:
         rank = claim.rank
         # A pinned request goes to the rank it named, or fails, as in llm-d.
@@ -135,10 +137,17 @@ async def on_a_rank(
             )
         except EngineNotConnected as exc:
             tried.append(rank)
-            ranks.lost(rank)  # no process listens there: whatever it cached is gone
+            if isinstance(exc, EngineRefused):
+                ranks.lost(rank)  # no process listens there: whatever it cached is gone
+            # Else the rank keeps its index, this prompt (claimed there) included: a later turn
+            # may be steered to it and recompute. Rarer and cheaper than forgetting the rank.
             other = None if claim.pinned else ranks.least_loaded(exclude=tried)
             if other is None:
-                raise
+                if not (again and isinstance(exc, EngineConnectTimeout)):
+                    raise
+                again = False
+                logger.warning("decode rank %d: %s; trying it once more", rank.index, exc.message)
+                continue
             logger.warning(
                 "decode rank %d: %s; sent to rank %d instead", rank.index, exc.message, other.index
             )

@@ -41,6 +41,7 @@ from sidecar.emulator.keys import (
     INFLIGHT,
     KV,
     METRICS,
+    POLLS,
     PUSH,
     RAW_TARGET,
     REQUEST_ID,
@@ -185,12 +186,14 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    request.app[POLLS]["health"] += 1
     if request.app[FAULTS].health_down:
         return error_response(503, "Injected fault: engine unhealthy")
     return web.Response(status=200)
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    request.app[POLLS]["metrics"] += 1
     engine = request.app[ENGINE]
     engine.refresh_metrics()
     return web.Response(body=engine.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -260,6 +263,7 @@ def create_api_app(
     )
     app[FAULTS] = FaultBoard(config.faults)
     app[REQUEST_LOG] = RequestLog(config.request_log_size)
+    app[POLLS] = {"metrics": 0, "health": 0}
     app[SIDE_CHANNEL_PORT] = side_channel_port
     app[PUSH] = push
     if rooms is not None:

@@ -10,7 +10,7 @@ from aiohttp import web
 from sidecar.emulator.errors import EmulatorError
 from sidecar.emulator.faults import FaultSpec
 from sidecar.emulator.generation import read_json
-from sidecar.emulator.keys import CONFIG, ENGINE, FAULTS, KV, PUSH, REQUEST_LOG
+from sidecar.emulator.keys import CONFIG, ENGINE, FAULTS, KV, POLLS, PUSH, REQUEST_LOG
 
 
 async def get_kv(request: web.Request) -> web.Response:
@@ -79,6 +79,12 @@ async def delete_requests(request: web.Request) -> web.Response:
     return web.json_response({"cleared": True})
 
 
+async def get_polls(request: web.Request) -> web.Response:
+    """How many ``/metrics`` and ``/health`` requests the engine served since it started."""
+    polls: dict[str, int] = request.app[POLLS]
+    return web.json_response(polls)
+
+
 async def get_faults(request: web.Request) -> web.Response:
     board = request.app[FAULTS]
     return web.json_response(
@@ -111,6 +117,7 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_get("/emulator/kv", get_kv)
     app.router.add_get("/emulator/requests", get_requests)
     app.router.add_delete("/emulator/requests", delete_requests)
+    app.router.add_get("/emulator/polls", get_polls)
     app.router.add_get("/emulator/faults", get_faults)
     app.router.add_post("/emulator/faults", post_fault)
     app.router.add_delete("/emulator/faults", delete_faults)

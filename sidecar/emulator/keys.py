@@ -27,6 +27,7 @@ STARTED_AT = web.AppKey("started_at", int)
 INFLIGHT = web.AppKey("inflight", set[asyncio.Task[Any]])
 PUSH = web.AppKey("push", PushBoard)  # the prefill side's push registrations
 ROOMS = web.AppKey("rooms", RoomBoard)  # sglang prefill servers only
+POLLS = web.AppKey("polls", dict[str, int])  # /metrics and /health requests served, by path
 ENGINE = web.AppKey("engine", Engine)  # set by a cleanup_ctx once the pull session exists
 
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -7,7 +7,10 @@ Two rounds, each repeated an interval after the previous one ended, every poll o
 - **scrape** (every ``SIDECAR_SCRAPE_INTERVAL_S``): every decode rank's ``/metrics``, and for
   each prefill endpoint of the pool what the pool asks for — its ``/metrics``, its
   ``/health`` while it is probed after an ejection, nothing while it is ejected; a poll may take
-  the interval, at most 2 s.
+  the interval, at most 2 s. With shared scrapes (``sidecar.engines.shared_scrapes``) a prefill
+  endpoint's ``/metrics`` is scraped here only when this sidecar is one of its owners, cannot
+  read the publications, or is one of its backups and its publication is missing or too old;
+  otherwise the publication is handed to the pool as this sidecar's own scrape would be.
 
 What a poll finds is published as an immutable ``EngineSnapshot``. A decode rank's, its
 ``/health`` polls judged by readiness's rule (``sidecar.engines.readiness.judge``: consecutive
@@ -27,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from sidecar.config import Settings
 from sidecar.engines.readiness import (
@@ -41,8 +45,10 @@ from sidecar.engines.readiness import (
     judge,
 )
 from sidecar.engines.scrape import parse_engine_load
+from sidecar.engines.shared_scrapes import ScrapeShare
 from sidecar.engines.upstream import Engines
 from sidecar.errors import (
+    EngineConnectTimeout,
     EngineError,
     EngineNotConnected,
     EngineRefused,
@@ -54,6 +60,8 @@ from sidecar.fleet.polls import PrefillPoll
 from sidecar.fleet.snapshot import EngineHealth, EngineSnapshot
 from sidecar.scheduling.ranks import DecodeRank, DecodeRanks
 from sidecar.tasks import stop_task
+
+logger = logging.getLogger("sidecar.engines.monitor")
 
 SCRAPE_TIMEOUT_MAX_S = 2.0
 """A scrape or a probe waits the scrape interval for its answer, and never longer than this."""
@@ -88,6 +96,13 @@ class MonitorOptions:
     @property
     def scrape_timeout_s(self) -> float:
         return min(self.scrape_interval_s, SCRAPE_TIMEOUT_MAX_S)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Take a finished future's exception, so that one left unawaited (its round cancelled) is
+    not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 class PolledPool(Protocol):
@@ -127,8 +142,12 @@ class EngineMonitor:
         ranks: DecodeRanks,
         readiness: Readiness,
         pool: PolledPool = NO_POOL,
+        share: ScrapeShare | None = None,
     ) -> None:
+        """``share``: the prefill scrapes shared with the pool's other sidecars
+        (``SIDECAR_SHARED_SCRAPES``), or None: every prefill endpoint scraped here."""
         self._options = options
+        self._share = share
         self._engines = engines
         self._ranks = ranks
         self._readiness = readiness
@@ -141,11 +160,11 @@ class EngineMonitor:
         """Start both rounds; each polls at once, then every interval."""
         self._tasks = [
             asyncio.create_task(
-                self._every(self._options.ready_interval_s, self.poll_health),
+                self._every(self._options.ready_interval_s, self.poll_health, "health"),
                 name="engine-monitor:health",
             ),
             asyncio.create_task(
-                self._every(self._options.scrape_interval_s, self.scrape),
+                self._every(self._options.scrape_interval_s, self.scrape, "scrape"),
                 name="engine-monitor:scrape",
             ),
         ]
@@ -156,10 +175,32 @@ class EngineMonitor:
         self._tasks.clear()
 
     @staticmethod
-    async def _every(interval_s: float, poll: Callable[[], Awaitable[object]]) -> None:
-        """``poll``, then ``interval_s`` after it ended, forever; cancelled at shutdown."""
+    async def _every(interval_s: float, poll: Callable[[], Awaitable[object]], name: str) -> None:
+        """``poll``, then ``interval_s`` after it ended, forever; cancelled at shutdown.
+
+        A round handles its engines' failures itself; one that raises is a bug, and it must not
+        end the polling (a sidecar whose scrapes stopped would go on deciding on loads that no
+        longer change): a failure is logged with its traceback, the next in a row only when
+        they raise another kind of exception, and the round that works again says how many
+        failed."""
+        failures = 0
+        logged: type[BaseException] | None = None
         while True:
-            await poll()
+            try:
+                await poll()
+            except Exception as exc:
+                if type(exc) is not logged:
+                    logger.exception("engine monitor: the %s round failed", name)
+                    logged = type(exc)
+                failures += 1
+            else:
+                if failures:
+                    logger.warning(
+                        "engine monitor: the %s round works again after %d failure(s)",
+                        name,
+                        failures,
+                    )
+                failures, logged = 0, None
             await asyncio.sleep(interval_s)
 
     # --- the health round ------------------------------------------------------------------
@@ -181,12 +222,41 @@ class EngineMonitor:
     # --- the scrape round ------------------------------------------------------------------
 
     async def scrape(self) -> None:
-        """Scrape every decode rank, and poll the prefill endpoints the pool asks for."""
+        """Scrape every decode rank, and poll the prefill endpoints the pool asks for; with
+        shared scrapes, only those this sidecar scrapes itself, the others' publications
+        handed to the pool instead."""
         polls = self._pool.prefill_polls()
-        await asyncio.gather(
-            *(self._scrape_rank(rank) for rank in self._ranks),
-            *(self._poll_prefill(poll) for poll in polls),
-        )
+        share = self._share
+        if share is None:
+            await asyncio.gather(
+                *(self._scrape_rank(rank) for rank in self._ranks),
+                *(self._poll_prefill(poll) for poll in polls),
+            )
+            return
+        # The decode ranks' scrapes go on while the publications are read and handed, and
+        # the prefill endpoints scraped, each scrape published as it ends: one slow engine
+        # delays nobody's load but its own.
+        ranks = asyncio.gather(*(self._scrape_rank(rank) for rank in self._ranks))
+        ranks.add_done_callback(_retrieved)
+        try:
+            await share.read(
+                [poll.key for poll in polls if not poll.probe],
+                now=time.monotonic(),
+                wall=time.time(),
+            )
+            wall = time.time()
+            own = [poll for poll in polls if poll.probe or share.scrapes(poll.key, wall=wall)]
+            mine = {id(poll) for poll in own}
+            for poll in polls:
+                if id(poll) not in mine:
+                    found = share.take(poll.key, now=time.monotonic(), wall=time.time())
+                    if found is not None:
+                        self._pool.prefill_polled(poll, found)
+            await asyncio.gather(*(self._poll_prefill(poll) for poll in own))
+        except BaseException:  # cancelled (the app closing): so are the ranks' scrapes
+            ranks.cancel()
+            raise
+        await ranks
 
     async def _scrape_rank(self, rank: DecodeRank) -> None:
         load, unreachable = await self._load(rank.url)
@@ -214,6 +284,9 @@ class EngineMonitor:
         else:
             load, unreachable = await self._load(base, server_name)
             snapshot = EngineSnapshot(load=load, unreachable=unreachable, at=time.monotonic())
+            if self._share is not None:
+                self._share.found(poll.key, snapshot, wall=time.time())
+                await self._share.publish(now=time.monotonic())
         self._pool.prefill_polled(poll, snapshot)
 
     # --- one poll --------------------------------------------------------------------------
@@ -247,7 +320,9 @@ class EngineMonitor:
                 f"{engine}: connection refused",
                 refused=True,
             )
-        except EngineNotConnected as exc:  # unresolved, connect timeout, untrusted certificate
+        except EngineConnectTimeout as exc:  # its cache presumably kept: a busy host is slow
+            return HealthPoll(EngineHealth.DOWN, time.monotonic(), engine, exc.message)
+        except EngineNotConnected as exc:  # unresolved, untrusted certificate
             return HealthPoll(EngineHealth.LOST, time.monotonic(), engine, exc.message)
         except EngineTimeout:  # its cache presumably kept: a busy engine is slow
             reason = f"{engine}: no answer to /health within {timeout_s:g} s"

@@ -25,6 +25,7 @@ from sidecar.defaults import ENGINE_KEEPALIVE_S
 from sidecar.errors import (
     EngineAnswerTooLarge,
     EngineBadResponse,
+    EngineConnectTimeout,
     EngineError,
     EngineNotConnected,
     EngineRefused,
@@ -573,7 +574,9 @@ def _translate(exc: BaseException, what: str) -> EngineError:
         exc.os_error, ConnectionRefusedError
     ):
         return EngineRefused(f"{what}: {_describe(exc)}")
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return EngineConnectTimeout(f"{what}: no connection within SIDECAR_CONNECT_TIMEOUT_S")
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return EngineNotConnected(f"{what}: {_describe(exc)}")
     return EngineUnreachable(f"{what}: {_describe(exc)}")
 

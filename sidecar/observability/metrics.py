@@ -284,14 +284,15 @@ class Metrics:
         )
         self.state_backend_errors = Counter(
             "pd_sidecar_state_backend_errors",
-            "Shared-state backend failures, by kind (timeout, connection).",
+            "Shared-state backend failures, by kind (timeout, connection, scrapes).",
             ["kind"],
             registry=self.registry,
         )
         self.state_entries_skipped = Counter(
             "pd_sidecar_state_entries_skipped",
             "Entries read back from the shared state and left out, by kind: load, speed, "
-            "ejection (did not parse, or out of range), over_limit (beyond what one sync reads).",
+            "ejection (did not parse, or out of range), over_limit (beyond what one sync reads), "
+            "prefix, wrong_type, scrape, member.",
             ["kind"],
             registry=self.registry,
         )

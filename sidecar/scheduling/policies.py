@@ -106,7 +106,8 @@ class Qoe:
     Predicted TTFT = (tokens queued ahead + the prompt's tokens it is not predicted to hold) x
     the endpoint's observed seconds per token + its overhead + the KV transfer estimate. A small
     ``choices`` (2) trades the best pick for less herding when sidecars decide on one stale
-    view.
+    view; so does ``among`` (2: the pick is drawn at random among the two lowest predicted
+    TTFTs of the sample, unless the prefix's home wins).
 
     Affinity: the prompt's prefix has one home, ``affinity_target``: the candidate predicted to
     hold most of it, the highest rendezvous weight among equal holders, or, when none holds any
@@ -130,8 +131,12 @@ class Qoe:
         choices: int = QOE_CHOICES,
         transfer: Transfer = Transfer(),
         tokens_per_waiting: float = TOKENS_PER_WAITING,
+        among: int = 1,
     ) -> None:
+        if among < 1:
+            raise ValueError("among is at least 1")
         self._rng = rng
+        self._among = among
         self._choices = choices
         self._transfer = transfer
         self._tokens_per_waiting = tokens_per_waiting
@@ -149,6 +154,8 @@ class Qoe:
             return predicted_ttft(candidate, tokens, transfer, per_waiting, credited=credited)
 
         if home is None:
+            if self._among > 1:
+                return _among_lowest([(cost(c), c) for c in sample], self._among, self._rng)
             return _lowest(sample, cost, self._rng)
         scored = [(cost(c), c) for c in sample]
         best = min(score for score, _ in scored)
@@ -162,6 +169,8 @@ class Qoe:
             return home
         # The home lost: the lowest predicted time to first token of the others, the credit
         # playing no part among them.
+        if self._among > 1:
+            return _among_lowest(scored, self._among, self._rng)
         return self._rng.choice([c for score, c in scored if score <= best])
 
 
@@ -185,10 +194,15 @@ POLICIES = ("qoe", "power_of_two", "least_loaded", "round_robin", "random")
 
 
 def make_policy(
-    name: str, rng: random.Random, *, choices: int = QOE_CHOICES, transfer: Transfer = Transfer()
+    name: str,
+    rng: random.Random,
+    *,
+    choices: int = QOE_CHOICES,
+    transfer: Transfer = Transfer(),
+    among: int = 1,
 ) -> Policy:
     if name == "qoe":
-        return Qoe(rng, choices=choices, transfer=transfer)
+        return Qoe(rng, choices=choices, transfer=transfer, among=among)
     if name == "power_of_two":
         return PowerOfTwo(rng)
     if name == "least_loaded":
@@ -222,3 +236,13 @@ def _lowest(
     scored = [(cost(c), c) for c in candidates]
     best = min(score for score, _ in scored)
     return rng.choice([c for score, c in scored if score <= best])
+
+
+def _among_lowest(
+    scored: Sequence[tuple[float, Candidate]], among: int, rng: random.Random
+) -> Candidate | None:
+    """One of the ``among`` lowest-scored candidates, drawn at random (ties in the order given)."""
+    if not scored:
+        return None
+    ranked = sorted(scored, key=lambda pair: pair[0])
+    return rng.choice([candidate for _, candidate in ranked[:among]])

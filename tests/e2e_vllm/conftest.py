@@ -387,7 +387,15 @@ def expired_in_log(engine: VllmEngine) -> list[str]:
 def engine_trouble(engine: VllmEngine, limit: int = 40) -> list[str]:
     """The last ``limit`` warnings and errors of ``engine``'s log (tracebacks included): what a
     test that failed on an engine's behaviour should show, as CI keeps no engine logs."""
-    path = engine.log_path
+    return _trouble(engine.log_path, limit)
+
+
+def sidecar_trouble(sidecar: SidecarProcess, limit: int = 40) -> list[str]:
+    """The same of the sidecar's log."""
+    return _trouble(sidecar.log_path, limit)
+
+
+def _trouble(path: Path | None, limit: int) -> list[str]:
     if path is None or not path.exists():
         return []
     found = [

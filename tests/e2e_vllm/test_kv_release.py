@@ -53,6 +53,7 @@ from tests.e2e_vllm.conftest import (
     settled_prefill_kv_blocks,
     settled_sidecar_metric,
     sidecar_metric,
+    sidecar_trouble,
     start_cluster,
     unique_prompt,
     until,
@@ -82,10 +83,16 @@ engine counted as down, and every later request got 503 before any leg. Without 
 is the decode engine's time to a first token after a KV pull, a few milliseconds for the tiny model:
 a client leaving "between the legs" (its clock started when the record shows ``prefill_done``, read
 over HTTP) found its answer already complete (CI, 12 of 12)."""
-HEALTH = {"SIDECAR_READY_INTERVAL_S": "2"}
+HEALTH = {"SIDECAR_READY_INTERVAL_S": "2", "SIDECAR_ENGINE_KEEPALIVE_S": "2"}
 """The scenario's sidecar polls the decode engine's ``/health`` at the default interval (its
 timeout the same 2 s; 3 failed polls in a row, 6 s, before it counts as down), not e2e's 0.5 s:
-48 concurrent requests on two CPU engines leave their API servers slow to answer."""
+48 concurrent requests on two CPU engines leave their API servers slow to answer.
+
+It reuses an idle connection to the decode engine for 2 s at most, not the default 4 s: a request
+reaches the engine ``DECODE_LINK_DELAY_S`` after the sidecar sent it, later on a loaded machine,
+and vLLM closes a connection idle for 5 s. With 4 s, a decode leg sent on the connection the
+warm-up left idle for nearly that long could arrive after the engine had closed it (a 503 with
+nothing of the engine's; once on CI, one request of the 12 that never left)."""
 MAX_RECONNECTS = 2
 CONNECTIONS_CLOSED = "pd_sidecar_client_connections_closed_total"
 CONNECTIONS_REFUSED = "pd_sidecar_client_connections_refused_total"
@@ -121,6 +128,13 @@ class Plan:
     reconnects: int = 0
     """Times the request was sent again because its connection closed before it was written
     (``_send``)."""
+    events: int = 0
+    """SSE data events read (``[DONE]`` aside)."""
+    finish: str | None = None
+    """The last ``finish_reason`` the answer gave."""
+    errors: list[str] = dataclasses.field(default_factory=list)
+    """Error events in the stream (the first 200 bytes of each): a stream whose status line said
+    200 reports a failure this way."""
     timed_out: bool = False
     """The client's own limit (``CLIENT_TIMEOUT_S``) ended the request: the test fails, after
     reading the sidecar's record of it (once, on CI, one request took longer; which phase it
@@ -191,15 +205,19 @@ async def _exchange(
             if response.status == 200:
                 choice = orjson.loads(raw)["choices"][0]
                 plan.text = choice.get("text") or choice.get("message", {}).get("content") or ""
+                plan.finish = choice.get("finish_reason")
             return
-        events = 0
         async for line in response.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            events += 1
-            for choice in orjson.loads(line[len(b"data: ") :]).get("choices") or []:
+            plan.events += 1
+            event = orjson.loads(line[len(b"data: ") :])
+            if "error" in event:
+                plan.errors.append(line[len(b"data: ") :][:200].decode(errors="replace"))
+            for choice in event.get("choices") or []:
                 plan.text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if plan.cancel == "midstream" and events >= plan.cancel_after_events:
+                plan.finish = choice.get("finish_reason") or plan.finish
+            if plan.cancel == "midstream" and plan.events >= plan.cancel_after_events:
                 plan.cancelled_at = time.time()
                 response.close()  # the client leaves mid-stream
                 return
@@ -275,13 +293,7 @@ async def _stalled(http: aiohttp.ClientSession, cluster: Cluster, slow: list[Pla
     engine sent nothing for 60 s to a few requests of the first wave; CI keeps no engine logs."""
     lines = [f"{len(slow)} request(s) over {CLIENT_TIMEOUT_S} s:"]
     for plan in slow[:10]:
-        entry = await _entry(http, cluster, plan.request_id) or {}
-        phases = {name: round(at, 2) for name, at in (entry.get("phases") or {}).items()}
-        lines.append(
-            f"  {plan.request_id} {plan.route} stream={plan.stream} status={plan.status}: "
-            f"sidecar {entry.get('state')} {entry.get('status')} {phases} "
-            f"error={entry.get('error')!r}"
-        )
+        lines.append("  " + _described(plan, await _entry(http, cluster, plan.request_id)))
     if len(slow) > 10:
         lines.append(f"  ... and {len(slow) - 10} more")
     for role, engine in (("decode", cluster.decode), ("prefill", cluster.prefill)):
@@ -302,6 +314,41 @@ async def _stalled(http: aiohttp.ClientSession, cluster: Cluster, slow: list[Pla
             "left out):"
         )
         lines.extend(f"  {line[:240]}" for line in others[-12:])
+    return "\n".join(lines)
+
+
+def _described(plan: Plan, entry: dict[str, Any] | None) -> str:
+    """One request as the client saw it and as the sidecar recorded it."""
+    entry = entry or {}
+    phases = {name: round(at, 2) for name, at in (entry.get("phases") or {}).items()}
+    return (
+        f"{plan.request_id} {plan.route} stream={plan.stream} status={plan.status} "
+        f"events={plan.events} finish={plan.finish} text={plan.text[:40]!r} "
+        f"errors={plan.errors[:2]}: sidecar {entry.get('state')} {entry.get('status')} {phases} "
+        f"error={entry.get('error')!r}"
+    )
+
+
+async def _unanswered(http: aiohttp.ClientSession, cluster: Cluster, plans: list[Plan]) -> str:
+    """Why requests whose client never left did not get their answer, short enough for a CI log
+    that keeps a failure's first lines only: each one as the client saw it (events, error events)
+    and as the sidecar recorded it (its error says which leg failed and how), then the sidecar's
+    and the decode engine's own warnings and errors. CI keeps neither log."""
+    lines = [f"{len(plans)} request(s) whose client never left got no answer:"]
+    for plan in plans[:10]:
+        lines.append("  " + _described(plan, await _entry(http, cluster, plan.request_id)))
+    lines.append("the sidecar's last warnings and errors:")
+    lines.extend(f"  {line[:240]}" for line in sidecar_trouble(cluster.sidecar)[-12:])
+    trouble = engine_trouble(cluster.decode, limit=1000)
+    lines.append("the decode engine's last warnings and errors:")
+    lines.extend(
+        f"  {line[:240]}"
+        for line in [
+            line
+            for line in trouble
+            if _RELEASED_UNKNOWN not in line and not any(part in line for part in _STARTUP_NOISE)
+        ][-12:]
+    )
     return "\n".join(lines)
 
 
@@ -353,6 +400,12 @@ async def test_random_client_disconnects_leave_no_kv_held(slow_decode: Cluster, 
     slow = [plan for plan in chosen if plan.timed_out]
     if slow:
         pytest.fail(await _stalled(http, cluster, slow))
+    # Before anything else is judged, so that a later check's failure does not hide why.
+    # A stream the client meant to leave mid-way but that ended first counts as never left: its
+    # text must be there too.
+    unanswered = [p for p in chosen if p.cancelled_at is None and not (p.status == 200 and p.text)]
+    if unanswered:
+        pytest.fail(await _unanswered(http, cluster, unanswered))
 
     async def none_in_flight() -> bool:
         async with http.get(cluster.sidecar.url + "/debug/requests?limit=1000") as response:

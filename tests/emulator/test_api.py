@@ -291,6 +291,16 @@ async def test_prefix_cache(emulator: RunningEmulator, session: aiohttp.ClientSe
     assert metric_value(text, "vllm:prefix_cache_hits_total") == 32 + 16
 
 
+async def test_polls_are_counted(emulator: RunningEmulator, session: aiohttp.ClientSession) -> None:
+    """``/emulator/polls`` counts the ``/metrics`` scrapes and ``/health`` polls served: what a
+    test reads to see how often the sidecars poll an engine."""
+    assert await get_json(session, f"{emulator.url}/emulator/polls") == {"metrics": 0, "health": 0}
+    for path in ("/metrics", "/metrics", "/health"):
+        async with session.get(emulator.url + path) as resp:
+            assert resp.status == 200
+    assert await get_json(session, f"{emulator.url}/emulator/polls") == {"metrics": 2, "health": 1}
+
+
 async def test_request_log(emulator: RunningEmulator, session: aiohttp.ClientSession) -> None:
     body = {"prompt": "logged", "max_tokens": 1}
     await post_json(session, f"{emulator.url}/v1/completions", body, headers={"X-Custom": "yes"})

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import random
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -22,6 +24,13 @@ from aiohttp import web
 
 from sidecar.app import SCHEDULER
 from sidecar.config import Settings
+from sidecar.engines.monitor import EngineMonitor, MonitorOptions
+from sidecar.engines.readiness import Readiness
+from sidecar.engines.upstream import Engines
+from sidecar.fleet.polls import PrefillPoll
+from sidecar.fleet.snapshot import EngineSnapshot
+from sidecar.observability.metrics import Metrics
+from sidecar.scheduling.ranks import DecodeRanks
 from sidecar.server.runner import RunningSidecar, start_sidecar
 from tests.conftest import awaiting, eventually, get_json
 from tests.processes import free_port
@@ -281,3 +290,72 @@ async def test_debug_scheduler_shows_each_decode_ranks_stall_budget(
     await eventually(functools.partial(scraped, 100.0))
     [described] = (await scheduler_view(http, sidecar))["decode_ranks"]
     assert described["stall_budget"] == {"share": 0.5, "step_ms": 20.0, "credit_s": 3.0}
+
+
+class FailingPool:
+    """A prefill pool whose first scrape rounds raise ``raised``, one each, as they ask for
+    their polls (what a bug anywhere in a round does); ``asked`` is set once a round after them
+    has asked."""
+
+    def __init__(self, raised: list[Exception]) -> None:
+        self.raised = raised
+        self.rounds = 0
+        self.asked = asyncio.Event()
+
+    def prefill_polls(self) -> list[PrefillPoll]:
+        self.rounds += 1
+        if self.rounds <= len(self.raised):
+            raise self.raised[self.rounds - 1]
+        self.asked.set()
+        return []
+
+    def prefill_polled(self, poll: PrefillPoll, snapshot: EngineSnapshot) -> None:
+        raise AssertionError("no prefill endpoint was polled")
+
+
+async def test_a_round_that_raises_does_not_end_the_polling(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three scrape rounds in a row raise: the fourth runs all the same. The first failure is
+    logged with its traceback, the second (the same kind) only counted, the third (another
+    kind) logged too, and the round that works again says how many failed."""
+    caplog.set_level(logging.INFO, logger="sidecar.engines.monitor")
+    ranks = DecodeRanks(
+        ["http://127.0.0.9:1"],
+        block_tokens=16,
+        capacity_blocks=16,
+        stale_after_s=3.0,
+        rng=random.Random(1),
+    )
+    engines = Engines(connect_timeout_s=1.0)
+    await engines.open()
+    pool = FailingPool([RuntimeError("round 1 broke"), RuntimeError("again"), KeyError("other")])
+    monitor = EngineMonitor(
+        MonitorOptions(ready_interval_s=LONG_S, scrape_interval_s=0.001),
+        engines=engines,
+        ranks=ranks,
+        readiness=Readiness(ranks=ranks, metrics=Metrics()),
+        pool=pool,
+    )
+
+    def logged() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "sidecar.engines.monitor"]
+
+    async def recovered() -> bool:
+        return any(r.levelno == logging.WARNING for r in logged())
+
+    monitor.start()
+    try:
+        await asyncio.wait_for(pool.asked.wait(), timeout=10)
+        await eventually(recovered)
+        await monitor.close()
+    finally:
+        await engines.close()
+
+    assert [(r.levelno, r.getMessage()) for r in logged()] == [
+        (logging.ERROR, "engine monitor: the scrape round failed"),
+        (logging.ERROR, "engine monitor: the scrape round failed"),
+        (logging.WARNING, "engine monitor: the scrape round works again after 3 failure(s)"),
+    ]
+    tracebacks = [r.exc_info[1] for r in logged() if r.exc_info is not None]
+    assert [str(exc) for exc in tracebacks] == ["round 1 broke", "'other'"]

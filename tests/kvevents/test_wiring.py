@@ -37,9 +37,9 @@ async def complete_on(http: aiohttp.ClientSession, engine: RunningEmulator, prom
         assert response.status == 200, await response.text()
 
 
-def long_prompt() -> str:
-    """A prompt of ~1,000 estimated tokens no other prompt shares a block with."""
-    return " ".join(uuid.uuid4().hex for _ in range(120))
+def long_prompt(words: int = 120) -> str:
+    """A prompt of ~1,000 estimated tokens (120 words) no other prompt shares a block with."""
+    return " ".join(uuid.uuid4().hex for _ in range(words))
 
 
 async def test_an_endpoint_that_publishes_is_exact_and_one_that_does_not_is_approximate(
@@ -250,16 +250,19 @@ async def test_the_decision_goes_where_the_events_say_the_prompt_is_cached(
     pool: Pool, start_sidecar_with: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     first, second = await pool.add(), await pool.add()
-    sidecar = await start_sidecar_with(**pool.settings())
+    # Scraped often: each decision below waits until the sidecar has seen both engines idle.
+    sidecar = await start_sidecar_with(**pool.settings(), scrape_interval_s=0.1)
     await publisher(first).wait_subscriptions(1)
     await publisher(second).wait_subscriptions(1)
     # Each engine's events come in sync with a prompt of its own; then four prompts, two cached
     # on each engine by a client of its own (the sidecar sent them nothing: its approximate
-    # index knows none of them). Equally loaded, each must go where it is cached.
+    # index knows none of them). Equally loaded, each must go where it is cached. The prompts
+    # are long (~4,000 tokens), so that computing one where it is not cached costs more than
+    # a speed learnt from one prefill slowed by a loaded machine can make up.
     await complete_on(http, first, long_prompt())
     await complete_on(http, second, long_prompt())
     await in_sync(http, sidecar, first.endpoint, second.endpoint)
-    cached = [(long_prompt(), engine) for engine in (first, second, first, second)]
+    cached = [(long_prompt(480), engine) for engine in (first, second, first, second)]
     for prompt, engine in cached:
         await complete_on(http, engine, prompt)
 
@@ -267,11 +270,20 @@ async def test_the_decision_goes_where_the_events_say_the_prompt_is_cached(
         endpoints = (await kv_view(http, sidecar))["endpoints"]
         return all(endpoints[e.endpoint]["batches_applied"] == 3 for e in (first, second))
 
+    async def idle() -> bool:
+        endpoints = (await get_json(http, sidecar.url + "/debug/scheduler"))["endpoints"]
+        scraped = [e["scraped"] for e in endpoints]
+        return all(s is not None and s["waiting"] == 0 and s["running"] == 0 for s in scraped)
+
     await eventually(applied)
     for prompt, engine in cached:
+        await eventually(idle)
         record = await through(http, sidecar, prompt)
         assert (record["decision"], record["reason"]) == ("remote", "scheduled")
-        assert record["prefill_endpoint"] == engine.endpoint
+        if record["prefill_endpoint"] != engine.endpoint:
+            # What the decision saw of each endpoint: loads, speeds learnt, reservations.
+            seen = (await get_json(http, sidecar.url + "/debug/scheduler"))["endpoints"]
+            pytest.fail(f"{record} went elsewhere than {engine.endpoint}; endpoints: {seen}")
         assert record["cached_source"] == "events"
         # The whole prompt but its last, partial block: counted in the engine's tokens.
         assert record["prefill_predicted_cached_tokens"] >= len(prompt) // 4 - 16

@@ -232,6 +232,7 @@ async def test_every_selector_of_the_dashboard_and_the_rules_returns_series(
         "ready_interval_s": "0.2",
         "state_backend": "redis",
         "redis_url": UNREACHABLE_REDIS,
+        "shared_scrapes": "true",  # unreadable too: its errors have a series
         "log_level": "WARNING",
     }
     async with (

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -56,6 +56,10 @@ from sidecar.scheduling.state.replies import BoundedHiredisParser, bound_cluster
 from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
+
+SCRAPERS_KEEP_MS = 300_000
+"""The shared scrapes' member list outlives its last renewal by at least this (its entries
+lapse by their scores; the key goes when nobody shares any more)."""
 
 _ERRORS = (RedisError, RedisClusterException, OSError, TimeoutError)
 """What a Redis call may raise (the cluster client's "cannot be connected" and "slots not
@@ -91,6 +95,7 @@ class RedisState:
         self._url = url
         self._cluster = cluster
         self.keys = keys(prefix)
+        self._tag = "{" + prefix + "}"
         """Every key the backend touches, in the script's ``KEYS`` order."""
         self._timeout_s = timeout_s
         self._max_ejection_s = max_ejection_s
@@ -113,6 +118,8 @@ class RedisState:
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
         """``close`` has begun: no sync starts any more (the goodbye owns the connection)."""
+        self.describe_scrapes: Callable[[], dict[str, Any]] | None = None
+        """The shared scrapes' part of ``status``, when they go through this backend."""
         self.connected = False
         self.last_error: str | None = None
         self.last_sync_unix: float | None = None
@@ -166,6 +173,8 @@ class RedisState:
                     goodbye = [sidecar, repr(self._clock()), repr(self._protocol.lease_s), "", 0, 0]
                     await self._call_script(goodbye)
                     await self._client.zrem(self.keys[0], sidecar)
+                    if self.describe_scrapes is not None:  # it shared scrapes: not any more
+                        await self._client.zrem(self.scrapers_key, sidecar)
             await self._client.aclose()
             self._client = None
         if self._resp is not None:
@@ -218,6 +227,62 @@ class RedisState:
             self._share.publish(endpoint, hashes)
             self._share_wake.set()
 
+    # The shared scrapes' store (``sidecar.engines.shared_scrapes.ScrapeStore``).
+
+    @property
+    def member_id(self) -> str:
+        return self._protocol.sidecar
+
+    def scrape_key(self, endpoint: str) -> str:
+        """Where an endpoint's scrape is published: the pool's hash tag, so that one read of
+        every endpoint's is one command on one node of a Redis Cluster."""
+        return f"{self._tag}:scrape:{endpoint}"
+
+    @property
+    def scrapers_key(self) -> str:
+        """The sidecars that share scrapes, each with the Unix time its membership ends."""
+        return f"{self._tag}:scrapers"
+
+    async def read_scrapes(
+        self, endpoints: Sequence[str], *, members: int, wall: float, member_until: float
+    ) -> tuple[list[bytes | None], list[bytes] | None]:
+        if self._client is None or self._closing:
+            raise RedisError("the state backend is not started")
+        names = [self.scrape_key(endpoint) for endpoint in endpoints]
+        if not members:
+            # Most rounds: one command, not a pipeline (a cluster client's pipeline costs this
+            # process several times as much).
+            values = await self._client.execute_command("MGET", *names) if names else []
+            return list(values), None
+        # Membership renewed, long-lapsed ones dropped, the live ones read: one round trip, on
+        # the pool's hash tag (one node of a cluster). The writes may fail (Redis read-only,
+        # full, a narrower ACL) without failing the read: this sidecar's membership then lapses
+        # and the others own its endpoints.
+        key, horizon = self.scrapers_key, member_until - wall
+        pipe = self._client.pipeline(transaction=False)
+        if names:
+            pipe.execute_command("MGET", *names)  # redis-py refuses a cluster pipeline's mget()
+        pipe.zrangebyscore(key, repr(wall), "+inf", start=0, num=members)
+        pipe.zadd(key, {self.member_id: member_until})
+        # Dropped a horizon after they lapsed: a reader whose clock runs ahead deletes no live
+        # member. The key outlives the last member long enough for any member's settings.
+        pipe.zremrangebyscore(key, "-inf", f"({wall - horizon!r}")
+        pipe.pexpire(key, max(SCRAPERS_KEEP_MS, round(2 * horizon * 1000)))
+        replies = await pipe.execute(raise_on_error=False)
+        read = replies[: 2 if names else 1]
+        for reply in read:
+            if isinstance(reply, BaseException):
+                raise reply
+        return (list(read[0]) if names else []), list(read[-1])
+
+    async def write_scrapes(self, values: Mapping[str, str], *, expire_s: float) -> None:
+        if self._client is None or self._closing:
+            raise RedisError("the state backend is not started")
+        pipe = self._client.pipeline(transaction=False)
+        for endpoint, value in values.items():
+            pipe.set(self.scrape_key(endpoint), value, px=max(1, round(expire_s * 1000)))
+        await pipe.execute()
+
     def status(self) -> dict[str, Any]:
         share = self._share
         return {
@@ -231,6 +296,7 @@ class RedisState:
             "last_error": self.last_error,
             "lease_s": self._protocol.lease_s,
             "cluster": self._cluster,
+            "shared_scrapes": None if self.describe_scrapes is None else self.describe_scrapes(),
         }
 
     async def _work(self) -> None:
