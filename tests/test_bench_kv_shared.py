@@ -54,7 +54,11 @@ async def test_a_run_on_a_real_redis_writes_blocks_and_finds_them(
     # Every stored or removed block is two commands (SETBIT, PEXPIRE; NX for a removal), one
     # when another op of the flush already set the key's expiry.
     assert 1.0 <= events.figures()["commands"] <= 2.0
-    assert events.figures()["redis_cpu_us"] > 0
+    # The master's CPU was read over the window. Less the idle's share, the per-event figure is
+    # only >= 0 here: a 0.1 s idle reading (a cron, a key expiring) can outweigh a 0.4 s
+    # window's few ms of work. The first test checks that arithmetic.
+    assert sum(s.cpu_s for s in events.servers) > 0
+    assert events.figures()["redis_cpu_us"] >= 0
     # One MGET per query, each answered within the budget.
     assert queries.count == 16
     assert queries.failed == 0
