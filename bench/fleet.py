@@ -1284,9 +1284,6 @@ class CounterFleet:
         self.waits_ms: list[float] = []
         self.releases: set[asyncio.Task[None]] = set()
         self.failed_releases = 0
-        # The releases' own share of the client's connections (100; the decisions take up to
-        # SHARDED_BATCH): a late driver queues them rather than exhaust the pool.
-        self._releasing = asyncio.Semaphore(100 - SHARDED_BATCH - 4)
 
     async def learn_clocks(self) -> None:
         """Every sidecar's clock offset learnt (as each does once when it starts), a batch at a
@@ -1314,22 +1311,32 @@ class CounterFleet:
     async def _release(
         self, member: counters.CounterReservations, held: counters.Held, hold_s: float
     ) -> None:
+        """The release deferred, as a sidecar sends it: with the member's next read, or on its
+        own after ``counters.RELEASE_DELAY_S``."""
         await asyncio.sleep(hold_s)
-        try:
-            async with self._releasing:
-                await member.release(held)
-        except Exception:  # counted: the window reports its failures
-            self.failed_releases += 1
+        member.defer_release(held)
 
     async def drain(self) -> None:
+        """Every release made and sent (lost ones counted in ``failed_releases``)."""
         while self.releases:
             await asyncio.gather(*list(self.releases))
+        for member in self.members:
+            try:
+                await member.sent()
+            except Exception:  # counted: the window reports its failures
+                self.failed_releases += 1
+
+    @property
+    def lost_releases(self) -> int:
+        return sum(member.lost_releases for member in self.members)
 
     async def floor(self) -> None:
         await self.client.get(self.pool.key(self.endpoints[0], 0))
 
     async def close(self) -> None:
         await self.drain()
+        for member in self.members:
+            await member.close()
         await self.client.aclose()
 
 
@@ -1358,7 +1365,7 @@ async def counter_cell(
             seconds,
             done,
             await _sharded_readings(store, before, COUNTER_COMMANDS),
-            failed + fleet.failed_releases,
+            failed + fleet.failed_releases + fleet.lost_releases,
         )
         floor = await _sharded_window(store, rate, args.load_s, fleet.floor)
         final = await fleet.members[0].read(fleet.endpoints)  # every release taken back

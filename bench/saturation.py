@@ -27,13 +27,21 @@ Commands, each with production's arguments:
 - ``hgetall``: a hash of ``--endpoints`` fields read whole (a counter design's read);
 - ``counters read``: the counters' read (``sidecar.scheduling.state.counters``): one ``MGET`` of
   the current and the previous epoch's key of ``--endpoints`` endpoints, the keys the module
-  names; ``counters reserve`` and ``counters release``: its pipelines, ``INCRBY`` of one
+  names; ``counters reserve`` and ``counters release``: its writes, ``INCRBY`` of one
   endpoint's key (tokens and a request packed in one integer, added or taken back) and its
-  ``PEXPIREAT``;
+  ``PEXPIREAT`` in one ``MULTI``/``EXEC``; ``counters release + read``: a read carrying a
+  deferred release (``CounterReservations.defer_release``), the release and the ``MGET`` in one
+  transaction;
+- ``decision: …``: whole decisions, their calls one after the other on a connection: a read, a
+  reservation and a release (an earlier decision's) on its own; then the same with the release
+  carried by the read in ``--ride`` of the decisions. Their cost is per decision;
 - the layouts it was chosen against: two strings per endpoint and epoch (``strings``: a read
   of twice the keys; a write ``INCRBY`` twice, ``PEXPIREAT`` twice) and a hash of two fields
   (``hash``: a read of one ``HMGET`` per endpoint and epoch, pipelined; a write ``HINCRBY``
-  twice and ``PEXPIREAT``).
+  twice and ``PEXPIREAT``), their writes plain pipelines (no ``MULTI``/``EXEC``).
+
+The "command" column sums ``INFO commandstats``' µs of the commands named, ``EXEC``'s left out
+(it holds the queued commands' µs, and its own few): the CPU column is the figure to read.
 
 redis-benchmark sends one command per call; the pipelines (``counters reserve``, ...) are sent
 by a driver of this process (uvloop, ``--clients`` connections, each sending its next pipeline
@@ -260,16 +268,21 @@ def _resp(*args: str | int) -> bytes:
     return b"".join(parts)
 
 
+Stage = tuple[bytes, int]
+"""A pipeline of commands in RESP and the lines of RESP its replies hold."""
+
+
 class _Rounds(asyncio.Protocol):
-    """One connection of the driver: a pipeline sent, its replies awaited (``lines`` lines of
-    RESP, the replies' lines counted), the next sent, ``rounds`` times."""
+    """One connection of the driver: a call's stages sent one after the other, each when the
+    last one's replies are in (their lines counted), then the next call's, ``rounds`` calls."""
 
     def __init__(
-        self, payloads: Sequence[bytes], lines: int, rounds: int, done: asyncio.Future[None]
+        self, calls: Sequence[Sequence[Stage]], rounds: int, done: asyncio.Future[None]
     ) -> None:
-        self._payloads, self._lines, self._left, self._done = payloads, lines, rounds, done
+        self._calls, self._left, self._done = calls, rounds, done
         self._seen = 0
-        self._next = 0
+        self._call = 0
+        self._stage = 0
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -277,18 +290,24 @@ class _Rounds(asyncio.Protocol):
         self._transport = transport
         self._send()
 
+    def _lines(self) -> int:
+        return self._calls[self._call][self._stage][1]
+
     def _send(self) -> None:
         assert self._transport is not None
-        self._transport.write(self._payloads[self._next])
-        self._next = (self._next + 1) % len(self._payloads)
+        self._transport.write(self._calls[self._call][self._stage][0])
 
     def data_received(self, data: bytes) -> None:
         # Lines counted by their ``\n``: a chunk may end between a line's ``\r`` and ``\n``
         # (no value sent here holds either).
         self._seen += data.count(b"\n")
-        while self._seen >= self._lines and self._left > 0:
-            self._seen -= self._lines
-            self._left -= 1
+        while self._left > 0 and self._seen >= self._lines():
+            self._seen -= self._lines()
+            self._stage += 1
+            if self._stage == len(self._calls[self._call]):
+                self._stage = 0
+                self._call = (self._call + 1) % len(self._calls)
+                self._left -= 1
             if self._left:
                 self._send()
         if self._left == 0 and not self._done.done():
@@ -311,6 +330,22 @@ async def measure_pipelined(
     """``payloads`` (pipelines of commands, in turn) sent ``args.calls`` times by this
     process's driver, over ``args.clients`` connections; ``lines``: the lines of RESP one
     pipeline's replies hold; ``stats``: its commands' names in ``INFO commandstats``."""
+    calls = [[(payload, lines)] for payload in payloads]
+    return await measure_calls(client, port, name, stats, calls, args)
+
+
+async def measure_calls(
+    client: aioredis.Redis,
+    port: int,
+    name: str,
+    stats: Sequence[str],
+    calls: Sequence[Sequence[Stage]],
+    args: Any,
+) -> Cost:
+    """``calls`` (each a sequence of pipelines, sent one after the other as its answers come,
+    the calls in turn) made ``args.calls`` times by this process's driver, over
+    ``args.clients`` connections; ``stats``: the commands' names in ``INFO commandstats``,
+    each sent at least once a call. The cost is per call."""
     loop = asyncio.get_running_loop()
     cpu_before, stats_before = await _readings(client)
     began = time.monotonic()
@@ -322,14 +357,14 @@ async def measure_pipelined(
         if rounds == 0:
             continue
         finished: asyncio.Future[None] = loop.create_future()
-        turned = list(payloads[index % len(payloads) :]) + list(payloads[: index % len(payloads)])
+        turned = list(calls[index % len(calls) :]) + list(calls[: index % len(calls)])
         transport, _ = await loop.create_connection(
-            functools.partial(_Rounds, turned, lines, rounds, finished), "127.0.0.1", port
+            functools.partial(_Rounds, turned, rounds, finished), "127.0.0.1", port
         )
         transports.append(transport)
         done.append(finished)
     try:
-        # Replies of another shape than ``lines`` expects would leave a connection waiting.
+        # Replies of another shape than a stage's lines say would leave a connection waiting.
         async with asyncio.timeout(60 + args.calls / 1000):
             await asyncio.gather(*done)
     finally:
@@ -376,8 +411,35 @@ async def _counter_costs(client: aioredis.Redis, port: int, args: Any) -> list[C
         await client.pexpireat(key, EXPIRE_AT_MS)
     now = [pool.key(name, COUNTERS_EPOCH) for name in names]
     one = counters.pack(8192, 1)
-    reserve = [_resp("INCRBY", key, one) + _resp("PEXPIREAT", key, EXPIRE_AT_MS) for key in now]
-    release = [_resp("INCRBY", key, -one) + _resp("PEXPIREAT", key, EXPIRE_AT_MS) for key in now]
+
+    def add(key: str, delta: int) -> bytes:
+        return _resp("INCRBY", key, delta) + _resp("PEXPIREAT", key, EXPIRE_AT_MS)
+
+    # Production's writes on one server: an INCRBY and its PEXPIREAT in one MULTI/EXEC. Replies:
+    # +OK, +QUEUED twice, then EXEC's array of two (3 lines): 6 lines.
+    reserve = [_resp("MULTI") + add(key, one) + _resp("EXEC") for key in now]
+    release = [_resp("MULTI") + add(key, -one) + _resp("EXEC") for key in now]
+    # A read carrying a deferred release, as production sends it: the release and the MGET in
+    # one transaction. Replies: +OK, +QUEUED three times, EXEC's array of three (its header,
+    # the two integers, then the MGET's array: a header and two lines a key).
+    mget = _resp("MGET", *packed)
+    read_lines = 1 + 2 * len(packed)
+    read_release = [_resp("MULTI") + add(key, -one) + mget + _resp("EXEC") for key in now]
+    read_release_lines = 4 + 3 + read_lines
+    # Whole decisions, each its stages one after the other: the read, the reservation, and a
+    # release (an earlier decision's) on its own; or that release carried by the read, as
+    # CounterReservations.defer_release sends it when a read comes within its delay: in
+    # args.ride of the decisions, spread evenly over the variants (each connection plays a
+    # run of them in turn).
+    today = [[(mget, read_lines), (reserve[k], 6), (release[k], 6)] for k in range(len(now))]
+    variants = 100
+    rides = round(variants * args.ride)
+    riding = [
+        [(read_release[k % len(now)], read_release_lines), (reserve[k % len(now)], 6)]
+        if (k + 1) * rides // variants > k * rides // variants
+        else today[k % len(now)]
+        for k in range(variants)
+    ]
     reserve_strings = [
         _resp("INCRBY", f"{key}:t", 8192)
         + _resp("INCRBY", f"{key}:r", 1)
@@ -392,11 +454,26 @@ async def _counter_costs(client: aioredis.Redis, port: int, args: Any) -> list[C
         for key in now
     ]
     read_hash = [b"".join(_resp("HMGET", f"{key}:h", "t", "r") for key in packed)]
-    incr, expire = "cmdstat_incrby", "cmdstat_pexpireat"
+    incr, expire, multi = "cmdstat_incrby", "cmdstat_pexpireat", "cmdstat_multi"
+    writes = [incr, expire, multi]
     costs = [
         await measure(client, port, "counters read", "cmdstat_mget", ["MGET", *packed], args),
-        await measure_pipelined(client, port, "counters reserve", [incr, expire], reserve, 2, args),
-        await measure_pipelined(client, port, "counters release", [incr, expire], release, 2, args),
+        await measure_pipelined(client, port, "counters reserve", writes, reserve, 6, args),
+        await measure_pipelined(client, port, "counters release", writes, release, 6, args),
+        await measure_pipelined(
+            client,
+            port,
+            "counters release + read",
+            [*writes, "cmdstat_mget"],
+            read_release,
+            read_release_lines,
+            args,
+        ),
+    ]
+    # The reservations "release + read" took back, made again (not reported): the keys hold
+    # what was written before the runs.
+    await measure_pipelined(client, port, "counters reserve", writes, reserve, 6, args)
+    costs += [
         await measure(client, port, "strings read", "cmdstat_mget", ["MGET", *strings], args),
         await measure_pipelined(
             client, port, "strings reserve", [incr, expire], reserve_strings, 4, args
@@ -410,10 +487,24 @@ async def _counter_costs(client: aioredis.Redis, port: int, args: Any) -> list[C
         await measure_pipelined(
             client, port, "get (driver)", ["cmdstat_get"], [_resp("GET", "driver-get")], 2, args
         ),
+        await measure_calls(
+            client, port, "decision: read, reserve, release", [*writes, "cmdstat_mget"], today, args
+        ),
+        await measure_calls(
+            client,
+            port,
+            f"decision: the release with a read ({rides / variants:.0%})",
+            [*writes, "cmdstat_mget"],
+            riding,
+            args,
+        ),
     ]
-    # Every reservation was released (as many of each, on the same keys): the counts are back.
+    # The rows that write pair up, each pair on the same schedule (each connection's run of
+    # payloads depends only on their number and the arguments): what reserve adds to a key,
+    # release takes back; what release + read takes back, the unreported reserve adds again;
+    # each decision takes back what it reserved. Change one row of a pair, change both.
     held = await client.mget(now)
-    if any(raw is None or int(raw) != value for raw in held):
+    if any(int(raw or b"0") != value for raw in held):
         raise RuntimeError("the counters' reserves and releases did not cancel out")
     return costs
 
@@ -479,6 +570,14 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoints", type=int, default=32)
     parser.add_argument("--held", type=int, default=4, help="reservations in each table")
     parser.add_argument("--keys", type=int, default=12, help="keys an MGET reads")
+    parser.add_argument(
+        "--ride",
+        type=float,
+        default=0.86,
+        help="the share of decisions whose read carries a release (default: a pod deciding 20 "
+        "times a second, Poisson, sends its next read within the 0.1 s release delay 86 %% of "
+        "the time, 1 - exp(-2))",
+    )
     add_quick(parser, "2,000 calls of each command, 50 sidecars")
     return parser
 

@@ -6,16 +6,19 @@ Cluster."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from sidecar.scheduling.state import Load
 from sidecar.scheduling.state.counters import (
     EPOCH_S,
     EPOCHS_KEPT,
+    MAX_DEFERRED,
     MAX_REQUESTS,
     PACK,
     RELEARN_BACKOFF_S,
@@ -352,14 +355,22 @@ async def test_on_a_cluster_a_master_down_leaves_the_others_endpoints_read() -> 
                 for h in held
             }
             down = owner[endpoints[0]]
+            # A release deferred on each master: the one on the master down is lost with it.
+            firsts = {owner[e]: h for e, h in zip(endpoints, held, strict=True)}
+            for reservation in firsts.values():
+                assert sidecar.defer_release(reservation)
             nodes.kill(down)
             counts = await sidecar.read(endpoints)
             lost = tuple(e for e in endpoints if owner[e] == down)
             assert 0 < len(lost) < len(endpoints)
             assert counts.missing == lost
+            released = {h.endpoint for h in firsts.values()}
             assert counts.loads == {
-                e: Load(10 + i, 1) for i, e in enumerate(endpoints) if e not in lost
+                e: Load(10 + i, 1)
+                for i, e in enumerate(endpoints)
+                if e not in lost and e not in released
             }
+            assert sidecar.lost_releases == 1
         finally:
             await client.aclose()
     finally:
@@ -378,3 +389,193 @@ async def test_a_write_whose_expiry_fails_leaves_no_key(redis_server, client) ->
         assert await client.dbsize() == 0
     finally:
         await limited.aclose()
+
+
+async def exec_calls(client: aioredis.Redis) -> tuple[int, int]:
+    """How many transactions and ``MGET``s Redis has run."""
+    stats = await client.info("commandstats")
+    return tuple(  # type: ignore[return-value]
+        int(stats.get(f"cmdstat_{name}", {"calls": 0})["calls"]) for name in ("exec", "mget")
+    )
+
+
+async def test_a_deferred_release_goes_with_the_sidecars_next_read(client) -> None:
+    clock = Clock()
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, clock=clock, relearn_s=HOUR_S, release_delay_s=HOUR_S)
+    other = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    await mid_epoch(clock, sidecar, other)
+    one = await sidecar.reserve(ENDPOINTS[0], 8192)
+    two = await sidecar.reserve(ENDPOINTS[1], 100)
+    assert sidecar.defer_release(one)
+    assert sidecar.defer_release(two)
+    # Not sent yet: the others still count both.
+    assert (await other.read(ENDPOINTS)).loads == {
+        ENDPOINTS[0]: Load(8192, 1),
+        ENDPOINTS[1]: Load(100, 1),
+    }
+    await client.config_resetstat()
+    # The sidecar's own read takes both back before it reads, in one transaction with its MGET.
+    assert (await sidecar.read(ENDPOINTS)).loads == {}
+    assert await exec_calls(client) == (1, 1)
+    assert (await other.read(ENDPOINTS)).loads == {}
+    assert sidecar.lost_releases == 0
+    # Nothing was left for the sender: it sends nothing more once its delay is over.
+    await sidecar.close()
+    assert await exec_calls(client) == (1, 2)
+
+
+async def test_a_deferred_release_goes_alone_once_its_delay_is_over(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=0.05)
+    other = CounterReservations(counters)
+    held = await sidecar.reserve(ENDPOINTS[0], 500)
+    assert sidecar.defer_release(held)
+    assert (await other.read(ENDPOINTS)).loads == {ENDPOINTS[0]: Load(500, 1)}
+    await sidecar.sent()
+    assert (await other.read(ENDPOINTS)).loads == {}
+    assert sidecar.lost_releases == 0
+
+
+@pytest.mark.timeout(10)
+async def test_too_many_deferred_releases_go_at_once(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+    other = CounterReservations(counters)
+    held = [await sidecar.reserve(ENDPOINTS[i % 8], 10) for i in range(MAX_DEFERRED)]
+    for reservation in held[:-1]:
+        assert sidecar.defer_release(reservation)
+    counted = (await other.read(ENDPOINTS)).loads.values()
+    assert sum(load.requests for load in counted) == MAX_DEFERRED
+    await client.config_resetstat()
+    assert sidecar.defer_release(held[-1])
+    # The last one filled the queue: all go now, in one transaction, not an hour later.
+    await sidecar.sent()
+    assert await exec_calls(client) == (1, 0)
+    assert (await other.read(ENDPOINTS)).loads == {}
+
+
+async def test_a_read_that_fails_loses_its_releases_and_says_so(redis_server, client) -> None:
+    await client.execute_command("ACL", "SETUSER", "sidecar", "on", ">pw", "~*", "+@all")
+    limited = connect(redis_server.url.replace("redis://", "redis://sidecar:pw@"), cluster=False)
+    try:
+        counters = Counters(limited, "pool")
+        sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+        held = await sidecar.reserve(ENDPOINTS[0], 10)
+        assert sidecar.defer_release(held)
+        await client.execute_command("ACL", "SETUSER", "sidecar", "-mget")
+        with pytest.raises(RedisError):
+            await sidecar.read(ENDPOINTS)
+        # The transaction was refused whole: the reservation is still counted, and the sidecar
+        # says it lost a release rather than send it twice.
+        assert sidecar.lost_releases == 1
+        assert int(await client.get(counters.key(ENDPOINTS[0], held.epoch))) == pack(10, 1)
+        await sidecar.close()
+    finally:
+        await limited.aclose()
+
+
+async def test_closing_sends_what_was_deferred(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+    held = await sidecar.reserve(ENDPOINTS[3], 42)
+    assert sidecar.defer_release(held)
+    await sidecar.close()
+    assert int(await client.get(counters.key(ENDPOINTS[3], held.epoch))) == 0
+
+
+@pytest.mark.system
+@pytest.mark.timeout(60)
+async def test_on_a_cluster_deferred_releases_go_before_the_reads_of_their_master(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_thread(self: threading.Thread) -> None:
+        raise AssertionError("a thread started: redis-py's Cluster transactions block the loop")
+
+    nodes = RedisCluster(3)
+    try:
+        await nodes.start()
+        client = connect(nodes.url(nodes.ports[0]), cluster=True)
+        try:
+            await client.ping()
+            monkeypatch.setattr(threading.Thread, "start", no_thread)
+            endpoints = [f"127.0.2.{i}:8000" for i in range(32)]
+            masters = [port for port in nodes.ports if await nodes.is_master(port)]
+            for groups in (None, 3):
+                counters = Counters(client, f"deferred{groups}", groups=groups)
+                sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+                other = CounterReservations(counters)
+                held = [await sidecar.reserve(e, 10 + i) for i, e in enumerate(endpoints)]
+                for reservation in held:
+                    assert sidecar.defer_release(reservation)
+                assert len((await other.read(endpoints)).loads) == len(endpoints)
+                for port in masters:
+                    await nodes.command(port, "CONFIG", "RESETSTAT")
+                # Each master's releases go first in its read's pipeline, one script per slot:
+                # the read counts them taken back, in its one round.
+                assert (await sidecar.read(endpoints)).loads == {}
+                scripts = 0
+                for port in masters:
+                    stats = await nodes.command(port, "INFO", "commandstats")
+                    scripts += int(stats.get("cmdstat_eval", {}).get("calls", 0))
+                slots = {key_slot(counters.key(h.endpoint, h.epoch).encode()) for h in held}
+                assert scripts == len(slots)
+                if groups == 3:
+                    assert scripts == 3  # a tag per master
+                assert (await other.read(endpoints)).loads == {}
+                assert sidecar.lost_releases == 0
+                await sidecar.close()
+        finally:
+            monkeypatch.undo()
+            await client.aclose()
+    finally:
+        await nodes.stop()
+
+
+async def test_a_release_redis_refuses_is_lost_alone(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+    kept = await sidecar.reserve(ENDPOINTS[0], 10)
+    broken = await sidecar.reserve(ENDPOINTS[1], 20)
+    key = counters.key(ENDPOINTS[1], broken.epoch)
+    await client.delete(key)
+    await client.hset(key, "not", "a counter")  # a hand's write: INCRBY answers WRONGTYPE
+    assert sidecar.defer_release(kept)
+    assert sidecar.defer_release(broken)
+    counts = await sidecar.read(ENDPOINTS)
+    # The other release of the transaction was applied; the refused one is counted lost.
+    assert counts.loads == {}
+    assert counts.skipped == 0
+    assert sidecar.lost_releases == 1
+    assert int(await client.get(counters.key(ENDPOINTS[0], kept.epoch))) == 0
+
+
+@pytest.mark.timeout(10)
+async def test_a_read_given_up_on_still_takes_back_what_it_carries(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=HOUR_S)
+    held = await sidecar.reserve(ENDPOINTS[0], 9)
+    await sidecar.read(ENDPOINTS)  # the clock learnt: the next read sends only its fetch
+    assert sidecar.defer_release(held)
+    await client.execute_command("CLIENT", "PAUSE", "300", "WRITE")
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await sidecar.read(ENDPOINTS)
+    await sidecar.close()  # waits for the fetch that carries it
+    assert sidecar.lost_releases == 0
+    assert int(await client.get(counters.key(ENDPOINTS[0], held.epoch))) == 0
+
+
+@pytest.mark.timeout(10)
+async def test_closing_waits_for_a_send_in_flight(client) -> None:
+    counters = Counters(client, "pool")
+    sidecar = CounterReservations(counters, release_delay_s=0.0)
+    held = await sidecar.reserve(ENDPOINTS[0], 9)
+    await client.execute_command("CLIENT", "PAUSE", "300", "WRITE")
+    assert sidecar.defer_release(held)
+    # Until the sender took it (a few turns of the loop): its send is in flight, held.
+    while sidecar.deferred:  # noqa: ASYNC110 - a state, no event to wait on
+        await asyncio.sleep(0)
+    await sidecar.close()
+    assert sidecar.lost_releases == 0
+    assert int(await client.get(counters.key(ENDPOINTS[0], held.epoch))) == 0

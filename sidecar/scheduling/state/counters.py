@@ -40,29 +40,46 @@ two-string and hash layouts against it: a read of 128 strings, or 64 ``HMGET``s,
 than one of 64 keys).
 
 **Writing.** Reserving ``t`` tokens is ``INCRBY key (t · PACK + 1)`` on the key of the epoch of
-``SKEW_MS`` ago and ``PEXPIREAT key ((epoch + EPOCHS_KEPT) · epoch_s)``, in one transaction
-(``MULTI``/``EXEC``, the same slot: one round trip, and a key never lives without its expiry);
-releasing is the negative increment on the key of the epoch the reservation was made in (``Held``
-remembers it), with the same ``PEXPIREAT``. The expiry is an absolute time on Redis's clock, the
-same from every writer: a key lives until the start of the third epoch after its own, one epoch
-after the last read of it. A release that comes after its key expired creates the key with a
-negative count and, its expiry being past, deletes it at once; one whose key has surely expired (by
-the sidecar's reckoning) is not sent at all (``late``).
+``SKEW_MS`` ago and ``PEXPIREAT key ((epoch + EPOCHS_KEPT) · epoch_s)``, atomically, in one round
+trip: a key never lives without its expiry. On one server a transaction (``MULTI``/``EXEC``); on a
+Cluster ``ADD_SCRIPT`` (``EVAL``), redis-py running a Cluster transaction's commands each on a
+thread of its own that blocks the event loop. Releasing is the negative increment on the key of the
+epoch the reservation was made in (``Held`` remembers it), with the same ``PEXPIREAT``. The expiry
+is an absolute time on Redis's clock, the same from every writer: a key lives until the start of the
+third epoch after its own, one epoch after the last read of it. A release that comes after its key
+expired creates the key with a negative count and, its expiry being past, deletes it at once; one
+whose key has surely expired (by the sidecar's reckoning) is not sent at all (``late``).
+
+**Deferred releases.** ``defer_release`` does not send a release at once: it goes with the
+sidecar's next read, in the read's round and before its ``MGET`` (on one server in the read's
+transaction; on a Cluster in the pipeline of the master it is on), or, if no read comes within
+``RELEASE_DELAY_S`` (0.1 s) of the first release deferred, on its own with whatever else was
+deferred meanwhile (without waiting once ``MAX_DEFERRED`` wait; what is deferred while a send is
+in flight waits for it: at most the client's socket timeout). A write costs a busy Redis about a
+round trip, so a release carried by the next decision's read saves most of its cost (``python
+-m bench saturation``: the ``decision`` rows). The price: every sidecar counts a finished prefill
+that much longer (a pod deciding 20 times a second, Poisson, reads within 0.1 s 86 % of the
+time). A release whose outcome is not known (its server did not answer) or that Redis refused is
+not sent again (a second decrement would hide a live reservation; a lost one stays counted until
+its epoch ends): ``lost_releases`` counts them. A read given up on by its caller (a timeout)
+does not lose the releases it carries: its fetch goes on until answered. ``close`` sends what
+is deferred; a sidecar that ends without it leaves them counted, as a dead one does.
 
 **Reading.** ``read(endpoints)`` fetches the current and the previous epoch's key of every endpoint:
-one ``MGET`` on one server (a server that does not answer fails the read), on a Cluster one pipeline
-per master, in parallel, an ``MGET`` per slot: a master that does not answer fails only its
-endpoints, which the read names (``Counts.missing``) and leaves out of its loads, for the caller to
-decide about them on what it knows itself. A reservation is counted from its increment until its
-release, or until the end of the epoch after its own — at least ``epoch_s - SKEW_MS`` (its epoch is
-that of ``SKEW_MS`` before it was made), at most ``2 · epoch_s``: a reservation held longer than
-that may stop being counted before its release. The key's expiry keeps its margin: it outlives the
-last read of it by an epoch, far more than ``SKEW_MS``. Each value is checked (``decode_count``): at
-most ``MAX_VALUE_BYTES``, an integer, its tokens within ±``MAX_LOAD`` and its requests within
-±``MAX_REQUESTS`` (2¹⁸, half the field), else skipped and counted; a negative counter (a release
-whose reservation the reader did not see, a hand's write) is read as 0 and counted. Whoever can
-write the keys can make a sidecar see loads that are not there, as with any shared state, but cannot
-make it read more than 20 bytes a key or take a value out of range.
+one ``MGET`` on one server (a server that does not answer fails the read; with deferred releases,
+one transaction of them and the ``MGET``), on a Cluster one plain pipeline per master, in parallel,
+an ``MGET`` per slot (after the deferred releases it carries): a master that does not answer fails
+only its endpoints, which the read names (``Counts.missing``) and leaves out of its loads, for the
+caller to decide about them on what it knows itself. A reservation is counted from its increment
+until its release is applied, or until the end of the epoch after its own — at least ``epoch_s -
+SKEW_MS`` (its epoch is that of ``SKEW_MS`` before it was made), at most ``2 · epoch_s``: a
+reservation held longer than that may stop being counted before its release. The key's expiry keeps
+its margin: it outlives the last read of it by an epoch, far more than ``SKEW_MS``. Each value is
+checked (``decode_count``): at most ``MAX_VALUE_BYTES``, an integer, its tokens within ±``MAX_LOAD``
+and its requests within ±``MAX_REQUESTS`` (2¹⁸, half the field), else skipped and counted; a
+negative counter (a release whose reservation the reader did not see, a hand's write) is read as 0
+and counted. Whoever can write the keys can make a sidecar see loads that are not there, as with any
+shared state, but cannot make it read more than 20 bytes a key or take a value out of range.
 
 **A sidecar that dies** leaves its reservations counted until the end of the epoch after the
 one each was made in (at most ``2 · epoch_s``, 20 s by default), and in Redis's memory until
@@ -73,10 +90,12 @@ of sidecars: ``2 × endpoints`` live keys (three epochs at most), whatever N.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -105,6 +124,11 @@ MAX_VALUE_BYTES = 20
 """A key's value as read: a signed 64-bit integer's longest decimal form."""
 MAX_ENDPOINTS = 1024
 """Endpoints one read asks at most."""
+RELEASE_DELAY_S = 0.1
+"""How long a deferred release waits for the sidecar's next read to go with, before it is sent
+on its own."""
+MAX_DEFERRED = 64
+"""Deferred releases held at most: the next is sent with them at once."""
 TAG_CACHE = 4 * MAX_ENDPOINTS
 """Endpoints whose tags are remembered (the cache is emptied when full)."""
 _INT64 = (1 << 63) - 1
@@ -169,6 +193,26 @@ class Held:
 
 
 @dataclass(frozen=True, slots=True)
+class Add:
+    """One key moved: ``INCRBY key delta``, then ``PEXPIREAT key expire_at_ms``."""
+
+    key: str
+    delta: int
+    expire_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    values: list[object]
+    """Each key's value (None: none, or not a string)."""
+    missing: set[int]
+    """The indices of the keys whose master did not answer."""
+    lost: int = 0
+    """The adds sent along whose outcome is not known (their master did not answer) or that
+    Redis refused."""
+
+
+@dataclass(frozen=True, slots=True)
 class Counts:
     """Every endpoint asked, as read."""
 
@@ -183,6 +227,48 @@ class Counts:
     missing: tuple[str, ...] = ()
     """The endpoints whose keys' master did not answer (a Cluster's): not in ``loads``, for
     the caller to decide about on what it knows itself."""
+
+
+ADD_SCRIPT = """
+local refused = 0
+for i, key in ipairs(KEYS) do
+  local delta = ARGV[2 * i - 1]
+  if type(redis.pcall('INCRBY', key, delta)) == 'table' then
+    refused = refused + 1
+  elseif type(redis.pcall('PEXPIREAT', key, ARGV[2 * i])) == 'table' then
+    refused = refused + 1
+    if redis.call('DECRBY', key, delta) == 0 and redis.call('PTTL', key) == -1 then
+      redis.call('DEL', key)
+    end
+  end
+end
+return refused
+"""
+"""On a Cluster, the writes of one slot's keys (KEYS, each with its increment and its expiry
+in ARGV): each key's ``INCRBY`` then its ``PEXPIREAT``, atomically, or neither (an expiry refused
+undoes its increment, and removes the key it made). Returns how many were refused. Sent with
+``EVAL`` (Redis caches it by its hash; no ``NOSCRIPT`` after a failover)."""
+
+
+def _script_args(adds: Sequence[Add]) -> list[str | int]:
+    return [*(add.key for add in adds), *(v for a in adds for v in (a.delta, a.expire_at_ms))]
+
+
+def _queue(pipe: Any, adds: Sequence[Add]) -> None:
+    for add in adds:
+        pipe.incrby(add.key, add.delta)
+        pipe.pexpireat(add.key, add.expire_at_ms)
+
+
+def _refused(answers: Sequence[object], adds: Sequence[Add]) -> int:
+    """How many of ``adds`` Redis refused, by their answers (an ``INCRBY`` and a ``PEXPIREAT``
+    each; a transaction that failed whole answers fewer, or a single error)."""
+    if len(answers) != 2 * len(adds):
+        return len(adds)
+    return sum(
+        isinstance(answers[2 * i], Exception) or isinstance(answers[2 * i + 1], Exception)
+        for i in range(len(adds))
+    )
 
 
 class Counters:
@@ -240,61 +326,121 @@ class Counters:
         return round((epoch + EPOCHS_KEPT) * self.epoch_ms)
 
     async def add(self, key: str, delta: int, expire_at_ms: int) -> None:
-        """``INCRBY`` and ``PEXPIREAT`` of one key, in one round trip and one transaction: the
-        key never lives without its expiry."""
+        """``INCRBY`` and ``PEXPIREAT`` of one key, in one round trip, atomically: the key never
+        lives without its expiry. Raises when Redis refuses it."""
+        if self.cluster:
+            refused = await self.client.eval(ADD_SCRIPT, 1, key, delta, expire_at_ms)
+            if refused:
+                raise RedisError(f"Redis refused the write of {key}")
+            return
         pipe = self.client.pipeline(transaction=True)
         pipe.incrby(key, delta)
         pipe.pexpireat(key, expire_at_ms)
         await pipe.execute()
 
-    async def fetch(self, keys: Sequence[str]) -> tuple[list[object], set[int]]:
-        """The values of ``keys`` (None: none, or not a string), and the indices of those whose
-        master did not answer: one ``MGET`` (a server that does not answer fails it), on a
-        Cluster one pipeline per master, in parallel, an ``MGET`` per slot."""
+    async def add_all(self, adds: Sequence[Add]) -> int:
+        """``adds`` in one round, each key's ``INCRBY`` with its ``PEXPIREAT``, atomically: one
+        transaction; on a Cluster one pipeline per master, in parallel, one ``ADD_SCRIPT`` per
+        slot. Returns how many were lost: refused by Redis, or sent to a server that did not
+        answer (their outcome not known: not sent again, a second decrement being worse than
+        a count kept until its epoch ends)."""
+        if not adds:
+            return 0
         if self.cluster:
             assert isinstance(self.client, RedisCluster)
-            return await self._fetch_per_master(self.client, keys)
-        values = await self.client.execute_command("MGET", *keys)
+            return (await self._per_master(self.client, (), adds)).lost
+        pipe = self.client.pipeline(transaction=True)
+        _queue(pipe, adds)
+        try:
+            answers = await pipe.execute(raise_on_error=False)
+        except (RedisError, OSError):
+            return len(adds)
+        return _refused(answers, adds)
+
+    async def fetch(self, keys: Sequence[str], adds: Sequence[Add] = ()) -> Fetched:
+        """The values of ``keys``, with ``adds`` applied before they are read, in one round: one
+        transaction of the adds and an ``MGET`` (a server that does not answer fails it); on a
+        Cluster one pipeline per master, in parallel, an ``ADD_SCRIPT`` per slot of its adds
+        then an ``MGET`` per slot of its keys."""
+        if self.cluster:
+            assert isinstance(self.client, RedisCluster)
+            return await self._per_master(self.client, keys, adds)
+        if adds:
+            pipe = self.client.pipeline(transaction=True)
+            _queue(pipe, adds)
+            pipe.execute_command("MGET", *keys)
+            answers = await pipe.execute(raise_on_error=False)
+            values = answers[-1] if answers else None
+            lost = _refused(answers[:-1], adds)
+        else:
+            values = await self.client.execute_command("MGET", *keys)
+            lost = 0
         if not isinstance(values, list) or len(values) != len(keys):
             raise ValueError("MGET answered something else")
-        return values, set()
+        return Fetched(values, set(), lost)
 
-    async def _fetch_per_master(
-        self, client: RedisCluster, keys: Sequence[str]
-    ) -> tuple[list[object], set[int]]:
-        slots: dict[int, list[int]] = {}
+    async def _per_master(
+        self, client: RedisCluster, keys: Sequence[str], adds: Sequence[Add]
+    ) -> Fetched:
+        """``fetch`` on a Cluster: per master one plain pipeline (redis-py runs a Cluster
+        transaction's commands each on a thread of its own, blocking the loop: none here), its
+        adds first, one ``ADD_SCRIPT`` per slot (atomic, in the order sent), then one ``MGET``
+        per slot; a master that does not answer fails only its keys (``missing``) and its
+        adds (``lost``)."""
+        reads: dict[int, list[int]] = {}
         for index, key in enumerate(keys):
-            slots.setdefault(client.keyslot(key), []).append(index)
-        masters: dict[str, list[list[int]]] = {}
-        for indices in slots.values():
-            master = client.get_node_from_key(keys[indices[0]])
-            masters.setdefault(master.name if master else "", []).append(indices)
+            reads.setdefault(client.keyslot(key), []).append(index)
+        writes: dict[int, list[Add]] = {}
+        for add in adds:
+            writes.setdefault(client.keyslot(add.key), []).append(add)
+        # Per master: its slots' adds, its slots' reads.
+        masters: dict[str, tuple[list[list[Add]], list[list[int]]]] = {}
 
-        async def ask(groups: list[list[int]]) -> list[object]:
+        def on(key: str) -> tuple[list[list[Add]], list[list[int]]]:
+            node = client.get_node_from_key(key)
+            return masters.setdefault(node.name if node else "", ([], []))
+
+        for group in writes.values():
+            on(group[0].key)[0].append(group)
+        for indices in reads.values():
+            on(keys[indices[0]])[1].append(indices)
+
+        async def ask(
+            scripts: list[list[Add]], groups: list[list[int]]
+        ) -> tuple[list[object], list[object]]:
             pipe = client.pipeline()
+            for group in scripts:
+                pipe.eval(ADD_SCRIPT, len(group), *_script_args(group))
             for indices in groups:
                 pipe.execute_command("MGET", *(keys[i] for i in indices))
-            answers: list[object] = await pipe.execute()
-            return answers
+            answers: list[object] = await pipe.execute(raise_on_error=False)
+            return answers[: len(scripts)], answers[len(scripts) :]
 
-        groups_per_master = list(masters.values())
-        answered = await asyncio.gather(
-            *(ask(groups) for groups in groups_per_master), return_exceptions=True
-        )
+        plans = list(masters.values())
+        answered = await asyncio.gather(*(ask(*plan) for plan in plans), return_exceptions=True)
         values: list[object] = [None] * len(keys)
         missing: set[int] = set()
-        for groups, answers in zip(groups_per_master, answered, strict=True):
-            if isinstance(answers, BaseException):
-                if not isinstance(answers, Exception):
-                    raise answers  # a cancellation
+        lost = 0
+        for (scripts, groups), outcome in zip(plans, answered, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, Exception):
+                    raise outcome  # a cancellation
                 missing.update(i for indices in groups for i in indices)
+                lost += sum(len(group) for group in scripts)
                 continue
-            for indices, got in zip(groups, answers, strict=True):
+            refused, got_all = outcome
+            for group, count in zip(scripts, refused, strict=True):
+                in_range = isinstance(count, int) and 0 <= count <= len(group)
+                lost += count if isinstance(count, int) and in_range else len(group)
+            for indices, got in zip(groups, got_all, strict=True):
+                if isinstance(got, Exception):
+                    missing.update(indices)
+                    continue
                 if not isinstance(got, list) or len(got) != len(indices):
                     raise ValueError("MGET answered something else")
                 for i, value in zip(indices, got, strict=True):
                     values[i] = value
-        return values, missing
+        return Fetched(values, missing, lost)
 
     async def redis_ms(self) -> float:
         """Redis's clock, in ms (``TIME``)."""
@@ -317,11 +463,21 @@ class CounterReservations:
         *,
         clock: Callable[[], float] = time.monotonic,
         relearn_s: float | None = None,
+        release_delay_s: float = RELEASE_DELAY_S,
     ) -> None:
         """``clock``: this sidecar's monotonic clock, in seconds (any origin); ``relearn_s``: how
         often the offset is learnt again (an epoch; a test that moves ``clock`` to stand for
-        Redis's clock moving gives it longer)."""
+        Redis's clock moving gives it longer); ``release_delay_s``: how long a deferred release
+        waits for a read to go with (on the event loop's clock)."""
+        if release_delay_s < 0:
+            raise ValueError("a release is not sent before it is made")
         self._counters = counters
+        self._release_delay_s = release_delay_s
+        self._deferred: list[Add] = []
+        self._full = asyncio.Event()
+        self._sender: asyncio.Task[None] | None = None
+        self._carrying: set[asyncio.Task[Fetched]] = set()
+        """Reads' fetches that carry releases, until done (one given up on goes on)."""
         self._clock = clock
         self._relearn_s = counters.epoch_ms / 1000 if relearn_s is None else relearn_s
         self._offset_ms: float | None = None
@@ -341,6 +497,10 @@ class CounterReservations:
         """``TIME`` answers not learnt from: their round trip was over ``SKEW_MS``."""
         self.clock_failures = 0
         """``TIME``s sent with a read that failed (the offset learnt before kept)."""
+        self.lost_releases = 0
+        """Deferred releases Redis refused or whose outcome is not known (sent with a read or on
+        their own to a server that did not answer): their reservations stay counted until
+        their epoch ends."""
 
     async def learn_clock(self) -> None:
         """The offset of Redis's clock from this sidecar's, from one ``TIME``."""
@@ -400,19 +560,97 @@ class CounterReservations:
         )
         return held
 
-    async def release(self, held: Held) -> bool:
-        """Take a reservation back from the key of the epoch it was made in; False (and nothing
-        sent) when that key has expired."""
+    def _undo(self, held: Held) -> Add | None:
+        """What takes ``held`` back: the key of the epoch it was made in moved back; None (and
+        counted) when that key has expired."""
         if self._offset_ms is not None and self.epoch() >= held.epoch + EPOCHS_KEPT:
             self.late += 1
-            return False
+            return None
         counters = self._counters
-        await counters.add(
-            counters.key(held.endpoint, held.epoch),
-            -pack(held.tokens, 1),
-            counters.expire_at_ms(held.epoch),
-        )
+        key = counters.key(held.endpoint, held.epoch)
+        return Add(key, -pack(held.tokens, 1), counters.expire_at_ms(held.epoch))
+
+    async def release(self, held: Held) -> bool:
+        """Take a reservation back now, in a round trip of its own; False (and nothing sent)
+        when its key has expired."""
+        undo = self._undo(held)
+        if undo is None:
+            return False
+        await self._counters.add(undo.key, undo.delta, undo.expire_at_ms)
         return True
+
+    def defer_release(self, held: Held) -> bool:
+        """Take a reservation back with this sidecar's next read (applied before the read's
+        ``MGET``, in its round: no call of its own), or else with whatever else was deferred
+        when the sender goes: ``release_delay_s`` after it was started by the first release
+        deferred, or as soon as ``MAX_DEFERRED`` wait and no send is in flight. Until then
+        every sidecar, this one's reads included, still counts it. False (nothing deferred)
+        when its key has expired."""
+        undo = self._undo(held)
+        if undo is None:
+            return False
+        self._deferred.append(undo)
+        if len(self._deferred) >= MAX_DEFERRED:
+            self._full.set()
+        if self._sender is None:
+            self._sender = asyncio.create_task(self._send_deferred())
+        return True
+
+    @property
+    def deferred(self) -> int:
+        """Releases deferred and not sent yet (nor in flight)."""
+        return len(self._deferred)
+
+    def _take_deferred(self) -> list[Add]:
+        taken, self._deferred = self._deferred, []
+        self._full.clear()
+        return taken
+
+    async def _send_deferred(self) -> None:
+        """The deferred releases sent once the delay is over or too many wait, unless a read
+        took them; again while some are left."""
+        try:
+            while self._deferred:
+                try:
+                    async with asyncio.timeout(self._release_delay_s):
+                        await self._full.wait()
+                except TimeoutError:
+                    pass
+                await self.flush()
+        finally:
+            if self._sender is asyncio.current_task():
+                self._sender = None
+
+    async def sent(self) -> None:
+        """Wait until no deferred release is left to send (a read or the sender took them)."""
+        while self._sender is not None:
+            await asyncio.shield(self._sender)
+
+    async def flush(self) -> None:
+        """Every deferred release sent now, in one round (``Counters.add_all``)."""
+        taken = self._take_deferred()
+        if taken:
+            try:
+                self.lost_releases += await self._counters.add_all(taken)
+            except BaseException:
+                self.lost_releases += len(taken)
+                raise
+
+    def _carried(self, adds: int, task: asyncio.Task[Fetched]) -> None:
+        """A read's fetch done: the releases it carried that were lost, counted."""
+        self._carrying.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.lost_releases += adds
+        else:
+            self.lost_releases += task.result().lost
+
+    async def close(self) -> None:
+        """Every deferred release sent (the sender woken at once), and the reads that carry
+        some answered."""
+        self._full.set()
+        await self.sent()
+        await self.flush()
+        await asyncio.gather(*list(self._carrying), return_exceptions=True)
 
     async def read(self, endpoints: Iterable[str]) -> Counts:
         """Every endpoint's counters, the current and the previous epoch's summed: one round
@@ -425,17 +663,27 @@ class CounterReservations:
         epoch = self.epoch()
         counters = self._counters
         keys = counters.read_keys(names, epoch)
+        adds = self._take_deferred()
+        fetching: Awaitable[Fetched]
+        if adds:
+            # Carried releases are not lost with a read its caller gave up on: the fetch goes
+            # on (bounded by the client's socket timeout) and counts what it lost when done.
+            task = asyncio.create_task(counters.fetch(keys, adds))
+            self._carrying.add(task)
+            task.add_done_callback(functools.partial(self._carried, len(adds)))
+            fetching = asyncio.shield(task)
+        else:
+            fetching = counters.fetch(keys)
         now = self._clock()
         if now >= self._next_learn:
             self._next_learn = now + self._relearn_s  # sent: no other read sends one meanwhile
-            fetched, _ = await asyncio.gather(
-                counters.fetch(keys), self._relearn(), return_exceptions=True
-            )
-            if isinstance(fetched, BaseException):
-                raise fetched
-            values, unanswered = fetched
+            got, _ = await asyncio.gather(fetching, self._relearn(), return_exceptions=True)
+            if isinstance(got, BaseException):
+                raise got
+            fetched = got
         else:
-            values, unanswered = await counters.fetch(keys)
+            fetched = await fetching
+        values, unanswered = fetched.values, fetched.missing
         loads: dict[str, Load] = {}
         missing: list[str] = []
         skipped = clamped = 0
