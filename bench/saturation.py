@@ -34,7 +34,10 @@ Commands, each with production's arguments:
   transaction;
 - ``decision: …``: whole decisions, their calls one after the other on a connection: a read, a
   reservation and a release (an earlier decision's) on its own; then the same with the release
-  carried by the read in ``--ride`` of the decisions. Their cost is per decision;
+  carried by the read in ``--ride`` of the decisions; then also with the previous epoch's keys
+  read in ``--previous`` of the decisions only (a read leaves them out once they hold nothing
+  late enough into an epoch), the current epoch's alone in the others. Their cost is per
+  decision;
 - the layouts it was chosen against: two strings per endpoint and epoch (``strings``: a read
   of twice the keys; a write ``INCRBY`` twice, ``PEXPIREAT`` twice) and a hash of two fields
   (``hash``: a read of one ``HMGET`` per endpoint and epoch, pipelined; a write ``HINCRBY``
@@ -434,12 +437,41 @@ async def _counter_costs(client: aioredis.Redis, port: int, args: Any) -> list[C
     today = [[(mget, read_lines), (reserve[k], 6), (release[k], 6)] for k in range(len(now))]
     variants = 100
     rides = round(variants * args.ride)
+    both = round(variants * args.previous)
+
+    def spread(k: int, share: int) -> bool:
+        """Whether variant ``k`` is among ``share`` of the ``variants``, spread evenly."""
+        return (k + 1) * share // variants > k * share // variants
+
     riding = [
         [(read_release[k % len(now)], read_release_lines), (reserve[k % len(now)], 6)]
-        if (k + 1) * rides // variants > k * rides // variants
+        if spread(k, rides)
         else today[k % len(now)]
         for k in range(variants)
     ]
+    # And reads of the current epoch only (the previous left out once empty) but in
+    # args.previous of the decisions, spread independently of the releases (a stride of 37).
+    current = _resp("MGET", *now)
+    current_lines = 1 + 2 * len(now)
+    current_release = [_resp("MULTI") + add(key, -one) + current + _resp("EXEC") for key in now]
+
+    def decision(k: int) -> list[Stage]:
+        key = k % len(now)
+        if spread((37 * k) % variants, both):
+            read, lines, carrying, carrying_lines = (
+                mget,
+                read_lines,
+                read_release,
+                read_release_lines,
+            )
+        else:
+            read, lines = current, current_lines
+            carrying, carrying_lines = current_release, 7 + current_lines
+        if spread(k, rides):
+            return [(carrying[key], carrying_lines), (reserve[key], 6)]
+        return [(read, lines), (reserve[key], 6), (release[key], 6)]
+
+    adaptive = [decision(k) for k in range(variants)]
     reserve_strings = [
         _resp("INCRBY", f"{key}:t", 8192)
         + _resp("INCRBY", f"{key}:r", 1)
@@ -496,6 +528,14 @@ async def _counter_costs(client: aioredis.Redis, port: int, args: Any) -> list[C
             f"decision: the release with a read ({rides / variants:.0%})",
             [*writes, "cmdstat_mget"],
             riding,
+            args,
+        ),
+        await measure_calls(
+            client,
+            port,
+            f"decision: and the previous epoch read in {both / variants:.0%}",
+            [*writes, "cmdstat_mget"],
+            adaptive,
             args,
         ),
     ]
@@ -570,6 +610,14 @@ def main_parser() -> argparse.ArgumentParser:
     parser.add_argument("--endpoints", type=int, default=32)
     parser.add_argument("--held", type=int, default=4, help="reservations in each table")
     parser.add_argument("--keys", type=int, default=12, help="keys an MGET reads")
+    parser.add_argument(
+        "--previous",
+        type=float,
+        default=0.3,
+        help="the share of reads that read the previous epoch's keys too (default: a read "
+        "leaves them out from 2 s into a 10 s epoch once they hold nothing; 0.2 when prefills "
+        "last under 2 s, 0.3 allowing for longer ones)",
+    )
     parser.add_argument(
         "--ride",
         type=float,

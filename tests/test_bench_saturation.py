@@ -42,7 +42,7 @@ async def test_the_sync_it_sends_is_one_the_production_script_takes(
 @pytest.mark.system
 async def test_a_short_run_counts_every_call_it_sent() -> None:
     args = argparse.Namespace(
-        calls=500, clients=4, sidecars=20, endpoints=8, held=2, keys=3, ride=0.86
+        calls=500, clients=4, sidecars=20, endpoints=8, held=2, keys=3, ride=0.86, previous=0.3
     )
     costs = await saturation.run(args)
     assert [cost.command for cost in costs] == [
@@ -63,6 +63,7 @@ async def test_a_short_run_counts_every_call_it_sent() -> None:
         "get (driver)",
         "decision: read, reserve, release",
         "decision: the release with a read (86%)",
+        "decision: and the previous epoch read in 30%",
     ]
     for cost in costs:
         assert cost.calls >= 500
@@ -76,7 +77,7 @@ async def test_the_counters_it_reads_are_the_keys_a_sidecar_reads(
     """The measured read names the keys the counters' module reads, and its values decode as
     counts of the reservations written."""
     client = aioredis.Redis.from_url(redis_server.url)
-    args = argparse.Namespace(calls=200, clients=4, endpoints=4, ride=0.86)
+    args = argparse.Namespace(calls=200, clients=4, endpoints=4, ride=0.86, previous=0.3)
     try:
         costs = await saturation._counter_costs(client, redis_server.port, args)
         pool = counters.Counters(client, "saturation")
@@ -85,7 +86,7 @@ async def test_the_counters_it_reads_are_the_keys_a_sidecar_reads(
         values = await client.mget(keys)
     finally:
         await client.aclose()
-    assert len(costs) == 11
+    assert len(costs) == 12
     for raw in values:
         count = counters.decode_count(raw)
         assert count is not None

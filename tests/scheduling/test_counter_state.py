@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from sidecar.scheduling.state import Load
 from sidecar.scheduling.state.counters import (
+    CLEAR_AFTER_MS,
     EPOCH_S,
     EPOCHS_KEPT,
     MAX_DEFERRED,
@@ -579,3 +580,102 @@ async def test_closing_waits_for_a_send_in_flight(client) -> None:
     await sidecar.close()
     assert sidecar.lost_releases == 0
     assert int(await client.get(counters.key(ENDPOINTS[0], held.epoch))) == 0
+
+
+async def test_a_reader_leaves_out_a_previous_epoch_seen_empty_late_enough(client) -> None:
+    clock = Clock()
+    counters = Counters(client, "pool")
+    reader = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    writer = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    await reader.learn_clock()
+    await writer.learn_clock()
+    # A reservation in the last second of an epoch.
+    epoch = reader.epoch()
+    clock.now += ((epoch + 1) * EPOCH_S * 1000 - 1000 - reader.now_ms()) / 1000
+    held = await writer.reserve(ENDPOINTS[0], 100)
+    assert held.epoch == epoch
+    every = 2 * len(ENDPOINTS)
+    # A second into the next epoch: too early to leave any key out.
+    clock.now += 2.0
+    counts = await reader.read(ENDPOINTS)
+    assert (counts.epoch, counts.keys) == (epoch + 1, every)
+    assert counts.loads == {ENDPOINTS[0]: Load(100, 1)}
+    # Past CLEAR_AFTER_MS: this read finds the other endpoints' previous keys empty, and the
+    # reads after it leave them out; the held reservation's key is still read.
+    clock.now += CLEAR_AFTER_MS / 1000
+    assert (await reader.read(ENDPOINTS)).keys == every
+    later = await writer.reserve(ENDPOINTS[5], 7)  # the current epoch's, after the spans
+    counts = await reader.read(ENDPOINTS)
+    assert counts.keys == len(ENDPOINTS) + 1
+    assert counts.loads == {ENDPOINTS[0]: Load(100, 1), ENDPOINTS[5]: Load(7, 1)}
+    assert await writer.release(later)
+    # Released: found empty, then left out too.
+    assert await writer.release(held)
+    assert (await reader.read(ENDPOINTS)).loads == {}
+    assert (await reader.read(ENDPOINTS)).keys == len(ENDPOINTS)
+    # A new epoch reads both again.
+    clock.now += EPOCH_S
+    assert (await reader.read(ENDPOINTS)).keys == every
+
+
+async def test_a_reservation_whose_write_returns_late_is_moved_into_the_new_epoch(
+    client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    counters = Counters(client, "pool")
+    writer = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    reader = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    await writer.learn_clock()
+    await reader.learn_clock()
+    epoch = writer.epoch()
+    # 20 ms before a boundary: the write goes to this epoch (that of SKEW_MS ago), then the
+    # writer's loop stalls 3 s before it sees the answer.
+    clock.now += ((epoch + 1) * EPOCH_S * 1000 - 20 - writer.now_ms()) / 1000
+    add = counters.add
+
+    async def stalled(key: str, delta: int, expire_at_ms: int) -> None:
+        await add(key, delta, expire_at_ms)
+        clock.now += 3.0
+
+    monkeypatch.setattr(counters, "add", stalled)
+    held = await writer.reserve(ENDPOINTS[0], 100)
+    monkeypatch.undo()
+    # A reader may have left the old key out by then: the reservation moved to the new epoch.
+    assert (held.epoch, writer.moved) == (epoch + 1, 1)
+    assert int(await client.get(counters.key(ENDPOINTS[0], epoch))) == 0
+    assert int(await client.get(counters.key(ENDPOINTS[0], epoch + 1))) == pack(100, 1)
+    assert (await reader.read(ENDPOINTS)).keys == 2 * len(ENDPOINTS)
+    counts = await reader.read(ENDPOINTS)
+    assert counts.keys == len(ENDPOINTS)
+    assert counts.loads == {ENDPOINTS[0]: Load(100, 1)}
+    # Its release takes it back from where it is now.
+    assert await writer.release(held)
+    assert (await reader.read(ENDPOINTS)).loads == {}
+
+
+async def test_a_reader_whose_offset_is_not_known_closely_leaves_nothing_out(
+    client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    counters = Counters(client, "pool")
+    reader = CounterReservations(counters, clock=clock, relearn_s=HOUR_S)
+    redis_ms = counters.redis_ms
+
+    async def slow() -> float:
+        answer = await redis_ms()
+        clock.now += 0.2  # a 200 ms round trip: the offset known within 100 ms only
+        return answer
+
+    monkeypatch.setattr(counters, "redis_ms", slow)  # every TIME, the first and the next
+    await reader.learn_clock()
+    epoch = reader.epoch() + 1  # 3 s into the next epoch
+    clock.now += (epoch * EPOCH_S * 1000 + 3000 - reader.now_ms()) / 1000
+    every = 2 * len(ENDPOINTS)
+    for _ in range(3):
+        assert (await reader.read(ENDPOINTS)).keys == every
+    # It keeps trying to learn its offset closely: a TIME a RELEARN_BACKOFF_S, not an epoch.
+    await client.config_resetstat()
+    clock.now += RELEARN_BACKOFF_S
+    await reader.read(ENDPOINTS)
+    assert (await client.info("commandstats"))["cmdstat_time"]["calls"] == 1
+    assert reader.slow_clocks >= 1

@@ -70,16 +70,28 @@ one ``MGET`` on one server (a server that does not answer fails the read; with d
 one transaction of them and the ``MGET``), on a Cluster one plain pipeline per master, in parallel,
 an ``MGET`` per slot (after the deferred releases it carries): a master that does not answer fails
 only its endpoints, which the read names (``Counts.missing``) and leaves out of its loads, for the
-caller to decide about them on what it knows itself. A reservation is counted from its increment
-until its release is applied, or until the end of the epoch after its own — at least ``epoch_s -
-SKEW_MS`` (its epoch is that of ``SKEW_MS`` before it was made), at most ``2 · epoch_s``: a
-reservation held longer than that may stop being counted before its release. The key's expiry keeps
-its margin: it outlives the last read of it by an epoch, far more than ``SKEW_MS``. Each value is
-checked (``decode_count``): at most ``MAX_VALUE_BYTES``, an integer, its tokens within ±``MAX_LOAD``
-and its requests within ±``MAX_REQUESTS`` (2¹⁸, half the field), else skipped and counted; a
-negative counter (a release whose reservation the reader did not see, a hand's write) is read as 0
-and counted. Whoever can write the keys can make a sidecar see loads that are not there, as with any
-shared state, but cannot make it read more than 20 bytes a key or take a value out of range.
+caller to decide about them on what it knows itself. **The previous epoch is left out once empty**:
+from ``CLEAR_AFTER_MS`` (2 s) into an epoch, a read that finds an endpoint's previous key holding
+nothing leaves that key out for the rest of the epoch (``Counts.keys`` says how many were asked):
+only releases can reach it by then. A write returned later than that into the next epoch (a stalled
+loop) is moved into it (``moved``); a read that finds the key holding something again reads it
+again. This narrows the clocks' tolerance: only a reader whose offset was learnt within ``SKEW_MS``
+leaves a key out (an offset learnt less closely is learnt again after ``RELEARN_BACKOFF_S``), and a
+step of Redis's clock of more than ``CLEAR_AFTER_MS - 2 · SKEW_MS`` between two sidecars'
+relearnings can hide a reservation until the epoch ends, where ``epoch_s - SKEW_MS`` could before. A
+reservation held across a boundary keeps its endpoint's two keys read until its release; a dead
+sidecar's, until the epoch ends, as before. When prefills last less than those 2 s, a read is of two
+keys an endpoint for the first 2 s of each 10 s epoch and one after: 1.2 keys an endpoint on
+average, against 2. A reservation is counted from its increment until its release is applied, or
+until the end of the epoch after its own — at least ``epoch_s - SKEW_MS`` (its epoch is that of
+``SKEW_MS`` before it was made), at most ``2 · epoch_s``: a reservation held longer than that may
+stop being counted before its release. The key's expiry keeps its margin: it outlives the last read
+of it by an epoch, far more than ``SKEW_MS``. Each value is checked (``decode_count``): at most
+``MAX_VALUE_BYTES``, an integer, its tokens within ±``MAX_LOAD`` and its requests within
+±``MAX_REQUESTS`` (2¹⁸, half the field), else skipped and counted; a negative counter (a release
+whose reservation the reader did not see, a hand's write) is read as 0 and counted. Whoever can
+write the keys can make a sidecar see loads that are not there, as with any shared state, but cannot
+make it read more than 20 bytes a key or take a value out of range.
 
 **A sidecar that dies** leaves its reservations counted until the end of the epoch after the
 one each was made in (at most ``2 · epoch_s``, 20 s by default), and in Redis's memory until
@@ -124,6 +136,13 @@ MAX_VALUE_BYTES = 20
 """A key's value as read: a signed 64-bit integer's longest decimal form."""
 MAX_ENDPOINTS = 1024
 """Endpoints one read asks at most."""
+CLEAR_AFTER_MS = 2_000.0
+"""From this far into an epoch (a reader's reckoning, its offset learnt within ``SKEW_MS``) on, a
+read that finds an endpoint's key of the previous epoch empty leaves that key out for the rest of
+the epoch: nothing but releases reaches it any more. A writer within ``SKEW_MS`` of the reader
+writes into the new epoch from ``2 · SKEW_MS`` after the boundary by the reader's reckoning, and
+a reservation whose write returns later than ``CLEAR_AFTER_MS - 2 · SKEW_MS`` into the next
+epoch (by its writer's) is moved into it (``CounterReservations.moved``)."""
 RELEASE_DELAY_S = 0.1
 """How long a deferred release waits for the sidecar's next read to go with, before it is sent
 on its own."""
@@ -227,6 +246,8 @@ class Counts:
     missing: tuple[str, ...] = ()
     """The endpoints whose keys' master did not answer (a Cluster's): not in ``loads``, for
     the caller to decide about on what it knows itself."""
+    keys: int = 0
+    """The keys asked: one or two an endpoint (a master's that did not answer included)."""
 
 
 ADD_SCRIPT = """
@@ -289,7 +310,7 @@ class Counters:
         self.epoch_ms = epoch_s * 1000
         self._groups = None if groups is None else shard_tags(prefix, groups)
         self._tags: dict[str, str] = {}
-        self._keys: dict[tuple[int, tuple[str, ...]], list[str]] = {}
+        self._keys: dict[tuple[int, tuple[str, ...]], tuple[list[str], list[str]]] = {}
 
     def tag(self, endpoint: str) -> str:
         """The start of ``endpoint``'s keys, its hash tag in it."""
@@ -309,16 +330,35 @@ class Counters:
     def key(self, endpoint: str, epoch: int) -> str:
         return f"{self.tag(endpoint)}:{epoch}"
 
-    def read_keys(self, endpoints: tuple[str, ...], epoch: int) -> list[str]:
+    def read_keys(
+        self, endpoints: tuple[str, ...], epoch: int, cleared: tuple[bool, ...] | None = None
+    ) -> list[str]:
         """The keys a read of ``endpoints`` fetches in ``epoch``: each endpoint's previous and
-        current epoch's, in that order (the last few lists remembered: the sidecars of a
-        process read the same endpoints all epoch long)."""
-        keys = self._keys.get((epoch, endpoints))
-        if keys is None:
-            keys = [self.key(name, e) for name in endpoints for e in (epoch - 1, epoch)]
+        current epoch's, in that order, or its current only where ``cleared`` says so (the
+        last few lists remembered: the sidecars of a process read the same endpoints all epoch
+        long)."""
+        lists = self._keys.get((epoch, endpoints))
+        if lists is None:
+            current = [self.key(name, epoch) for name in endpoints]
+            both = [
+                k
+                for name, now in zip(endpoints, current, strict=True)
+                for k in (self.key(name, epoch - 1), now)
+            ]
+            lists = (both, current)
             if len(self._keys) >= 4:
                 self._keys.clear()
-            self._keys[(epoch, endpoints)] = keys
+            self._keys[(epoch, endpoints)] = lists
+        both, current = lists
+        if cleared is None or not any(cleared):
+            return both
+        if all(cleared):
+            return current
+        keys = []
+        for index, only_current in enumerate(cleared):
+            if not only_current:
+                keys.append(both[2 * index])
+            keys.append(current[index])
         return keys
 
     def expire_at_ms(self, epoch: int) -> int:
@@ -478,6 +518,12 @@ class CounterReservations:
         self._sender: asyncio.Task[None] | None = None
         self._carrying: set[asyncio.Task[Fetched]] = set()
         """Reads' fetches that carry releases, until done (one given up on goes on)."""
+        self._cleared: dict[str, int] = {}
+        """Per endpoint, the epoch in which a read found its previous epoch's key empty late
+        enough: the reads of that epoch leave that key out."""
+        self._precise = False
+        """The offset was learnt from a ``TIME`` answered within ``SKEW_MS``: only then does a
+        read leave a key out."""
         self._clock = clock
         self._relearn_s = counters.epoch_ms / 1000 if relearn_s is None else relearn_s
         self._offset_ms: float | None = None
@@ -497,6 +543,9 @@ class CounterReservations:
         """``TIME`` answers not learnt from: their round trip was over ``SKEW_MS``."""
         self.clock_failures = 0
         """``TIME``s sent with a read that failed (the offset learnt before kept)."""
+        self.moved = 0
+        """Reservations whose write returned so late that a reader may have left their key out
+        already: moved into the epoch of their return."""
         self.lost_releases = 0
         """Deferred releases Redis refused or whose outcome is not known (sent with a read or on
         their own to a server that did not answer): their reservations stay counted until
@@ -508,10 +557,16 @@ class CounterReservations:
         redis_ms = await self._counters.redis_ms()
         answered = self._clock()
         self._next_learn = answered + self._relearn_s
-        if self._offset_ms is not None and (answered - sent) * 1000 > SKEW_MS:
+        precise = (answered - sent) * 1000 <= SKEW_MS
+        if self._offset_ms is not None and not precise:
             self.slow_clocks += 1  # the answer's time not known closely enough: the old kept
+            if not self._precise:
+                self._next_learn = answered + RELEARN_BACKOFF_S
             return
         self._offset_ms = redis_ms - (sent + answered) * 500
+        self._precise = precise
+        if not precise:  # a first offset, taken whatever its round trip: learnt again soon
+            self._next_learn = answered + RELEARN_BACKOFF_S
 
     async def _learn_first(self) -> None:
         """The offset learnt before the first read or reservation (one ``TIME`` at a time: the
@@ -558,7 +613,30 @@ class CounterReservations:
         await counters.add(
             counters.key(endpoint, held.epoch), pack(tokens, 1), counters.expire_at_ms(held.epoch)
         )
-        return held
+        late_ms = (held.epoch + 1) * counters.epoch_ms + CLEAR_AFTER_MS - 2 * SKEW_MS
+        if self.now_ms() < late_ms:
+            return held  # it landed before any reader could leave its key out
+        # Returned so late that a reader may have found the key empty and left it out: moved
+        # into the epoch of now (the same hash tag: one transaction, or one script).
+        moved = Held(endpoint, tokens, self.write_epoch())
+        lost = await counters.add_all(
+            [
+                Add(
+                    counters.key(endpoint, held.epoch),
+                    -pack(tokens, 1),
+                    counters.expire_at_ms(held.epoch),
+                ),
+                Add(
+                    counters.key(endpoint, moved.epoch),
+                    pack(tokens, 1),
+                    counters.expire_at_ms(moved.epoch),
+                ),
+            ]
+        )
+        if lost:
+            return held  # not known to have moved: where it was made
+        self.moved += 1
+        return moved
 
     def _undo(self, held: Held) -> Add | None:
         """What takes ``held`` back: the key of the epoch it was made in moved back; None (and
@@ -653,16 +731,20 @@ class CounterReservations:
         await asyncio.gather(*list(self._carrying), return_exceptions=True)
 
     async def read(self, endpoints: Iterable[str]) -> Counts:
-        """Every endpoint's counters, the current and the previous epoch's summed: one round
-        (the clock's offset, when due, learnt in parallel; the first read learns it first)."""
+        """Every endpoint's counters, the current and the previous epoch's summed, the previous
+        left out once seen empty late enough (``CLEAR_AFTER_MS``): one round (the clock's
+        offset, when due, learnt in parallel; the first read learns it first)."""
         names = tuple(dict.fromkeys(endpoints))
         if len(names) > MAX_ENDPOINTS:
             raise ValueError(f"{len(names)} endpoints, over {MAX_ENDPOINTS}")
         if self._offset_ms is None:
             await self._learn_first()
-        epoch = self.epoch()
         counters = self._counters
-        keys = counters.read_keys(names, epoch)
+        reckoned = self.now_ms()
+        epoch = int(reckoned // counters.epoch_ms)
+        clearing = self._precise and reckoned - epoch * counters.epoch_ms >= CLEAR_AFTER_MS
+        cleared = tuple(self._cleared.get(name) == epoch for name in names)
+        keys = counters.read_keys(names, epoch, cleared)
         adds = self._take_deferred()
         fetching: Awaitable[Fetched]
         if adds:
@@ -687,21 +769,36 @@ class CounterReservations:
         loads: dict[str, Load] = {}
         missing: list[str] = []
         skipped = clamped = 0
-        for index, name in enumerate(names):
-            if 2 * index in unanswered or 2 * index + 1 in unanswered:
+        first = 0
+        for name, only_current in zip(names, cleared, strict=True):
+            span = range(first, first + (1 if only_current else 2))
+            first = span.stop
+            if any(i in unanswered for i in span):
                 missing.append(name)
                 continue
             tokens = requests = 0
-            for raw in values[2 * index : 2 * index + 2]:
+            previous_empty = not only_current
+            for position, i in enumerate(span):
+                raw = values[i]
                 count = decode_count(raw)
                 if count is None:
                     skipped += raw is not None
+                    if raw is not None and position == 0:
+                        previous_empty = False  # not a counter: read again, and counted again
                     continue
+                if position == 0 and (count.load.requests or count.load.tokens):
+                    previous_empty = False
                 clamped += count.clamped
                 tokens += count.load.tokens
                 requests += count.load.requests
             if tokens or requests:
                 loads[name] = Load(tokens, requests)
+            if len(span) == 2 and not previous_empty:
+                self._cleared.pop(name, None)  # a read that overlapped one that left it out
+            elif clearing and previous_empty and len(span) == 2:
+                if len(self._cleared) >= TAG_CACHE:
+                    self._cleared.clear()
+                self._cleared[name] = epoch
         self.skipped += skipped
         self.clamped += clamped
-        return Counts(loads, epoch, skipped, clamped, tuple(missing))
+        return Counts(loads, epoch, skipped, clamped, tuple(missing), len(keys))
