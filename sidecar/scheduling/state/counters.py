@@ -44,11 +44,12 @@ than one of 64 keys).
 trip: a key never lives without its expiry. On one server a transaction (``MULTI``/``EXEC``); on a
 Cluster ``ADD_SCRIPT`` (``EVAL``), redis-py running a Cluster transaction's commands each on a
 thread of its own that blocks the event loop. Releasing is the negative increment on the key of the
-epoch the reservation was made in (``Held`` remembers it), with the same ``PEXPIREAT``. The expiry
-is an absolute time on Redis's clock, the same from every writer: a key lives until the start of the
-third epoch after its own, one epoch after the last read of it. A release that comes after its key
-expired creates the key with a negative count and, its expiry being past, deletes it at once; one
-whose key has surely expired (by the sidecar's reckoning) is not sent at all (``late``).
+epoch that counts the reservation, the one it was made in or moved to (``Held`` remembers it; see
+below for moves), with the same ``PEXPIREAT``. The expiry is an absolute time on Redis's clock, the
+same from every writer: a key lives until the start of the third epoch after its own, one epoch
+after the last read of it. A release that comes after its key expired creates the key with a
+negative count and, its expiry being past, deletes it at once; one whose key has surely expired (by
+the sidecar's reckoning) is not sent at all (``late``).
 
 **Deferred releases.** ``defer_release`` does not send a release at once: it goes with the
 sidecar's next read, in the read's round and before its ``MGET`` (on one server in the read's
@@ -147,7 +148,8 @@ RELEASE_DELAY_S = 0.1
 """How long a deferred release waits for the sidecar's next read to go with, before it is sent
 on its own."""
 MAX_DEFERRED = 64
-"""Deferred releases held at most: the next is sent with them at once."""
+"""Deferred releases that make the sender send without waiting for its delay (or for a read),
+as soon as no send of its is in flight."""
 TAG_CACHE = 4 * MAX_ENDPOINTS
 """Endpoints whose tags are remembered (the cache is emptied when full)."""
 _INT64 = (1 << 63) - 1
@@ -208,7 +210,8 @@ class Held:
     endpoint: str
     tokens: int
     epoch: int
-    """The epoch it was made in: its release goes to that epoch's key."""
+    """The epoch whose key counts it (the one it was made in, or moved to): its release goes
+    to that key."""
 
 
 @dataclass(frozen=True, slots=True)
