@@ -377,7 +377,7 @@ class Scheduler:
         next turn would record them. Nothing is recorded when none was decided meanwhile: what
         is left is this decision's own rank, which it does not read again."""
         deferred = self._deferred
-        await self.backend.refresh()
+        await self.backend.refresh(self._endpoints.keys())
         if self._deferred != deferred:
             self._record()
 

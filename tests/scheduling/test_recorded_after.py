@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import aiohttp
@@ -55,7 +55,7 @@ class FailingPublish(MemoryState):
 class YieldingState(MemoryState):
     """The memory backend whose refresh gives the loop a turn, as a Redis round trip does."""
 
-    async def refresh(self) -> None:
+    async def refresh(self, endpoints: Collection[str] = ()) -> None:
         await asyncio.sleep(0)
 
 

@@ -10,7 +10,7 @@ request path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,9 +50,10 @@ class StateBackend(Protocol):
         """The pool's state as last known; no I/O."""
         ...
 
-    async def refresh(self) -> None:
+    async def refresh(self, endpoints: Collection[str] = ()) -> None:
         """Bring ``view()`` up to date before a decision reads it: at most one bounded round
-        trip, never raises (a slow or absent store leaves the view as it was)."""
+        trip, never raises (a slow or absent store leaves the view as it was). ``endpoints``:
+        the pool's, for a backend that reads per endpoint (the others read everything)."""
         ...
 
     def reserve(self, endpoint: str, tokens: int) -> Reservation:
@@ -117,7 +118,7 @@ class MemoryState:
     def view(self) -> SharedView:
         return SharedView(dict(self._own.loads), dict(self._speeds), dict(self._ejected))
 
-    async def refresh(self) -> None:
+    async def refresh(self, endpoints: Collection[str] = ()) -> None:
         return None
 
     def reserve(self, endpoint: str, tokens: int) -> Reservation:

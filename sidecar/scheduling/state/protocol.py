@@ -311,6 +311,9 @@ class SyncProtocol:
         """The worker waits until a sync numbered this or higher has ended."""
         self._down_until = -math.inf
         self._backoff_s = BACKOFF_FIRST_S
+        self.shares_table = True
+        """Whether a sync sends this sidecar's table (else an empty one: its reservations are
+        shared another way, ``counter_state``), and a reservation or release wakes the worker."""
 
     # This sidecar's changes, and the view.
 
@@ -325,12 +328,21 @@ class SyncProtocol:
         none = Load()
         ahead = self._others.get(endpoint, none).tokens + self._own.loads.get(endpoint, none).tokens
         self._own.add(endpoint, tokens, 1)
-        self._wake()
+        if self.shares_table:
+            self._wake()
         return Reservation(endpoint, tokens, ahead)
 
     def release(self, reservation: Reservation) -> None:
         self._own.add(reservation.endpoint, -reservation.tokens, -1)
-        self._wake()
+        if self.shares_table:
+            self._wake()
+
+    def share_table(self, shares: bool) -> None:
+        """Send this sidecar's table with the syncs from now on, or stop (the next sync takes it
+        off the totals); either way the worker is woken to say so."""
+        if shares != self.shares_table:
+            self.shares_table = shares
+            self._wake()
 
     def publish_speed(self, endpoint: str, speed: Speed) -> None:
         self._pending_speeds[endpoint] = speed
@@ -365,9 +377,8 @@ class SyncProtocol:
         self._begun += 1
         speeds, self._pending_speeds = self._pending_speeds, {}
         ejections, self._pending_ejections = self._pending_ejections, {}
-        sync = Sync(
-            self._begun, self.sidecar, now, self.lease_s, dict(self._own.loads), speeds, ejections
-        )
+        table = dict(self._own.loads) if self.shares_table else {}
+        sync = Sync(self._begun, self.sidecar, now, self.lease_s, table, speeds, ejections)
         self._in_flight = sync
         return sync
 

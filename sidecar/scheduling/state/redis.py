@@ -32,7 +32,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -48,6 +48,7 @@ from sidecar.scheduling.state.protocol import (
     BACKOFF_FIRST_S,
     BACKOFF_MAX_S,
     SCRIPT,
+    Sync,
     SyncProtocol,
     decode_reply,
     keys,
@@ -165,26 +166,30 @@ class RedisState:
         if self._sync is not None:
             await stop_task(self._sync)
         if self._client is not None:
-            # Best effort: let the others stop counting us now rather than after the lease. An
-            # empty table through the script takes ours off the totals; then the lease goes.
             with contextlib.suppress(*_ERRORS):
                 async with asyncio.timeout(0.5):
-                    sidecar = self._protocol.sidecar
-                    goodbye = [sidecar, repr(self._clock()), repr(self._protocol.lease_s), "", 0, 0]
-                    await self._call_script(goodbye)
-                    await self._client.zrem(self.keys[0], sidecar)
-                    if self.describe_scrapes is not None:  # it shared scrapes: not any more
-                        await self._client.zrem(self.scrapers_key, sidecar)
+                    await self._leave(self._client)
             await self._client.aclose()
             self._client = None
         if self._resp is not None:
             self._resp.close()
             self._resp = None
 
+    async def _leave(self, client: aioredis.Redis | RedisCluster) -> None:
+        """Best effort, when closing: let the others stop counting this sidecar now rather than
+        after the lease. An empty table through the script takes ours off the totals; then the
+        lease goes."""
+        sidecar = self._protocol.sidecar
+        goodbye = [sidecar, repr(self._clock()), repr(self._protocol.lease_s), "", 0, 0]
+        await self._call_script(goodbye)
+        await client.zrem(self.keys[0], sidecar)
+        if self.describe_scrapes is not None:  # it shared scrapes: not any more
+            await client.zrem(self.scrapers_key, sidecar)
+
     def view(self) -> SharedView:
         return self._protocol.view()
 
-    async def refresh(self) -> None:
+    async def refresh(self, endpoints: Collection[str] = ()) -> None:
         if self._closing or not self._protocol.decision_waits(self._clock()):
             # Closing, or Redis is down: decide on the view there is rather than wait.
             return
@@ -357,12 +362,16 @@ class RedisState:
                 self._on_skipped(kind, count)
             self._repaired(reply.repaired)
             self._protocol.received(sync, reply)
+            self._synced(sync)
             if not self.connected:
                 logger.info("redis state backend connected")
             self.connected = True
             self.last_sync_unix = self._clock()
         finally:
             self._sync = None
+
+    def _synced(self, sync: Sync) -> None:
+        """``sync`` was answered (for a subclass to follow; nothing here)."""
 
     async def _call_script(self, args: list[Any]) -> Any:
         if self._resp is not None:
