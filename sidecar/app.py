@@ -406,7 +406,12 @@ def _state_backend(settings: Settings, metrics: Metrics) -> StateBackend:
         # of every sidecar's resident memory, and a fifth of a second of its start-up.
         from sidecar.scheduling.state.redis import RedisState
 
-        return RedisState(
+        kind = RedisState
+        if settings.state_reservations == "counters":
+            from sidecar.scheduling.state.counter_state import CounterState
+
+            kind = CounterState
+        return kind(
             settings.redis_url.get_secret_value(),
             prefix=settings.redis_key_prefix,
             cluster=settings.redis_cluster,

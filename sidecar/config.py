@@ -374,6 +374,14 @@ class Settings(BaseSettings):
         gt=0,
         description="Seconds after which a silent sidecar's reservations stop counting.",
     )
+    state_reservations: Literal["script", "counters"] = Field(
+        "script",
+        description="With SIDECAR_STATE_BACKEND=redis, how reservations are shared: script "
+        "(one script call per sync, the pool's totals in one hash slot) or counters (one "
+        "counter per endpoint, written per reservation and read per decision: Redis's cost per "
+        "decision does not grow with the sidecars). Counters sidecars also share through the "
+        "script while any script sidecar is live, for rolling upgrades.",
+    )
     shared_scrapes: bool = Field(
         False,
         description="With SIDECAR_STATE_BACKEND=redis: each prefill endpoint's /metrics is "
@@ -1064,6 +1072,24 @@ class Settings(BaseSettings):
             ranks,
             f"{ranks} data-parallel ranks (SIDECAR_KV_EVENTS_PREFILL_DP_SIZE={ranks})",
         )
+        return self
+
+    @model_validator(mode="after")
+    def _counters_in_redis(self) -> Settings:
+        if self.state_reservations == "counters":
+            if self.state_backend != "redis":
+                raise ValueError(
+                    "SIDECAR_STATE_RESERVATIONS=counters needs SIDECAR_STATE_BACKEND=redis: the "
+                    "counters are kept in Redis"
+                )
+            prefix = self.redis_key_prefix
+            spaced = any(c in prefix for c in " {}")
+            if spaced or not prefix.isprintable() or len(prefix.encode()) > 300:
+                raise ValueError(
+                    "SIDECAR_REDIS_KEY_PREFIX must be printable, without spaces or braces, of at "
+                    "most 300 bytes with SIDECAR_STATE_RESERVATIONS=counters: it goes in the "
+                    "counters' hash tags"
+                )
         return self
 
     @model_validator(mode="after")

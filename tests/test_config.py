@@ -99,6 +99,7 @@ INVALID = [
     ("SIDECAR_STATE_BACKEND", "etcd"),
     ("SIDECAR_STATE_LEASE_S", "0"),
     ("SIDECAR_SHARED_SCRAPES", "sometimes"),
+    ("SIDECAR_STATE_RESERVATIONS", "both"),
     ("SIDECAR_SCRAPES_PER_ENDPOINT", "0"),
     ("SIDECAR_STATE_TIMEOUT_MS", "-1"),
     ("SIDECAR_EJECT_AFTER_FAILURES", "0"),
@@ -653,6 +654,18 @@ def test_a_decode_engine_on_an_address_the_sidecar_does_not_listen_on_is_not_the
     Settings(host="127.0.0.5", port=8200, decode_url="http://127.0.0.1:8200")
     with pytest.raises(ValidationError, match="is on a port of the sidecar's own"):
         Settings(host="127.0.0.1", port=8200, decode_url="http://localhost:8200")
+
+
+def test_counters_need_the_redis_backend_and_a_prefix_for_their_tags() -> None:
+    assert Settings().state_reservations == "script"
+    with pytest.raises(ValidationError, match="SIDECAR_STATE_RESERVATIONS=counters needs"):
+        Settings(state_reservations="counters")
+    with pytest.raises(ValidationError, match="without spaces or braces"):
+        Settings(state_reservations="counters", state_backend="redis", redis_key_prefix="{a}")
+    with pytest.raises(ValidationError, match="at most 300 bytes"):
+        Settings(state_reservations="counters", state_backend="redis", redis_key_prefix="é" * 151)
+    settings = Settings(state_reservations="counters", state_backend="redis")
+    assert settings.state_reservations == "counters"
 
 
 def test_shared_scrapes_need_the_redis_backend() -> None:

@@ -65,7 +65,7 @@ FALLBACK_REASONS = (
 )
 KV_RELEASE_OUTCOMES = ("sent", "failed", "skipped")
 DISCONNECT_ACTIONS = ("abort", "finish")
-STATE_ERROR_KINDS = ("timeout", "connection")
+STATE_ERROR_KINDS = ("timeout", "connection", "refused")
 STATE_SKIPPED_KINDS = ("load", "speed", "ejection", "over_limit", "prefix", "wrong_type")
 TLS_FILES = ("listener", "engines")
 TLS_RELOAD_OUTCOMES = ("reloaded", "failed")
@@ -284,7 +284,7 @@ class Metrics:
         )
         self.state_backend_errors = Counter(
             "pd_sidecar_state_backend_errors",
-            "Shared-state backend failures, by kind (timeout, connection, scrapes).",
+            "Shared-state backend failures, by kind (timeout, connection, refused, scrapes).",
             ["kind"],
             registry=self.registry,
         )

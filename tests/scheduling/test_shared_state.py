@@ -132,6 +132,61 @@ async def test_dead_sidecar_stops_counting_within_the_lease(
 
 @pytest.mark.system
 @pytest.mark.timeout(60)
+async def test_a_rolling_upgrade_to_counters_counts_every_reservation_once(
+    http, redis_server, prefill, decode
+) -> None:
+    """A sidecar on the script's reservations and one on counters, side by side: each counts
+    the other's held prefill, once; the old one gone, the new one reads the counters alone
+    and keeps serving."""
+    settings = _shared(
+        redis_server, decode.url, prefill_endpoints=prefill.endpoint, state_lease_s="1"
+    )
+
+    async def snapshot(url: str) -> dict:
+        return await get_json(http, url + "/debug/scheduler")
+
+    async def reserved(url: str, count: int) -> bool:
+        return (await snapshot(url))["endpoints"][0]["reserved_requests"] == count
+
+    async def bridging(url: str, expected: bool) -> bool:
+        return (await snapshot(url))["state_backend"]["reservations"]["bridging"] is expected
+
+    async def post(url: str, index: int) -> int:
+        async with http.post(
+            url + "/v1/completions", json=completion(f"{index} {LONG_PROMPT}", max_tokens=2)
+        ) as response:
+            await response.read()
+            return response.status
+
+    async with sidecar_process(settings, state_reservations="counters") as new:
+        async with sidecar_process(settings) as old:
+            await eventually(lambda: bridging(new.url, True), within=10)
+            await inject(http, prefill, kind="hang", role="prefill", count=2)
+            held = [asyncio.create_task(post(s.url, i)) for i, s in enumerate((old, new))]
+            for url in (old.url, new.url):
+                await eventually(functools.partial(reserved, url, 2), within=10)
+            async with http.post(prefill.url + "/emulator/release") as response:
+                assert response.status == 200
+            assert await asyncio.gather(*held) == [200, 200]
+            for url in (old.url, new.url):
+                await eventually(functools.partial(reserved, url, 0), within=10)
+        await eventually(lambda: bridging(new.url, False), within=10)
+        state = (await snapshot(new.url))["state_backend"]
+        assert state["reservations"]["script_sidecars"] == 0
+        await inject(http, prefill, kind="hang", role="prefill", count=1)
+        hung = asyncio.create_task(post(new.url, 2))
+        await eventually(lambda: reserved(new.url, 1), within=10)
+        async with http.post(prefill.url + "/emulator/release") as response:
+            assert response.status == 200
+        assert await hung == 200
+        assert [await post(new.url, i) for i in range(3, 6)] == [200] * 3
+        await eventually(lambda: reserved(new.url, 0), within=10)
+        state = (await snapshot(new.url))["state_backend"]["reservations"]
+        assert (state["lost_writes"], state["lost_releases"]) == (0, 0)
+
+
+@pytest.mark.system
+@pytest.mark.timeout(60)
 async def test_redis_down_costs_no_request_and_reconnects(
     http, redis_server, prefill, decode
 ) -> None:

@@ -1,6 +1,7 @@
 """The ``StateBackend`` contract: the same cases on every backend — the memory backend, a real
 ``redis-server`` and a real Redis Cluster (3 masters + 3 replicas: a system test, its six
-processes take seconds to start; ``make test-system``).
+processes take seconds to start; ``make test-system``), each with the script's reservations and
+with counters.
 
 Each case runs one or two sidecars' backends on one store. The memory backend has none: it
 shares nothing, so what one sidecar does the other never sees (``Store.shared``), while
@@ -23,6 +24,7 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 
 from sidecar.scheduling.model import Speed
 from sidecar.scheduling.state import Load, MemoryState, Reservation, StateBackend
+from sidecar.scheduling.state.counter_state import CounterState
 from sidecar.scheduling.state.protocol import keys
 from sidecar.scheduling.state.redis import RedisState
 from tests.processes import RedisCluster, RedisServer, free_port
@@ -50,6 +52,10 @@ class Clock:
 class Store(Protocol):
     shared: bool
     """Whether one sidecar sees what another did."""
+    leases: bool
+    """Whether a silent sidecar's reservations stop counting with its lease, and a store that
+    lost everything is written whole again by the next syncs (the counters do neither: a dead
+    sidecar's count until their epoch ends, a lost one is not written again)."""
 
     def backend(self, clock: Clock, *, reachable: bool = True) -> StateBackend: ...
 
@@ -60,6 +66,7 @@ class Store(Protocol):
 
 class MemoryStore:
     shared = False
+    leases = True
 
     def backend(self, clock: Clock, *, reachable: bool = True) -> StateBackend:
         return MemoryState()
@@ -73,14 +80,17 @@ class RedisStore:
 
     shared = True
 
-    def __init__(self, url: str, *, cluster: bool) -> None:
+    def __init__(self, url: str, *, cluster: bool, counters: bool = False) -> None:
         self._url = url
         self._cluster = cluster
         self._prefix = f"contract-{uuid.uuid4().hex[:8]}"
+        self._counters = counters
+        self.leases = not counters
 
     def backend(self, clock: Clock, *, reachable: bool = True) -> StateBackend:
         url = self._url if reachable else f"redis://127.0.0.1:{free_port()}/0"
-        return RedisState(
+        kind = CounterState if self._counters else RedisState
+        return kind(
             url,
             prefix=self._prefix,
             cluster=self._cluster,
@@ -98,6 +108,8 @@ class RedisStore:
         try:
             for key in keys(self._prefix):
                 await admin.delete(key)
+            async for key in admin.scan_iter(match=f"*{self._prefix}*"):
+                await admin.delete(key)  # the counters, the members
         finally:
             await admin.aclose()
 
@@ -125,16 +137,19 @@ async def redis_cluster() -> AsyncIterator[RedisCluster]:
     params=[
         "memory",
         "redis",
+        "redis-counters",
         pytest.param("cluster", marks=[pytest.mark.system, pytest.mark.timeout(90)]),
+        pytest.param("cluster-counters", marks=[pytest.mark.system, pytest.mark.timeout(90)]),
     ]
 )
 def store(request: pytest.FixtureRequest) -> Store:
-    if request.param == "redis":
+    counters = request.param.endswith("-counters")
+    if request.param.startswith("redis"):
         server: RedisServer = request.getfixturevalue("redis_server")
-        return RedisStore(server.url, cluster=False)
-    if request.param == "cluster":
+        return RedisStore(server.url, cluster=False, counters=counters)
+    if request.param.startswith("cluster"):
         cluster: RedisCluster = request.getfixturevalue("redis_cluster")
-        return RedisStore(cluster.url(cluster.ports[0]), cluster=True)
+        return RedisStore(cluster.url(cluster.ports[0]), cluster=True, counters=counters)
     return MemoryStore()
 
 
@@ -161,10 +176,13 @@ async def start_backend(store: Store) -> AsyncIterator[StartBackend]:
 async def synced(*backends: StateBackend) -> None:
     """Each backend, in turn, synced after every change made before the call: a refresh joins
     the sync in flight, which may have been sent before the change; the second joins or begins
-    one sent after it."""
+    one sent after it. A counters backend publishes its changes off the decisions' path (its
+    writes answered, its releases sent, a sync of its speeds and ejections) first."""
     for backend in backends:
-        await backend.refresh()
-        await backend.refresh()
+        if isinstance(backend, CounterState):
+            await backend.published()
+        await backend.refresh((A, B))
+        await backend.refresh((A, B))
 
 
 def seen(store: Store, loads: dict[str, Load]) -> dict[str, Load]:
@@ -247,7 +265,8 @@ async def test_a_sidecar_that_closes_stops_counting_at_once(store, start_backend
 
 async def test_a_sidecar_whose_lease_ran_out_stops_counting(store, start_backend) -> None:
     """Its lease is renewed by its syncs; without one for a lease (a dead sidecar), the others
-    stop counting its reservations."""
+    stop counting its reservations. The counters count them until their epoch ends, by Redis's
+    clock (``tests/scheduling/test_counter_state.py``), not by a sidecar's lease."""
     clock, later = Clock(), Clock()
     one, two = await start_backend(clock), await start_backend(later)
     one.reserve(A, 100)
@@ -255,20 +274,22 @@ async def test_a_sidecar_whose_lease_ran_out_stops_counting(store, start_backend
     assert two.view().loads == seen(store, {A: Load(100, 1)})
     later.now = clock.now + LEASE_S + 1
     await synced(two)
-    assert two.view().loads == {}
+    assert two.view().loads == ({} if store.leases else {A: Load(100, 1)})
 
 
 async def test_a_store_that_lost_everything_is_restored_by_the_next_syncs(
     store, start_backend
 ) -> None:
-    """Each sync sends its sidecar's reservations whole, not as changes."""
+    """Each sync sends its sidecar's reservations whole, not as changes. Counters are changes:
+    what Redis lost stays lost (until the release, or the epoch's end), and says so."""
     one, two = await start_backend(), await start_backend()
     one.reserve(A, 100)
     two.reserve(B, 50)
     await synced(one, two)
     await store.lose_everything()
     await synced(one, two)
-    assert two.view().loads == {B: Load(50, 1), **seen(store, {A: Load(100, 1)})}
+    restored = seen(store, {A: Load(100, 1)}) if store.leases else {}
+    assert two.view().loads == {B: Load(50, 1), **restored}
 
 
 async def test_without_its_store_a_backend_decides_on_its_own_view(start_backend) -> None:
