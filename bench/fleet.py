@@ -45,6 +45,12 @@ anew (its sums deleted by hand) and then every sidecar lapsed and dropped, a bou
 sync, each timed. The extrapolation: 1,000 pods each syncing and reading every 100 ms, Redis
 cores = 10,000 × (CPU µs per sync + per read) ÷ 10⁶; per master, the busiest one's.
 
+With ``--reservations counter-state`` the N sidecars run the production backend of
+``SIDECAR_STATE_RESERVATIONS=counters`` (``CounterState``) in the same windows: the idle one
+measures its heartbeats (the sync script with an empty table, the rolling upgrade's check), the
+load one its decisions (``refresh`` reading the counters, the reservation's write, its release
+carried by a later read); there is no re-sum to time.
+
 With ``--reservations counters`` it plays the per-endpoint counters by epoch instead
 (``sidecar.scheduling.state.counters``): N production ``CounterReservations`` on one production
 client per store, each with its clock's offset learnt from Redis before the windows; per cell
@@ -62,6 +68,7 @@ puts the keys under 3 hash tags (one per master) rather than one per endpoint.
     python -m bench fleet --scrapes             # the shared scrapes, N = 8 ... 1,024
     python -m bench fleet --reservations sharded --rates 300,1000   # syncs (and reads) a second
     python -m bench fleet --reservations counters --rates 500,1000  # decisions a second
+    python -m bench fleet --reservations counter-state --sidecars 8,64,256,1024
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ from sidecar.engines.shared_scrapes import ScrapeShare
 from sidecar.fleet.load import EngineLoad
 from sidecar.fleet.snapshot import EngineSnapshot
 from sidecar.scheduling.state import Load, Reservation, counters, sharded
+from sidecar.scheduling.state.counter_state import CounterState
 from sidecar.scheduling.state.protocol import keys
 from sidecar.scheduling.state.redis import RedisState
 
@@ -367,10 +375,19 @@ class Fleet:
     """N production Redis backends in one pool (``prefix``), as N sidecars would run them."""
 
     def __init__(
-        self, store: Store, sidecars: int, prefix: str, endpoints: int, *, share: bool
+        self,
+        store: Store,
+        sidecars: int,
+        prefix: str,
+        endpoints: int,
+        *,
+        share: bool,
+        counters: bool = False,
     ) -> None:
         """``share``: the prefix share on (as with ``SIDECAR_PREFIX_HASH_KEY`` set): every
-        decision publishes its placement, every sidecar learns the others'."""
+        decision publishes its placement, every sidecar learns the others'. ``counters``: the
+        backend of ``SIDECAR_STATE_RESERVATIONS=counters`` (``CounterState``)."""
+        kind = CounterState if counters else RedisState
         self.store = store
         self.share = share
         self.prefix = prefix
@@ -379,7 +396,7 @@ class Fleet:
         self.timeouts = 0
         """Refreshes that had no answer within the budget, all sidecars together."""
         self.members = [
-            RedisState(
+            kind(
                 store.url,
                 prefix=prefix,
                 cluster=store.cluster,
@@ -455,7 +472,7 @@ class Fleet:
         index = rng.randrange(len(self.members))
         member = self.members[index]
         began = time.perf_counter()
-        await member.refresh()
+        await member.refresh(self.endpoints)
         window.waits_ms.append((time.perf_counter() - began) * 1000)
         loads = member.view().loads
         least = min(loads.get(e, Load()).tokens for e in self.endpoints)
@@ -552,13 +569,18 @@ async def measure_cell(
     store: Store, sidecars: int, rate: float, args: argparse.Namespace, rng: random.Random
 ) -> Cell:
     prefix = f"fleet-{store.name}-{sidecars}-{rate:g}"
-    fleet = Fleet(store, sidecars, prefix, args.endpoints, share=args.prefix_share)
+    counters = args.reservations == "counter-state"
+    fleet = Fleet(
+        store, sidecars, prefix, args.endpoints, share=args.prefix_share, counters=counters
+    )
     await fleet.start()
     try:
         idle = await idle_window(fleet, args.idle_s)
         load = await load_window(fleet, rate, args.load_s, args.hold_ms / 1000, rng)
-        # The re-sum does not depend on the rate: timed at the first one only.
-        resum_ms = await resum(fleet) if rate == args.rates[0] else None
+        # The re-sum does not depend on the rate: timed at the first one only (the counters'
+        # tables are empty: there is nothing to re-sum).
+        first = rate == args.rates[0]
+        resum_ms = await resum(fleet) if first and not counters else None
     finally:
         await fleet.close()
     return Cell(store.name, sidecars, rate, idle, load, resum_ms)
@@ -1570,9 +1592,11 @@ def main_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--reservations",
-        choices=["script", "sharded", "counters"],
+        choices=["script", "sharded", "counters", "counter-state"],
         default="script",
-        help="script: today's backend (one script per decision on the pool's slot); sharded: "
+        help="script: the backend of SIDECAR_STATE_RESERVATIONS=script (one script per decision "
+        "on the pool's slot); counter-state: the backend of SIDECAR_STATE_RESERVATIONS=counters "
+        "(its heartbeats, and decisions through refresh, reserve and release); sharded: "
         "the sharded design (sidecar.scheduling.state.sharded), syncs and reads at --rates each; "
         "counters: per-endpoint counters by epoch (sidecar.scheduling.state.counters), decisions "
         "at --rates",
