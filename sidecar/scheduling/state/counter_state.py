@@ -58,6 +58,7 @@ reservations counted until their epoch ends; one that closes takes them back fir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -147,6 +148,7 @@ class CounterState(RedisState):
         self._reading: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._answered = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._synced_at: float | None = None
         """The clock at the last answered sync: its lease deadline is this plus the lease."""
         self._down_until = -math.inf
@@ -179,6 +181,9 @@ class CounterState(RedisState):
 
     async def close(self) -> None:
         self._closing = True
+        # The watcher ends at its next turn should it miss the cancel below.
+        self._answered.set()
+        self._stopping.set()
         for running in (self._watcher, self._reading):
             if running is not None:
                 await stop_task(running)
@@ -402,9 +407,13 @@ class CounterState(RedisState):
         when no decision read it for a heartbeat, so that the view (``/debug/scheduler``, the
         endpoints' gauges) does not stay as the last decision left it."""
         heartbeat = self._protocol.heartbeat_s
-        while True:
+        # Until closing, not forever: a cancel that meets a Redis answer can be lost (Python
+        # 3.11's ``asyncio.wait_for``, which redis-py uses), and ``close`` would wait for good.
+        while not self._closing:
             await self._answered.wait()
             self._answered.clear()
+            if self._closing:
+                return
             try:
                 await self.check_fleet()
             except Exception as exc:
@@ -416,7 +425,9 @@ class CounterState(RedisState):
                 if self._reading is None:
                     self._reading = asyncio.create_task(self._read(self._pool))
                 await asyncio.wait([self._reading])
-            await asyncio.sleep(heartbeat / 2)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(heartbeat / 2):
+                    await self._stopping.wait()
 
     async def check_fleet(self) -> None:
         """Renew this sidecar's ``counting`` membership to the deadline of its last sync, count

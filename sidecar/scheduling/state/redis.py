@@ -160,6 +160,7 @@ class RedisState:
         # stopped after the worker: the goodbye below must be the connection's one command in
         # flight (a second would read the first's reply).
         self._closing = True
+        self._share_wake.set()  # the sharer ends at its next turn should it miss the cancel
         for task in (self._sharer, self._worker):
             if task is not None:
                 await stop_task(task)
@@ -386,7 +387,9 @@ class RedisState:
         assert share is not None
         assert self._share_script is not None
         backoff = 0.0
-        while True:
+        # Until closing, not forever: a cancel that meets a Redis answer can be lost (Python
+        # 3.11's ``asyncio.wait_for``, which redis-py uses), and ``close`` would wait for good.
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(4 * prefix_share.SYNC_S):
                     await self._share_wake.wait()
