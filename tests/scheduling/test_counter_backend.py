@@ -489,3 +489,52 @@ async def test_close_returns_though_the_watcher_missed_its_cancel(redis_server) 
     finally:
         async with asyncio.timeout(5):
             await backend.close()
+
+
+async def test_a_dead_counters_sidecar_is_not_taken_for_a_script_sidecar(redis_server) -> None:
+    """A counters sidecar dies (no goodbye): in the last half of its lease its ``counting``
+    entry no longer counts at once, but it is still live in ``sidecars``: looked up, it is
+    a counters sidecar, and nobody starts sharing through the script for it."""
+    t = time.time()
+    clocks = {name: UnixClock(t) for name in ("dead", "checker")}
+    prefix = f"dead-{uuid.uuid4().hex[:8]}"
+    dead, checker = (
+        CounterState(
+            redis_server.url,
+            prefix=prefix,
+            lease_s=LEASE_S,
+            timeout_s=TIMEOUT_S,
+            clock=clocks[name],
+        )
+        for name in ("dead", "checker")
+    )
+    await dead.start()
+    await checker.start()
+    try:
+        await checked(dead, checker)
+        assert (checker.bridging, checker.script_sidecars) == (False, 0)
+        clocks["checker"].now = t + LEASE_S * 2 / 3  # ``dead`` silent since t
+        await checked(checker)
+        assert (checker.bridging, checker.script_sidecars) == (False, 0)
+    finally:
+        await dead.close()
+        await checker.close()
+
+
+async def test_what_the_counters_refuse_backs_nothing_off(start) -> None:
+    """An endpoint name that cannot be in a key: its write and a read naming it are refused
+    before anything is sent, said as such, and the next read goes at once."""
+    one, two = await start(counters=True), await start(counters=True)
+    assert isinstance(one, CounterState)
+    await checked(one, two)
+    bad = "127.0.0.13:{8000}"
+    one.reserve(bad, 10)
+    await one.published()
+    assert one.lost_writes == 1
+    two.reserve(A, 100)
+    await two.published()
+    await one.refresh((A, bad))
+    assert one.last_error is not None
+    assert one.last_error.startswith("refused")
+    await one.refresh((A,))  # not backed off: read at once
+    assert one.view().loads == {A: Load(100, 1), bad: Load(10, 1)}

@@ -25,19 +25,23 @@ only the script's totals. A counters sidecar therefore checks, after a sync at m
 heartbeat (``check_fleet``), whether any such sidecar is live: it keeps its own membership in
 ``{prefix}:counting`` (a sorted set, with the same lease deadline as its entry in the script's
 ``sidecars``, written after the sync that renewed it) and counts the live members of
-``sidecars`` less the members of ``counting`` with at least half a lease left. Every live script
-sidecar is in the first and not the second; a counters sidecar is counted in the second only
-while its entry in the first cannot have been dropped (by a sidecar whose clock is ahead of the
-checker's by less than half a lease): an error only ever takes a counters sidecar for a script
-one. While some are (``bridging``,
-also until the first check answers), it sends its table with the syncs as well, joins a sync
-with each decision, and reads, per endpoint, the larger of the script's totals and the
-counters: the script's totals count every sidecar while old ones are live (each counters
-sidecar writes both), the counters every sidecar once none is left; neither counts one twice.
+``sidecars`` less the live members of ``counting``: those with half a lease left at once (their
+entry in ``sidecars`` cannot have been dropped yet, by a sidecar whose clock is ahead of the
+checker's by less than half a lease), the others (a dead sidecar's, one late to renew) only if
+still live in ``sidecars`` (looked up, a second round trip, when the first count finds some
+script sidecars). Every live script sidecar is in the first and not the second. While some
+are (``bridging``, also until the first check answers), it sends its table with the syncs as
+well, joins a sync with each decision, and reads, per endpoint, the larger of the script's
+totals and the counters: the script's totals count every sidecar while old ones are live (each
+counters sidecar writes both), the counters every sidecar once none is left; neither counts
+one twice.
 Rolled back, a counters sidecar notices the script sidecars at its next check (within a
 heartbeat), until which they do not see its reservations. A counters sidecar leaving removes
 its ``counting`` membership before its ``sidecars`` entry: in between, the others may take it for
-a script sidecar (and bridge until their next check), never the other way round.
+a script sidecar (and bridge until their next check), never the other way round. Starting, it is
+in ``sidecars`` from its first sync and in ``counting`` from its first check, a round trip later:
+a sidecar checking in between bridges until its next check (sidecars started together, for
+their first heartbeat or so).
 
 **Faults.** A read that fails backs the reads off (``BACKOFF_FIRST_S`` doubling to
 ``BACKOFF_MAX_S``; no read is waited for meanwhile): the decisions go on with the view as last
@@ -75,6 +79,7 @@ from sidecar.scheduling.state.counters import (
     CounterReservations,
     Counters,
     Held,
+    Refused,
     check_name,
 )
 from sidecar.scheduling.state.protocol import BACKOFF_FIRST_S, BACKOFF_MAX_S, Sync
@@ -86,6 +91,9 @@ logger = logging.getLogger("sidecar.scheduling.state")
 GROUPS = 3
 """The hash tags the counters spread over: one per master of a 3-master Cluster (fewer slots
 for a read to visit than one per endpoint; ``python -m bench fleet`` measures both)."""
+CHECK_LIMIT = 256
+"""``counting`` members late to renew that a check looks up one by one in ``sidecars``, at
+most."""
 CLOSE_WRITES_S = 1.0
 """How long ``close`` waits for writes in flight before taking back what they counted."""
 
@@ -238,9 +246,13 @@ class CounterState(RedisState):
         self._protocol.reserve(endpoint, tokens)  # the script's table, sent while bridging
         reservations = self._reservations
         down = self._write_down.get(endpoint)
-        if reservations is not None and (down is None or time.monotonic() >= down[0]):
-            write = asyncio.create_task(self._write(reservations, endpoint, tokens))
-            self._writes[id(reservation)] = (reservation, write)
+        if reservations is None:
+            return reservation  # not started, or closed: this sidecar's alone
+        if down is not None and time.monotonic() < down[0]:
+            self.lost_writes += 1  # its endpoint's writes backed off: not written
+            return reservation
+        write = asyncio.create_task(self._write(reservations, endpoint, tokens))
+        self._writes[id(reservation)] = (reservation, write)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
@@ -267,6 +279,8 @@ class CounterState(RedisState):
             if self._refused(exc):
                 return None
             down = self._write_down.get(endpoint)
+            if down is not None and time.monotonic() < down[0]:
+                return None  # a write in flight with it failed too: backed off already
             backoff = BACKOFF_FIRST_S if down is None else min(2 * down[1], BACKOFF_MAX_S)
             if len(self._write_down) >= MAX_ENDPOINTS:
                 self._write_down.clear()
@@ -388,7 +402,7 @@ class CounterState(RedisState):
         """A read or a write failed: recorded. True when the counters refused it before sending
         (an endpoint that cannot be in a key, a pool over ``MAX_ENDPOINTS``): nothing to back
         off from."""
-        if isinstance(exc, ValueError):
+        if isinstance(exc, Refused):
             self._record_error("refused", str(exc))
             return True
         if not isinstance(exc, _ERRORS):
@@ -422,9 +436,10 @@ class CounterState(RedisState):
                 # Left as it was: the next sync's check tries again.
             idle = time.monotonic() - self._last_read >= heartbeat
             if idle and self._pool and time.monotonic() >= self._down_until:
-                if self._reading is None:
+                if self._reading is None and not self._closing:
                     self._reading = asyncio.create_task(self._read(self._pool))
-                await asyncio.wait([self._reading])
+                if self._reading is not None:
+                    await asyncio.wait([self._reading])
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(heartbeat / 2):
                     await self._stopping.wait()
@@ -441,14 +456,19 @@ class CounterState(RedisState):
         pipe.zadd(self.counting_key, {self.member_id: synced_at + lease})
         pipe.zremrangebyscore(self.counting_key, "-inf", f"({now - lease!r}")
         pipe.zcount(self.keys[0], repr(now), "+inf")
-        # A counters sidecar counts only with half a lease left: a dead one's entry in
-        # ``sidecars`` goes as soon as a sidecar whose clock is past its deadline syncs, while
-        # its ``counting`` entry stays; counted, it would hide a script sidecar from a checker
-        # whose clock is behind. A live one renews both every heartbeat (a third of a lease).
-        pipe.zcount(self.counting_key, repr(now + lease / 2), "+inf")
+        # A counters sidecar with half a lease left counts at once: its ``sidecars`` entry,
+        # renewed with it, cannot have been dropped yet (by a sidecar whose clock is past its
+        # deadline) unless that clock is half a lease ahead of this one.
+        half = now + lease / 2
+        pipe.zcount(self.counting_key, repr(half), "+inf")
         pipe.pexpire(self.counting_key, max(1, round(2 * lease * 1000)))
         answers = await pipe.execute()
         script = max(0, int(answers[2]) - int(answers[3]))
+        if script:
+            # Those with less left (dead ones, or late to renew) count only if still live in
+            # ``sidecars``: a dead counters sidecar whose entry there was dropped hides no
+            # script sidecar, and one still there is not taken for a script sidecar.
+            script = max(0, script - await self._still_counting(client, now, half))
         self.script_sidecars = script
         bridging = script > 0
         if bridging != self.bridging:
@@ -459,6 +479,20 @@ class CounterState(RedisState):
             )
             self.bridging = bridging
             self._protocol.share_table(bridging)
+
+    async def _still_counting(
+        self, client: aioredis.Redis | RedisCluster, now: float, half: float
+    ) -> int:
+        """The ``counting`` members live until before ``half`` that are still live in
+        ``sidecars``; when more than ``CHECK_LIMIT`` are (thousands dead at once), none: the
+        check errs on the side of the script."""
+        late = await client.zrangebyscore(
+            self.counting_key, repr(now), f"({half!r}", start=0, num=CHECK_LIMIT + 1
+        )
+        if not late or len(late) > CHECK_LIMIT:
+            return 0
+        deadlines = await client.execute_command("ZMSCORE", self.keys[0], *late)
+        return sum(1 for deadline in deadlines if deadline is not None and float(deadline) >= now)
 
     def status(self) -> dict[str, Any]:
         status = super().status()

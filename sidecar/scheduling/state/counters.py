@@ -1,7 +1,7 @@
 """Reservations as per-endpoint counters keyed by epoch: each reservation one increment, each
-release the same decrement, each decision's read every endpoint's counters in one round (not
-wired into the scheduler yet; ``python -m bench fleet --reservations counters`` and ``python -m
-bench saturation`` measure it).
+release the same decrement, each decision's read every endpoint's counters in one round (the
+scheduler's with ``SIDECAR_STATE_RESERVATIONS=counters``, through ``counter_state``; ``python -m
+bench fleet --reservations counters`` and ``python -m bench saturation`` measure it).
 
 **Epochs.** Time is cut in epochs of ``epoch_s`` seconds (``EPOCH_S``, 10), at least the longest a
 reservation is held (a prefill): epoch ``k`` runs from ``k · epoch_s`` to ``(k + 1) · epoch_s`` on
@@ -155,13 +155,19 @@ TAG_CACHE = 4 * MAX_ENDPOINTS
 _INT64 = (1 << 63) - 1
 
 
+class Refused(ValueError):
+    """What the counters refuse before sending anything: a name that cannot be in a key, a
+    count out of range, a read of too many endpoints (a ``ValueError`` raised once Redis
+    answered is another matter: its answer was not what it should be)."""
+
+
 def check_name(name: str, what: str) -> None:
-    """``ValueError`` unless ``name`` can go in a hash tag: printable, without space or brace,
+    """``Refused`` unless ``name`` can go in a hash tag: printable, without space or brace,
     of at most ``MAX_KEY_BYTES``."""
     if not 0 < len(name.encode()) <= MAX_KEY_BYTES or not name.isprintable():
-        raise ValueError(f"not {what} for a counter key (its length): {name[:40]!r}")
+        raise Refused(f"not {what} for a counter key (its length): {name[:40]!r}")
     if any(c in name for c in " {}"):
-        raise ValueError(f"not {what} for a counter key (a space or brace): {name[:40]!r}")
+        raise Refused(f"not {what} for a counter key (a space or brace): {name[:40]!r}")
 
 
 def pack(tokens: int, requests: int) -> int:
@@ -608,7 +614,7 @@ class CounterReservations:
     async def reserve(self, endpoint: str, tokens: int) -> Held:
         """Count a reservation of ``tokens`` on ``endpoint`` in the current epoch."""
         if not 0 <= tokens <= MAX_LOAD:
-            raise ValueError(f"tokens out of range: {tokens}")
+            raise Refused(f"tokens out of range: {tokens}")
         if self._offset_ms is None:
             await self._learn_first()
         held = Held(endpoint, tokens, self.write_epoch())
@@ -739,7 +745,7 @@ class CounterReservations:
         offset, when due, learnt in parallel; the first read learns it first)."""
         names = tuple(dict.fromkeys(endpoints))
         if len(names) > MAX_ENDPOINTS:
-            raise ValueError(f"{len(names)} endpoints, over {MAX_ENDPOINTS}")
+            raise Refused(f"{len(names)} endpoints, over {MAX_ENDPOINTS}")
         if self._offset_ms is None:
             await self._learn_first()
         counters = self._counters

@@ -398,6 +398,8 @@ class RedisState:
                     await self._share_wake.wait()
             self._share_wake.clear()
             await asyncio.sleep(max(backoff, prefix_share.SYNC_S))
+            if self._closing:
+                return
             args, sending = share.begin()
             try:
                 reply = await self._share_script(keys=[self._stream], args=args)
