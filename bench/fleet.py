@@ -125,6 +125,15 @@ SETTLED_S = 1.0
 """A placement counts as one the fleet should know once it is this old."""
 RESUM_LINES = 4
 """Reservations each sidecar holds when the re-sum is timed (prefills in flight on 4 endpoints)."""
+PROBE_FIGURES = (
+    "decisions",
+    "wait_p50_ms",
+    "wait_p99_ms",
+    "wait_max_ms",
+    "cpu_us_per_decision",
+    "cpu_share",
+)
+"""What ``bench.fleet_probe`` reports (``--probe``)."""
 STARTS_AT_ONCE = 64
 """Sidecars started (or stopped) together: each registers with a sync of its own at once."""
 
@@ -164,6 +173,9 @@ class Window:
     over_budget: int = 0
     """Decisions whose refresh had no answer within ``TIMEOUT_S`` (they decide on the local
     view)."""
+    probe: dict[str, Any] | None = None
+    """``bench.fleet_probe``'s figures (``--probe``): one sidecar's decisions in a process of
+    its own, beside this window's load."""
 
     @property
     def script_calls(self) -> int:
@@ -240,6 +252,7 @@ class Cell:
             "driver_busy": load.driver_cpu_s / load.seconds,
             "slowest_command_ms": load.slowest_ms,
             "resum_ms": self.resum_ms,
+            **{f"probe_{name}": (load.probe or {}).get(name) for name in PROBE_FIGURES},
         }
 
 
@@ -388,6 +401,7 @@ class Fleet:
         decision publishes its placement, every sidecar learns the others'. ``counters``: the
         backend of ``SIDECAR_STATE_RESERVATIONS=counters`` (``CounterState``)."""
         kind = CounterState if counters else RedisState
+        self.counters = counters
         self.store = store
         self.share = share
         self.prefix = prefix
@@ -498,9 +512,39 @@ async def idle_window(fleet: Fleet, seconds: float) -> Window:
     return Window(elapsed, 0, await _costs(fleet.store, before))
 
 
+async def start_probe(fleet: Fleet, rate: float, seconds: float) -> asyncio.subprocess.Process:
+    """``bench.fleet_probe`` in a process of its own: one more sidecar of the fleet's kind, on
+    its pool, deciding at ``rate`` for ``seconds`` once started (its start not measured)."""
+    command = [
+        sys.executable, "-m", "bench.fleet_probe", "--url", fleet.store.url,
+        "--prefix", fleet.prefix, "--endpoints", str(len(fleet.endpoints)),
+        "--rate", repr(rate), "--seconds", repr(seconds),
+    ]  # fmt: skip
+    if fleet.store.cluster:
+        command.append("--cluster")
+    if fleet.counters:
+        command.append("--counters")
+    return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+
+
+async def probe_result(process: asyncio.subprocess.Process) -> dict[str, Any] | None:
+    output, _ = await process.communicate()
+    if process.returncode != 0 or not output.strip():
+        print(f"warning: the probe failed (exit status {process.returncode})", file=sys.stderr)
+        return None
+    result: dict[str, Any] = orjson.loads(output.splitlines()[-1])
+    return result
+
+
 async def load_window(
-    fleet: Fleet, rate: float, seconds: float, hold_s: float, rng: random.Random
+    fleet: Fleet,
+    rate: float,
+    seconds: float,
+    hold_s: float,
+    rng: random.Random,
+    probe_rate: float | None = None,
 ) -> Window:
+    prober = None if probe_rate is None else await start_probe(fleet, probe_rate, seconds)
     before = await _reset(fleet.store)
     timeouts = fleet.timeouts
     cpu = own_cpu_s()
@@ -528,6 +572,8 @@ async def load_window(
     window.over_budget = fleet.timeouts - timeouts
     window.driver_cpu_s = own_cpu_s() - cpu
     window.servers = await _costs(fleet.store, before)
+    if prober is not None:
+        window.probe = await probe_result(prober)
     return window
 
 
@@ -576,7 +622,9 @@ async def measure_cell(
     await fleet.start()
     try:
         idle = await idle_window(fleet, args.idle_s)
-        load = await load_window(fleet, rate, args.load_s, args.hold_ms / 1000, rng)
+        load = await load_window(
+            fleet, rate, args.load_s, args.hold_ms / 1000, rng, probe_rate=args.probe
+        )
         # The re-sum does not depend on the rate: timed at the first one only (the counters'
         # tables are empty: there is nothing to re-sum).
         first = rate == args.rates[0]
@@ -1488,6 +1536,11 @@ COLUMNS = (
     ("driver_busy", "driver", "{:.0%}"),
     ("slowest_command_ms", "slowest ms", "{:.1f}"),
     ("resum_ms", "re-sum ms", "{:.1f}"),
+    ("probe_wait_p50_ms", "probe p50", "{:.2f}"),
+    ("probe_wait_p99_ms", "probe p99", "{:.2f}"),
+    ("probe_wait_max_ms", "probe max", "{:.2f}"),
+    ("probe_cpu_us_per_decision", "probe cpu µs/dec", "{:.0f}"),
+    ("probe_cpu_share", "probe cpu", "{:.1%}"),
 )
 
 
@@ -1614,6 +1667,13 @@ def main_parser() -> argparse.ArgumentParser:
         default=1,
         help="sharded: a read fetches every g-th shard in turn (3: one master's), the rest as "
         "last read",
+    )
+    parser.add_argument(
+        "--probe",
+        type=float,
+        default=None,
+        help="script, counter-state: one more sidecar in a process of its own deciding this "
+        "many times a second through each load window (bench.fleet_probe): its waits and CPU",
     )
     parser.add_argument("--per-endpoint", type=int, default=2, help="owners per endpoint")
     parser.add_argument("--rounds", type=int, default=5, help="scrape rounds measured")

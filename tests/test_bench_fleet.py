@@ -71,6 +71,36 @@ async def test_a_fleet_on_a_real_redis_reports_every_decision_and_its_costs(
 
 
 @pytest.mark.system
+async def test_the_counters_backend_with_a_probe_reports_its_decisions_and_waits(
+    redis_server: RedisServer,
+) -> None:
+    """``--reservations counter-state --probe``: the fleet's decisions through the production
+    ``CounterState``, and one more sidecar's in a process of its own, each measured."""
+    store = fleet.Store("redis", redis_server.url, (redis_server.port,), cluster=False)
+    args = fleet.main_parser().parse_args(
+        [
+            *("--idle-s", "0.2", "--load-s", "0.5", "--hold-ms", "50", "--endpoints", "4"),
+            *("--reservations", "counter-state", "--probe", "20"),
+        ]
+    )
+    cell = await fleet.measure_cell(store, 6, 40.0, args, random.Random(1))
+    figures = cell.figures()
+    assert cell.load.decisions == 20
+    assert cell.resum_ms is None  # no table to re-sum
+    assert figures["probe_decisions"] == 10
+    assert 0 < figures["probe_wait_p50_ms"] <= figures["probe_wait_max_ms"]
+    assert figures["probe_cpu_us_per_decision"] > 0
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:  # every sidecar (the probe's too) gave its reservations back and left
+        assert await client.zcard(keys("fleet-redis-6-40")[0]) == 0
+        counters = [k async for k in client.scan_iter(match="{fleet-redis-6-40:*")]
+        assert counters  # the keys outlive their epoch, at zero
+        assert await client.mget(counters) == [b"0"] * len(counters)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.system
 async def test_with_the_prefix_share_on_observers_learn_the_others_placements(
     redis_server: RedisServer,
 ) -> None:

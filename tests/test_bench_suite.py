@@ -30,7 +30,7 @@ from bench.suite import (
 
 REPO = PACKAGE.parent
 
-HELPERS = {"floor_proxy", "otlp_sink", "overhead_report", "traced_sidecar"}
+HELPERS = {"fleet_probe", "floor_proxy", "otlp_sink", "overhead_report", "traced_sidecar"}
 """Programs that are not benchmarks (``python -m bench.X``): those the benchmarks start in
 subprocesses, and the renderer of the overhead report's tables."""
 
