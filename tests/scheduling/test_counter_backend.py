@@ -22,6 +22,7 @@ from sidecar.scheduling.state.redis import RedisState
 from sidecar.scheduling.state.sharded import connect
 from tests.conftest import eventually
 from tests.processes import RedisCluster, RedisServer, free_port
+from tests.scheduling.test_state_contract import synced
 from tests.scheduling.test_state_resp import documented_acl
 
 A, B = "127.0.0.11:8000", "127.0.0.12:8000"
@@ -61,16 +62,6 @@ async def start(redis_server: RedisServer) -> AsyncIterator[Start]:
     yield begin
     for backend in started:
         await backend.close()
-
-
-async def synced(*backends: StateBackend, pool: tuple[str, ...] = POOL) -> None:
-    """Each backend's changes published, then its view of ``pool`` read anew (as the
-    contract's)."""
-    for backend in backends:
-        if isinstance(backend, CounterState):
-            await backend.published()
-        await backend.refresh(pool)
-        await backend.refresh(pool)
 
 
 async def checked(*backends: CounterState) -> None:

@@ -173,16 +173,17 @@ async def start_backend(store: Store) -> AsyncIterator[StartBackend]:
         await backend.close()
 
 
-async def synced(*backends: StateBackend) -> None:
+async def synced(*backends: StateBackend, pool: tuple[str, ...] = (A, B)) -> None:
     """Each backend, in turn, synced after every change made before the call: a refresh joins
     the sync in flight, which may have been sent before the change; the second joins or begins
     one sent after it. A counters backend publishes its changes off the decisions' path (its
-    writes answered, its releases sent, a sync of its speeds and ejections) first."""
+    writes answered, its releases sent, a sync of its speeds and ejections) first, and reads
+    ``pool``."""
     for backend in backends:
         if isinstance(backend, CounterState):
             await backend.published()
-        await backend.refresh((A, B))
-        await backend.refresh((A, B))
+        await backend.refresh(pool)
+        await backend.refresh(pool)
 
 
 def seen(store: Store, loads: dict[str, Load]) -> dict[str, Load]:

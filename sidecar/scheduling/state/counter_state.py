@@ -83,7 +83,7 @@ from sidecar.scheduling.state.counters import (
     check_name,
 )
 from sidecar.scheduling.state.protocol import BACKOFF_FIRST_S, BACKOFF_MAX_S, Sync
-from sidecar.scheduling.state.redis import _ERRORS, RedisState, _settle
+from sidecar.scheduling.state.redis import _ERRORS, RedisState
 from sidecar.tasks import stop_task
 
 logger = logging.getLogger("sidecar.scheduling.state")
@@ -341,15 +341,7 @@ class CounterState(RedisState):
         if reading is None:
             self._pool = tuple(endpoints)
             reading = self._reading = asyncio.create_task(self._read(self._pool))
-        waiter = asyncio.get_running_loop().create_future()
-        reading.add_done_callback(lambda _: _settle(waiter, True))
-        timer = waiter.get_loop().call_later(self._timeout_s, _settle, waiter, False)
-        try:
-            answered = await waiter
-        finally:
-            timer.cancel()
-        if not answered:
-            self._record_error("timeout", "no counters within the decision budget")
+        await self._within_budget(reading, "no counters within the decision budget")
 
     async def _read(self, endpoints: tuple[str, ...]) -> None:
         reservations = self._reservations

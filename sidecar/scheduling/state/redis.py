@@ -200,19 +200,24 @@ class RedisState:
         sync = self._sync
         if sync is None:
             sync = self._sync = asyncio.create_task(self._run_sync())
-        # The sync goes on without the decision (it owes the view its answer): the decision
+        await self._within_budget(sync, "no answer within the decision budget")
+
+    async def _within_budget(self, task: asyncio.Task[None], late: str) -> None:
+        """Wait for ``task``'s end or the decision's budget, whichever comes first; ``late``
+        is recorded (a timeout) when the budget came first."""
+        # The task goes on without the decision (it owes the view its answer): the decision
         # waits for its end or the budget on a future of its own, which is what the timeout
-        # and the shield of ``asyncio.timeout(...): await shield(sync)`` do, for about half the
+        # and the shield of ``asyncio.timeout(...): await shield(task)`` do, for about half the
         # instructions (docs/benchmarks.md).
         waiter = asyncio.get_running_loop().create_future()
-        sync.add_done_callback(lambda _: _settle(waiter, True))
+        task.add_done_callback(lambda _: _settle(waiter, True))
         timer = waiter.get_loop().call_later(self._timeout_s, _settle, waiter, False)
         try:
             answered = await waiter
         finally:
             timer.cancel()
         if not answered:
-            self._record_error("timeout", "no answer within the decision budget")
+            self._record_error("timeout", late)
 
     def reserve(self, endpoint: str, tokens: int) -> Reservation:
         return self._protocol.reserve(endpoint, tokens)
