@@ -8,14 +8,21 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+RECANCEL_S = 1.0
+"""How long ``stop_task`` waits before cancelling a task again that has not ended."""
+
 
 async def stop_task(task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` and wait until it has ended; raise what it raised other than its
     cancellation. The caller's own cancellation (a shutdown's deadline, say) interrupts the wait
     and propagates: ``await task`` in ``suppress(CancelledError)`` would instead hand it to the
-    task, swallow it when the task ends, and wait as long as a task slow to stop takes."""
+    task, swallow it when the task ends, and wait as long as a task slow to stop takes. A task
+    still running ``RECANCEL_S`` after a cancel is cancelled again: a cancel can be lost (in
+    Python 3.11 ``asyncio.wait_for``, which redis-py uses, drops one that meets the answer it
+    waits for), and a loop that lost it would run on for good."""
     task.cancel()
-    await asyncio.wait({task})
+    while not (await asyncio.wait({task}, timeout=RECANCEL_S))[0]:
+        task.cancel()
     if not task.cancelled():
         task.result()
 

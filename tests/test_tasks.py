@@ -1,4 +1,5 @@
-"""sidecar.tasks.stop_task: the task's cancellation is dropped, the caller's is not."""
+"""sidecar.tasks.stop_task: the task's cancellation is dropped, the caller's is not, and a
+cancel the task lost is made again."""
 
 from __future__ import annotations
 
@@ -48,6 +49,32 @@ async def test_the_callers_own_cancellation_is_not_swallowed() -> None:
         await stopper
     release.set()
     await task
+
+
+async def test_a_task_that_lost_its_cancel_is_cancelled_again(monkeypatch) -> None:
+    """A loop whose cancel was lost (swallowed once, as Python 3.11's ``asyncio.wait_for``
+    does when it meets the answer it waits for) still stops."""
+    monkeypatch.setattr("sidecar.tasks.RECANCEL_S", 0.01)
+    turns = asyncio.Event()
+    lost = 0
+
+    async def loop() -> None:
+        nonlocal lost
+        while True:
+            try:
+                turns.set()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if lost:
+                    raise
+                lost += 1  # the first cancel lost: the loop goes on
+
+    task = asyncio.create_task(loop())
+    await turns.wait()
+    async with asyncio.timeout(5):
+        await stop_task(task)
+    assert task.cancelled()
+    assert lost == 1
 
 
 async def test_on_failure_undoes_only_when_the_block_fails() -> None:
